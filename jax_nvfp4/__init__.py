@@ -1,0 +1,18 @@
+"""jax_nvfp4: NVFP4 Mixture-of-Experts inference for JAX.
+
+Online quantization bit-exact with FlashInfer's reference quantizer (:func:`quantize`,
+:func:`quantize_experts`), kernel layouts, and the MoE layer.
+"""
+
+from .formats import BF16Experts, NVFP4Array, NVFP4Experts, dequantize
+from .layouts import (cutedsl_gemm1_rows, gate_up_to_up_gate, swizzle_scales, trtllm_gemm1_rows,
+                      trtllm_gemm2_rows, unswizzle_scales)
+from .quantize import RECIPES, quantize, quantize_experts
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "NVFP4Array", "NVFP4Experts", "BF16Experts", "quantize", "dequantize", "quantize_experts", "RECIPES",
+    "swizzle_scales", "unswizzle_scales", "trtllm_gemm1_rows", "trtllm_gemm2_rows", "cutedsl_gemm1_rows",
+    "gate_up_to_up_gate",
+]

@@ -1,0 +1,166 @@
+"""Correctly rounded float32 arithmetic that no compiler can rewrite.
+
+XLA:GPU is not IEEE-faithful by default (spec section 7): f32 division is approximate,
+`f32 -> f8 -> f32` round trips are dropped as "excess precision", `a * b + c` is contracted
+into an FMA and `x * (1 / y)` may become `x / y`. The NVFP4 recipe is defined by exact
+round-to-nearest-even steps, so every rounding step whose result we depend on is computed
+here with integer operations (exact on every backend) or fenced so that it stays the
+plain IEEE operation it is written as.
+
+All functions take and return float32 arrays (or uint32/uint8 bit patterns) and are
+elementwise, so they fuse into the surrounding computation.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+F32_MAX = float(jnp.finfo(jnp.float32).max)
+_U32 = jnp.uint32
+
+
+def bits(x):
+    """float32 -> its uint32 bit pattern."""
+    return lax.bitcast_convert_type(x.astype(jnp.float32), _U32)
+
+
+def from_bits(u):
+    """uint32 bit pattern -> float32."""
+    return lax.bitcast_convert_type(u.astype(_U32), jnp.float32)
+
+
+def _u(v):
+    return jnp.asarray(v, _U32)
+
+
+def opaque_zero():
+    """A uint32 zero that the compiler cannot see is zero (it crosses an optimization barrier)."""
+    return lax.optimization_barrier(jnp.zeros((), _U32))
+
+
+def fence(x, zero=None):
+    """Identity on float32 values that stops algebraic rewrites and FMA contraction across it.
+
+    The value takes a detour through an integer OR with an opaque zero: XLA and LLVM can
+    neither fold a multiply into a following add (no FMA) nor reassociate through it.
+    """
+    zero = opaque_zero() if zero is None else zero
+    return from_bits(bits(x) | zero)
+
+
+def _unpack(x):
+    """Positive finite float32 -> (mantissa in [2^23, 2^24), exponent) with x = m * 2^e.
+
+    Zero maps to (0, -149); subnormals are normalized.
+    """
+    b = bits(x)
+    e_field = (b >> 23) & _u(0xFF)
+    frac = b & _u(0x7FFFFF)
+    normal = e_field > 0
+    m = jnp.where(normal, frac | _u(0x800000), frac)
+    e = jnp.where(normal, e_field.astype(jnp.int32) - 150, jnp.int32(-149))
+    # Normalize subnormals so that the top bit is bit 23.
+    shift = jnp.where(normal | (m == 0), 0, lax.clz(m).astype(jnp.int32) - 8)
+    m = lax.shift_left(m, shift.astype(_U32))
+    e = e - shift
+    return m, e
+
+
+def _round_pack(m, e, sticky):
+    """Round m * 2^e (m: uint32 with at least 25 significant bits, plus `sticky` for any
+    nonzero bits below m) to the nearest float32, ties to even; subnormals and overflow
+    to +inf included. Returns float32 (non-negative)."""
+    msb = 31 - lax.clz(m).astype(jnp.int32)  # m > 0 assumed; callers mask m == 0
+    exp_unb = msb + e  # value in [2^exp_unb, 2^(exp_unb+1))
+    lsb_exp = jnp.maximum(exp_unb, -126) - 23  # weight of the result's last mantissa bit
+    shift = lsb_exp - e  # >= 2 for our callers (m has >= 25 bits)
+    big = shift >= 32
+    sh = jnp.clip(shift, 1, 31).astype(_U32)
+    keep = jnp.where(big, _u(0), m >> sh)
+    rem = jnp.where(big, m, m & ((_u(1) << sh) - _u(1)))
+    half = jnp.where(big, _u(0xFFFFFFFF), _u(1) << (sh - _u(1)))
+    exact_half = (rem == half) & ~sticky
+    round_up = (rem > half) | ((rem == half) & sticky) | (exact_half & ((keep & _u(1)) == _u(1)))
+    keep = keep + round_up.astype(_U32)
+    # Normal: biased field (exp_unb + 126) plus the hidden bit in keep adds the final 1; a
+    # rounding carry into bit 24 moves into the exponent by itself. Subnormal: field 0.
+    field = jnp.where(exp_unb >= -126, exp_unb + 126, 0).astype(_U32)
+    overflow = exp_unb + 127 >= 255
+    out = jnp.where(overflow, _u(0x7F800000), (field << 23) + keep)
+    out = jnp.minimum(out, _u(0x7F800000))
+    return from_bits(out)
+
+
+def div_rn(a, b):
+    """Correctly rounded a / b for non-negative float32 a, b (a finite).
+
+    b == 0 gives +inf (0 / 0 gives +inf too: callers never need NaN here); b == +inf
+    gives 0. Long division on the 24-bit mantissas in uint32 chunks of 8 bits.
+    """
+    a = jnp.asarray(a, jnp.float32)
+    b = jnp.asarray(b, jnp.float32)
+    a, b = jnp.broadcast_arrays(a, b)
+    ma, ea = _unpack(a)
+    mb, eb = _unpack(b)
+    mb_safe = jnp.where(mb == 0, _u(1 << 23), mb)
+    r = ma
+    q = jnp.zeros_like(ma)
+    for chunk in (8, 8, 8, 2):  # 26 quotient bits after the leading one(s)
+        r = r << chunk
+        d = r // mb_safe
+        r = r - d * mb_safe
+        q = (q << chunk) | d
+    sticky = r != 0
+    out = _round_pack(jnp.maximum(q, _u(1)), ea - eb - 26, sticky)
+    out = jnp.where(ma == 0, jnp.float32(0), out)
+    out = jnp.where(mb == 0, jnp.float32(jnp.inf), out)
+    out = jnp.where(jnp.isinf(b), jnp.float32(0), out)
+    return out
+
+
+def mul_rn(a, b, zero=None):
+    """a * b rounded once to float32 (a fenced hardware multiply: IEEE on every backend
+    as long as it is not contracted or reassociated, which the fence prevents)."""
+    return fence(jnp.asarray(a, jnp.float32) * jnp.asarray(b, jnp.float32), zero)
+
+
+def f32_to_e4m3_bits(x):
+    """Round float32 to float8_e4m3fn, ties to even, subnormals down to 2^-9 included.
+
+    |x| must be <= 448 (callers clamp: a cast of a larger value is NaN, not saturation).
+    NaN maps to 0x7F. Returns uint8 bit patterns. Integer-only, so XLA cannot skip it.
+    """
+    x = jnp.asarray(x, jnp.float32)
+    b = bits(x)
+    sign = (b >> 31).astype(jnp.uint8) << 7
+    mag = b & _u(0x7FFFFFFF)
+    m, e = _unpack(from_bits(mag))  # value = m * 2^e, m in [2^23, 2^24)
+    exp_unb = e + 23
+    # E4M3: bias 7, 3 mantissa bits, min normal 2^-6, subnormal step 2^-9.
+    lsb_exp = jnp.maximum(exp_unb, -6) - 3
+    shift = jnp.clip(lsb_exp - e, 1, 31).astype(_U32)
+    keep = m >> shift
+    rem = m & ((_u(1) << shift) - _u(1))
+    half = _u(1) << (shift - _u(1))
+    round_up = (rem > half) | ((rem == half) & ((keep & _u(1)) == _u(1)))
+    keep = keep + round_up.astype(_U32)
+    field = jnp.where(exp_unb >= -6, exp_unb + 6, 0).astype(_U32)
+    code = (field << 3) + keep
+    code = jnp.where((mag == 0) | (lsb_exp - e >= 32), _u(0), code)
+    code = jnp.minimum(code, _u(0x7E)).astype(jnp.uint8)  # inputs are clamped to 448 anyway
+    out = code | sign
+    return jnp.where(jnp.isnan(x), jnp.uint8(0x7F), out)
+
+
+def e4m3_bits_to_f32(u8):
+    """float8_e4m3fn bit patterns (uint8) -> exact float32 values."""
+    return lax.bitcast_convert_type(u8.astype(jnp.uint8), jnp.float8_e4m3fn).astype(jnp.float32)
+
+
+__all__ = [
+    "F32_MAX", "bits", "from_bits", "opaque_zero", "fence", "div_rn", "mul_rn",
+    "f32_to_e4m3_bits", "e4m3_bits_to_f32",
+]
+del jax

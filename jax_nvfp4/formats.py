@@ -1,0 +1,231 @@
+"""The NVFP4 format: containers and exact decoding (spec sections 1 and 4).
+
+An NVFP4 tensor of logical shape ``[..., K]`` (K a multiple of 16) is
+
+- ``data``: uint8 ``[..., K/2]``, E2M1 codes, element 2j in the low nibble, 2j+1 in the high;
+- ``scales``: float8_e4m3fn ``[..., K/16]``, one decode scale per 16 consecutive elements;
+- ``global_scale``: float32 decode scale whose shape is a prefix of ``shape[:-1]``:
+  ``[]`` per tensor, ``[E]`` per expert, ``shape[:-1]`` per token (row).
+
+Value of element i: ``e2m1(code_i) * float(scales[i // 16]) * global_scale``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+BLOCK = 16  # elements per E4M3 block scale
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+# code (sign << 3 | idx) -> value, as a 16-entry table
+E2M1_TABLE = np.array(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), np.float32)
+
+
+def _is_array(x) -> bool:
+    return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class NVFP4Array:
+    """An NVFP4-quantized tensor (a pytree: ``data``, ``scales``, ``global_scale`` are leaves).
+
+    Attributes
+    ----------
+    data : uint8 ``[..., K/2]``
+        Packed E2M1 codes, even element in the low nibble.
+    scales : float8_e4m3fn ``[..., K/16]``
+        Block decode scales, linear (row-major) layout.
+    global_scale : float32, shape a prefix of ``shape[:-1]``
+        FP32 global decode scale (``[]`` per tensor, ``[E]`` per expert, ``shape[:-1]`` per token).
+    dtype : numpy dtype (static)
+        Dtype of the logical tensor that was quantized (what :func:`dequantize` returns by default
+        is float32; this records the source precision).
+    """
+
+    data: Any
+    scales: Any
+    global_scale: Any
+    dtype: Any = dataclasses.field(default=jnp.dtype(jnp.bfloat16), metadata=dict(static=True))
+
+    def __post_init__(self):
+        # Pytree unflattening may pass placeholders (None, object()); only check real arrays.
+        if not (_is_array(self.data) and _is_array(self.scales) and _is_array(self.global_scale)):
+            return
+        d, s, g = self.data.shape, self.scales.shape, self.global_scale.shape
+        if self.data.dtype != jnp.uint8:
+            raise TypeError(f"NVFP4Array.data must be uint8 (packed E2M1 pairs), got {self.data.dtype}")
+        if self.scales.dtype != jnp.float8_e4m3fn:
+            raise TypeError(f"NVFP4Array.scales must be float8_e4m3fn, got {self.scales.dtype}")
+        if len(d) < 1 or d[:-1] != s[:-1] or d[-1] * 2 != s[-1] * BLOCK:
+            raise ValueError(
+                f"NVFP4Array shapes disagree: data {d} needs scales {d[:-1] + (d[-1] * 2 // BLOCK,)}, got {s}")
+        if tuple(g) != tuple(d[: len(g)]) or len(g) > len(d) - 1:
+            raise ValueError(
+                f"NVFP4Array.global_scale shape {g} must be a prefix of the row shape {d[:-1]}")
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Logical shape ``[..., K]``."""
+        return tuple(self.data.shape[:-1]) + (self.data.shape[-1] * 2,)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.data.shape)
+
+    def __getitem__(self, idx) -> "NVFP4Array":
+        """Index the leading (row-prefix) axes shared by all three parts, e.g. ``w[e]``."""
+        idx = idx if isinstance(idx, tuple) else (idx,)
+        n_g = self.global_scale.ndim
+        if len(idx) > n_g:
+            raise IndexError(
+                f"NVFP4Array can be indexed only along the {n_g} axes its global_scale spans, got {len(idx)}")
+        return NVFP4Array(self.data[idx], self.scales[idx], self.global_scale[idx], self.dtype)
+
+
+def unpack_codes(data):
+    """uint8 ``[..., K/2]`` -> uint8 E2M1 codes ``[..., K]`` (0..15)."""
+    lo = data & jnp.uint8(0x0F)
+    hi = data >> jnp.uint8(4)
+    return jnp.stack([lo, hi], axis=-1).reshape(data.shape[:-1] + (data.shape[-1] * 2,))
+
+
+def pack_codes(codes):
+    """uint8 E2M1 codes ``[..., K]`` -> packed uint8 ``[..., K/2]`` (even element low)."""
+    pairs = codes.astype(jnp.uint8).reshape(codes.shape[:-1] + (codes.shape[-1] // 2, 2))
+    return pairs[..., 0] | (pairs[..., 1] << jnp.uint8(4))
+
+
+def e2m1_to_float(codes, dtype=jnp.float32):
+    """E2M1 codes -> values (exact in any float dtype)."""
+    return jnp.asarray(E2M1_TABLE, dtype)[codes.astype(jnp.int32)]
+
+
+def _expand_global(g, ndim):
+    return jnp.reshape(g, g.shape + (1,) * (ndim - g.ndim))
+
+
+def dequantize(q: NVFP4Array, dtype=jnp.float32, *, apply_global_scale: bool = True):
+    """Decode an :class:`NVFP4Array` to ``dtype``.
+
+    Parameters
+    ----------
+    q : NVFP4Array of logical shape ``[..., K]``
+    dtype : output dtype (default float32)
+    apply_global_scale : bool
+        If False, return ``e2m1 * block_scale`` only. That product has at most 6 significant
+        bits, so it is exact in bfloat16: this is the in-kernel W4A16 decode, with the global
+        scale applied afterwards as the per-expert ``alpha``.
+
+    Returns
+    -------
+    array ``[..., K]`` of ``dtype``.
+    """
+    vals = e2m1_to_float(unpack_codes(q.data), jnp.float32)
+    s = q.scales.astype(jnp.float32)
+    vals = (vals.reshape(q.shape[:-1] + (q.shape[-1] // BLOCK, BLOCK)) * s[..., None]).reshape(q.shape)
+    if apply_global_scale:
+        vals = vals * _expand_global(q.global_scale.astype(jnp.float32), vals.ndim)
+    return vals.astype(dtype)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class NVFP4Experts:
+    """NVFP4 weights of a stack of MoE experts (a pytree).
+
+    Attributes
+    ----------
+    gate_up : NVFP4Array ``[E, 2I, H]`` (gated; rows ``[gate; up]``) or ``[E, I, H]`` (not gated)
+        GEMM1 weights; ``global_scale`` ``[E]``, one per expert shared by gate and up.
+    down : NVFP4Array ``[E, H, I]``
+        GEMM2 weights; ``global_scale`` ``[E]``.
+    gated : bool (static)
+        True for gated activations (SwiGLU, GeGLU, gpt-oss SwiGLU); False for ReLU².
+    """
+
+    gate_up: NVFP4Array
+    down: NVFP4Array
+    gated: bool = dataclasses.field(default=True, metadata=dict(static=True))
+
+    def __post_init__(self):
+        if isinstance(self.gate_up, NVFP4Array) and isinstance(self.down, NVFP4Array):
+            _check_expert_shapes(self.gate_up.shape, self.down.shape, self.gated, "NVFP4Experts")
+            for name, w in (("gate_up", self.gate_up), ("down", self.down)):
+                if _is_array(w.global_scale) and w.global_scale.shape != w.shape[:1]:
+                    raise ValueError(
+                        f"NVFP4Experts.{name}.global_scale must have shape [E]={w.shape[:1]}, "
+                        f"got {w.global_scale.shape}")
+
+    @property
+    def num_experts(self) -> int:
+        return self.gate_up.shape[0]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.gate_up.shape[2]
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.down.shape[2]
+
+    @classmethod
+    def from_parts(cls, gate_up_data, gate_up_scales, gate_up_global_scale, down_data, down_scales,
+                   down_global_scale, *, gated: bool = True, dtype=jnp.bfloat16) -> "NVFP4Experts":
+        """Build from packed arrays (data uint8, scales float8_e4m3fn or their uint8 bits, global [E])."""
+        def scales(s):
+            s = jnp.asarray(s)
+            return jax.lax.bitcast_convert_type(s, jnp.float8_e4m3fn) if s.dtype == jnp.uint8 else s
+        return cls(
+            NVFP4Array(jnp.asarray(gate_up_data), scales(gate_up_scales),
+                       jnp.asarray(gate_up_global_scale, jnp.float32), jnp.dtype(dtype)),
+            NVFP4Array(jnp.asarray(down_data), scales(down_scales),
+                       jnp.asarray(down_global_scale, jnp.float32), jnp.dtype(dtype)),
+            gated)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class BF16Experts:
+    """Unquantized expert weights (mode ``"bf16"``), same layout as :class:`NVFP4Experts`.
+
+    Attributes
+    ----------
+    gate_up : ``[E, 2I, H]`` (rows ``[gate; up]``) or ``[E, I, H]`` when not gated
+    down : ``[E, H, I]``
+    gated : bool (static)
+    """
+
+    gate_up: Any
+    down: Any
+    gated: bool = dataclasses.field(default=True, metadata=dict(static=True))
+
+    def __post_init__(self):
+        if _is_array(self.gate_up) and _is_array(self.down):
+            _check_expert_shapes(tuple(self.gate_up.shape), tuple(self.down.shape), self.gated, "BF16Experts")
+
+    @property
+    def num_experts(self) -> int:
+        return self.gate_up.shape[0]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.gate_up.shape[2]
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.down.shape[2]
+
+
+def _check_expert_shapes(gu, dn, gated, where):
+    if len(gu) != 3 or len(dn) != 3:
+        raise ValueError(f"{where}: gate_up and down must be 3-D [E, N, K], got {gu} and {dn}")
+    e, n, h = gu
+    rows = 2 * dn[2] if gated else dn[2]
+    if dn[0] != e or dn[1] != h or n != rows:
+        want = f"[E, 2I, H] and [E, H, I]" if gated else "[E, I, H] and [E, H, I]"
+        raise ValueError(f"{where}: gate_up {gu} and down {dn} do not match {want} (gated={gated})")

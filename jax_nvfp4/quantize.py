@@ -1,0 +1,187 @@
+"""Online NVFP4 quantization in pure JAX, bit-exact with FlashInfer's reference (spec section 2).
+
+Every step is the spec's fp32 round-to-nearest-even arithmetic. The rounding steps that XLA:GPU
+would otherwise change (division, the E4M3 round trip, FMA contraction) go through
+:mod:`jax_nvfp4._exact`, so the bytes are the same on the CPU, the GPU and under ``jax.jit``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _exact as ex
+from .formats import BLOCK, E2M1_TABLE, NVFP4Array, NVFP4Experts, _check_expert_shapes, pack_codes
+
+RECIPES = ("nvfp4", "4over6")
+FP4_MAX = 6.0
+E4M3_MAX = 448.0
+_ENC_NUM = np.float32(E4M3_MAX * FP4_MAX)  # 2688
+_SIXTH = np.float32(1.0 / 6.0)  # fp32(1/6), as the reference rounds it
+_SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+
+
+def global_encode_scale(amax):
+    """``enc = min(fp32(2688 / amax), FLT_MAX)``, 1 where that is 0 (amax = inf)."""
+    enc = jnp.minimum(ex.div_rn(_ENC_NUM, amax), ex.F32_MAX)
+    return jnp.where(enc == 0, jnp.float32(1), enc)
+
+
+def _e2m1_codes(v):
+    """E2M1 round-to-nearest-even of fp32 ``v`` (already scaled); sign bit = (v < 0)."""
+    a = jnp.minimum(jnp.abs(v), FP4_MAX)
+    idx = ((a > 0.25).astype(jnp.uint8) + (a >= 0.75) + (a > 1.25) + (a >= 1.75)
+           + (a > 2.5) + (a >= 3.5) + (a > 5.0))
+    return idx.astype(jnp.uint8) | ((v < 0).astype(jnp.uint8) << 3)
+
+
+def _encode_block(xb, sf, dec):
+    """Steps 3-5 for one candidate block scale ``sf`` (unrounded fp32, ``[..., nb]``).
+
+    Returns (E4M3 scale bits ``[..., nb]``, the scale as fp32, codes ``[..., nb, 16]``).
+    """
+    s_bits = ex.f32_to_e4m3_bits(jnp.clip(sf, -E4M3_MAX, E4M3_MAX))
+    s8 = ex.e4m3_bits_to_f32(s_bits)
+    e = jnp.minimum(ex.div_rn(1.0, ex.mul_rn(s8, dec)), ex.F32_MAX)
+    codes = _e2m1_codes(xb * e[..., None])
+    return s_bits, s8, codes
+
+
+def _block_sq_error(xb, codes, s8, dec, amax_row, per_token, zero):
+    """4over6 error ``sum_i (q_i * s8 * dec - x_i)^2``, fp32, term by term in order.
+
+    Per token the dequantized term is ``((q_i * s8) * A_t) / 2688`` instead.
+    """
+    q = jnp.asarray(E2M1_TABLE)[codes.astype(jnp.int32)]
+    qs = ex.mul_rn(q, s8[..., None], zero)  # exact: <= 6 significant bits
+    if per_token:
+        mag = ex.div_rn(ex.mul_rn(jnp.abs(qs), amax_row[..., None], zero), _ENC_NUM)
+        deq = jnp.where(qs < 0, -mag, mag)
+    else:
+        deq = ex.mul_rn(qs, dec[..., None], zero)
+    d = ex.fence(deq - xb, zero)
+    sq = ex.mul_rn(d, d, zero)
+    err = sq[..., 0]
+    for i in range(1, BLOCK):
+        err = ex.fence(err + sq[..., i], zero)
+    return err
+
+
+def _check_input(x, name="x"):
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+    if jnp.dtype(x.dtype) not in _SUPPORTED_DTYPES:
+        raise TypeError(f"{name} must be bfloat16, float16 or float32, got {x.dtype}")
+    if x.ndim < 1 or x.shape[-1] % BLOCK != 0:
+        raise ValueError(f"{name}: the last dimension K must be a multiple of {BLOCK}, got shape {x.shape}")
+
+
+def _quantize(x, amax, *, recipe: str, per_token: bool) -> NVFP4Array:
+    """Quantize ``x [..., K]`` with global amax ``amax`` (shape a prefix of ``x.shape[:-1]``)."""
+    xf = x.astype(jnp.float32)
+    lead = x.shape[:-1]
+    nb = x.shape[-1] // BLOCK
+    xb = xf.reshape(lead + (nb, BLOCK))
+    amax = jnp.asarray(amax, jnp.float32)
+    a_row = amax.reshape(amax.shape + (1,) * (len(lead) - amax.ndim + 1))  # broadcasts over [..., nb]
+
+    enc = global_encode_scale(a_row)
+    dec = ex.div_rn(1.0, enc)
+    vmax = jnp.max(jnp.abs(xb), axis=-1)  # [..., nb]
+    zero = ex.opaque_zero()
+
+    if recipe == "nvfp4":
+        sf = ex.mul_rn(vmax, ex.mul_rn(enc, _SIXTH, zero), zero)
+        s_bits, _, codes = _encode_block(xb, jnp.minimum(sf, E4M3_MAX), dec)
+    elif recipe == "4over6":
+        sf6 = jnp.where(vmax == 0, jnp.float32(0), ex.mul_rn(ex.div_rn(vmax, FP4_MAX), enc, zero))
+        sf4 = ex.mul_rn(sf6, np.float32(1.5), zero)
+        cands = [_encode_block(xb, sf, dec) for sf in (sf4, sf6)]
+        (b4, s4, c4), (b6, s6, c6) = cands
+        err4 = _block_sq_error(xb, c4, s4, dec, a_row, per_token, zero)
+        err6 = _block_sq_error(xb, c6, s6, dec, a_row, per_token, zero)
+        pick4 = err4 < err6
+        s_bits = jnp.where(pick4, b4, b6)
+        codes = jnp.where(pick4[..., None], c4, c6)
+    else:
+        raise ValueError(f"recipe must be one of {RECIPES}, got {recipe!r}")
+
+    scales = jax.lax.bitcast_convert_type(s_bits, jnp.float8_e4m3fn)
+    data = pack_codes(codes.reshape(lead + (nb * BLOCK,)))
+    gs = dec.reshape(amax.shape)
+    if per_token:
+        gs = jnp.where(amax == 0, jnp.float32(0), gs)
+    return NVFP4Array(data, scales, gs, jnp.dtype(x.dtype))
+
+
+def quantize(x, *, per_token: bool = False, recipe: str = "nvfp4", global_amax=None) -> NVFP4Array:
+    """Quantize to NVFP4 exactly as FlashInfer's reference quantizer does.
+
+    Parameters
+    ----------
+    x : bfloat16 / float16 / float32 ``[..., K]``, K a multiple of 16
+    per_token : bool
+        False: one global scale for the whole tensor (weights; ``global_scale`` shape ``[]``).
+        True: one per row (activations; ``global_scale`` shape ``x.shape[:-1]``; a zero row
+        stores 0).
+    recipe : ``"nvfp4"`` or ``"4over6"``
+        ``"4over6"`` tries block scales ``vmax/6`` and ``vmax/4`` and keeps the one with lower
+        squared error (spec section 2a).
+    global_amax : optional float32 array
+        Overrides the computed amax, e.g. to share one scale across gate and up or across
+        devices. Its shape must be a prefix of ``x.shape[:-1]`` (``[]`` per tensor, ``[E]`` per
+        expert, ``x.shape[:-1]`` per row); the stored ``global_scale`` has that shape.
+
+    Returns
+    -------
+    NVFP4Array of logical shape ``x.shape``.
+
+    Notes
+    -----
+    Jit-able on every backend (all shape logic is static). Non-finite inputs are not rejected
+    here (that would need a host sync): a block holding NaN gets the NaN scale byte 0x7F as in
+    the reference, and its codes are unspecified. :func:`quantize_experts` and the checkpoint
+    converter refuse NaN/Inf weights instead.
+    """
+    _check_input(x)
+    if recipe not in RECIPES:
+        raise ValueError(f"recipe must be one of {RECIPES}, got {recipe!r}")
+    ax = jnp.abs(x.astype(jnp.float32))
+    if global_amax is not None:
+        amax = jnp.asarray(global_amax, jnp.float32)
+        if tuple(amax.shape) != tuple(x.shape[: amax.ndim]) or amax.ndim > x.ndim - 1:
+            raise ValueError(
+                f"global_amax shape {amax.shape} must be a prefix of x.shape[:-1] = {x.shape[:-1]}")
+    elif per_token:
+        amax = jnp.max(ax, axis=-1)
+    else:
+        amax = jnp.max(ax)
+    return _quantize(x, amax, recipe=recipe, per_token=per_token)
+
+
+def quantize_experts(gate_up, down, *, recipe: str = "nvfp4", gated: bool = True) -> NVFP4Experts:
+    """Quantize a stack of MoE experts (spec section 4).
+
+    Parameters
+    ----------
+    gate_up : ``[E, 2I, H]`` with rows ``[gate; up]`` (``gated=True``), or ``up [E, I, H]``
+        (``gated=False``, ReLU²). One global scale per expert from
+        ``max(max|gate_e|, max|up_e|)``: gate and up share it.
+    down : ``[E, H, I]``; its own global scale per expert.
+    recipe : ``"nvfp4"`` or ``"4over6"``
+    gated : bool
+
+    Returns
+    -------
+    NVFP4Experts with ``global_scale`` of shape ``[E]`` on both tensors.
+    """
+    _check_input(gate_up, "gate_up")
+    _check_input(down, "down")
+    _check_expert_shapes(tuple(gate_up.shape), tuple(down.shape), gated, "quantize_experts")
+    amax_gu = jnp.max(jnp.abs(gate_up.astype(jnp.float32)), axis=(1, 2))
+    amax_dn = jnp.max(jnp.abs(down.astype(jnp.float32)), axis=(1, 2))
+    return NVFP4Experts(
+        _quantize(gate_up, amax_gu, recipe=recipe, per_token=False),
+        _quantize(down, amax_dn, recipe=recipe, per_token=False),
+        gated)
