@@ -1,0 +1,97 @@
+"""What every MoE backend implements, and how ``backend="auto"`` chooses one.
+
+A backend computes the expert part of the MoE layer (dispatch, GEMM1, activation, GEMM2,
+combine) for routing that is already decided. Backends are tried in ``PRIORITY`` order; the
+first that is available on the default device and supports the problem wins. ``xla`` (pure
+JAX) supports everything and is the reference the others are tested against.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol
+
+MODES = ("bf16", "w4a16", "w4a4")
+ACTIVATIONS = ("swiglu", "geglu", "relu2", "swiglu_oai")
+GATED_ACTIVATIONS = ("swiglu", "geglu", "swiglu_oai")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEProblem:
+    """Static description of one MoE call (all trace-time facts a backend may check).
+
+    ``tokens`` is T, ``num_experts`` the local experts E held by ``experts``, ``top_k`` k.
+    """
+
+    tokens: int
+    hidden: int
+    intermediate: int
+    num_experts: int
+    top_k: int
+    mode: str
+    activation: str
+
+
+class Backend(Protocol):
+    """A MoE expert backend.
+
+    ``__call__(x, experts, topk_ids, topk_weights, *, problem, local_expert_offset)``:
+
+    - ``x`` bf16 ``[T, H]``; ``experts`` :class:`~jax_nvfp4.NVFP4Experts` (w4a16/w4a4) or
+      :class:`~jax_nvfp4.BF16Experts` (bf16), GEMM1 rows ``[gate; up]``;
+    - ``topk_ids`` int32 ``[T, k]`` global expert ids (negative = padding; ids outside
+      ``[local_expert_offset, local_expert_offset + E)`` contribute nothing);
+    - ``topk_weights`` float32 ``[T, k]``;
+    - returns bf16 ``[T, H]``.
+    """
+
+    name: str
+
+    def unavailable_reason(self) -> str | None:
+        """None if this backend can run on the default JAX device, else why not."""
+
+    def unsupported_reason(self, problem: MoEProblem) -> str | None:
+        """None if this backend supports ``problem``, else why not."""
+
+    def __call__(self, x, experts, topk_ids, topk_weights, *, problem: MoEProblem,
+                 local_expert_offset: int):
+        ...
+
+
+_REGISTRY: dict[str, Backend] = {}
+PRIORITY = ("flashinfer", "ffi", "xla")  # fastest first; "xla" runs everywhere
+
+
+def register(backend: Backend) -> Backend:
+    _REGISTRY[backend.name] = backend
+    return backend
+
+
+def get(name: str) -> Backend:
+    return _REGISTRY[name]
+
+
+def names() -> tuple[str, ...]:
+    return tuple(n for n in PRIORITY if n in _REGISTRY)
+
+
+def select(name: str, problem: MoEProblem) -> Backend:
+    """Resolve ``backend=name`` (``"auto"`` or a registered name) for ``problem``.
+
+    An explicit backend that cannot run or does not support the problem is a ValueError
+    saying why; ``"auto"`` falls back along ``PRIORITY``.
+    """
+    valid = ("auto",) + names()
+    if name not in valid:
+        raise ValueError(f"backend must be one of {valid}, got {name!r}")
+    if name != "auto":
+        b = _REGISTRY[name]
+        why = b.unavailable_reason() or b.unsupported_reason(problem)
+        if why:
+            raise ValueError(f"backend={name!r} cannot run this MoE: {why}")
+        return b
+    for n in names():
+        b = _REGISTRY[n]
+        if b.unavailable_reason() is None and b.unsupported_reason(problem) is None:
+            return b
+    raise ValueError(f"no MoE backend supports {problem}")
