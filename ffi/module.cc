@@ -3,12 +3,39 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 
+#include <cstring>
+
+#include "moe_common.h"
+#include "moe_handlers.h"
 #include "xla/ffi/api/c_api.h"
 #ifdef JAX_NVFP4_WITH_CUDA
 #include "cuda/probe.h"
 #endif
 
 namespace nb = nanobind;
+
+namespace {
+nb::capsule Capsule(XLA_FFI_Error* (*fn)(XLA_FFI_CallFrame*)) {
+  return nb::capsule(reinterpret_cast<void*>(fn));
+}
+
+// Checks the in-register E2M1 -> bf16 decode the CUDA kernel uses against the E2M1 table, for
+// all 65536 groups of four codes. Returns the number of wrong values (0 expected).
+int SelfTestDecode() {
+  int bad = 0;
+  for (uint32_t q = 0; q < 65536; ++q) {
+    uint32_t lo, hi;
+    jax_nvfp4::DecodeE2M1x4(q, &lo, &hi);
+    const uint16_t got[4] = {uint16_t(lo), uint16_t(lo >> 16), uint16_t(hi), uint16_t(hi >> 16)};
+    for (int i = 0; i < 4; ++i) {
+      const float want = jax_nvfp4::E2M1ToFloat((q >> (4 * i)) & 0xF);
+      const float v = jax_nvfp4::Bf16ToFloat(got[i]);
+      if (std::memcmp(&v, &want, 4) != 0) ++bad;  // bitwise: -0.0 must stay -0.0
+    }
+  }
+  return bad;
+}
+}  // namespace
 
 NB_MODULE(_ffi, m) {
   m.doc() = "jax_nvfp4 XLA FFI extension";
@@ -47,6 +74,56 @@ NB_MODULE(_ffi, m) {
 #endif
   }, "Run a one-thread kernel on the current GPU; return the __CUDA_ARCH__ that ran.");
 
-  m.def("registrations", []() { return nb::dict(); },
-        "XLA FFI handlers of this build: name -> PyCapsule (filled by the FFI ops).");
+  m.def("registrations", []() {
+    // target name -> {platform -> handler capsule}; "CUDA" entries only in CUDA builds.
+    nb::dict regs;
+    auto add = [&](const char* name, XLA_FFI_Error* (*cpu)(XLA_FFI_CallFrame*),
+                   XLA_FFI_Error* (*cuda)(XLA_FFI_CallFrame*)) {
+      nb::dict platforms;
+      platforms["cpu"] = Capsule(cpu);
+      if (cuda) platforms["CUDA"] = Capsule(cuda);
+      regs[name] = platforms;
+    };
+#ifdef JAX_NVFP4_WITH_CUDA
+    add("jax_nvfp4_moe_align", JaxNvfp4MoeAlignCpu, JaxNvfp4MoeAlignCuda);
+    add("jax_nvfp4_grouped_gemm", JaxNvfp4GroupedGemmCpu, JaxNvfp4GroupedGemmCuda);
+    add("jax_nvfp4_moe_finalize", JaxNvfp4MoeFinalizeCpu, JaxNvfp4MoeFinalizeCuda);
+#else
+    add("jax_nvfp4_moe_align", JaxNvfp4MoeAlignCpu, nullptr);
+    add("jax_nvfp4_grouped_gemm", JaxNvfp4GroupedGemmCpu, nullptr);
+    add("jax_nvfp4_moe_finalize", JaxNvfp4MoeFinalizeCpu, nullptr);
+#endif
+    return regs;
+  }, "XLA FFI handlers of this build: target name -> {platform ('cpu', 'CUDA') -> PyCapsule}.");
+
+  m.def("constants", []() {
+    using namespace jax_nvfp4;
+    nb::dict c;
+    nb::dict act, rs, mode;
+    act["identity"] = int64_t(Activation::kIdentity);
+    act["swiglu"] = int64_t(Activation::kSwiglu);
+    act["geglu"] = int64_t(Activation::kGeglu);
+    act["relu2"] = int64_t(Activation::kRelu2);
+    act["swiglu_oai"] = int64_t(Activation::kSwigluOai);
+    rs["none"] = int64_t(RowScale::kNone);
+    rs["token"] = int64_t(RowScale::kToken);
+    rs["pair"] = int64_t(RowScale::kPair);
+    rs["row"] = int64_t(RowScale::kRow);
+    mode["bf16"] = int64_t(Mode::kBf16);
+    mode["w4a16"] = int64_t(Mode::kW4A16);
+    mode["w4a4"] = int64_t(Mode::kW4A4);
+    c["Activation"] = act;
+    c["RowScale"] = rs;
+    c["Mode"] = mode;
+    nb::list tiles;
+    for (int t : kTileMs) tiles.append(t);
+    c["tile_ms"] = tiles;
+    c["max_align_experts"] = kMaxAlignExperts;
+    c["cuda_k_multiple"] = kCudaKMultiple;
+    c["cuda_n_multiple"] = kCudaNMultiple;
+    return c;
+  }, "Enum values and tiling limits shared with the kernels (jax_nvfp4._ffi_ops checks its mirror).");
+
+  m.def("_selftest_decode", &SelfTestDecode,
+        "Host check of the GPU kernels' E2M1 -> bf16 decode over all 65536 4-code groups; returns #wrong.");
 }

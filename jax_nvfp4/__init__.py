@@ -8,6 +8,10 @@ from .formats import BF16Experts, NVFP4Array, NVFP4Experts, dequantize
 from .layouts import (cutedsl_gemm1_rows, gate_up_to_up_gate, swizzle_scales, trtllm_gemm1_rows,
                       trtllm_gemm2_rows, unswizzle_scales)
 from .quantize import RECIPES, quantize, quantize_experts
+from .routing import ROUTING_METHODS, route
+from .moe import moe
+from .checkpoint import (CheckpointError, ConversionSummary, convert_checkpoint, load_nvfp4_experts,
+                         quantize_checkpoint_experts)
 
 __version__ = "0.1.0"
 
@@ -15,4 +19,7 @@ __all__ = [
     "NVFP4Array", "NVFP4Experts", "BF16Experts", "quantize", "dequantize", "quantize_experts", "RECIPES",
     "swizzle_scales", "unswizzle_scales", "trtllm_gemm1_rows", "trtllm_gemm2_rows", "cutedsl_gemm1_rows",
     "gate_up_to_up_gate",
+    "route", "ROUTING_METHODS", "moe",
+    "convert_checkpoint", "load_nvfp4_experts", "quantize_checkpoint_experts", "ConversionSummary",
+    "CheckpointError",
 ]

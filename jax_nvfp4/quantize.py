@@ -44,6 +44,9 @@ def _encode_block(xb, sf, dec):
     s_bits = ex.f32_to_e4m3_bits(jnp.clip(sf, -E4M3_MAX, E4M3_MAX))
     s8 = ex.e4m3_bits_to_f32(s_bits)
     e = jnp.minimum(ex.div_rn(1.0, ex.mul_rn(s8, dec)), ex.F32_MAX)
+    # Materialize the per-block results: otherwise XLA fuses this integer-heavy chain into the
+    # per-element consumer and recomputes it 16 times (5x slower on the CPU).
+    e, s_bits, s8 = jax.lax.optimization_barrier((e, s_bits, s8))
     codes = _e2m1_codes(xb * e[..., None])
     return s_bits, s8, codes
 
@@ -77,8 +80,13 @@ def _check_input(x, name="x"):
         raise ValueError(f"{name}: the last dimension K must be a multiple of {BLOCK}, got shape {x.shape}")
 
 
-def _quantize(x, amax, *, recipe: str, per_token: bool) -> NVFP4Array:
-    """Quantize ``x [..., K]`` with global amax ``amax`` (shape a prefix of ``x.shape[:-1]``)."""
+def _quantize(x, amax, *, recipe: str, per_token: bool):
+    """Quantize ``x [..., K]`` with global amax ``amax`` (shape a prefix of ``x.shape[:-1]``).
+
+    Returns ``(NVFP4Array, pick4)``; ``pick4`` ``[..., K/16]`` marks the 4over6 blocks that kept
+    the 1.5x scale (None for ``"nvfp4"``).
+    """
+    pick4 = None
     xf = x.astype(jnp.float32)
     lead = x.shape[:-1]
     nb = x.shape[-1] // BLOCK
@@ -112,7 +120,7 @@ def _quantize(x, amax, *, recipe: str, per_token: bool) -> NVFP4Array:
     gs = dec.reshape(amax.shape)
     if per_token:
         gs = jnp.where(amax == 0, jnp.float32(0), gs)
-    return NVFP4Array(data, scales, gs, jnp.dtype(x.dtype))
+    return NVFP4Array(data, scales, gs, jnp.dtype(x.dtype)), pick4
 
 
 def quantize(x, *, per_token: bool = False, recipe: str = "nvfp4", global_amax=None) -> NVFP4Array:
@@ -157,7 +165,7 @@ def quantize(x, *, per_token: bool = False, recipe: str = "nvfp4", global_amax=N
         amax = jnp.max(ax, axis=-1)
     else:
         amax = jnp.max(ax)
-    return _quantize(x, amax, recipe=recipe, per_token=per_token)
+    return _quantize(x, amax, recipe=recipe, per_token=per_token)[0]
 
 
 def quantize_experts(gate_up, down, *, recipe: str = "nvfp4", gated: bool = True) -> NVFP4Experts:
@@ -182,6 +190,6 @@ def quantize_experts(gate_up, down, *, recipe: str = "nvfp4", gated: bool = True
     amax_gu = jnp.max(jnp.abs(gate_up.astype(jnp.float32)), axis=(1, 2))
     amax_dn = jnp.max(jnp.abs(down.astype(jnp.float32)), axis=(1, 2))
     return NVFP4Experts(
-        _quantize(gate_up, amax_gu, recipe=recipe, per_token=False),
-        _quantize(down, amax_dn, recipe=recipe, per_token=False),
+        _quantize(gate_up, amax_gu, recipe=recipe, per_token=False)[0],
+        _quantize(down, amax_dn, recipe=recipe, per_token=False)[0],
         gated)

@@ -1,0 +1,127 @@
+// moe_align on the GPU: one CTA sorts the T*k token-expert pairs by local expert into
+// tile-padded groups (same contract as ffi/moe_align.cc). Deterministic and stable: each of
+// the 16 warps owns a contiguous segment of pairs; per-warp histograms (shared-memory atomics
+// only count) give every warp its base row per expert, and ranks inside a 32-pair step come
+// from __match_any_sync, so pair p always lands on the same row. Graph-safe: fixed launch,
+// no host sync, group sizes never leave the device.
+#include <cub/block/block_scan.cuh>
+
+#include "cuda/cuda_util.h"
+#include "moe_common.h"
+#include "moe_handlers.h"
+
+namespace jax_nvfp4 {
+namespace {
+
+constexpr int kAlignWarps = 16;
+constexpr int kAlignThreads = kAlignWarps * 32;
+static_assert(kMaxAlignExperts <= kAlignThreads, "one expert per thread in the scan");
+
+__global__ void __launch_bounds__(kAlignThreads)
+    MoeAlignKernel(const int32_t* __restrict__ ids, int64_t n, int64_t num_experts, int64_t offset,
+                   int32_t tile_m, int64_t P, int32_t* __restrict__ sorted_ids,
+                   int32_t* __restrict__ tile_expert, int32_t* __restrict__ pair_to_row) {
+  using BlockScan = cub::BlockScan<int32_t, kAlignThreads>;
+  __shared__ typename BlockScan::TempStorage scan_tmp;
+  __shared__ int32_t s_total;
+  extern __shared__ int32_t smem[];
+  const int E = int(num_experts);
+  int32_t* hist = smem;                      // [kAlignWarps][E]: counts, then running bases
+  int32_t* off = smem + kAlignWarps * E;     // [E]: first row of each group
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+
+  for (int i = tid; i < kAlignWarps * E; i += kAlignThreads) hist[i] = 0;
+  for (int64_t r = tid; r < P; r += kAlignThreads) sorted_ids[r] = -1;
+  __syncthreads();
+
+  const int64_t seg = (n + kAlignWarps - 1) / kAlignWarps;
+  const int64_t begin = warp * seg, end = begin + seg < n ? begin + seg : n;
+  for (int64_t i = begin + lane; i < end; i += 32) {
+    const int32_t e = LocalExpert(ids[i], offset, num_experts);
+    if (e >= 0) atomicAdd(&hist[warp * E + e], 1);
+  }
+  __syncthreads();
+
+  // Per expert (one per thread): total count, and each warp's exclusive prefix inside it.
+  int32_t count = 0;
+  if (tid < E) {
+    for (int w = 0; w < kAlignWarps; ++w) {
+      const int32_t c = hist[w * E + tid];
+      hist[w * E + tid] = count;
+      count += c;
+    }
+  }
+  const int32_t padded = (count + tile_m - 1) / tile_m * tile_m;
+  int32_t start, total;
+  BlockScan(scan_tmp).ExclusiveSum(padded, start, total);
+  if (tid < E) off[tid] = start;
+  if (tid == 0) s_total = total;
+  __syncthreads();
+
+  // Tile owners: the last expert whose group starts at or before the tile (binary search).
+  const int64_t tiles = P / tile_m;
+  for (int64_t i = tid; i < tiles; i += kAlignThreads) {
+    const int64_t row0 = i * tile_m;
+    int32_t owner = -1;
+    if (row0 < s_total) {
+      int lo = 0, hi = E - 1;  // off[lo] <= row0 always (off[0] = 0)
+      while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (off[mid] <= row0) lo = mid; else hi = mid - 1;
+      }
+      owner = lo;
+    }
+    tile_expert[i] = owner;
+  }
+
+  // Stable ranks, 32 pairs per step in order; the group's leader advances the warp's base.
+  const unsigned lt_mask = (1u << lane) - 1u;
+  for (int64_t i0 = begin; i0 < end; i0 += 32) {
+    const int64_t i = i0 + lane;
+    const int32_t e = i < end ? LocalExpert(ids[i], offset, num_experts) : -2;
+    const unsigned same = __match_any_sync(0xFFFFFFFFu, e);
+    if (e >= 0) {
+      const int32_t row = off[e] + hist[warp * E + e] + __popc(same & lt_mask);
+      sorted_ids[row] = int32_t(i);
+      pair_to_row[i] = row;
+    } else if (e == -1) {
+      pair_to_row[i] = -1;
+    }
+    __syncwarp();
+    if (e >= 0 && (same & lt_mask) == 0) hist[warp * E + e] += __popc(same);
+    __syncwarp();
+  }
+}
+
+ffi::Error MoeAlignCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> topk_ids,
+                            ffi::Result<ffi::Buffer<ffi::S32>> sorted_ids,
+                            ffi::Result<ffi::Buffer<ffi::S32>> tile_expert,
+                            ffi::Result<ffi::Buffer<ffi::S32>> pair_to_row, int64_t num_experts,
+                            int64_t expert_offset, int64_t tile_m) {
+  int64_t n, P;
+  if (auto err = CheckAlign("moe_align", topk_ids, num_experts, tile_m, *sorted_ids, *tile_expert,
+                            *pair_to_row, kMaxAlignExperts, &n, &P);
+      err.failure())
+    return err;
+  if (P == 0) return ffi::Error::Success();  // empty batch: nothing to write
+  const size_t smem = sizeof(int32_t) * (kAlignWarps + 1) * num_experts;  // <= 34 KB
+  MoeAlignKernel<<<1, kAlignThreads, smem, stream>>>(
+      topk_ids.typed_data(), n, num_experts, expert_offset, int32_t(tile_m), P, sorted_ids->typed_data(),
+      tile_expert->typed_data(), pair_to_row->typed_data());
+  return LaunchError("moe_align");
+}
+
+}  // namespace
+}  // namespace jax_nvfp4
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxNvfp4MoeAlignCuda, jax_nvfp4::MoeAlignCudaImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // topk_ids [T, k] global ids
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // sorted_ids [P]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // tile_expert [P / tile_m]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // pair_to_row [T, k]
+                                  .Attr<int64_t>("num_experts")            // local experts E
+                                  .Attr<int64_t>("expert_offset")          // first local global id
+                                  .Attr<int64_t>("tile_m"),                // group padding
+                              {xla::ffi::Traits::kCmdBufferCompatible});

@@ -1,0 +1,71 @@
+// moe_finalize on the GPU: out[t] = bf16(sum_j y[pair_to_row[t, j]]) with j = 0..k-1 in order
+// (no atomics: one thread owns 8 output features of one token, so results are bitwise
+// reproducible). 16-byte loads and stores.
+#include <cuda_bf16.h>
+
+#include "cuda/cuda_util.h"
+#include "moe_common.h"
+#include "moe_handlers.h"
+
+namespace jax_nvfp4 {
+namespace {
+
+constexpr int kFinalizeThreads = 128;
+
+__device__ __forceinline__ float Bf16Lo(uint32_t w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float Bf16Hi(uint32_t w) { return __uint_as_float(w & 0xFFFF0000u); }
+__device__ __forceinline__ uint32_t PackBf16x2(float lo, float hi) {
+  const uint32_t l = __bfloat16_as_ushort(__float2bfloat16_rn(lo));
+  const uint32_t h = __bfloat16_as_ushort(__float2bfloat16_rn(hi));
+  return l | (h << 16);
+}
+
+__global__ void __launch_bounds__(kFinalizeThreads)
+    MoeFinalizeKernel(const uint16_t* __restrict__ y, const int32_t* __restrict__ pair_to_row, int64_t k,
+                      int64_t P, int64_t H, uint16_t* __restrict__ out) {
+  const int64_t t = blockIdx.x;
+  const int64_t h = (int64_t(blockIdx.y) * kFinalizeThreads + threadIdx.x) * 8;
+  if (h >= H) return;
+  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  for (int64_t j = 0; j < k; ++j) {
+    const int64_t r = pair_to_row[t * k + j];
+    if (r < 0 || r >= P) continue;
+    const uint4 v = __ldg(reinterpret_cast<const uint4*>(y + r * H + h));
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      acc[2 * i] += Bf16Lo(w[i]);
+      acc[2 * i + 1] += Bf16Hi(w[i]);
+    }
+  }
+  uint4 o;
+  o.x = PackBf16x2(acc[0], acc[1]);
+  o.y = PackBf16x2(acc[2], acc[3]);
+  o.z = PackBf16x2(acc[4], acc[5]);
+  o.w = PackBf16x2(acc[6], acc[7]);
+  *reinterpret_cast<uint4*>(out + t * H + h) = o;
+}
+
+ffi::Error MoeFinalizeCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> y, ffi::Buffer<ffi::S32> pair_to_row,
+                               ffi::Result<ffi::Buffer<ffi::BF16>> out) {
+  int64_t T, k, P, H;
+  if (auto err = CheckFinalize("moe_finalize", y, pair_to_row, *out, 8, &T, &k, &P, &H); err.failure())
+    return err;
+  if (T == 0 || H == 0) return ffi::Error::Success();
+  const int64_t blocks_h = CeilDiv<int64_t>(H / 8, kFinalizeThreads);
+  if (T > 0x7FFFFFFF || blocks_h > 65535) return Invalid("moe_finalize", "T or H too large for the grid");
+  MoeFinalizeKernel<<<dim3(unsigned(T), unsigned(blocks_h)), kFinalizeThreads, 0, stream>>>(
+      y.typed_data(), pair_to_row.typed_data(), k, P, H, out->typed_data());
+  return LaunchError("moe_finalize");
+}
+
+}  // namespace
+}  // namespace jax_nvfp4
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxNvfp4MoeFinalizeCuda, jax_nvfp4::MoeFinalizeCudaImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::BF16>>()   // y [P, H] GEMM2 rows
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()    // pair_to_row [T, k]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::BF16>>(),  // out [T, H]
+                              {xla::ffi::Traits::kCmdBufferCompatible});

@@ -1,0 +1,280 @@
+// Shared by the CPU (ffi/*.cc) and CUDA (ffi/cuda/*.cu) MoE handlers: the enums that
+// Python mirrors (jax_nvfp4/_ffi_ops.py), the activation math, the E2M1/E4M3 decode,
+// and the shape checks, so both platforms accept and reject exactly the same calls.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+#include "xla/ffi/api/ffi.h"
+
+#if defined(__CUDACC__)
+#define NVFP4_HD __host__ __device__ __forceinline__
+#else
+#define NVFP4_HD inline
+#endif
+
+namespace jax_nvfp4 {
+namespace ffi = xla::ffi;
+
+// ---- enums shared with Python (IntEnum with the same values) ----------------------------
+enum class Activation : int64_t {
+  kIdentity = 0,   // GEMM2: no activation
+  kSwiglu = 1,     // silu(gate) * up
+  kGeglu = 2,      // gelu_tanh(gate) * up
+  kRelu2 = 3,      // relu(h)^2, not gated
+  kSwigluOai = 4,  // gpt-oss: clamp, gate * sigmoid(1.702 gate) * (up + 1)
+};
+// Which index a GEMM's per-row fp32 scale (routing weight, w4a4 token scale) is read at,
+// for sorted row r holding token-expert pair p = sorted_ids[r].
+enum class RowScale : int64_t {
+  kNone = 0,   // no row scale
+  kToken = 1,  // row_scale[p / top_k]  (GEMM1 in w4a4: the token's activation scale)
+  kPair = 2,   // row_scale[p]          (GEMM2 in w4a16: the routing weight, topk_weights.ravel())
+  kRow = 3,    // row_scale[r]          (GEMM2 in w4a4: routing weight * intermediate scale)
+};
+// MoE modes (spec section 5); the kernels themselves are mode-agnostic.
+enum class Mode : int64_t { kBf16 = 0, kW4A16 = 1, kW4A4 = 2 };
+
+// Token tile sizes (rows of the sorted, tile-padded layout a GEMM CTA works on).
+constexpr int kTileMs[] = {8, 16, 32, 64};
+constexpr int kMaxAlignExperts = 512;  // local experts the one-CTA align kernel handles (smem)
+// The CUDA GEMM streams K in chunks of 128 (64 for the tail) and tiles output features by 16.
+constexpr int64_t kCudaKMultiple = 64;
+constexpr int64_t kCudaNMultiple = 16;
+
+NVFP4_HD bool IsGated(int64_t act) {
+  return act == int64_t(Activation::kSwiglu) || act == int64_t(Activation::kGeglu) ||
+         act == int64_t(Activation::kSwigluOai);
+}
+
+NVFP4_HD float Sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+// gate, up: fp32 values after the global and row scales. Non-gated activations read `gate`.
+NVFP4_HD float ApplyActivation(int64_t act, float gate, float up) {
+  switch (act) {
+    case int64_t(Activation::kSwiglu):
+      return gate * Sigmoid(gate) * up;
+    case int64_t(Activation::kGeglu): {
+      const float c = 0.7978845608028654f;  // sqrt(2 / pi)
+      return 0.5f * gate * (1.0f + tanhf(c * (gate + 0.044715f * gate * gate * gate))) * up;
+    }
+    case int64_t(Activation::kRelu2): {
+      float r = gate > 0.0f ? gate : 0.0f;
+      return r * r;
+    }
+    case int64_t(Activation::kSwigluOai): {
+      const float limit = 7.0f, alpha = 1.702f;
+      float g = gate < limit ? gate : limit;
+      float u = up < -limit ? -limit : (up > limit ? limit : up);
+      return g * Sigmoid(alpha * g) * (u + 1.0f);
+    }
+    default:
+      return gate;
+  }
+}
+
+// ---- NVFP4 decode (host) ------------------------------------------------------------------
+inline float E2M1ToFloat(uint8_t code) {
+  static const float kTable[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
+                                   -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+  return kTable[code & 0xF];
+}
+
+// float8_e4m3fn bits -> float (exact; 0x7F/0xFF are NaN, there is no infinity).
+NVFP4_HD float E4M3ToFloat(uint8_t b) {
+  const int e = (b >> 3) & 0xF, m = b & 0x7;
+  float v;
+  if (e == 0xF && m == 0x7) {
+    v = NAN;
+  } else if (e == 0) {
+    v = float(m) * (1.0f / 512.0f);  // subnormal: m * 2^-9
+  } else {
+    v = ldexpf(float(8 + m), e - 10);  // (1 + m/8) * 2^(e-7)
+  }
+  return (b & 0x80) ? -v : v;
+}
+
+// bfloat16 <-> float on the host (round to nearest even, NaN kept quiet).
+inline float Bf16ToFloat(uint16_t h) {
+  uint32_t u = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline uint16_t FloatToBf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return uint16_t((u >> 16) | 0x40);
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return uint16_t(u >> 16);
+}
+
+// ---- E2M1 -> bfloat16 bit decode (the GPU kernel's in-register decode; host-testable) -------
+// __byte_perm: result byte i = byte (s >> 4i) & 7 of the 8 bytes {y:x} (x is bytes 0-3).
+NVFP4_HD uint32_t BytePerm(uint32_t x, uint32_t y, uint32_t s) {
+#if defined(__CUDA_ARCH__)
+  return __byte_perm(x, y, s);
+#else
+  const uint64_t v = (uint64_t(y) << 32) | x;
+  uint32_t r = 0;
+  for (int i = 0; i < 4; ++i) r |= uint32_t((v >> (8 * ((s >> (4 * i)) & 7))) & 0xFF) << (8 * i);
+  return r;
+#endif
+}
+
+// Four E2M1 codes in the low 16 bits of q (code i in bits 4i..4i+3) -> two bf16x2 words:
+// lo = {code0, code1}, hi = {code2, code3} (lower element in the low half). The magnitudes
+// {0, .5, 1, 1.5, 2, 3, 4, 6} as bf16 are looked up by byte permutes (high and low bytes
+// separately), then the sign bits are moved into place: ~12 integer ops for 4 values.
+NVFP4_HD void DecodeE2M1x4(uint32_t q, uint32_t* lo, uint32_t* hi) {
+  const uint32_t sel = q & 0x7777u;
+  const uint32_t hb = BytePerm(0x3F3F3F00u, 0x40404040u, sel);  // high bytes of the magnitudes
+  const uint32_t lb = BytePerm(0xC0800000u, 0xC0804000u, sel);  // low bytes
+  *lo = BytePerm(lb, hb, 0x5140u) | ((q << 12) & 0x8000u) | ((q << 24) & 0x80000000u);
+  *hi = BytePerm(lb, hb, 0x7362u) | ((q << 4) & 0x8000u) | ((q << 16) & 0x80000000u);
+}
+
+// ---- shape checks shared by both platforms --------------------------------------------------
+template <typename Dims>
+std::string ShapeStr(const Dims& d) {
+  std::string s = "[";
+  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
+  return s + "]";
+}
+
+inline ffi::Error Invalid(const char* op, const std::string& msg) {
+  return ffi::Error::InvalidArgument(std::string("jax_nvfp4 ") + op + ": " + msg);
+}
+
+inline bool ValidTileM(int64_t tile_m) {
+  for (int t : kTileMs)
+    if (t == tile_m) return true;
+  return false;
+}
+
+// Problem facts of one grouped GEMM call, validated from the buffers and attributes.
+struct GemmDims {
+  int64_t a_rows, K, E, N, n_out, P, tiles, row_scale_n;
+};
+
+// `platform_k_multiple`: 16 on the CPU, kCudaKMultiple on the GPU (the kernel's K chunk).
+template <typename A, typename W, typename WS, typename AL, typename SI, typename TE, typename RS,
+          typename O>
+ffi::Error CheckGemm(const char* op, const A& a, const W& w, const WS& ws, const AL& alpha,
+                     const SI& sorted_ids, const TE& tile_expert, const RS& row_scale, const O& out,
+                     int64_t activation, int64_t row_scale_mode, int64_t top_k, int64_t gather,
+                     int64_t tile_m, int64_t k_multiple, int64_t n_multiple, GemmDims* d) {
+  auto ad = a.dimensions(), wd = w.dimensions(), sd = ws.dimensions(), od = out.dimensions();
+  if (ad.size() != 2) return Invalid(op, "a must be 2-D [rows, K], got " + ShapeStr(ad));
+  if (wd.size() != 3) return Invalid(op, "w_data must be 3-D [E, N, K/2], got " + ShapeStr(wd));
+  d->a_rows = ad[0];
+  d->K = ad[1];
+  d->E = wd[0];
+  d->N = wd[1];
+  if (d->K % k_multiple != 0)
+    return Invalid(op, "K = " + std::to_string(d->K) + " (a.shape[1]) must be a multiple of " +
+                           std::to_string(k_multiple) + " on this platform");
+  if (wd[2] * 2 != d->K)
+    return Invalid(op, "w_data " + ShapeStr(wd) + " does not match K = " + std::to_string(d->K) +
+                           " of a " + ShapeStr(ad) + " (needs w_data.shape[2] = K/2)");
+  if (sd.size() != 3 || sd[0] != d->E || sd[1] != d->N || sd[2] * 16 != d->K)
+    return Invalid(op, "w_scales must be [E, N, K/16] = [" + std::to_string(d->E) + ", " +
+                           std::to_string(d->N) + ", " + std::to_string(d->K / 16) + "], got " +
+                           ShapeStr(sd));
+  if (alpha.dimensions().size() != 1 || alpha.dimensions()[0] != d->E)
+    return Invalid(op, "alpha must be [E] = [" + std::to_string(d->E) + "], got " +
+                           ShapeStr(alpha.dimensions()));
+  if (activation < 0 || activation > int64_t(Activation::kSwigluOai))
+    return Invalid(op, "unknown activation " + std::to_string(activation));
+  const bool gated = IsGated(activation);
+  if (gated && d->N % 2 != 0)
+    return Invalid(op, "a gated activation needs an even N (rows [gate; up]), got N = " +
+                           std::to_string(d->N));
+  d->n_out = gated ? d->N / 2 : d->N;
+  if (d->n_out % n_multiple != 0)
+    return Invalid(op, "output features " + std::to_string(d->n_out) + " must be a multiple of " +
+                           std::to_string(n_multiple) + " on this platform");
+  if (!ValidTileM(tile_m)) return Invalid(op, "tile_m must be 8, 16, 32 or 64, got " + std::to_string(tile_m));
+  if (sorted_ids.dimensions().size() != 1)
+    return Invalid(op, "sorted_ids must be 1-D [P], got " + ShapeStr(sorted_ids.dimensions()));
+  d->P = sorted_ids.dimensions()[0];
+  if (d->P % tile_m != 0)
+    return Invalid(op, "sorted_ids length P = " + std::to_string(d->P) +
+                           " must be a multiple of tile_m = " + std::to_string(tile_m));
+  d->tiles = d->P / tile_m;
+  if (tile_expert.dimensions().size() != 1 || tile_expert.dimensions()[0] != d->tiles)
+    return Invalid(op, "tile_expert must be [P / tile_m] = [" + std::to_string(d->tiles) + "], got " +
+                           ShapeStr(tile_expert.dimensions()));
+  if (row_scale.dimensions().size() != 1)
+    return Invalid(op, "row_scale must be 1-D, got " + ShapeStr(row_scale.dimensions()));
+  d->row_scale_n = row_scale.dimensions()[0];
+  if (row_scale_mode < 0 || row_scale_mode > int64_t(RowScale::kRow))
+    return Invalid(op, "unknown row_scale_mode " + std::to_string(row_scale_mode));
+  if ((gather || row_scale_mode == int64_t(RowScale::kToken)) && top_k < 1)
+    return Invalid(op, "top_k must be >= 1, got " + std::to_string(top_k));
+  if (od.size() != 2 || od[0] != d->P || od[1] != d->n_out)
+    return Invalid(op, "output must be [P, n_out] = [" + std::to_string(d->P) + ", " +
+                           std::to_string(d->n_out) + "], got " + ShapeStr(od));
+  return ffi::Error::Success();
+}
+
+template <typename I, typename SI, typename TE, typename PR>
+ffi::Error CheckAlign(const char* op, const I& topk_ids, int64_t num_experts, int64_t tile_m,
+                      const SI& sorted_ids, const TE& tile_expert, const PR& pair_to_row,
+                      int64_t max_experts, int64_t* n_pairs, int64_t* P) {
+  auto id = topk_ids.dimensions();
+  if (id.size() != 2) return Invalid(op, "topk_ids must be 2-D [T, k], got " + ShapeStr(id));
+  *n_pairs = id[0] * id[1];
+  if (*n_pairs >= (int64_t(1) << 31)) return Invalid(op, "T * k must be < 2^31");
+  if (num_experts < 1 || num_experts > max_experts)
+    return Invalid(op, "num_experts must be in [1, " + std::to_string(max_experts) + "], got " +
+                           std::to_string(num_experts));
+  if (!ValidTileM(tile_m)) return Invalid(op, "tile_m must be 8, 16, 32 or 64, got " + std::to_string(tile_m));
+  if (sorted_ids.dimensions().size() != 1)
+    return Invalid(op, "sorted_ids must be 1-D [P], got " + ShapeStr(sorted_ids.dimensions()));
+  *P = sorted_ids.dimensions()[0];
+  // Every expert's group is padded to a tile: P must hold the worst case.
+  const int64_t groups = *n_pairs < num_experts ? *n_pairs : num_experts;
+  const int64_t need = *n_pairs + groups * (tile_m - 1);
+  if (*P % tile_m != 0 || *P < need)
+    return Invalid(op, "sorted_ids length " + std::to_string(*P) + " must be a multiple of tile_m = " +
+                           std::to_string(tile_m) + " and at least " + std::to_string(need));
+  if (tile_expert.dimensions().size() != 1 || tile_expert.dimensions()[0] != *P / tile_m)
+    return Invalid(op, "tile_expert must be [P / tile_m] = [" + std::to_string(*P / tile_m) + "], got " +
+                           ShapeStr(tile_expert.dimensions()));
+  if (pair_to_row.dimensions().size() != 2 || pair_to_row.dimensions()[0] != id[0] ||
+      pair_to_row.dimensions()[1] != id[1])
+    return Invalid(op, "pair_to_row must have the shape of topk_ids " + ShapeStr(id) + ", got " +
+                           ShapeStr(pair_to_row.dimensions()));
+  return ffi::Error::Success();
+}
+
+template <typename Y, typename PR, typename O>
+ffi::Error CheckFinalize(const char* op, const Y& y, const PR& pair_to_row, const O& out,
+                         int64_t h_multiple, int64_t* T, int64_t* k, int64_t* P, int64_t* H) {
+  auto yd = y.dimensions(), pd = pair_to_row.dimensions(), od = out.dimensions();
+  if (yd.size() != 2) return Invalid(op, "y must be 2-D [P, H], got " + ShapeStr(yd));
+  if (pd.size() != 2) return Invalid(op, "pair_to_row must be 2-D [T, k], got " + ShapeStr(pd));
+  *P = yd[0];
+  *H = yd[1];
+  *T = pd[0];
+  *k = pd[1];
+  if (*H % h_multiple != 0)
+    return Invalid(op, "H = " + std::to_string(*H) + " must be a multiple of " + std::to_string(h_multiple));
+  if (od.size() != 2 || od[0] != *T || od[1] != *H)
+    return Invalid(op, "output must be [T, H] = [" + std::to_string(*T) + ", " + std::to_string(*H) +
+                           "], got " + ShapeStr(od));
+  return ffi::Error::Success();
+}
+
+// Local expert index of a global id, or -1 for padding (< 0) and other shards' experts.
+NVFP4_HD int32_t LocalExpert(int32_t id, int64_t offset, int64_t num_experts) {
+  if (id < 0) return -1;
+  const int64_t e = int64_t(id) - offset;
+  return (e >= 0 && e < num_experts) ? int32_t(e) : -1;
+}
+
+}  // namespace jax_nvfp4

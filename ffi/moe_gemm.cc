@@ -1,0 +1,104 @@
+// grouped_gemm (W4A16) on the CPU: for every sorted row r of a tile owned by expert e,
+//   acc[n] = sum_k a[row(r), k] * w_e[n, k]      (w decoded exactly: e2m1 * e4m3 scale; fp32)
+//   v = acc * (alpha[e] * row_scale)               -> activation (GEMM1) -> bf16
+// the same function the CUDA kernel computes, written as plain loops.
+#include <vector>
+
+#include "moe_common.h"
+#include "moe_handlers.h"
+
+namespace jax_nvfp4 {
+namespace {
+
+// Decode expert e's [N, K] weights (without the global scale: exact in fp32 and bf16).
+void DecodeExpert(const uint8_t* w, const uint8_t* ws, int64_t e, int64_t N, int64_t K, float* dst) {
+  const uint8_t* wd = w + e * N * (K / 2);
+  const uint8_t* sd = ws + e * N * (K / 16);
+  for (int64_t n = 0; n < N; ++n) {
+    for (int64_t k = 0; k < K; k += 2) {
+      const uint8_t byte = wd[n * (K / 2) + k / 2];
+      const float s = E4M3ToFloat(sd[n * (K / 16) + k / 16]);
+      dst[n * K + k] = E2M1ToFloat(byte & 0xF) * s;
+      dst[n * K + k + 1] = E2M1ToFloat(byte >> 4) * s;
+    }
+  }
+}
+
+float Dot(const float* a, const float* b, int64_t K) {
+  float acc = 0.0f;
+  for (int64_t k = 0; k < K; ++k) acc += a[k] * b[k];
+  return acc;
+}
+
+ffi::Error GroupedGemmCpuImpl(ffi::Buffer<ffi::BF16> a, ffi::Buffer<ffi::U8> w_data,
+                              ffi::Buffer<ffi::U8> w_scales, ffi::Buffer<ffi::F32> alpha,
+                              ffi::Buffer<ffi::S32> sorted_ids, ffi::Buffer<ffi::S32> tile_expert,
+                              ffi::Buffer<ffi::F32> row_scale, ffi::Result<ffi::Buffer<ffi::BF16>> out,
+                              int64_t activation, int64_t row_scale_mode, int64_t top_k, int64_t gather,
+                              int64_t tile_m) {
+  GemmDims d;
+  if (auto err = CheckGemm("grouped_gemm", a, w_data, w_scales, alpha, sorted_ids, tile_expert, row_scale,
+                           *out, activation, row_scale_mode, top_k, gather, tile_m, 16, 1, &d);
+      err.failure())
+    return err;
+  const uint16_t* ap = a.typed_data();
+  const float* al = alpha.typed_data();
+  const int32_t* sid = sorted_ids.typed_data();
+  const int32_t* te = tile_expert.typed_data();
+  const float* rs = row_scale.typed_data();
+  uint16_t* op = out->typed_data();
+  const bool gated = IsGated(activation);
+  const int64_t K = d.K;
+
+  std::vector<float> wdec(d.N * K), arow(K);
+  int64_t decoded = -1;
+  for (int64_t tile = 0; tile < d.tiles; ++tile) {
+    const int64_t e = te[tile];
+    for (int64_t r = tile * tile_m; r < (tile + 1) * tile_m; ++r) {
+      uint16_t* orow = op + r * d.n_out;
+      const int64_t pair = sid[r];
+      const int64_t src = gather ? (pair >= 0 ? pair / top_k : -1) : r;
+      if (e < 0 || e >= d.E || pair < 0 || src >= d.a_rows) {  // padding: zeros
+        std::fill(orow, orow + d.n_out, uint16_t(0));
+        continue;
+      }
+      if (decoded != e) {
+        DecodeExpert(w_data.typed_data(), w_scales.typed_data(), e, d.N, K, wdec.data());
+        decoded = e;
+      }
+      float scale = al[e];
+      if (row_scale_mode != int64_t(RowScale::kNone)) {
+        const int64_t idx = row_scale_mode == int64_t(RowScale::kToken) ? pair / top_k
+                            : row_scale_mode == int64_t(RowScale::kPair) ? pair
+                                                                          : r;
+        scale *= (idx < d.row_scale_n) ? rs[idx] : 0.0f;
+      }
+      for (int64_t k = 0; k < K; ++k) arow[k] = Bf16ToFloat(ap[src * K + k]);
+      for (int64_t n = 0; n < d.n_out; ++n) {
+        const float g = Dot(arow.data(), &wdec[n * K], K) * scale;
+        const float u = gated ? Dot(arow.data(), &wdec[(n + d.n_out) * K], K) * scale : 0.0f;
+        orow[n] = FloatToBf16(ApplyActivation(activation, g, u));
+      }
+    }
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jax_nvfp4
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxNvfp4GroupedGemmCpu, jax_nvfp4::GroupedGemmCpuImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::BF16>>()  // a [rows, K]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U8>>()    // w_data [E, N, K/2] E2M1 pairs
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U8>>()    // w_scales [E, N, K/16] E4M3 bits
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // alpha [E] global decode scale
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // sorted_ids [P]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // tile_expert [P / tile_m]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // row_scale [n]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::BF16>>()  // out [P, n_out]
+                                  .Attr<int64_t>("activation")              // Activation enum
+                                  .Attr<int64_t>("row_scale_mode")          // RowScale enum
+                                  .Attr<int64_t>("top_k")                   // k (pair -> token)
+                                  .Attr<int64_t>("gather")                  // 1: a row = token of the pair
+                                  .Attr<int64_t>("tile_m"));                // rows per tile

@@ -1,0 +1,270 @@
+"""The pure-JAX MoE backend (``backend="xla"``): sort-based dispatch and a grouped matmul.
+
+Runs on every JAX device and is the reference the other backends are tested against.
+Pipeline for ``M = T * k`` token-expert pairs (no ``[T, E, H]`` tensor anywhere):
+
+1. **Dispatch.** Pairs are stably sorted by local expert id; ids that are negative (padding) or
+   outside this shard's ``[offset, offset + E)`` get the key ``E`` and sort last, where the
+   grouped matmul ignores them (they lie past the sum of the group sizes).
+2. **Weights.** Two static strategies, chosen from shapes alone (``dispatch``):
+
+   - ``"gather"`` (decode-sized batches, ``M < E``): the packed bytes of the experts that are
+     actually hit (at most ``M`` distinct) are gathered and only those are decoded, so a
+     decode step never dequantizes an expert no token uses.
+   - ``"all"``: every local expert is decoded once (exactly, to bf16: ``e2m1 * scale`` has
+     at most 6 significant bits), the per-expert global scale applied to the fp32 result as
+     ``alpha``.
+3. **Grouped matmul** (``gmm``), bf16 operands with fp32 accumulation:
+
+   - ``"ragged"``: :func:`jax.lax.ragged_dot_general`. XLA lowers it (on CPU and GPU) by
+     expanding the rows densely over the groups, costing ``G * M`` row products, so it is
+     used only while that is small (few groups or few rows).
+   - ``"tiled"``: groups are padded to a row tile; a ``lax.scan`` over at most
+     ``ceil(M / tile) + G`` tiles multiplies each tile by its group's weights (empty tiles
+     skipped with ``lax.cond``), costing about ``M + G * tile`` row products.
+
+4. **Activation** in fp32; the intermediate is rounded to bf16 (``bf16``/``w4a16``) or
+   quantized per row to NVFP4 and decoded exactly (``w4a4``) before GEMM2.
+5. **Combine.** Rows are scaled by ``topk_weight * alpha2`` (and the activation scales in
+   ``w4a4``), un-sorted by a gather, and each token's ``k`` rows are summed in a fixed order
+   (deterministic, no scatter-add), then rounded to bf16.
+"""
+
+from __future__ import annotations
+
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from .. import activations
+from ..formats import BF16Experts, NVFP4Experts, dequantize
+from ..quantize import quantize
+from .base import MoEProblem, register
+
+DISPATCH = ("auto", "gather", "all")
+GMM = ("auto", "ragged", "tiled")
+_STEP_ROWS = 64  # fixed cost of one scan step of the tiled matmul, in rows of GEMM work
+_RAGGED_DN = lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+
+
+# ---------------------------------------------------------------------------------------------
+# Static strategy choice
+
+
+def choose_dispatch(pairs: int, num_experts: int) -> str:
+    """``"gather"`` when there are fewer token-expert pairs than local experts, else ``"all"``."""
+    return "gather" if pairs < num_experts else "all"
+
+
+def tile_rows(rows: int, groups: int) -> int:
+    """Row tile of the tiled matmul: about one tile per group, a power of two in [8, 256]."""
+    avg = max(1, -(-rows // max(groups, 1)))
+    return int(min(256, max(8, 1 << (avg - 1).bit_length())))
+
+
+def choose_gmm(rows: int, groups: int) -> str:
+    """``"ragged"`` if its dense expansion (``groups * rows``) is no dearer than the tiled scan."""
+    tile = tile_rows(rows, groups)
+    n_tiles = -(-rows // tile) + groups
+    return "ragged" if groups * rows <= n_tiles * (tile + _STEP_ROWS) else "tiled"
+
+
+# ---------------------------------------------------------------------------------------------
+# Grouped matmul: lhs [M, K] rows sorted by group, rhs [G, N, K] -> [M, N] float32.
+# Rows past sum(group_sizes) give zeros.
+
+
+def gmm_ragged(lhs, rhs, group_sizes):
+    """``lax.ragged_dot_general`` contracting ``rhs``'s last axis (no transpose materialized)."""
+    return lax.ragged_dot_general(lhs, rhs, group_sizes, _RAGGED_DN,
+                                  preferred_element_type=jnp.float32)
+
+
+def gmm_tiled(lhs, rhs, group_sizes, tile: int | None = None):
+    """Tile-padded grouped matmul: a scan over row tiles, each multiplied by one group's weights.
+
+    Parameters
+    ----------
+    lhs : ``[M, K]`` rows sorted by group
+    rhs : ``[G, N, K]``
+    group_sizes : int32 ``[G]``, sum <= M
+    tile : rows per tile (static; default :func:`tile_rows`)
+
+    Returns
+    -------
+    float32 ``[M, N]``.
+    """
+    m, kdim = lhs.shape
+    g, n, _ = rhs.shape
+    tile = tile_rows(m, g) if tile is None else tile
+    n_tiles = -(-m // tile) + g  # >= sum_g ceil(size_g / tile)
+    tiles = (group_sizes + tile - 1) // tile
+    tile_end = jnp.cumsum(tiles)
+    row_end = jnp.cumsum(group_sizes)
+    rows = jnp.arange(m, dtype=jnp.int32)
+    grp = jnp.searchsorted(row_end, rows, side="right")  # == g past the last group
+    gc = jnp.minimum(grp, g - 1)
+    dest = (tile_end[gc] - tiles[gc]) * tile + rows - (row_end[gc] - group_sizes[gc])
+    dest = jnp.where(grp < g, dest, n_tiles * tile)  # out of bounds: dropped
+    buf = jnp.zeros((n_tiles * tile, kdim), lhs.dtype).at[dest].set(lhs, mode="drop")
+    tile_grp = jnp.searchsorted(tile_end, jnp.arange(n_tiles, dtype=jnp.int32), side="right")
+
+    # Checkpointed so that reverse mode saves only the step inputs, not each step's weight slice.
+    @jax.checkpoint
+    def step(carry, inp):
+        xt, gi = inp
+
+        def mm():
+            w = lax.dynamic_index_in_dim(rhs, jnp.minimum(gi, g - 1), keepdims=False)
+            return lax.dot_general(xt, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+        return carry, lax.cond(gi < g, mm, lambda: jnp.zeros((tile, n), jnp.float32))
+
+    _, ys = lax.scan(step, None, (buf.reshape(n_tiles, tile, kdim), tile_grp))
+    return ys.reshape(n_tiles * tile, n).at[dest].get(mode="fill", fill_value=0)
+
+
+def _gmm(kind, lhs, rhs, group_sizes):
+    kind = choose_gmm(lhs.shape[0], rhs.shape[0]) if kind == "auto" else kind
+    return gmm_ragged(lhs, rhs, group_sizes) if kind == "ragged" else gmm_tiled(lhs, rhs, group_sizes)
+
+
+# ---------------------------------------------------------------------------------------------
+# Dispatch plan and weights
+
+
+def _plan(flat_ids, num_experts, offset, dispatch):
+    """Sort pairs by local expert; return (order, valid_sorted, group_sizes, row_group, hit)."""
+    m = flat_ids.shape[0]
+    local = flat_ids - offset
+    valid = (flat_ids >= 0) & (local >= 0) & (local < num_experts)
+    key = jnp.where(valid, local, num_experts).astype(jnp.int32)
+    order = jnp.argsort(key, stable=True).astype(jnp.int32)
+    skey = key[order]
+    valid_s = skey < num_experts
+    if dispatch == "gather":
+        # Slot = rank of the pair's expert among the distinct experts hit (sorted, so contiguous).
+        new = jnp.concatenate([jnp.ones((1,), bool), skey[1:] != skey[:-1]])
+        slot = jnp.cumsum(new.astype(jnp.int32)) - 1
+        hit = jnp.zeros((m,), jnp.int32).at[slot].set(jnp.minimum(skey, num_experts - 1))
+        sizes = jnp.zeros((m,), jnp.int32).at[slot].add(valid_s.astype(jnp.int32))
+        return order, valid_s, sizes, slot, hit
+    sizes = jnp.zeros((num_experts,), jnp.int32).at[skey].add(1, mode="drop")
+    return order, valid_s, sizes, jnp.minimum(skey, num_experts - 1), None
+
+
+def _weights(experts, hit):
+    """bf16 GEMM operands (of the hit experts, if given) and per-expert alphas (None for bf16)."""
+    if isinstance(experts, NVFP4Experts):
+        gu, dn = experts.gate_up, experts.down
+        if hit is not None:  # gather packed bytes first: decode only what is used
+            gu, dn = gu[hit], dn[hit]
+        return (dequantize(gu, jnp.bfloat16, apply_global_scale=False),
+                dequantize(dn, jnp.bfloat16, apply_global_scale=False),
+                gu.global_scale.astype(jnp.float32), dn.global_scale.astype(jnp.float32))
+    w1, w2 = experts.gate_up, experts.down
+    if hit is not None:
+        w1, w2 = jnp.take(w1, hit, axis=0), jnp.take(w2, hit, axis=0)
+    return w1.astype(jnp.bfloat16), w2.astype(jnp.bfloat16), None, None
+
+
+def _exact_bf16(q):
+    """NVFP4 per-row activations -> (bf16 values without the global scale, global scale [rows])."""
+    return dequantize(q, jnp.bfloat16, apply_global_scale=False), q.global_scale.astype(jnp.float32)
+
+
+def moe_experts(x, experts, topk_ids, topk_weights, *, mode: str, activation: str,
+                local_expert_offset=0, dispatch: str = "auto", gmm: str = "auto"):
+    """Expert part of the MoE layer in pure JAX (routing already decided).
+
+    Parameters
+    ----------
+    x : bfloat16 ``[T, H]``
+    experts : NVFP4Experts (``w4a16``, ``w4a4``) or BF16Experts (``bf16``) with ``E`` local experts
+    topk_ids : int ``[T, k]`` global ids; negative = padding, outside
+        ``[local_expert_offset, local_expert_offset + E)`` = another shard's expert
+    topk_weights : float ``[T, k]``
+    mode, activation : str (static)
+    local_expert_offset : int or int32 scalar (may be traced, e.g. from ``lax.axis_index``)
+    dispatch : ``"auto"``, ``"gather"`` or ``"all"`` (static; see the module docstring)
+    gmm : ``"auto"``, ``"ragged"`` or ``"tiled"`` (static)
+
+    Returns
+    -------
+    bfloat16 ``[T, H]``.
+    """
+    t, h = x.shape
+    k = topk_ids.shape[1]
+    e = experts.num_experts
+    m = t * k
+    if m == 0:
+        return jnp.zeros((t, h), jnp.bfloat16)
+    dispatch = choose_dispatch(m, e) if dispatch == "auto" else dispatch
+    order, valid_s, sizes, row_group, hit = _plan(topk_ids.reshape(m).astype(jnp.int32), e,
+                                                  local_expert_offset, dispatch)
+    tok = order // k
+    w1, w2, alpha1, alpha2 = _weights(experts, hit)
+
+    scale1 = None if alpha1 is None else alpha1[row_group]
+    if mode == "w4a4":
+        xq, dx = _exact_bf16(quantize(x, per_token=True))
+        xs, scale1 = xq[tok], dx[tok] * scale1
+    else:
+        xs = x[tok]
+    g = _gmm(gmm, xs, w1, sizes)  # [M, N1] f32
+    if scale1 is not None:
+        g = g * scale1[:, None]
+    a = activations.apply(activation, g)  # [M, I] f32
+
+    scale2 = topk_weights.reshape(m).astype(jnp.float32)[order]
+    if alpha2 is not None:
+        scale2 = scale2 * alpha2[row_group]
+    if mode == "w4a4":
+        a, da = _exact_bf16(quantize(a, per_token=True))
+        scale2 = scale2 * da
+    else:
+        a = a.astype(jnp.bfloat16)
+    y = _gmm(gmm, a, w2, sizes)  # [M, H] f32
+    y = jnp.where(valid_s[:, None], y * scale2[:, None], 0.0)
+
+    inv = jnp.zeros((m,), jnp.int32).at[order].set(jnp.arange(m, dtype=jnp.int32))
+    return y[inv].reshape(t, k, h).sum(axis=1).astype(jnp.bfloat16)
+
+
+class XLABackend:
+    """The ``xla`` backend (see the module docstring); supports every mode and activation.
+
+    Parameters
+    ----------
+    dispatch : ``"auto"``, ``"gather"`` or ``"all"``
+    gmm : ``"auto"``, ``"ragged"`` or ``"tiled"``
+        Overrides of the static strategy choice (for tests and benchmarks).
+    """
+
+    name = "xla"
+
+    def __init__(self, dispatch: str = "auto", gmm: str = "auto"):
+        if dispatch not in DISPATCH:
+            raise ValueError(f"dispatch must be one of {DISPATCH}, got {dispatch!r}")
+        if gmm not in GMM:
+            raise ValueError(f"gmm must be one of {GMM}, got {gmm!r}")
+        self.dispatch, self.gmm = dispatch, gmm
+
+    def unavailable_reason(self) -> str | None:
+        return None
+
+    def unsupported_reason(self, problem: MoEProblem) -> str | None:
+        return None
+
+    def __call__(self, x, experts, topk_ids, topk_weights, *, problem: MoEProblem,
+                 local_expert_offset):
+        if not isinstance(experts, (NVFP4Experts, BF16Experts)):
+            raise TypeError(f"experts must be NVFP4Experts or BF16Experts, got {type(experts).__name__}")
+        return moe_experts(x, experts, topk_ids, topk_weights, mode=problem.mode,
+                           activation=problem.activation, local_expert_offset=local_expert_offset,
+                           dispatch=self.dispatch, gmm=self.gmm)
+
+
+register(XLABackend())

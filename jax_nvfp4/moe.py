@@ -1,0 +1,189 @@
+"""The MoE layer: :func:`moe` (public API, argument validation, backend selection).
+
+Semantics are spec section 5: per selected (token t, expert e),
+``g = alpha1[e] * (x_t @ w13_e^T)`` (fp32 accumulation), ``a = act(gate, up)``,
+``y_t += w_{t,e} * alpha2[e] * (a @ w2_e^T)``; the output is bf16. The expert computation is
+delegated to a backend (:mod:`jax_nvfp4.backends`); ``xla`` (pure JAX) runs everywhere.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from . import activations
+from .backends import base as _base
+from .backends import xla as _xla  # noqa: F401  (registers the "xla" backend)
+from .backends.base import ACTIVATIONS, MODES, MoEProblem
+from .formats import BF16Experts, NVFP4Experts
+from .routing import ROUTING_METHODS, check_route_args, route
+
+_FLOATS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+
+
+def _is_array(v) -> bool:
+    return hasattr(v, "shape") and hasattr(v, "dtype")
+
+
+def _check_experts(experts, mode):
+    if not isinstance(experts, (NVFP4Experts, BF16Experts)):
+        raise TypeError(f"experts must be NVFP4Experts or BF16Experts, got {type(experts).__name__}")
+    if mode is None:
+        return "bf16" if isinstance(experts, BF16Experts) else "w4a16"
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if mode == "bf16" and not isinstance(experts, BF16Experts):
+        raise ValueError("mode='bf16' needs BF16Experts, got NVFP4Experts (use mode='w4a16' or 'w4a4')")
+    if mode != "bf16" and not isinstance(experts, NVFP4Experts):
+        raise ValueError(f"mode={mode!r} needs NVFP4Experts, got BF16Experts (use mode='bf16', or "
+                         "quantize them with jax_nvfp4.quantize_experts)")
+    if isinstance(experts, BF16Experts):
+        for name in ("gate_up", "down"):
+            dt = getattr(experts, name).dtype
+            if jnp.dtype(dt) != jnp.bfloat16:
+                raise TypeError(f"experts.{name} must be bfloat16 in mode 'bf16', got {dt} "
+                                "(cast with .astype(jnp.bfloat16))")
+    return mode
+
+
+def _check_offset(offset, e_local, e_global):
+    if isinstance(offset, bool):
+        raise TypeError("local_expert_offset must be an int or an int32 scalar, got bool")
+    if isinstance(offset, int):
+        if offset < 0:
+            raise ValueError(f"local_expert_offset must be >= 0, got {offset}")
+        if e_global is not None and offset + e_local > e_global:
+            raise ValueError(f"local experts [{offset}, {offset + e_local}) exceed the {e_global} experts "
+                             f"of router_logits.shape[1]")
+        return
+    if not _is_array(offset) or offset.shape != () or not jnp.issubdtype(offset.dtype, jnp.integer):
+        raise TypeError(f"local_expert_offset must be an int or an integer scalar array, got "
+                        f"{getattr(offset, 'dtype', type(offset).__name__)} {getattr(offset, 'shape', '')}")
+
+
+def moe(x, experts, *, router_logits=None, routing: str = "softmax_topk", top_k: int | None = None,
+        topk_ids=None, topk_weights=None, bias=None, n_group: int | None = None,
+        topk_group: int | None = None, routed_scaling_factor=1.0, activation: str = "swiglu",
+        mode: str | None = None, local_expert_offset=0, backend: str = "auto",
+        return_routing: bool = False):
+    """Mixture-of-Experts layer (routed experts only).
+
+    Parameters
+    ----------
+    x : bfloat16 ``[T, H]``
+        Hidden states.
+    experts : :class:`~jax_nvfp4.NVFP4Experts` or :class:`~jax_nvfp4.BF16Experts`
+        ``E`` local experts: ``gate_up [E, 2I, H]`` (rows ``[gate; up]``; ``[E, I, H]`` with
+        ``gated=False`` for ``relu2``) and ``down [E, H, I]``. A pytree, so it may be a traced
+        argument of a jitted function.
+    router_logits : optional float ``[T, E_global]``
+        Logits over all global experts; routed with :func:`~jax_nvfp4.route`. Give either these
+        or ``topk_ids`` and ``topk_weights``.
+    routing : str (static)
+        Routing method, one of :data:`~jax_nvfp4.routing.ROUTING_METHODS`.
+    top_k : int (static)
+        Experts per token; required with ``router_logits`` (``llama4``: 1, the default there).
+    topk_ids : optional int ``[T, k]``, with ``topk_weights`` float ``[T, k]``
+        Precomputed routing, e.g. recorded with ``return_routing=True`` and replayed. Global
+        expert ids; negative ids are padding and contribute nothing. The weights are used as
+        given (``routed_scaling_factor`` must then stay 1).
+    bias, n_group, topk_group, routed_scaling_factor
+        Routing parameters, see :func:`~jax_nvfp4.route` (``n_group``/``topk_group`` static).
+    activation : str (static)
+        ``"swiglu"``, ``"geglu"`` (tanh GELU), ``"relu2"`` (not gated) or ``"swiglu_oai"``
+        (gpt-oss: alpha 1.702, limit 7, ``up + 1``).
+    mode : str (static), optional
+        ``"bf16"`` (BF16Experts), ``"w4a16"`` or ``"w4a4"`` (NVFP4Experts). Default: ``"bf16"`` for
+        BF16Experts, ``"w4a16"`` for NVFP4Experts. ``w4a4`` quantizes ``x`` per token and the
+        intermediate per row (spec section 5) and multiplies the exactly decoded values.
+    local_expert_offset : int (static) or int32 scalar (may be traced, ``xla`` backend)
+        Global id of local expert 0 (expert parallelism): only ids in
+        ``[local_expert_offset, local_expert_offset + E)`` contribute; summing the outputs of
+        all shards gives the full layer.
+    backend : str (static)
+        ``"auto"`` (best available, see :func:`jax_nvfp4.backends.base.select`) or a registered
+        name such as ``"xla"``.
+    return_routing : bool (static)
+        Also return ``(topk_ids int32 [T, k], topk_weights float32 [T, k])``.
+
+    Returns
+    -------
+    bfloat16 ``[T, H]``, or ``(out, (topk_ids, topk_weights))`` with ``return_routing=True``.
+
+    Notes
+    -----
+    All validation happens at trace time. Under ``jax.jit`` pass ``x``, ``experts``,
+    ``router_logits``/``topk_ids``/``topk_weights``/``bias`` as arguments and keep the others
+    static (closed over or ``static_argnames``). Works inside ``lax.scan``/``while_loop`` and is
+    differentiable with respect to ``x`` and ``router_logits`` in modes ``bf16`` and ``w4a16``
+    (weights are constants; gradients pass straight through the exact decode). ``w4a4`` rounds
+    ``x`` onto the NVFP4 grid, so its gradient with respect to ``x`` is zero.
+    """
+    mode = _check_experts(experts, mode)
+    activations.check(activation)
+    if routing not in ROUTING_METHODS:
+        raise ValueError(f"routing must be one of {ROUTING_METHODS}, got {routing!r}")
+    if experts.gated != activations.is_gated(activation):
+        need = "gated [E, 2I, H] ([gate; up])" if activations.is_gated(activation) else "not gated [E, I, H]"
+        raise ValueError(f"activation {activation!r} needs {need} experts, got experts.gated={experts.gated}")
+    if not _is_array(x):
+        raise TypeError(f"x must be an array, got {type(x).__name__}")
+    if x.ndim != 2:
+        raise ValueError(f"x must be 2-D [T, H], got shape {tuple(x.shape)}")
+    if jnp.dtype(x.dtype) != jnp.bfloat16:
+        raise TypeError(f"x must be bfloat16, got {x.dtype}")
+    t, h = x.shape
+    if h != experts.hidden_size:
+        raise ValueError(f"x.shape[1]={h} does not match the experts' hidden size H={experts.hidden_size}")
+
+    if router_logits is not None:
+        if topk_ids is not None or topk_weights is not None:
+            raise ValueError("give either router_logits or topk_ids/topk_weights, not both")
+        if not _is_array(router_logits):
+            raise TypeError(f"router_logits must be an array, got {type(router_logits).__name__}")
+        if router_logits.ndim != 2 or router_logits.shape[0] != t:
+            raise ValueError(f"router_logits must be [T, E_global] with T={t} (x.shape[0]), "
+                             f"got shape {tuple(router_logits.shape)}")
+        if top_k is None:
+            if routing != "llama4":
+                raise ValueError(f"top_k is required for routing {routing!r}")
+            top_k = 1
+        check_route_args(router_logits.shape, router_logits.dtype, routing, top_k=top_k, bias=bias,
+                         n_group=n_group, topk_group=topk_group)
+        _check_offset(local_expert_offset, experts.num_experts, router_logits.shape[1])
+        topk_ids, topk_weights = route(router_logits, routing, top_k=top_k, bias=bias, n_group=n_group,
+                                       topk_group=topk_group,
+                                       routed_scaling_factor=routed_scaling_factor)
+    else:
+        if topk_ids is None or topk_weights is None:
+            raise ValueError("give router_logits, or both topk_ids and topk_weights")
+        extra = [n for n, v in (("bias", bias), ("n_group", n_group), ("topk_group", topk_group)) if v is not None]
+        if not (isinstance(routed_scaling_factor, (int, float)) and routed_scaling_factor == 1):
+            extra.append("routed_scaling_factor")
+        if extra:
+            raise ValueError(f"{', '.join(extra)} apply only when routing router_logits; "
+                             "precomputed topk_weights are used as given")
+        for name, v in (("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+            if not _is_array(v):
+                raise TypeError(f"{name} must be an array, got {type(v).__name__}")
+            if v.ndim != 2 or v.shape[0] != t:
+                raise ValueError(f"{name} must be [T, k] with T={t} (x.shape[0]), got shape {tuple(v.shape)}")
+        if topk_weights.shape != topk_ids.shape:
+            raise ValueError(f"topk_weights shape {tuple(topk_weights.shape)} must equal topk_ids shape "
+                             f"{tuple(topk_ids.shape)}")
+        if not jnp.issubdtype(topk_ids.dtype, jnp.integer):
+            raise TypeError(f"topk_ids must be an integer array (int32), got {topk_ids.dtype}")
+        if jnp.dtype(topk_weights.dtype) not in _FLOATS:
+            raise TypeError(f"topk_weights must be float32 (or bf16/f16), got {topk_weights.dtype}")
+        if top_k is not None and top_k != topk_ids.shape[1]:
+            raise ValueError(f"top_k={top_k} does not match topk_ids.shape[1]={topk_ids.shape[1]}")
+        _check_offset(local_expert_offset, experts.num_experts, None)
+        topk_ids = topk_ids.astype(jnp.int32)
+        topk_weights = topk_weights.astype(jnp.float32)
+
+    problem = MoEProblem(tokens=t, hidden=h, intermediate=experts.intermediate_size,
+                         num_experts=experts.num_experts, top_k=topk_ids.shape[1], mode=mode,
+                         activation=activation)
+    impl = _base.select(backend, problem)
+    out = impl(x, experts, topk_ids, topk_weights, problem=problem,
+               local_expert_offset=local_expert_offset)
+    return (out, (topk_ids, topk_weights)) if return_routing else out

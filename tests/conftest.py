@@ -1,0 +1,38 @@
+"""Shared test fixtures: golden vectors beside the checkout, GPU gating."""
+
+import pathlib
+
+import jax
+import numpy as np
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+GOLDEN = REPO.parent / "shared" / "golden"
+
+
+def has_gpu() -> bool:
+    try:
+        return any(d.platform == "gpu" for d in jax.devices())
+    except RuntimeError:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if has_gpu():
+        return
+    skip = pytest.mark.skip(reason="needs an NVIDIA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def golden(name: str):
+    """Load ``../shared/golden/<name>``; skip the test if the golden folder is absent."""
+    path = GOLDEN / name
+    if not path.exists():
+        pytest.skip(f"golden file {path} not found")
+    return np.load(path)
+
+
+def golden_names(prefix: str) -> list[str]:
+    return sorted(p.name for p in GOLDEN.glob(f"{prefix}*.npz")) if GOLDEN.exists() else []

@@ -1,0 +1,191 @@
+"""NVFP4 quantization: bit-exact with FlashInfer's reference (golden files), eager and jitted,
+plus property tests of the format's arithmetic."""
+
+import hypothesis.extra.numpy as hnp
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import jax_nvfp4 as nv
+from jax_nvfp4 import _exact
+import importlib
+quantize_mod = importlib.import_module("jax_nvfp4.quantize")  # the package attribute is the function
+from conftest import golden, golden_names
+
+QUANT_FILES = golden_names("quant_")
+VARIANTS = {  # golden key prefix -> quantize() arguments
+    "tensor": dict(),
+    "token": dict(per_token=True),
+    "fourover6_tensor": dict(recipe="4over6"),
+    "fourover6_token": dict(per_token=True, recipe="4over6"),
+}
+
+
+def _bytes(q):
+    return (np.asarray(q.data), np.asarray(q.scales).view(np.uint8),
+            np.asarray(q.global_scale, np.float32))
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("name", QUANT_FILES)
+def test_golden_bit_exact(name, variant, jit):
+    z = golden(name)
+    x = jnp.asarray(z["x_bf16_bits"].view(ml_dtypes.bfloat16))
+    fn = lambda x: nv.quantize(x, **VARIANTS[variant])
+    data, scales, gs = _bytes(jax.jit(fn)(x) if jit else fn(x))
+    np.testing.assert_array_equal(data, z[f"{variant}_data"])
+    np.testing.assert_array_equal(scales, z[f"{variant}_scales"])
+    ref_gs = z[f"{variant}_global_decode"] if f"{variant}_global_decode" in z else z["tensor_global_decode"]
+    assert gs.tobytes() == ref_gs.astype(np.float32).reshape(gs.shape).tobytes()
+
+
+@pytest.mark.parametrize("name", QUANT_FILES)
+def test_golden_encode_scale_and_pick4(name):
+    z = golden(name)
+    x = jnp.asarray(z["x_bf16_bits"].view(ml_dtypes.bfloat16))
+    amax = jnp.max(jnp.abs(x.astype(jnp.float32)))
+    enc = quantize_mod.global_encode_scale(amax)
+    assert np.float32(enc).tobytes() == z["tensor_global_encode"].astype(np.float32).tobytes()
+    _, pick4 = jax.jit(lambda x: quantize_mod._quantize(x, amax, recipe="4over6", per_token=False))(x)
+    np.testing.assert_array_equal(np.asarray(pick4), z["fourover6_tensor_pick4"])
+
+
+def test_global_amax_override_shares_scale():
+    x = jax.random.normal(jax.random.key(0), (2, 64, 32), jnp.bfloat16)
+    amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=(1, 2))
+    q = nv.quantize(x, global_amax=amax)
+    assert q.global_scale.shape == (2,)
+    for e in range(2):
+        qe = nv.quantize(x[e])
+        np.testing.assert_array_equal(np.asarray(q.data[e]), np.asarray(qe.data))
+        np.testing.assert_array_equal(np.asarray(q.global_scale[e]), np.asarray(qe.global_scale))
+    with pytest.raises(ValueError, match="global_amax"):
+        nv.quantize(x, global_amax=jnp.ones((3,)))
+
+
+def test_quantize_experts_shares_gate_up_scale():
+    k = jax.random.split(jax.random.key(1), 2)
+    gu = jax.random.normal(k[0], (3, 64, 32), jnp.bfloat16)
+    gu = gu.at[1, 40:].multiply(10)  # up rows of expert 1 dominate its amax
+    dn = jax.random.normal(k[1], (3, 32, 32), jnp.bfloat16)
+    w = nv.quantize_experts(gu, dn)
+    assert w.gate_up.global_scale.shape == (3,) and w.down.global_scale.shape == (3,)
+    for e in range(3):
+        ref = nv.quantize(gu[e])  # one amax over [gate; up] together
+        np.testing.assert_array_equal(np.asarray(w.gate_up.data[e]), np.asarray(ref.data))
+        np.testing.assert_array_equal(np.asarray(w.gate_up.scales[e]).view(np.uint8),
+                                      np.asarray(ref.scales).view(np.uint8))
+        gate, up = nv.quantize(gu[e, :32], global_amax=ref_amax(gu[e])), nv.quantize(gu[e, 32:], global_amax=ref_amax(gu[e]))
+        np.testing.assert_array_equal(np.concatenate([np.asarray(gate.data), np.asarray(up.data)]), np.asarray(ref.data))
+        np.testing.assert_array_equal(np.asarray(w.down.data[e]), np.asarray(nv.quantize(dn[e]).data))
+    ung = nv.quantize_experts(gu[:, :32], dn, gated=False)
+    assert not ung.gated and ung.gate_up.shape == (3, 32, 32)
+
+
+def ref_amax(x):
+    return jnp.max(jnp.abs(x.astype(jnp.float32)))
+
+
+def test_bad_inputs():
+    with pytest.raises(ValueError, match="multiple of 16"):
+        nv.quantize(jnp.ones((4, 24), jnp.bfloat16))
+    with pytest.raises(TypeError, match="bfloat16, float16 or float32"):
+        nv.quantize(jnp.ones((4, 32), jnp.int32))
+    with pytest.raises(ValueError, match="recipe"):
+        nv.quantize(jnp.ones((4, 32), jnp.bfloat16), recipe="mxfp4")
+    with pytest.raises(ValueError, match="gate_up"):
+        nv.quantize_experts(jnp.ones((2, 48, 32)), jnp.ones((2, 32, 32)))
+    with pytest.raises(ValueError, match="global_scale"):
+        nv.NVFP4Array(jnp.zeros((4, 8), jnp.uint8), jnp.zeros((4, 1), jnp.float8_e4m3fn), jnp.zeros((5,)))
+
+
+def test_nan_block_gets_nan_scale():
+    x = jnp.ones((2, 32), jnp.float32).at[0, 3].set(jnp.nan)
+    s = np.asarray(nv.quantize(x, global_amax=jnp.float32(1)).scales).view(np.uint8)
+    assert s[0, 0] == 0x7F and s[0, 1] != 0x7F and s[1, 0] != 0x7F
+
+
+def test_pytree_and_indexing():
+    x = jax.random.normal(jax.random.key(2), (3, 32, 32), jnp.bfloat16)
+    w = nv.quantize_experts(x, jnp.ones((3, 32, 16), jnp.bfloat16))
+    leaves = jax.tree_util.tree_leaves(w)
+    assert len(leaves) == 6
+    w2 = jax.jit(lambda w: w)(w)
+    assert isinstance(w2, nv.NVFP4Experts) and w2.gate_up.shape == (3, 32, 32) and w2.down.shape == (3, 32, 16)
+    assert w.gate_up[1].shape == (32, 32) and w.gate_up[1].global_scale.shape == ()
+
+
+# ---- exact arithmetic helpers -------------------------------------------------------------
+
+finite_pos = st.floats(min_value=0, max_value=float(np.float32(3e38)), allow_nan=False, allow_infinity=False, width=32)
+
+
+@settings(max_examples=300, deadline=None)
+@given(hnp.arrays(np.float32, 64, elements=finite_pos), hnp.arrays(np.float32, 64, elements=finite_pos))
+def test_div_rn_matches_ieee(a, b):
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        ref = (a / b).astype(np.float32)
+    ref = np.where(b == 0, np.float32(np.inf), ref)
+    got = np.asarray(jax.jit(_exact.div_rn)(a, b))
+    np.testing.assert_array_equal(got.view(np.uint32), ref.view(np.uint32))
+
+
+@settings(max_examples=200, deadline=None)
+@given(hnp.arrays(np.float32, 64, elements=st.floats(-448, 448, width=32)))
+def test_e4m3_rounding_matches_ml_dtypes(x):
+    ref = x.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    got = np.asarray(jax.jit(_exact.f32_to_e4m3_bits)(x))
+    np.testing.assert_array_equal(got, ref)
+
+
+def test_div_rn_subnormal_and_edges():
+    a = np.array([1, 1, 2688, 1, 3e-45, 1e-38, 0, 5], np.float32)
+    b = np.array([3, 0, 1e-40, 3e38, 7, 3, 0, np.inf], np.float32)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        ref = (a / b).astype(np.float32)
+    ref[1] = ref[6] = np.inf
+    got = np.asarray(_exact.div_rn(a, b))
+    np.testing.assert_array_equal(got.view(np.uint32), ref.view(np.uint32))
+
+
+# ---- format properties ---------------------------------------------------------------------
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 6), st.sampled_from([16, 32, 64, 128]), st.floats(1e-6, 1e6), st.integers(0, 2**31 - 1),
+       st.booleans(), st.sampled_from(["nvfp4", "4over6"]))
+def test_round_trip_error_within_half_step(rows, k, scale, seed, per_token, recipe):
+    x = (np.random.default_rng(seed).standard_normal((rows, k)) * scale).astype(np.float32)
+    q = nv.quantize(jnp.asarray(x), per_token=per_token, recipe=recipe)
+    y = np.asarray(nv.dequantize(q))
+    s = np.asarray(q.scales, np.float32).repeat(16, -1)
+    g = np.asarray(q.global_scale, np.float32).reshape((-1, 1) if per_token else ())
+    # Largest E2M1 step is 2 (between 4 and 6): |err| <= half a step * block scale * global,
+    # plus the one-ulp roundings of the encode scale.
+    step = np.where(np.abs(y) < 2 * s * g, 0.5, 2.0) * s * g
+    assert np.all(np.abs(y - x) <= 0.5 * step * (1 + 1e-5) + 1e-30)
+
+
+def test_relative_rms_error_on_gaussian():
+    x = jax.random.normal(jax.random.key(3), (256, 1024), jnp.float32)
+    y = nv.dequantize(nv.quantize(x))
+    rel = float(jnp.sqrt(jnp.mean((y - x) ** 2) / jnp.mean(x**2)))
+    assert 0.085 < rel < 0.105, rel
+
+
+def test_dequantize_is_idempotent():
+    x = jax.random.normal(jax.random.key(4), (16, 64), jnp.float32) * 3
+    q = nv.quantize(x)
+    q2 = nv.quantize(nv.dequantize(q), global_amax=jnp.max(jnp.abs(nv.dequantize(q))))
+    np.testing.assert_array_equal(np.asarray(nv.dequantize(q2)), np.asarray(nv.dequantize(q)))
+
+
+def test_decode_without_global_is_exact_in_bf16():
+    x = jax.random.normal(jax.random.key(5), (32, 256), jnp.float32) * 100
+    q = nv.quantize(x)
+    a = nv.dequantize(q, jnp.bfloat16, apply_global_scale=False)
+    b = nv.dequantize(q, jnp.float32, apply_global_scale=False)
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b))
