@@ -21,17 +21,16 @@ per 128x128 block (``[ceil(out/128), ceil(in/128)]``; the block size is read fro
 dequantized as ``fp32(w) * scale``, rounded to bfloat16, then quantized (spec section 4).
 Expert ``input_scale`` tensors (static FP8 activation scales) are dropped with their weights.
 
-Output (NVFP4 checkpoint), per quantized expert, with ``P = {module}.experts.{N}``:
+Output (NVFP4 checkpoint): for each quantized expert, with ``P = {module}.experts.{N}``,
 
-============================================  ==============  ================  ==========================
-tensor                                        dtype           shape             meaning
-============================================  ==============  ================  ==========================
-``P.gate_up_proj.weight``                     uint8 (U8)      ``[2I, H/2]``     E2M1 codes, rows [gate; up]
-``P.gate_up_proj.weight_scale``               F8_E4M3         ``[2I, H/16]``    block decode scales (linear)
-``P.gate_up_proj.weight_global_scale``        F32             ``[]``            global *decode* scale
-``P.down_proj.weight`` / ``.weight_scale`` /  U8 / F8 / F32   ``[H, I/2]`` ...  same for GEMM2
-``.weight_global_scale``
-============================================  ==============  ================  ==========================
+- ``P.gate_up_proj.weight``: uint8 (``U8``) ``[2I, H/2]``, E2M1 codes two a byte (even element in
+  the low nibble), rows ``[gate; up]``;
+- ``P.gate_up_proj.weight_scale``: float8_e4m3fn (``F8_E4M3``) ``[2I, H/16]``, block decode scales,
+  linear layout;
+- ``P.gate_up_proj.weight_global_scale``: float32 ``[]``, the global *decode* scale (one per expert,
+  shared by gate and up);
+- ``P.down_proj.weight`` ``[H, I/2]``, ``P.down_proj.weight_scale`` ``[H, I/16]``,
+  ``P.down_proj.weight_global_scale`` ``[]``: the same for GEMM2.
 
 A non-gated layer stores ``P.up_proj.*`` (``[I, H/2]``) instead of ``P.gate_up_proj.*``. Shards mirror
 the source (same file names, an index when the source had one); each file's ``__metadata__`` keeps
@@ -496,8 +495,7 @@ def _validate_layer(layer: _Layer, fp8_block: tuple[int, int]) -> None:
             if role not in ex:
                 raise CheckpointError(f"tensor {present!r}: its {role} partner is missing "
                                       f"(MoE module {layer.module!r}, expert {e})")
-    ref = layer.experts[0]
-    first = ref["up"]
+    first = layer.experts[0]["up"]  # defines I, H and the dtype every expert must share
     if len(first.info.shape) != 2:
         raise CheckpointError(f"tensor {first.name!r}: expected a 2-D weight, got shape {list(first.info.shape)}")
     layer.inter, layer.hidden = first.info.shape
@@ -700,12 +698,12 @@ class ConversionSummary:
                 f"in {self.seconds:.1f} s -> {self.dst}")
 
 
-def _fmt_bytes(n: int) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1000
-    return f"{n} B"  # unreachable
+def _fmt_bytes(n: float) -> str:
+    units = ("B", "KB", "MB", "GB", "TB")
+    i = 0
+    while n >= 1000 and i < len(units) - 1:
+        n, i = n / 1000, i + 1
+    return f"{n:.0f} B" if i == 0 else f"{n:.2f} {units[i]}"
 
 
 @dataclasses.dataclass
@@ -849,6 +847,12 @@ def _write_checkpoint(ckpt, layers, units, dropped, tmp: Path, ignore, recipe, p
     return cfg
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def _publish(tmp: Path, dst: Path, overwrite: bool) -> None:
     """Rename the finished temporary folder to ``dst`` (replacing it only with ``overwrite``)."""
     if not dst.exists():
@@ -902,10 +906,13 @@ def convert_checkpoint(src, dst, *, ignore: Sequence[str] = (), recipe: str = "n
     if dst.resolve() == ckpt.root.resolve():
         raise ValueError(f"dst must differ from the source folder: {dst}")
     layers = _plan_layers(ckpt, ignore)
+    if not layers:
+        warnings.warn(f"{src}: no routed-expert tensors found; every tensor is copied unchanged", stacklevel=2)
     units, dropped = _plan_units(ckpt, layers)
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent))
     try:
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it 0700; dst gets the mode mkdir would give
         _write_checkpoint(ckpt, layers, units, dropped, tmp, ignore, recipe, progress)
         bytes_out = sum(p.stat().st_size for p in tmp.glob("*.safetensors"))
         _publish(tmp, dst, overwrite)
@@ -1010,7 +1017,8 @@ def load_nvfp4_experts(path, *, quantize_source: bool = False, ignore: Sequence[
     if quantize_source:
         return quantize_checkpoint_experts(path, ignore=ignore, recipe=recipe, progress=progress)
     cfg = read_nvfp4_config(path)
-    ckpt = open_checkpoint(Path(path))
+    path = Path(path)
+    ckpt = open_checkpoint(path if path.is_dir() else path.parent)  # all shards, whichever file was named
     out = {}
     with _Reader() as reader:
         for module, m in cfg["moe_modules"].items():
@@ -1021,7 +1029,8 @@ def load_nvfp4_experts(path, *, quantize_source: bool = False, ignore: Sequence[
             for e in range(n):
                 names = output_names(module, e, gated)
                 for bufs, key in ((stack.gate_up, "gate_up"), (stack.down, "down")):
-                    for buf, part in zip(bufs, ("data", "scales", "global_scale")):  # buf[e, ...]: a view, also for 1-D
+                    for buf, part in zip(bufs, ("data", "scales", "global_scale")):
+                        # buf[e, ...] is a view also for the 1-D global scales (buf[e] would be a copy)
                         _read_expected(ckpt, reader, names[key][part], buf[e, ...])
             out[module] = stack.experts(gated, _BY_NAME[m["quantized_dtype"]])
     return out

@@ -28,7 +28,7 @@ def _check_experts(experts, mode):
     if not isinstance(experts, (NVFP4Experts, BF16Experts)):
         raise TypeError(f"experts must be NVFP4Experts or BF16Experts, got {type(experts).__name__}")
     if mode is None:
-        return "bf16" if isinstance(experts, BF16Experts) else "w4a16"
+        mode = "bf16" if isinstance(experts, BF16Experts) else "w4a16"
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if mode == "bf16" and not isinstance(experts, BF16Experts):

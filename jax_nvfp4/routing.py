@@ -19,6 +19,8 @@ for ``deepseek_v3`` it is required and affects selection only.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -134,6 +136,12 @@ def route(router_logits, method: str = "softmax_topk", *, top_k: int, bias=None,
     n_group, topk_group = check_route_args(router_logits.shape, router_logits.dtype, method,
                                            top_k=top_k, bias=bias, n_group=n_group,
                                            topk_group=topk_group)
+    return _route(router_logits, bias, jnp.asarray(routed_scaling_factor, jnp.float32), method=method,
+                  top_k=top_k, n_group=n_group, topk_group=topk_group)
+
+
+@functools.partial(jax.jit, static_argnames=("method", "top_k", "n_group", "topk_group"))
+def _route(router_logits, bias, routed_scaling_factor, *, method, top_k, n_group, topk_group):
     l = router_logits.astype(jnp.float32)
     b = None if bias is None else bias.astype(jnp.float32)
     if method == "deepseek_v3":
@@ -154,5 +162,5 @@ def route(router_logits, method: str = "softmax_topk", *, top_k: int, bias=None,
         else:  # llama4
             v, ids = lax.top_k(l, 1)
             w = jax.nn.sigmoid(v)
-    w = w * jnp.asarray(routed_scaling_factor, jnp.float32)
+    w = w * routed_scaling_factor
     return ids.astype(jnp.int32), w.astype(jnp.float32)

@@ -193,6 +193,7 @@ def test_convert_matches_quantize_experts(tmp_path, naming, dtype, shards):
     assert (dst / "config.json").read_text() == (src / "config.json").read_text()
     assert (dst / "tokenizer.json").exists()
     assert siblings(dst) == {"src", "dst"}
+    assert dst.stat().st_mode & 0o777 == src.stat().st_mode & 0o777  # not mkdtemp's 0700
 
 
 def test_output_format_and_metadata(tmp_path):
@@ -253,7 +254,7 @@ def test_not_gated_experts(tmp_path):
 # ----------------------------------------------------------------------------- FP8 sources
 
 def fp8_block_quantize(w: np.ndarray, block=(128, 128)):
-    """A DeepSeek-style block-FP8 weight: (float8_e4m3fn [out, in], weight_scale_inv f32 [ceil(out/bo), ceil(in/bi)])."""
+    """A DeepSeek-style block-FP8 weight: (float8_e4m3fn [out, in], f32 scale [ceil(out/bo), ceil(in/bi)])."""
     bo, bi = block
     n, k = w.shape
     grid = (-(-n // bo), -(-k // bi))
@@ -291,6 +292,7 @@ def make_fp8_source(E=2, H=256, I=160, block=(128, 128), per_tensor=False, seed=
                 s = np.array(np.abs(w).max() / 448 * 1.37, np.float32)  # scalar weight_scale
                 w8 = (w / s).astype(F8)
                 t[name], t[name.replace("weight", "weight_scale")] = w8, s
+                t[name.replace("weight", "input_scale")] = np.array(0.5, np.float32)  # dropped
             else:
                 w8, s = fp8_block_quantize(w, block)
                 t[name], t[name + "_scale_inv"] = w8, s
@@ -325,8 +327,12 @@ def test_per_tensor_fp8_and_block_size_from_config(tmp_path):
     src = write_checkpoint(tmp_path / "src", tensors)
     convert_checkpoint(src, tmp_path / "dst", progress=False)
     assert_experts_equal(read_output(tmp_path / "dst"), expected_experts(ref_bf16, 0, 4), 0)
-    assert json.loads((tmp_path / "dst" / "nvfp4_config.json").read_text())[
-        "moe_modules"]["model.layers.0.mlp"]["fp8_scaling"] == "per-tensor"
+    cfg = json.loads((tmp_path / "dst" / "nvfp4_config.json").read_text())
+    assert cfg["moe_modules"]["model.layers.0.mlp"]["fp8_scaling"] == "per-tensor"
+    inputs = sorted(n for n in tensors if n.endswith("input_scale"))
+    assert len(inputs) == 12 and cfg["dropped_tensors"] == inputs
+    # source expert tensors are gone (down_proj.weight_scale is now the E4M3 block scale, checked above)
+    assert not any(k in n for n in read_output(tmp_path / "dst") for k in (".gate_proj.", ".up_proj.", "input_scale"))
     # a 32x16 block grid declared in config.json (gate/up grid [1, 4], down [2, 2])
     tensors, ref_bf16 = make_fp8_source(E=4, H=64, I=32, block=(32, 16), seed=3)
     cfg = {"quantization_config": {"quant_method": "fp8", "weight_block_size": [32, 16]}}

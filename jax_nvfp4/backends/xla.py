@@ -177,7 +177,7 @@ def _exact_bf16(q):
 
 def moe_experts(x, experts, topk_ids, topk_weights, *, mode: str, activation: str,
                 local_expert_offset=0, dispatch: str = "auto", gmm: str = "auto"):
-    """Expert part of the MoE layer in pure JAX (routing already decided).
+    """Expert part of the MoE layer in pure JAX (routing already decided); jitted.
 
     Parameters
     ----------
@@ -231,6 +231,10 @@ def moe_experts(x, experts, topk_ids, topk_weights, *, mode: str, activation: st
 
     inv = jnp.zeros((m,), jnp.int32).at[order].set(jnp.arange(m, dtype=jnp.int32))
     return y[inv].reshape(t, k, h).sum(axis=1).astype(jnp.bfloat16)
+
+
+# Jitted so that eager calls compile once per shape (inside an outer jit this is inlined).
+moe_experts = jax.jit(moe_experts, static_argnames=("mode", "activation", "dispatch", "gmm"))
 
 
 class XLABackend:

@@ -1,0 +1,517 @@
+"""XLA FFI custom calls of the NVFP4 MoE, their pure-JAX twins, and the MoE pipeline built on them.
+
+Three ops (C++ in ``ffi/``; one CPU handler and one CUDA handler each, same target name):
+
+- :func:`moe_align`: sort the ``T*k`` token-expert pairs by local expert into groups padded to
+  ``tile_m`` rows (``sorted_ids``, ``tile_expert``, ``pair_to_row``), on the device;
+- :func:`grouped_gemm`: bf16 rows x NVFP4 expert weights (W4A16, FP4 decoded in registers), with
+  an epilogue that applies the per-expert global scale, an optional per-row scale and the
+  activation;
+- :func:`moe_finalize`: un-permute and sum each token's ``k`` rows in a fixed order.
+
+Every op takes ``impl="ffi"`` (the custom call) or ``impl="jax"`` (its pure-JAX twin, the
+reference the tests hold the kernels to). :func:`moe` chains them into the expert part of the
+MoE layer, with a ``custom_vjp`` (gradients from the pure-JAX path) and a ``custom_vmap`` rule
+(a batch of token sets is folded into one larger token set).
+
+Targets are registered lazily, on first use, after ``jax.devices()`` has initialised the
+backends (``xla_ffi.md`` section 8).
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from .formats import BF16Experts, NVFP4Array, NVFP4Experts, dequantize
+from .quantize import quantize
+
+try:
+    from . import _ffi
+    _FFI_IMPORT_ERROR = None
+except ImportError as e:  # built without the extension (e.g. a pure-Python install)
+    _ffi = None
+    _FFI_IMPORT_ERROR = f"{type(e).__name__}: {e}"
+
+
+class Activation(enum.IntEnum):
+    """GEMM epilogue activation; values shared with ``ffi/moe_common.h``."""
+
+    IDENTITY = 0
+    SWIGLU = 1
+    GEGLU = 2
+    RELU2 = 3
+    SWIGLU_OAI = 4
+
+
+class RowScale(enum.IntEnum):
+    """Where a GEMM reads its per-row fp32 scale for sorted row ``r`` holding pair ``p``."""
+
+    NONE = 0  # no row scale
+    TOKEN = 1  # row_scale[p // k]: w4a4 GEMM1, the token's activation decode scale
+    PAIR = 2  # row_scale[p]: w4a16 GEMM2, the routing weight (topk_weights.ravel())
+    ROW = 3  # row_scale[r]: w4a4 GEMM2, routing weight * intermediate decode scale
+
+
+class Mode(enum.IntEnum):
+    """MoE modes (spec section 5)."""
+
+    BF16 = 0
+    W4A16 = 1
+    W4A4 = 2
+
+
+TILE_MS = (8, 16, 32, 64)
+MAX_ALIGN_EXPERTS = 512  # local experts the GPU align kernel handles (one CTA, shared memory)
+CUDA_K_MULTIPLE = 64  # the CUDA GEMM's K chunk: H and I must be multiples of it on the GPU
+CUDA_N_MULTIPLE = 16  # output features per MMA fragment
+
+TARGET_ALIGN = "jax_nvfp4_moe_align"
+TARGET_GEMM = "jax_nvfp4_grouped_gemm"
+TARGET_FINALIZE = "jax_nvfp4_moe_finalize"
+IMPLS = ("ffi", "jax")
+
+_lock = threading.Lock()
+_registered = False
+
+
+def extension_error() -> str | None:
+    """None if the compiled extension imports, else why not."""
+    return _FFI_IMPORT_ERROR
+
+
+def build_info() -> dict:
+    """Facts about the compiled extension (CUDA version and architectures); {} if not built."""
+    return dict(_ffi.build_info()) if _ffi is not None else {}
+
+
+def check_constants() -> None:
+    """Raise if the Python enums and limits disagree with the compiled extension."""
+    c = _ffi.constants()
+    for cls in (Activation, RowScale, Mode):
+        want = {m.name.lower(): int(m) for m in cls}
+        if dict(c[cls.__name__]) != want:
+            raise RuntimeError(f"{cls.__name__} differs between Python {want} and C++ {dict(c[cls.__name__])}")
+    got = (tuple(c["tile_ms"]), c["max_align_experts"], c["cuda_k_multiple"], c["cuda_n_multiple"])
+    if got != (TILE_MS, MAX_ALIGN_EXPERTS, CUDA_K_MULTIPLE, CUDA_N_MULTIPLE):
+        raise RuntimeError(f"tiling constants differ between Python and C++: {got}")
+
+
+def ensure_registered() -> None:
+    """Register the FFI targets for ``cpu`` (and ``CUDA`` in CUDA builds), once per process."""
+    global _registered
+    if _registered:
+        return
+    with _lock:
+        if _registered:
+            return
+        if _ffi is None:
+            raise RuntimeError(f"jax_nvfp4's FFI extension is not built ({_FFI_IMPORT_ERROR}); "
+                               "install with `pip install --no-build-isolation -e .`")
+        check_constants()
+        jax.devices()  # initialise the backends before registering (deferred registration order)
+        for name, platforms in _ffi.registrations().items():
+            for platform, capsule in platforms.items():
+                jax.ffi.register_ffi_target(name, capsule, platform=platform)
+        _registered = True
+
+
+# ---- static tiling decisions ---------------------------------------------------------------
+
+def choose_tile_m(n_pairs: int, num_experts: int) -> int:
+    """Rows per GEMM tile from the expected rows per expert (decode: 8, prefill: 64)."""
+    avg = n_pairs / max(num_experts, 1)
+    for t in TILE_MS[:-1]:
+        if avg <= t:
+            return t
+    return TILE_MS[-1]
+
+
+def padded_rows(n_pairs: int, num_experts: int, tile_m: int) -> int:
+    """Static bound P on the tile-padded sorted rows: every non-empty group wastes < tile_m rows."""
+    p = n_pairs + min(num_experts, n_pairs) * (tile_m - 1)
+    return -(-p // tile_m) * tile_m
+
+
+def _check_impl(impl):
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+
+
+# ---- moe_align -----------------------------------------------------------------------------
+
+def moe_align(topk_ids, num_experts: int, *, tile_m: int, expert_offset: int = 0, impl: str = "ffi"):
+    """Sort token-expert pairs by local expert into groups padded to ``tile_m`` rows.
+
+    Parameters
+    ----------
+    topk_ids : int32 ``[T, k]``
+        Global expert ids; negative ids and ids outside
+        ``[expert_offset, expert_offset + num_experts)`` are dropped.
+    num_experts : int
+        Local experts E.
+    tile_m : int
+        Group padding (one of :data:`TILE_MS`).
+    expert_offset : int
+        Global id of local expert 0 (expert parallelism).
+    impl : ``"ffi"`` or ``"jax"``
+
+    Returns
+    -------
+    sorted_ids : int32 ``[P]``, ``P = padded_rows(T*k, E, tile_m)``
+        Pair ``p = t*k + j`` at each sorted row, -1 for padding. Expert e's group starts at the
+        sum of the padded sizes of experts ``< e``; inside a group pairs keep ascending ``p``.
+    tile_expert : int32 ``[P // tile_m]``
+        Local expert of each tile, -1 for tiles past the last group.
+    pair_to_row : int32 ``[T, k]``
+        Sorted row of each pair, -1 if dropped.
+    """
+    _check_impl(impl)
+    if tile_m not in TILE_MS:
+        raise ValueError(f"tile_m must be one of {TILE_MS}, got {tile_m}")
+    topk_ids = jnp.asarray(topk_ids).astype(jnp.int32)
+    t, k = topk_ids.shape
+    p = padded_rows(t * k, num_experts, tile_m)
+    if impl == "jax":
+        return _moe_align_jax(topk_ids, num_experts, tile_m, expert_offset, p)
+    ensure_registered()
+    out = (jax.ShapeDtypeStruct((p,), jnp.int32), jax.ShapeDtypeStruct((p // tile_m,), jnp.int32),
+           jax.ShapeDtypeStruct((t, k), jnp.int32))
+    return jax.ffi.ffi_call(TARGET_ALIGN, out, vmap_method="sequential")(
+        topk_ids, num_experts=np.int64(num_experts), expert_offset=np.int64(expert_offset),
+        tile_m=np.int64(tile_m))
+
+
+def _moe_align_jax(topk_ids, num_experts, tile_m, expert_offset, p):
+    t, k = topk_ids.shape
+    n = t * k
+    ids = topk_ids.reshape(n)
+    e = ids - jnp.int32(expert_offset)
+    valid = (ids >= 0) & (e >= 0) & (e < num_experts)
+    e = jnp.where(valid, e, num_experts)  # dropped pairs sort last
+    counts = jnp.zeros((num_experts + 1,), jnp.int32).at[e].add(1)
+    padded = (counts[:num_experts] + tile_m - 1) // tile_m * tile_m
+    off = jnp.cumsum(padded) - padded
+    total = jnp.sum(padded)
+    order = jnp.argsort(e, stable=True)
+    pos = jnp.zeros((n,), jnp.int32).at[order].set(jnp.arange(n, dtype=jnp.int32))
+    start = jnp.cumsum(counts) - counts  # first position of each expert in `order`
+    row = jnp.concatenate([off, jnp.zeros((1,), jnp.int32)])[e] + pos - start[e]
+    pair_to_row = jnp.where(valid, row, -1)
+    sorted_ids = jnp.full((p,), -1, jnp.int32).at[jnp.where(valid, row, p)].set(
+        jnp.arange(n, dtype=jnp.int32), mode="drop")
+    tile_start = jnp.arange(p // tile_m, dtype=jnp.int32) * tile_m
+    owner = jnp.searchsorted(off, tile_start, side="right").astype(jnp.int32) - 1
+    tile_expert = jnp.where(tile_start < total, owner, -1)
+    return sorted_ids, tile_expert, pair_to_row.reshape(t, k)
+
+
+# ---- grouped_gemm --------------------------------------------------------------------------
+
+def grouped_gemm(a, w: NVFP4Array, sorted_ids, tile_expert, *, tile_m: int,
+                 activation: Activation = Activation.IDENTITY, top_k: int = 1, gather: bool = False,
+                 row_scale=None, row_scale_mode: RowScale = RowScale.NONE, impl: str = "ffi"):
+    """Grouped W4A16 GEMM over tile-padded row groups, with the MoE epilogue.
+
+    For each sorted row ``r`` of a tile owned by expert ``e`` (pair ``p = sorted_ids[r] >= 0``)::
+
+        acc = a[p // top_k if gather else r] @ deq(w[e])^T          (fp32, w decoded exactly)
+        v   = acc * alpha[e] * row_scale[index(r)]                   (index per row_scale_mode)
+        out[r] = bf16(act(v[:n], v[n:]) if gated else act(v))
+
+    Padding rows (``p < 0``) of used tiles are 0; rows of unused tiles (``tile_expert < 0``) are
+    left unwritten by the CUDA kernel (0 on the CPU and in the twin).
+
+    Parameters
+    ----------
+    a : bfloat16 ``[rows, K]``
+        Token activations (``gather=True``: ``rows = T``) or the sorted intermediate (``[P, K]``).
+    w : NVFP4Array ``[E, N, K]`` with ``global_scale [E]``
+        Expert weights; gated activations need rows ``[gate; up]`` (N = 2n).
+    sorted_ids, tile_expert : int32 ``[P]``, ``[P // tile_m]`` from :func:`moe_align`.
+    tile_m : int
+    activation : Activation
+    top_k : int
+        k, to map a pair to its token.
+    gather : bool
+    row_scale : float32 ``[n]`` or None
+    row_scale_mode : RowScale
+    impl : ``"ffi"`` or ``"jax"``
+
+    Returns
+    -------
+    bfloat16 ``[P, N // 2 if gated else N]``
+    """
+    _check_impl(impl)
+    activation = Activation(activation)
+    row_scale_mode = RowScale(row_scale_mode)
+    if row_scale is None:
+        if row_scale_mode != RowScale.NONE:
+            raise ValueError(f"row_scale_mode={row_scale_mode.name} needs a row_scale")
+        row_scale = jnp.zeros((1,), jnp.float32)
+    a = jnp.asarray(a).astype(jnp.bfloat16)
+    row_scale = jnp.asarray(row_scale, jnp.float32).reshape(-1)
+    sorted_ids = jnp.asarray(sorted_ids, jnp.int32)
+    tile_expert = jnp.asarray(tile_expert, jnp.int32)
+    e, n, kk = w.shape
+    gated = activation in (Activation.SWIGLU, Activation.GEGLU, Activation.SWIGLU_OAI)
+    n_out = n // 2 if gated else n
+    if a.ndim != 2 or a.shape[1] != kk:
+        raise ValueError(f"grouped_gemm: a must be [rows, K={kk}], got {a.shape}")
+    if impl == "jax":
+        return _grouped_gemm_jax(a, w, sorted_ids, tile_expert, tile_m, activation, top_k, gather,
+                                 row_scale, row_scale_mode)
+    ensure_registered()
+    p = sorted_ids.shape[0]
+    scales = lax.bitcast_convert_type(w.scales, jnp.uint8)
+    alpha = jnp.asarray(w.global_scale, jnp.float32).reshape(e)
+    return jax.ffi.ffi_call(TARGET_GEMM, jax.ShapeDtypeStruct((p, n_out), jnp.bfloat16),
+                            vmap_method="sequential")(
+        a, w.data, scales, alpha, sorted_ids, tile_expert, row_scale,
+        activation=np.int64(activation), row_scale_mode=np.int64(row_scale_mode), top_k=np.int64(top_k),
+        gather=np.int64(bool(gather)), tile_m=np.int64(tile_m))
+
+
+def apply_activation(activation: Activation, gate, up=None):
+    """The epilogue activation in fp32 (``ffi/moe_common.h`` ApplyActivation)."""
+    if activation == Activation.SWIGLU:
+        return gate * jax.nn.sigmoid(gate) * up
+    if activation == Activation.GEGLU:
+        c = np.float32(0.7978845608028654)
+        return 0.5 * gate * (1.0 + jnp.tanh(c * (gate + np.float32(0.044715) * gate * gate * gate))) * up
+    if activation == Activation.RELU2:
+        return jnp.square(jnp.maximum(gate, 0.0))
+    if activation == Activation.SWIGLU_OAI:
+        g = jnp.minimum(gate, 7.0)
+        u = jnp.clip(up, -7.0, 7.0)
+        return g * jax.nn.sigmoid(np.float32(1.702) * g) * (u + 1.0)
+    return gate
+
+
+def _grouped_gemm_jax(a, w, sorted_ids, tile_expert, tile_m, activation, top_k, gather, row_scale,
+                      row_scale_mode):
+    e, n, kk = w.shape
+    p = sorted_ids.shape[0]
+    r = jnp.arange(p, dtype=jnp.int32)
+    pair = sorted_ids
+    src = jnp.where(pair >= 0, pair // top_k if gather else r, -1)
+    te = jnp.repeat(tile_expert, tile_m, total_repeat_length=p)
+    valid = (src >= 0) & (src < a.shape[0]) & (te >= 0) & (te < e)
+    rows = jnp.where(valid[:, None], a[jnp.clip(src, 0, a.shape[0] - 1)], 0).astype(jnp.bfloat16)
+    # Rows are grouped by ascending expert (moe_align's contract); unused tiles come last.
+    group_sizes = jnp.zeros((e + 1,), jnp.int32).at[jnp.where(te >= 0, te, e)].add(1)[:e]
+    wdec = dequantize(w, jnp.bfloat16, apply_global_scale=False)  # exact
+    acc = lax.ragged_dot(rows, jnp.swapaxes(wdec, 1, 2), group_sizes, preferred_element_type=jnp.float32,
+                         precision=lax.Precision.HIGHEST)
+    scale = jnp.asarray(w.global_scale, jnp.float32)[jnp.clip(te, 0, e - 1)]
+    if row_scale_mode != RowScale.NONE:
+        idx = {RowScale.TOKEN: pair // top_k, RowScale.PAIR: pair, RowScale.ROW: r}[row_scale_mode]
+        ok = (idx >= 0) & (idx < row_scale.shape[0])
+        scale = scale * jnp.where(ok, row_scale[jnp.clip(idx, 0, row_scale.shape[0] - 1)], 0.0)
+    v = acc * scale[:, None]
+    if activation in (Activation.SWIGLU, Activation.GEGLU, Activation.SWIGLU_OAI):
+        v = apply_activation(activation, v[:, : n // 2], v[:, n // 2:])
+    else:
+        v = apply_activation(activation, v)
+    return jnp.where(valid[:, None], v, 0.0).astype(jnp.bfloat16)
+
+
+# ---- moe_finalize --------------------------------------------------------------------------
+
+def moe_finalize(y, pair_to_row, *, impl: str = "ffi"):
+    """``out[t] = bf16(sum_j y[pair_to_row[t, j]])``, j = 0..k-1 in order, fp32 accumulation.
+
+    Parameters
+    ----------
+    y : bfloat16 ``[P, H]`` (GEMM2 rows, already scaled by the routing weights)
+    pair_to_row : int32 ``[T, k]`` (-1: the pair adds nothing)
+    impl : ``"ffi"`` or ``"jax"``
+
+    Returns
+    -------
+    bfloat16 ``[T, H]``
+    """
+    _check_impl(impl)
+    y = jnp.asarray(y).astype(jnp.bfloat16)
+    pair_to_row = jnp.asarray(pair_to_row, jnp.int32)
+    t, k = pair_to_row.shape
+    if impl == "jax":
+        p = y.shape[0]
+        acc = jnp.zeros((t, y.shape[1]), jnp.float32)
+        for j in range(k):  # fixed order, as the kernels
+            r = pair_to_row[:, j]
+            ok = (r >= 0) & (r < p)
+            acc = acc + jnp.where(ok[:, None], y[jnp.clip(r, 0, max(p - 1, 0))].astype(jnp.float32), 0.0)
+        return acc.astype(jnp.bfloat16)
+    ensure_registered()
+    return jax.ffi.ffi_call(TARGET_FINALIZE, jax.ShapeDtypeStruct((t, y.shape[1]), jnp.bfloat16),
+                            vmap_method="sequential")(y, pair_to_row)
+
+
+# ---- the MoE expert pipeline ---------------------------------------------------------------
+
+ACTIVATIONS = {"swiglu": Activation.SWIGLU, "geglu": Activation.GEGLU, "relu2": Activation.RELU2,
+               "swiglu_oai": Activation.SWIGLU_OAI}
+MODES = {"w4a16": Mode.W4A16, "w4a4": Mode.W4A4}
+
+
+def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str = "w4a16",
+                activation: str = "swiglu", local_expert_offset=0, impl: str = "ffi", tile_m: int | None = None):
+    """Expert part of the MoE layer through the three ops (no custom_vjp/custom_vmap; see :func:`moe`).
+
+    Parameters
+    ----------
+    x : bfloat16 ``[T, H]``
+    experts : NVFP4Experts (``gate_up [E, 2I, H]`` rows ``[gate; up]``, or ``[E, I, H]`` for relu2)
+    topk_ids : int32 ``[T, k]`` global expert ids
+    topk_weights : float32 ``[T, k]``
+    mode : ``"w4a16"`` or ``"w4a4"``
+    activation : ``"swiglu"``, ``"geglu"``, ``"relu2"`` or ``"swiglu_oai"``
+    local_expert_offset : int or int32 scalar array
+        Global id of local expert 0. A traced value (e.g. from ``lax.axis_index`` in ``shard_map``)
+        is subtracted from the ids before the align kernel.
+    impl : ``"ffi"`` (custom calls) or ``"jax"`` (their pure-JAX twins)
+    tile_m : optional override of :func:`choose_tile_m`
+
+    Returns
+    -------
+    bfloat16 ``[T, H]``
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {tuple(MODES)} for the ffi kernels, got {mode!r}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {tuple(ACTIVATIONS)}, got {activation!r}")
+    if not isinstance(experts, NVFP4Experts):
+        raise TypeError(f"the ffi kernels need NVFP4Experts, got {type(experts).__name__}")
+    act = ACTIVATIONS[activation]
+    gated = act != Activation.RELU2
+    if experts.gated != gated:
+        raise ValueError(f"activation {activation!r} needs experts with gated={gated}, got gated={experts.gated}")
+    x = jnp.asarray(x)
+    t, h = x.shape
+    k = topk_ids.shape[1]
+    e = experts.num_experts
+    if t == 0 or k == 0:
+        return jnp.zeros((t, h), jnp.bfloat16)
+    topk_ids = jnp.asarray(topk_ids).astype(jnp.int32)
+    if isinstance(local_expert_offset, (int, np.integer)):
+        offset = int(local_expert_offset)
+    else:  # traced: shift the ids here, keeping padding negative
+        topk_ids = jnp.where(topk_ids < 0, -1, topk_ids - jnp.asarray(local_expert_offset, jnp.int32))
+        topk_ids = jnp.where(topk_ids < 0, -1, topk_ids)
+        offset = 0
+    tile_m = choose_tile_m(t * k, e) if tile_m is None else tile_m
+    sorted_ids, tile_expert, pair_to_row = moe_align(topk_ids, e, tile_m=tile_m, expert_offset=offset, impl=impl)
+    w_flat = jnp.asarray(topk_weights, jnp.float32).reshape(t * k)
+    common = dict(tile_m=tile_m, top_k=k, impl=impl)
+
+    if MODES[mode] == Mode.W4A16:
+        h1 = grouped_gemm(x.astype(jnp.bfloat16), experts.gate_up, sorted_ids, tile_expert, activation=act,
+                          gather=True, **common)
+        y = grouped_gemm(h1, experts.down, sorted_ids, tile_expert, activation=Activation.IDENTITY,
+                         row_scale=w_flat, row_scale_mode=RowScale.PAIR, **common)
+    else:  # w4a4: per-token NVFP4 activations, decoded exactly to bf16, scales in the epilogues
+        qx = quantize(x, per_token=True)
+        xq = dequantize(qx, jnp.bfloat16, apply_global_scale=False)
+        h1 = grouped_gemm(xq, experts.gate_up, sorted_ids, tile_expert, activation=act, gather=True,
+                          row_scale=qx.global_scale, row_scale_mode=RowScale.TOKEN, **common)
+        used = sorted_ids >= 0
+        h1 = jnp.where(used[:, None], h1, 0)  # rows of unused tiles are never written by the GPU
+        qa = quantize(h1, per_token=True)
+        aq = dequantize(qa, jnp.bfloat16, apply_global_scale=False)
+        rs = jnp.where(used, w_flat[jnp.clip(sorted_ids, 0, t * k - 1)], 0.0) * qa.global_scale
+        y = grouped_gemm(aq, experts.down, sorted_ids, tile_expert, activation=Activation.IDENTITY,
+                         row_scale=rs, row_scale_mode=RowScale.ROW, **common)
+    return moe_finalize(y, pair_to_row, impl=impl)
+
+
+def _zero_cotangent(v):
+    v = jnp.asarray(v)
+    if jnp.issubdtype(v.dtype, jnp.inexact):
+        return jnp.zeros(v.shape, v.dtype)
+    return np.zeros(v.shape, jax.dtypes.float0)
+
+
+@functools.lru_cache(maxsize=None)
+def _moe_fn(mode: str, activation: str, offset: int, impl: str, tile_m, treedef):
+    """The jit-able MoE for one static configuration, with its vmap and vjp rules.
+
+    The experts travel as their flat leaves (``treedef`` rebuilds them): cotangents of the
+    uint8 leaves are float0, which the NVFP4 containers would refuse.
+    """
+
+    def forward(x, topk_ids, topk_weights, leaves):
+        experts = jax.tree_util.tree_unflatten(treedef, leaves)
+        return moe_forward(x, experts, topk_ids, topk_weights, mode=mode, activation=activation,
+                           local_expert_offset=offset, impl=impl, tile_m=tile_m)
+
+    batched = jax.custom_batching.custom_vmap(forward)
+
+    @batched.def_vmap
+    def _vmap_rule(axis_size, in_batched, x, topk_ids, topk_weights, leaves):
+        xb, ib, wb, lb = in_batched
+        if any(lb):  # per-batch experts: one MoE per batch element
+            def bcast(v, b):
+                return v if b else jnp.broadcast_to(v, (axis_size,) + jnp.shape(v))
+            args = (bcast(x, xb), bcast(topk_ids, ib), bcast(topk_weights, wb),
+                    tuple(bcast(v, b) for v, b in zip(leaves, lb)))
+            return lax.map(lambda a: batched(*a), args), True
+
+        # Shared experts: the batch of token sets is one larger token set.
+        def fold(v, b):
+            v = v if b else jnp.broadcast_to(v, (axis_size,) + v.shape)
+            return v.reshape((axis_size * v.shape[1],) + v.shape[2:])
+        out = batched(fold(x, xb), fold(topk_ids, ib), fold(topk_weights, wb), leaves)
+        return out.reshape((axis_size, -1) + out.shape[1:]), True
+
+    @jax.custom_vjp
+    def moe_fn(x, topk_ids, topk_weights, leaves):
+        return batched(x, topk_ids, topk_weights, leaves)
+
+    def fwd(x, topk_ids, topk_weights, leaves):
+        return batched(x, topk_ids, topk_weights, leaves), (x, topk_ids, topk_weights, leaves)
+
+    def bwd(res, ct):
+        # Gradients of the pure-JAX twin in w4a16 (w4a4: straight-through over the activation
+        # quantization, whose rounding has no useful derivative).
+        x, topk_ids, topk_weights, leaves = res
+
+        def ref(x, topk_weights, leaves):
+            experts = jax.tree_util.tree_unflatten(treedef, leaves)
+            return moe_forward(x, experts, topk_ids, topk_weights, mode="w4a16", activation=activation,
+                               local_expert_offset=offset, impl="jax", tile_m=tile_m)
+        _, vjp = jax.vjp(ref, x, topk_weights, leaves)
+        dx, dw, dleaves = vjp(ct.astype(jnp.bfloat16))
+        return dx, _zero_cotangent(topk_ids), dw, dleaves
+
+    moe_fn.defvjp(fwd, bwd)
+    return moe_fn
+
+
+def moe(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str = "w4a16", activation: str = "swiglu",
+        local_expert_offset=0, impl: str = "ffi", tile_m: int | None = None):
+    """The expert part of the MoE layer on the FFI kernels (see :func:`moe_forward` for arguments).
+
+    Differentiable w.r.t. ``x``, ``topk_weights`` and the experts' float leaves (a ``custom_vjp``
+    whose backward pass is the pure-JAX twin) and batchable: ``jax.vmap`` over
+    ``x``/``topk_ids``/``topk_weights`` folds the batch into the token axis (one set of kernel
+    launches); a batch of expert sets runs sequentially. A traced ``local_expert_offset`` is
+    applied to the ids before the custom rules.
+    """
+    if not isinstance(experts, NVFP4Experts):
+        raise TypeError(f"the ffi kernels need NVFP4Experts (mode 'bf16' runs on backend 'xla'), "
+                        f"got {type(experts).__name__}")
+    if not isinstance(local_expert_offset, (int, np.integer)):
+        ids = jnp.asarray(topk_ids).astype(jnp.int32)
+        ids = jnp.where(ids < 0, -1, ids - jnp.asarray(local_expert_offset, jnp.int32))
+        topk_ids, local_expert_offset = jnp.where(ids < 0, -1, ids), 0
+    leaves, treedef = jax.tree_util.tree_flatten(experts)
+    fn = _moe_fn(mode, activation, int(local_expert_offset), impl, tile_m, treedef)
+    return fn(jnp.asarray(x).astype(jnp.bfloat16), jnp.asarray(topk_ids).astype(jnp.int32),
+              jnp.asarray(topk_weights, jnp.float32), tuple(leaves))

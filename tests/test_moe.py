@@ -1,0 +1,479 @@
+"""The MoE layer (spec section 5) on the ``xla`` backend: golden files, a float64 reference for
+every mode and activation, dispatch/matmul strategies, properties, transformations
+(jit, scan, while_loop, grad), expert parallelism and argument validation."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import jax_nvfp4 as nv
+from jax_nvfp4 import activations
+from jax_nvfp4.backends import base
+from jax_nvfp4.backends.xla import XLABackend, choose_dispatch, choose_gmm, gmm_ragged, gmm_tiled
+from conftest import GOLDEN, golden, golden_names
+
+BF16 = jnp.bfloat16
+MOE_FILES = golden_names("moe_")
+STRATEGIES = [(d, g) for d in ("gather", "all") for g in ("ragged", "tiled")]
+T, H, I, E, K = 12, 64, 32, 8, 3
+
+
+# ------------------------------------------------------------------------------------------
+# Problem builders and a float64 numpy reference
+
+def make_experts(seed=0, e=E, h=H, inter=I, gated=True, bf16=False):
+    """Random NVFP4 experts (random codes, E4M3 scales in [1/4, 4], global scales ~ 1/sqrt(K)),
+    or their exact bf16 decoding (times 1 + 1/8 so that bf16 weights are not all on the grid)."""
+    rng = np.random.default_rng(seed)
+    n1 = (2 if gated else 1) * inter
+
+    def part(n, k):
+        data = rng.integers(0, 256, (e, n, k // 2), dtype=np.uint8)
+        scales = rng.choice(np.array([.25, .375, .5, .75, 1, 1.5, 2, 3, 4], ml_dtypes.float8_e4m3fn),
+                            (e, n, k // 16))
+        gs = (rng.uniform(0.5, 1.0, e) / (2.5 * np.sqrt(k))).astype(np.float32)
+        return nv.NVFP4Array(jnp.asarray(data), jnp.asarray(scales), jnp.asarray(gs))
+
+    q = nv.NVFP4Experts(part(n1, h), part(h, inter), gated)
+    if bf16:
+        f = lambda a: (nv.dequantize(a) * 1.125).astype(BF16)  # noqa: E731
+        return nv.BF16Experts(f(q.gate_up), f(q.down), gated)
+    return q
+
+
+def make_inputs(seed=0, t=T, e_global=E, h=H):
+    rng = np.random.default_rng(seed + 100)
+    x = jnp.asarray(rng.standard_normal((t, h)), BF16)
+    logits = jnp.asarray(rng.standard_normal((t, e_global)), jnp.float32)
+    return x, logits
+
+
+def weights64(ex):
+    """(gate_up, down, alpha1, alpha2) as float64 numpy, without the global scale."""
+    if isinstance(ex, nv.NVFP4Experts):
+        f = lambda q: np.asarray(nv.dequantize(q, jnp.float32, apply_global_scale=False), np.float64)  # noqa: E731
+        return (f(ex.gate_up), f(ex.down), np.asarray(ex.gate_up.global_scale, np.float64),
+                np.asarray(ex.down.global_scale, np.float64))
+    ones = np.ones(ex.num_experts)
+    return np.asarray(ex.gate_up, np.float64), np.asarray(ex.down, np.float64), ones, ones
+
+
+def np_act(name, g):
+    if name == "relu2":
+        return np.maximum(g, 0) ** 2
+    gate, up = np.split(g, 2, axis=-1)
+    if name == "swiglu":
+        return gate / (1 + np.exp(-gate)) * up
+    if name == "geglu":
+        return 0.5 * gate * (1 + np.tanh(np.sqrt(2 / np.pi) * (gate + 0.044715 * gate ** 3))) * up
+    gate, up = np.minimum(gate, 7.0), np.clip(up, -7.0, 7.0)
+    return gate / (1 + np.exp(-1.702 * gate)) * (up + 1)
+
+
+_quantize_rows = jax.jit(lambda a: nv.quantize(a, per_token=True))
+
+
+def _nvfp4_rows(a):
+    """Per-row NVFP4 quantization (the library's, bit-exact with FlashInfer) -> (values, scale)."""
+    q = _quantize_rows(jnp.asarray(a, jnp.float32))
+    return (np.asarray(nv.dequantize(q, jnp.float32, apply_global_scale=False), np.float64),
+            np.asarray(q.global_scale, np.float64))
+
+
+def ref_moe(x, ex, ids, wts, *, activation="swiglu", mode="w4a16", offset=0, fake_quant_x=None):
+    """Spec section 5 in float64 numpy, one (token, expert) pair at a time (vectorized).
+
+    ``fake_quant_x``: quantize x per token (default: iff mode == "w4a4").
+    """
+    w1, w2, a1, a2 = weights64(ex)
+    x = np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+    ids, wts = np.asarray(ids), np.asarray(wts, np.float64)
+    t, k = ids.shape
+    local = ids - offset
+    valid = (ids >= 0) & (local >= 0) & (local < w1.shape[0])
+    le = np.where(valid, local, 0)
+    dx = np.ones(t)
+    if mode == "w4a4" if fake_quant_x is None else fake_quant_x:
+        x, dx = _nvfp4_rows(x)
+    g = np.einsum("th,tknh->tkn", x, w1[le]) * (a1[le] * dx[:, None])[..., None]
+    a = np_act(activation, g)
+    da = np.ones((t, k))
+    if mode == "w4a4":
+        a, da = _nvfp4_rows(a.reshape(t * k, -1).astype(np.float32))
+        a, da = a.reshape(t, k, -1), da.reshape(t, k)
+    else:
+        a = a.astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
+    y = np.einsum("tki,tkhi->tkh", a, w2[le]) * np.where(valid, wts * a2[le] * da, 0)[..., None]
+    return y.sum(1)
+
+
+def relerr(out, ref):
+    out = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
+    return np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30)
+
+
+def f32(a):
+    return np.asarray(jnp.asarray(a, jnp.float32))
+
+
+# ------------------------------------------------------------------------------------------
+# Golden files (FlashInfer's reference W4A16 MoE)
+
+def _golden_problem(name):
+    d = golden(name)
+    p = json.loads((GOLDEN / "MANIFEST.json").read_text())[name]
+    method = name[len("moe_"):-len(".npz")]
+    bf = lambda k: jnp.asarray(d[k].view(ml_dtypes.bfloat16))  # noqa: E731
+    rows = np.argsort(nv.gate_up_to_up_gate(2 * p["intermediate"]))  # [up; gate] -> [gate; up]
+    ones = np.ones(p["experts"], np.float32)
+    ex = nv.NVFP4Experts.from_parts(d["w13_data"][:, rows], d["w13_scales"][:, rows], ones,
+                                    d["w2_data"], d["w2_scales"], ones)
+    kw = dict(routing=method, top_k=p["top_k"])
+    if method == "deepseek_v3":
+        kw.update(bias=bf("bias_bf16_bits"), n_group=p["n_group"], topk_group=p["topk_group"],
+                  routed_scaling_factor=p["routed_scaling_factor"])
+    return bf("x_bf16_bits"), bf("logits_bf16_bits"), ex, kw, f32(bf("out_bf16_bits")).astype(np.float64)
+
+
+@pytest.mark.parametrize("name", MOE_FILES)
+def test_golden(name):
+    x, logits, ex, kw, ref = _golden_problem(name)
+    static = ("routing", "top_k", "n_group", "topk_group", "routed_scaling_factor", "backend")
+    f = jax.jit(nv.moe, static_argnames=static)
+    bias = kw.pop("bias", None)
+    for backend in ("auto", "xla"):
+        out = f(x, ex, router_logits=logits, bias=bias, backend=backend, **kw)
+        assert out.dtype == BF16 and out.shape == x.shape
+        assert relerr(out, ref) < 1e-2
+    ids, w = nv.route(logits, kw.pop("routing"), bias=bias, **kw)
+    for dispatch, gmm in STRATEGIES:
+        out = XLABackend(dispatch, gmm)(x, ex, ids, w, problem=_problem(ex, ids, "w4a16", "swiglu"),
+                                        local_expert_offset=0)
+        assert relerr(out, ref) < 1e-2, (dispatch, gmm)
+
+
+def _problem(ex, ids, mode, activation):
+    return base.MoEProblem(ids.shape[0], ex.hidden_size, ex.intermediate_size, ex.num_experts,
+                           ids.shape[1], mode, activation)
+
+
+# ------------------------------------------------------------------------------------------
+# Every mode and activation against the float64 reference
+
+@pytest.mark.parametrize("activation", ["swiglu", "geglu", "relu2", "swiglu_oai"])
+@pytest.mark.parametrize("mode", ["bf16", "w4a16", "w4a4"])
+def test_modes_and_activations_match_reference(mode, activation):
+    ex = make_experts(1, gated=activation != "relu2", bf16=mode == "bf16")
+    x, logits = make_inputs(1)
+    x = x * 3 if activation == "swiglu_oai" else x  # reach the clamps at +-7
+    out, (ids, w) = nv.moe(x, ex, router_logits=logits, top_k=K, activation=activation, mode=mode,
+                           return_routing=True)
+    assert relerr(out, ref_moe(x, ex, ids, w, activation=activation, mode=mode)) < 5e-3
+
+
+def test_w4a4_differs_from_w4a16_off_grid():
+    ex = make_experts(2)
+    x, logits = make_inputs(2)
+    a = nv.moe(x, ex, router_logits=logits, top_k=K, mode="w4a4")
+    b = nv.moe(x, ex, router_logits=logits, top_k=K, mode="w4a16")
+    assert relerr(a, f32(b).astype(np.float64)) > 1e-2  # activations really are quantized
+
+
+@pytest.mark.parametrize("dispatch, gmm", STRATEGIES)
+def test_strategies_agree_with_padding_and_foreign_ids(dispatch, gmm):
+    ex = make_experts(3)
+    x, _ = make_inputs(3)
+    rng = np.random.default_rng(3)
+    ids = rng.integers(-2, E + 4, size=(T, K)).astype(np.int32)  # padding, local and foreign ids
+    ids[0] = [5, 5, 5]  # the same expert thrice
+    w = rng.random((T, K)).astype(np.float32)
+    for mode, offset in (("w4a16", 2), ("w4a4", 0)):
+        out = XLABackend(dispatch, gmm)(x, ex, jnp.asarray(ids), jnp.asarray(w),
+                                        problem=_problem(ex, ids, mode, "swiglu"), local_expert_offset=offset)
+        assert relerr(out, ref_moe(x, ex, ids, w, mode=mode, offset=offset)) < 5e-3
+
+
+def test_grouped_matmuls_agree_with_gradients():
+    rng = np.random.default_rng(4)
+    lhs = jnp.asarray(rng.standard_normal((23, 32)), BF16)
+    rhs = jnp.asarray(rng.standard_normal((5, 24, 32)), BF16)
+    sizes = jnp.array([4, 0, 9, 1, 6], jnp.int32)  # sum 20 < 23: the last rows give zeros
+    ref = np.zeros((23, 24))
+    start = 0
+    for g, s in enumerate(np.asarray(sizes)):
+        ref[start:start + s] = f32(lhs[start:start + s]) @ f32(rhs[g]).T
+        start += s
+    for tile in (None, 1, 4, 64):
+        out = gmm_tiled(lhs, rhs, sizes, tile)
+        np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(gmm_ragged(lhs, rhs, sizes)), ref, rtol=1e-5, atol=1e-4)
+    cot = jnp.asarray(rng.standard_normal((23, 24)), jnp.float32)
+    g1 = jax.grad(lambda a: (gmm_tiled(a, rhs, sizes, 4) * cot).sum())(lhs)
+    g2 = jax.grad(lambda a: (gmm_ragged(a, rhs, sizes) * cot).sum())(lhs)
+    np.testing.assert_allclose(f32(g1), f32(g2), rtol=1e-2, atol=1e-2)
+
+
+def test_strategy_choice_by_static_shapes():
+    assert choose_dispatch(8, 32) == "gather"  # DeepSeek-V3 EP8 decode: 1 token x 8 of 32
+    assert choose_dispatch(32, 32) == "all"
+    assert choose_gmm(8, 8) == "ragged"  # decode: few groups and rows
+    assert choose_gmm(32768, 32) == "tiled"  # prefill: dense expansion would cost 32x
+    assert choose_gmm(8192, 128) == "tiled"
+
+
+# ------------------------------------------------------------------------------------------
+# Properties
+
+@settings(max_examples=6, deadline=None)
+@given(seed=st.integers(0, 2**16))
+def test_permuting_tokens_permutes_output(seed):
+    ex = make_experts(5)
+    x, logits = make_inputs(seed)
+    perm = np.random.default_rng(seed).permutation(T)
+    out = f32(nv.moe(x, ex, router_logits=logits, top_k=K))
+    outp = f32(nv.moe(x[perm], ex, router_logits=logits[perm], top_k=K))
+    np.testing.assert_allclose(outp, out[perm], rtol=1e-2, atol=1e-2 * np.abs(out).max())
+
+
+@settings(max_examples=6, deadline=None)
+@given(seed=st.integers(0, 2**16), n=st.integers(1, T - 1))
+def test_token_output_independent_of_batch(seed, n):
+    ex = make_experts(6)
+    x, logits = make_inputs(seed)
+    full = f32(nv.moe(x, ex, router_logits=logits, top_k=K))
+    part = f32(nv.moe(x[:n], ex, router_logits=logits[:n], top_k=K))  # other strategies for small n
+    np.testing.assert_allclose(part, full[:n], rtol=1e-2, atol=1e-2 * np.abs(full).max())
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "relu2"])
+def test_bf16_equals_w4a16_for_nvfp4_representable_weights(activation):
+    q = make_experts(7, gated=activation != "relu2")
+    # Power-of-two global scales keep the fully decoded weights exact in bf16.
+    pow2 = lambda a: nv.NVFP4Array(a.data, a.scales, 2.0 ** jnp.arange(-3, E - 3, dtype=jnp.float32), a.dtype)  # noqa: E731
+    q = nv.NVFP4Experts(pow2(q.gate_up), pow2(q.down), q.gated)
+    b = nv.BF16Experts(nv.dequantize(q.gate_up, BF16), nv.dequantize(q.down, BF16), q.gated)
+    np.testing.assert_array_equal(f32(b.gate_up), f32(nv.dequantize(q.gate_up)))  # exact
+    x, logits = make_inputs(7)
+    for t in (2, T):  # the gather and the all-experts dispatch
+        o4 = nv.moe(x[:t], q, router_logits=logits[:t], top_k=K, activation=activation, mode="w4a16")
+        ob = nv.moe(x[:t], b, router_logits=logits[:t], top_k=K, activation=activation, mode="bf16")
+        np.testing.assert_array_equal(f32(o4), f32(ob))
+
+
+def _on_grid_activations(seed, t=T, h=H, j=-12):
+    """x whose per-token NVFP4 quantization is exact: every block holds a +-6 code, the first
+    block has scale 448 (so amax = 2688 * 2^j and the global scale is 2^j), others powers of two."""
+    rng = np.random.default_rng(seed)
+    e2m1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6])
+    codes = e2m1[rng.integers(0, 8, (t, h // 16, 16))] * rng.choice([-1, 1], (t, h // 16, 16))
+    codes[..., 0] = 6 * rng.choice([-1, 1], (t, h // 16))
+    scales = 2.0 ** rng.integers(-3, 7, (t, h // 16, 1))
+    scales[:, 0] = 448
+    return jnp.asarray((codes * scales * 2.0 ** j).reshape(t, h), BF16)
+
+
+def test_w4a4_on_grid_equals_w4a16_up_to_stated_scales():
+    x = _on_grid_activations(8)
+    q = nv.quantize(x, per_token=True)
+    np.testing.assert_array_equal(f32(nv.dequantize(q)), f32(x))  # x is on the grid, exactly
+    ex = make_experts(8)
+    _, logits = make_inputs(8)
+    ids, w = nv.route(logits, "softmax_topk", top_k=K)
+    out = nv.moe(x, ex, topk_ids=ids, topk_weights=w, mode="w4a4")
+    # The w4a16 computation of x itself, with only the intermediate quantized per row.
+    ref = ref_moe(x, ex, ids, w, mode="w4a4", fake_quant_x=False)
+    assert np.all(np.abs(f32(out) - ref) <= 2.0 ** -8 * np.abs(ref) + 1e-6 * np.abs(ref).max())
+
+
+# ------------------------------------------------------------------------------------------
+# Transformations
+
+def test_jit_matches_eager_and_static_arguments():
+    ex = make_experts(9)
+    x, logits = make_inputs(9)
+    eager = nv.moe(x, ex, router_logits=logits, top_k=K, routing="renormalize")
+    f = jax.jit(nv.moe, static_argnames=("top_k", "routing"))
+    np.testing.assert_array_equal(f32(f(x, ex, router_logits=logits, top_k=K, routing="renormalize")),
+                                  f32(eager))
+
+
+def test_scan_and_while_loop_bodies():
+    ex = make_experts(10)
+    x, logits = make_inputs(10)
+    xs = jnp.stack([x, x * 0.5, -x])
+
+    def layer(h):
+        return (h + nv.moe(h, ex, router_logits=logits, top_k=K)).astype(BF16)
+
+    expect = x
+    for _ in range(3):
+        expect = layer(expect)
+    _, scanned = jax.lax.scan(lambda c, xi: (c, layer(xi)), None, xs)
+    np.testing.assert_allclose(f32(scanned[1]), f32(layer(xs[1])), rtol=1e-2, atol=1e-2)
+    looped = jax.jit(lambda h: jax.lax.fori_loop(0, 3, lambda i, c: layer(c), h))(x)
+    np.testing.assert_allclose(f32(looped), f32(expect), rtol=2e-2, atol=2e-2)
+    wl = jax.lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, layer(c[1])), (0, x))[1]
+    np.testing.assert_allclose(f32(wl), f32(expect), rtol=2e-2, atol=2e-2)
+
+
+def _dense_jnp(x, logits, ex, activation, routing, k):
+    """Differentiable dense reference: every (token, slot) pair multiplies its gathered expert."""
+    w1, w2, a1, a2 = (jnp.asarray(v, jnp.float32) for v in weights64(ex))
+    ids, wt = nv.route(logits, routing, top_k=k)
+    g = jnp.einsum("th,tknh->tkn", x.astype(jnp.float32), w1[ids]) * a1[ids][..., None]
+    a = activations.apply(activation, g)
+    y = jnp.einsum("tki,tkhi->tkh", a, w2[ids]) * (wt * a2[ids])[..., None]
+    return y.sum(1)
+
+
+@pytest.mark.parametrize("mode", ["bf16", "w4a16"])
+def test_grad_matches_dense_reference(mode):
+    ex = make_experts(11, bf16=mode == "bf16")
+    x, logits = make_inputs(11)
+    cot = jnp.asarray(np.random.default_rng(11).standard_normal((T, H)), jnp.float32)
+    for dispatch in ("gather", "all"):
+        def loss(x, l):
+            ids, w = nv.route(l, "renormalize", top_k=K)
+            out = XLABackend(dispatch, "tiled" if dispatch == "all" else "ragged")(
+                x, ex, ids, w, problem=_problem(ex, ids, mode, "swiglu"), local_expert_offset=0)
+            return (out.astype(jnp.float32) * cot).sum()
+
+        gx, gl = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, logits)
+        rx, rl = jax.grad(lambda x, l: (_dense_jnp(x, l, ex, "swiglu", "renormalize", K) * cot).sum(),
+                          argnums=(0, 1))(x, logits)
+        assert gx.dtype == BF16 and gl.dtype == jnp.float32
+        assert relerr(gx, np.asarray(rx, np.float64)) < 2e-2
+        assert relerr(gl, np.asarray(rl, np.float64)) < 2e-2
+    # The public API differentiates too.
+    g = jax.grad(lambda l: nv.moe(x, ex, router_logits=l, top_k=K).astype(jnp.float32).sum())(logits)
+    assert bool(jnp.all(jnp.isfinite(g))) and bool(jnp.any(g != 0))
+
+
+# ------------------------------------------------------------------------------------------
+# Expert parallelism, padding, empty batch, routing replay
+
+def _shard(ex, lo, hi):
+    return nv.NVFP4Experts(ex.gate_up[lo:hi], ex.down[lo:hi], ex.gated)
+
+
+def test_expert_parallel_shards_sum_to_full():
+    ex = make_experts(12)
+    x, logits = make_inputs(12)
+    full = f32(nv.moe(x, ex, router_logits=logits, top_k=K))
+    f = jax.jit(lambda x, ex, l, off: nv.moe(x, ex, router_logits=l, top_k=K, local_expert_offset=off))
+    parts = [f32(nv.moe(x, _shard(ex, 0, 3), router_logits=logits, top_k=K, local_expert_offset=0)),
+             f32(f(x, _shard(ex, 3, E), logits, jnp.int32(3)))]  # traced offset under jit
+    np.testing.assert_allclose(parts[0] + parts[1], full, rtol=2e-2, atol=1e-2 * np.abs(full).max())
+    ids, w = nv.route(logits, "softmax_topk", top_k=K)
+    assert relerr(parts[1], ref_moe(x, ex, np.where(np.asarray(ids) >= 3, ids, -1), w)) < 5e-3
+
+
+def test_padding_ids_contribute_nothing():
+    ex = make_experts(13)
+    x, logits = make_inputs(13)
+    ids, w = nv.route(logits, "softmax_topk", top_k=K)
+    pad = np.zeros((T, K), bool)
+    pad[::3, 1] = True
+    pad[5] = True  # a token with no expert at all
+    out_pad = nv.moe(x, ex, topk_ids=jnp.where(pad, -1, ids), topk_weights=jnp.where(pad, jnp.nan, w))
+    out_zero = nv.moe(x, ex, topk_ids=ids, topk_weights=jnp.where(pad, 0.0, w))
+    np.testing.assert_allclose(f32(out_pad), f32(out_zero), rtol=1e-2, atol=1e-3)
+    assert not np.any(f32(out_pad)[5])
+
+
+def test_empty_batch():
+    ex = make_experts(14)
+    x, logits = make_inputs(14, t=0)
+    out, (ids, w) = nv.moe(x, ex, router_logits=logits, top_k=K, return_routing=True)
+    assert out.shape == (0, H) and out.dtype == BF16 and ids.shape == (0, K) and w.shape == (0, K)
+    out = jax.jit(lambda x: nv.moe(x, ex, topk_ids=jnp.zeros((0, 2), jnp.int32),
+                                   topk_weights=jnp.zeros((0, 2))))(x)
+    assert out.shape == (0, H)
+
+
+def test_routing_replay_reproduces_output():
+    ex = make_experts(15)
+    x, logits = make_inputs(15)
+    bias = jnp.linspace(-0.1, 0.1, E)
+    out, (ids, w) = nv.moe(x, ex, router_logits=logits, routing="deepseek_v3", top_k=K, bias=bias,
+                           n_group=4, topk_group=2, routed_scaling_factor=2.5, return_routing=True)
+    assert ids.dtype == jnp.int32 and w.dtype == jnp.float32
+    np.testing.assert_array_equal(f32(nv.moe(x, ex, topk_ids=ids, topk_weights=w)), f32(out))
+
+
+# ------------------------------------------------------------------------------------------
+# Backend selection and bad input
+
+def test_backend_selection():
+    ex = make_experts(16)
+    x, logits = make_inputs(16)
+    p = _problem(ex, jnp.zeros((T, K)), "w4a16", "swiglu")
+    assert base.select("xla", p).name == "xla" and "xla" in base.names()
+    assert base.select("auto", p).unsupported_reason(p) is None
+    with pytest.raises(ValueError, match=r"backend must be one of .*'xla'"):
+        nv.moe(x, ex, router_logits=logits, top_k=K, backend="nope")
+
+
+@pytest.fixture(scope="module")
+def bad_setup():
+    ex = make_experts(17)
+    x, logits = make_inputs(17)
+    return ex, x, logits
+
+
+_IDS, _W = jnp.zeros((T, K), jnp.int32), jnp.ones((T, K), jnp.float32)
+
+
+@pytest.mark.parametrize("kwargs, err, match", [
+    (dict(mode="w8a8"), ValueError, "mode must be one of"),
+    (dict(mode="bf16"), ValueError, "needs BF16Experts"),
+    (dict(activation="gelu"), ValueError, "activation must be one of"),
+    (dict(activation="relu2"), ValueError, "not gated"),
+    (dict(routing="sparsemixer"), ValueError, "routing must be one of"),
+    (dict(top_k=E + 1), ValueError, "top_k"),
+    (dict(top_k=None), ValueError, "top_k is required"),
+    (dict(routing="deepseek_v3"), ValueError, "needs bias"),
+    (dict(routing="deepseek_v3", bias=jnp.zeros(E), n_group=3), ValueError, "n_group"),
+    (dict(routing="deepseek_v3", bias=jnp.zeros(E), n_group=2, topk_group=3), ValueError, "topk_group"),
+    (dict(router_logits=jnp.zeros((T + 1, E))), ValueError, "router_logits must be"),
+    (dict(router_logits=jnp.zeros((T, E), jnp.int32)), TypeError, "router_logits"),
+    (dict(x=jnp.zeros((T, H), jnp.float32)), TypeError, "x must be bfloat16"),
+    (dict(x=jnp.zeros((T, H + 16), BF16)), ValueError, r"x.shape\[1\]"),
+    (dict(x=jnp.zeros((T,), BF16)), ValueError, "x must be 2-D"),
+    (dict(local_expert_offset=2, router_logits=jnp.zeros((T, E))), ValueError, "exceed"),
+    (dict(local_expert_offset=-1), ValueError, "local_expert_offset"),
+    (dict(local_expert_offset=1.5), TypeError, "local_expert_offset"),
+    (dict(topk_ids=_IDS, topk_weights=_W), ValueError, "not both"),
+    (dict(router_logits=None), ValueError, "give router_logits"),
+    (dict(router_logits=None, topk_ids=_IDS), ValueError, "give router_logits"),
+    (dict(router_logits=None, topk_ids=_IDS.astype(jnp.float32), topk_weights=_W), TypeError, "topk_ids"),
+    (dict(router_logits=None, topk_ids=_IDS, topk_weights=_IDS), TypeError, "topk_weights"),
+    (dict(router_logits=None, topk_ids=_IDS, topk_weights=_W[:, :2]), ValueError, "topk_weights shape"),
+    (dict(router_logits=None, topk_ids=_IDS[1:], topk_weights=_W[1:]), ValueError, "topk_ids must be"),
+    (dict(router_logits=None, topk_ids=_IDS, topk_weights=_W, routed_scaling_factor=2.0), ValueError,
+     "routed_scaling_factor"),
+    (dict(router_logits=None, topk_ids=_IDS, topk_weights=_W, top_k=2), ValueError, "top_k=2"),
+])
+def test_bad_input(bad_setup, kwargs, err, match):
+    ex, x, logits = bad_setup
+    kw = dict(x=x, router_logits=logits, top_k=K)
+    kw.update(kwargs)
+    x = kw.pop("x")
+    with pytest.raises(err, match=match):
+        jax.jit(lambda x: nv.moe(x, ex, **kw))(x)  # errors at trace time
+
+
+def test_bad_experts(bad_setup):
+    ex, x, logits = bad_setup
+    with pytest.raises(TypeError, match="experts must be"):
+        nv.moe(x, {"gate_up": 1}, router_logits=logits, top_k=K)
+    b32 = nv.BF16Experts(jnp.zeros((E, 2 * I, H)), jnp.zeros((E, H, I)))
+    with pytest.raises(TypeError, match="experts.gate_up must be bfloat16"):
+        nv.moe(x, b32, router_logits=logits, top_k=K)
+    with pytest.raises(ValueError, match="needs NVFP4Experts"):
+        nv.moe(x, make_experts(bf16=True), router_logits=logits, top_k=K, mode="w4a16")
