@@ -76,13 +76,13 @@ def _round_pack(m, e, sticky):
     exp_unb = msb + e  # value in [2^exp_unb, 2^(exp_unb+1))
     lsb_exp = jnp.maximum(exp_unb, -126) - 23  # weight of the result's last mantissa bit
     shift = lsb_exp - e  # >= 2 for our callers (m has >= 25 bits)
-    big = shift >= 32
     sh = jnp.clip(shift, 1, 31).astype(_U32)
-    keep = jnp.where(big, _u(0), m >> sh)
-    rem = jnp.where(big, m, m & ((_u(1) << sh) - _u(1)))
-    half = jnp.where(big, _u(0xFFFFFFFF), _u(1) << (sh - _u(1)))
-    exact_half = (rem == half) & ~sticky
-    round_up = (rem > half) | ((rem == half) & sticky) | (exact_half & ((keep & _u(1)) == _u(1)))
+    wide = shift >= 32  # nothing of m is kept; m itself is the remainder
+    keep = jnp.where(wide, _u(0), m >> sh)
+    rem = jnp.where(wide, m, m & ((_u(1) << sh) - _u(1)))
+    half = jnp.where(wide, _u(1 << 31), _u(1) << (sh - _u(1)))
+    round_up = (rem > half) | ((rem == half) & (sticky | ((keep & _u(1)) == _u(1))))
+    round_up &= shift <= 32  # below half of the smallest subnormal: rounds to zero
     keep = keep + round_up.astype(_U32)
     # Normal: biased field (exp_unb + 126) plus the hidden bit in keep adds the final 1; a
     # rounding carry into bit 24 moves into the exponent by itself. Subnormal: field 0.
@@ -120,10 +120,52 @@ def div_rn(a, b):
     return out
 
 
-def mul_rn(a, b, zero=None):
-    """a * b rounded once to float32 (a fenced hardware multiply: IEEE on every backend
-    as long as it is not contracted or reassociated, which the fence prevents)."""
+def mul_rn(a, b):
+    """Correctly rounded a * b for finite float32 a, b (any sign; NaN propagates), in integers.
+
+    Exact on backends that flush subnormals (XLA:CPU does): a 24x24-bit mantissa product
+    from 12-bit limbs, then one rounding. Overflow gives +-inf.
+    """
+    a = jnp.asarray(a, jnp.float32)
+    b = jnp.asarray(b, jnp.float32)
+    a, b = jnp.broadcast_arrays(a, b)
+    sign = (bits(a) ^ bits(b)) & _u(0x80000000)
+    ma, ea = _unpack(from_bits(bits(a) & _u(0x7FFFFFFF)))
+    mb, eb = _unpack(from_bits(bits(b) & _u(0x7FFFFFFF)))
+    ah, al = ma >> 12, ma & _u(0xFFF)
+    bh, bl = mb >> 12, mb & _u(0xFFF)
+    hh, hl, ll = ah * bh, ah * bl + al * bh, al * bl  # P = hh*2^24 + hl*2^12 + ll < 2^48
+    low = ((hl & _u(0xF)) << 12) + ll  # the part of P below 2^16 (plus a carry)
+    hi = (hh << 8) + (hl >> 4) + (low >> 16)  # floor(P / 2^16) < 2^32, >= 2^30
+    mag = bits(_round_pack(jnp.maximum(hi, _u(1)), ea + eb + 16, (low & _u(0xFFFF)) != 0))
+    mag = jnp.where((ma == 0) | (mb == 0), _u(0), mag)
+    return jnp.where(jnp.isnan(a) | jnp.isnan(b), jnp.float32(jnp.nan), from_bits(mag | sign))
+
+
+def mul_fenced(a, b, zero=None):
+    """a * b as one hardware IEEE multiply, fenced against contraction and reassociation.
+
+    Cheaper than :func:`mul_rn`; exact wherever the backend keeps subnormals (XLA:GPU does).
+    """
     return fence(jnp.asarray(a, jnp.float32) * jnp.asarray(b, jnp.float32), zero)
+
+
+def abs_max(x, axis=None):
+    """max |x| over ``axis`` as an integer max of the bit patterns (exact even where the
+    backend treats subnormal inputs as zero); NaN wins, as in a float max."""
+    m = jnp.max(bits(x) & _u(0x7FFFFFFF), axis=axis)
+    return from_bits(m)
+
+
+def is_zero(x):
+    """x == 0 by bit pattern (a subnormal is not zero even under denormals-are-zero)."""
+    return (bits(x) & _u(0x7FFFFFFF)) == 0
+
+
+def sign_bit(x):
+    """x < 0 by bit pattern, -0.0 excluded (exact for negative subnormals too)."""
+    b = bits(x)
+    return ((b >> 31) == _u(1)) & ((b & _u(0x7FFFFFFF)) != 0)
 
 
 def f32_to_e4m3_bits(x):
@@ -160,7 +202,8 @@ def e4m3_bits_to_f32(u8):
 
 
 __all__ = [
-    "F32_MAX", "bits", "from_bits", "opaque_zero", "fence", "div_rn", "mul_rn",
+    "F32_MAX", "bits", "from_bits", "opaque_zero", "fence", "div_rn", "mul_rn", "mul_fenced", "abs_max",
+    "is_zero", "sign_bit",
     "f32_to_e4m3_bits", "e4m3_bits_to_f32",
 ]
 del jax

@@ -33,7 +33,14 @@ def _e2m1_codes(v):
     a = jnp.minimum(jnp.abs(v), FP4_MAX)
     idx = ((a > 0.25).astype(jnp.uint8) + (a >= 0.75) + (a > 1.25) + (a >= 1.75)
            + (a > 2.5) + (a >= 3.5) + (a > 5.0))
-    return idx.astype(jnp.uint8) | ((v < 0).astype(jnp.uint8) << 3)
+    return idx.astype(jnp.uint8) | (ex.sign_bit(v).astype(jnp.uint8) << 3)
+
+
+def _scale_elements(xb, e):
+    """``fp32(x * e)`` per element. XLA:CPU flushes subnormals, so there the product is
+    computed in integers; elsewhere (XLA:GPU keeps subnormals) one hardware multiply."""
+    return jax.lax.platform_dependent(
+        xb, e, cpu=lambda x, e: ex.mul_rn(x, e[..., None]), default=lambda x, e: x * e[..., None])
 
 
 def _encode_block(xb, sf, dec):
@@ -47,7 +54,7 @@ def _encode_block(xb, sf, dec):
     # Materialize the per-block results: otherwise XLA fuses this integer-heavy chain into the
     # per-element consumer and recomputes it 16 times (5x slower on the CPU).
     e, s_bits, s8 = jax.lax.optimization_barrier((e, s_bits, s8))
-    codes = _e2m1_codes(xb * e[..., None])
+    codes = _e2m1_codes(_scale_elements(xb, e))
     return s_bits, s8, codes
 
 
@@ -57,14 +64,14 @@ def _block_sq_error(xb, codes, s8, dec, amax_row, per_token, zero):
     Per token the dequantized term is ``((q_i * s8) * A_t) / 2688`` instead.
     """
     q = jnp.asarray(E2M1_TABLE)[codes.astype(jnp.int32)]
-    qs = ex.mul_rn(q, s8[..., None], zero)  # exact: <= 6 significant bits
+    qs = q * s8[..., None]  # exact: <= 6 significant bits
     if per_token:
-        mag = ex.div_rn(ex.mul_rn(jnp.abs(qs), amax_row[..., None], zero), _ENC_NUM)
+        mag = ex.div_rn(ex.mul_fenced(jnp.abs(qs), amax_row[..., None], zero), _ENC_NUM)
         deq = jnp.where(qs < 0, -mag, mag)
     else:
-        deq = ex.mul_rn(qs, dec[..., None], zero)
+        deq = ex.mul_fenced(qs, dec[..., None], zero)
     d = ex.fence(deq - xb, zero)
-    sq = ex.mul_rn(d, d, zero)
+    sq = ex.mul_fenced(d, d, zero)
     err = sq[..., 0]
     for i in range(1, BLOCK):
         err = ex.fence(err + sq[..., i], zero)
@@ -96,15 +103,14 @@ def _quantize(x, amax, *, recipe: str, per_token: bool):
 
     enc = global_encode_scale(a_row)
     dec = ex.div_rn(1.0, enc)
-    vmax = jnp.max(jnp.abs(xb), axis=-1)  # [..., nb]
-    zero = ex.opaque_zero()
-
+    vmax = ex.abs_max(xb, axis=-1)  # [..., nb]
     if recipe == "nvfp4":
-        sf = ex.mul_rn(vmax, ex.mul_rn(enc, _SIXTH, zero), zero)
+        sf = ex.mul_rn(vmax, ex.mul_rn(enc, _SIXTH))
         s_bits, _, codes = _encode_block(xb, jnp.minimum(sf, E4M3_MAX), dec)
     elif recipe == "4over6":
-        sf6 = jnp.where(vmax == 0, jnp.float32(0), ex.mul_rn(ex.div_rn(vmax, FP4_MAX), enc, zero))
-        sf4 = ex.mul_rn(sf6, np.float32(1.5), zero)
+        zero = ex.opaque_zero()
+        sf6 = jnp.where(ex.is_zero(vmax), jnp.float32(0), ex.mul_rn(ex.div_rn(vmax, FP4_MAX), enc))
+        sf4 = ex.mul_rn(sf6, np.float32(1.5))
         cands = [_encode_block(xb, sf, dec) for sf in (sf4, sf6)]
         (b4, s4, c4), (b6, s6, c6) = cands
         err4 = _block_sq_error(xb, c4, s4, dec, a_row, per_token, zero)
@@ -119,7 +125,7 @@ def _quantize(x, amax, *, recipe: str, per_token: bool):
     data = pack_codes(codes.reshape(lead + (nb * BLOCK,)))
     gs = dec.reshape(amax.shape)
     if per_token:
-        gs = jnp.where(amax == 0, jnp.float32(0), gs)
+        gs = jnp.where(ex.is_zero(amax), jnp.float32(0), gs)
     return NVFP4Array(data, scales, gs, jnp.dtype(x.dtype)), pick4
 
 
@@ -155,16 +161,15 @@ def quantize(x, *, per_token: bool = False, recipe: str = "nvfp4", global_amax=N
     _check_input(x)
     if recipe not in RECIPES:
         raise ValueError(f"recipe must be one of {RECIPES}, got {recipe!r}")
-    ax = jnp.abs(x.astype(jnp.float32))
     if global_amax is not None:
         amax = jnp.asarray(global_amax, jnp.float32)
         if tuple(amax.shape) != tuple(x.shape[: amax.ndim]) or amax.ndim > x.ndim - 1:
             raise ValueError(
                 f"global_amax shape {amax.shape} must be a prefix of x.shape[:-1] = {x.shape[:-1]}")
     elif per_token:
-        amax = jnp.max(ax, axis=-1)
+        amax = ex.abs_max(x.astype(jnp.float32), axis=-1)
     else:
-        amax = jnp.max(ax)
+        amax = ex.abs_max(x.astype(jnp.float32))
     return _quantize(x, amax, recipe=recipe, per_token=per_token)[0]
 
 
@@ -187,8 +192,8 @@ def quantize_experts(gate_up, down, *, recipe: str = "nvfp4", gated: bool = True
     _check_input(gate_up, "gate_up")
     _check_input(down, "down")
     _check_expert_shapes(tuple(gate_up.shape), tuple(down.shape), gated, "quantize_experts")
-    amax_gu = jnp.max(jnp.abs(gate_up.astype(jnp.float32)), axis=(1, 2))
-    amax_dn = jnp.max(jnp.abs(down.astype(jnp.float32)), axis=(1, 2))
+    amax_gu = ex.abs_max(gate_up.astype(jnp.float32), axis=(1, 2))
+    amax_dn = ex.abs_max(down.astype(jnp.float32), axis=(1, 2))
     return NVFP4Experts(
         _quantize(gate_up, amax_gu, recipe=recipe, per_token=False)[0],
         _quantize(down, amax_dn, recipe=recipe, per_token=False)[0],
