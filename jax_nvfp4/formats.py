@@ -133,9 +133,25 @@ def dequantize(q: NVFP4Array, dtype=jnp.float32, *, apply_global_scale: bool = T
     return vals.astype(dtype)
 
 
+class _ExpertShapes:
+    """Sizes shared by the expert containers: E, H and I."""
+
+    @property
+    def num_experts(self) -> int:
+        return self.gate_up.shape[0]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.gate_up.shape[2]
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.down.shape[2]
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class NVFP4Experts:
+class NVFP4Experts(_ExpertShapes):
     """NVFP4 weights of a stack of MoE experts (a pytree).
 
     Attributes
@@ -161,18 +177,6 @@ class NVFP4Experts:
                         f"NVFP4Experts.{name}.global_scale must have shape [E]={w.shape[:1]}, "
                         f"got {w.global_scale.shape}")
 
-    @property
-    def num_experts(self) -> int:
-        return self.gate_up.shape[0]
-
-    @property
-    def hidden_size(self) -> int:
-        return self.gate_up.shape[2]
-
-    @property
-    def intermediate_size(self) -> int:
-        return self.down.shape[2]
-
     @classmethod
     def from_parts(cls, gate_up_data, gate_up_scales, gate_up_global_scale, down_data, down_scales,
                    down_global_scale, *, gated: bool = True, dtype=jnp.bfloat16) -> "NVFP4Experts":
@@ -190,7 +194,7 @@ class NVFP4Experts:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class BF16Experts:
+class BF16Experts(_ExpertShapes):
     """Unquantized expert weights (mode ``"bf16"``), same layout as :class:`NVFP4Experts`.
 
     Attributes
@@ -207,18 +211,6 @@ class BF16Experts:
     def __post_init__(self):
         if _is_array(self.gate_up) and _is_array(self.down):
             _check_expert_shapes(tuple(self.gate_up.shape), tuple(self.down.shape), self.gated, "BF16Experts")
-
-    @property
-    def num_experts(self) -> int:
-        return self.gate_up.shape[0]
-
-    @property
-    def hidden_size(self) -> int:
-        return self.gate_up.shape[2]
-
-    @property
-    def intermediate_size(self) -> int:
-        return self.down.shape[2]
 
 
 def _check_expert_shapes(gu, dn, gated, where):
