@@ -18,7 +18,7 @@ import safetensors
 from safetensors.numpy import save_file
 
 import jax_nvfp4
-from jax_nvfp4 import checkpoint as ckpt_mod
+from jax_nvfp4.checkpoint import conversion as ckpt_mod
 from jax_nvfp4.checkpoint import CheckpointError, convert_checkpoint, load_nvfp4_experts, matches_ignore
 
 BF16, F8 = ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn

@@ -1,0 +1,238 @@
+"""The routed experts of a source checkpoint: found by name, grouped per MoE module, validated.
+
+:func:`plan_layers` finds every MoE module, decides which are ignored (kept in source precision)
+and checks the others completely (partners, shapes, dtypes, FP8 scales) before any output is
+written, so that a bad checkpoint fails fast and leaves nothing behind.
+
+Source dtypes: bfloat16, float16, float32 are quantized as they are; float8_e4m3fn needs a scale
+``weight_scale_inv`` (or ``weight_scale``) next to the weight, either per tensor (one element) or
+per 128x128 block (``[ceil(out/128), ceil(in/128)]``; the block size is read from
+``config.json``'s ``quantization_config.weight_block_size`` when present).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from ..formats import BLOCK
+from .naming import matches_ignore, parse_expert_name, strip_model
+from .safetensors_io import NP_DTYPES, Checkpoint, CheckpointError, TensorInfo, dtype_name
+
+DEFAULT_FP8_BLOCK = (128, 128)
+FP8 = "F8_E4M3"  # dequantized with its scale, rounded to bf16, then quantized
+_QUANTIZABLE = ("BF16", "F16", "F32")  # quantized as stored
+_SCALE_DTYPES = ("F32", "BF16", "F16")
+
+
+@dataclasses.dataclass
+class ExpertWeight:
+    """One source projection (gate, up or down) of one expert."""
+
+    info: TensorInfo
+    scale: TensorInfo | None = None  # FP8 dequantization scale
+    input_scale: TensorInfo | None = None  # FP8 activation scale (dropped)
+    block: tuple[int, int] | None = None  # FP8 scale block (rows, cols); None: one scale per tensor
+
+    @property
+    def name(self) -> str:
+        return self.info.name
+
+    @property
+    def tensors(self) -> list[TensorInfo]:
+        return [t for t in (self.info, self.scale, self.input_scale) if t is not None]
+
+    @property
+    def nbytes(self) -> int:
+        """Source bytes of the weight and its scales."""
+        return sum(t.nbytes for t in self.tensors)
+
+
+@dataclasses.dataclass
+class MoELayer:
+    """An MoE module's routed experts: ``experts[e][role]`` with role gate / up / down."""
+
+    module: str
+    experts: list[dict[str, ExpertWeight]]
+    ignored: bool = False
+    gated: bool = True
+    hidden: int = 0
+    inter: int = 0
+    source_dtype: str = ""
+    fp8_scaling: str | None = None  # "per-tensor" or "block AxB" for FP8 sources
+
+    @property
+    def num_experts(self) -> int:
+        return len(self.experts)
+
+    @property
+    def quant_dtype(self):
+        """Dtype of the values handed to the quantizer (FP8 sources are rounded to bf16 first)."""
+        return np.dtype(ml_dtypes.bfloat16) if self.source_dtype == FP8 else NP_DTYPES[self.source_dtype]
+
+    def gemm1(self, e: int) -> list[ExpertWeight]:
+        """The source weights stacked as GEMM1 rows: [gate, up] or [up]."""
+        ex = self.experts[e]
+        return [ex["gate"], ex["up"]] if self.gated else [ex["up"]]
+
+    def weights(self, e: int, gemm: str) -> list[ExpertWeight]:
+        """The source weights of expert ``e``'s ``gemm`` (``"gate_up"`` or ``"down"``), stacked along rows."""
+        return self.gemm1(e) if gemm == "gate_up" else [self.experts[e]["down"]]
+
+    def tensors(self) -> list[TensorInfo]:
+        """Every source tensor of the module (weights and scales of all experts)."""
+        return [t for ex in self.experts for w in ex.values() for t in w.tensors]
+
+    def info(self) -> dict:
+        """The module's entry in ``nvfp4_config.json``'s ``moe_modules``."""
+        d = dict(num_experts=self.num_experts, quantized=not self.ignored,
+                 source_dtype=dtype_name(self.source_dtype) if self.source_dtype else None)
+        if not self.ignored:
+            d.update(gated=self.gated, hidden_size=self.hidden, intermediate_size=self.inter,
+                     quantized_dtype=self.quant_dtype.name)
+            if self.fp8_scaling:
+                d["fp8_scaling"] = self.fp8_scaling
+        return d
+
+
+def _find_layers(tensors: dict[str, TensorInfo]) -> dict[str, MoELayer]:
+    """Group expert tensors by MoE module and expert index."""
+    raw: dict[str, dict[int, dict[str, dict[str, TensorInfo]]]] = {}
+    for name in tensors:
+        n = parse_expert_name(name)
+        if n is None:
+            continue
+        slot = raw.setdefault(n.module, {}).setdefault(n.expert, {}).setdefault(n.role, {})
+        if n.param in slot:
+            raise CheckpointError(f"tensor {name!r}: expert {n.role} {n.param} given twice "
+                                  f"(also as {slot[n.param].name!r}); mixed naming conventions?")
+        slot[n.param] = tensors[name]
+    layers = {}
+    for module, by_index in raw.items():
+        experts = []
+        for e in range(max(by_index) + 1):
+            if e not in by_index:
+                raise CheckpointError(f"MoE module {module!r}: expert {e} is missing "
+                                      f"(found experts {sorted(by_index)[:8]}...; indices must be 0..E-1)")
+            experts.append({role: _make_weight(params, module, e, role) for role, params in by_index[e].items()})
+        layers[module] = MoELayer(module, experts)
+    return layers
+
+
+def _make_weight(params: dict[str, TensorInfo], module: str, e: int, role: str) -> ExpertWeight:
+    if "weight" not in params:
+        other = next(iter(params.values())).name
+        raise CheckpointError(f"tensor {other!r} has no weight tensor next to it ({module}, expert {e}, {role})")
+    if "weight_scale_inv" in params and "weight_scale" in params:
+        raise CheckpointError(f"tensor {params['weight'].name!r} has both weight_scale_inv and weight_scale")
+    scale = params.get("weight_scale_inv", params.get("weight_scale"))
+    return ExpertWeight(params["weight"], scale, params.get("input_scale"))
+
+
+def _layer_ignored(layer: MoELayer, ignore: Sequence[str]) -> bool:
+    """All-or-nothing per MoE module: the experts of a module share one stacked weight."""
+    names = [t.name for t in layer.tensors()]
+    hits = [any(matches_ignore(n, p) for p in ignore) for n in names]
+    if any(hits) and not all(hits):
+        kept = names[hits.index(False)]
+        raise CheckpointError(
+            f"the ignore patterns select only part of MoE module {layer.module!r} (e.g. not {kept!r}); "
+            f"ignore whole MoE modules (e.g. {strip_model(layer.module)!r})")
+    return all(hits)
+
+
+def _validate_layer(layer: MoELayer, fp8_block: tuple[int, int]) -> None:
+    """Check partners, shapes, dtypes and FP8 scales; fills gated/hidden/inter/source_dtype."""
+    layer.gated = any("gate" in ex for ex in layer.experts)
+    for e, ex in enumerate(layer.experts):
+        present = next(iter(ex.values())).name
+        for role in ("gate", "up", "down") if layer.gated else ("up", "down"):
+            if role not in ex:
+                raise CheckpointError(f"tensor {present!r}: its {role} partner is missing "
+                                      f"(MoE module {layer.module!r}, expert {e})")
+    first = layer.experts[0]["up"]  # defines I, H and the dtype every expert must share
+    if len(first.info.shape) != 2:
+        raise CheckpointError(f"tensor {first.name!r}: expected a 2-D weight, got shape {list(first.info.shape)}")
+    layer.inter, layer.hidden = first.info.shape
+    layer.source_dtype = first.info.dtype
+    want = {"gate": (layer.inter, layer.hidden), "up": (layer.inter, layer.hidden), "down": (layer.hidden, layer.inter)}
+    for e, ex in enumerate(layer.experts):
+        for role, w in ex.items():
+            t = w.info
+            if t.shape != want[role]:
+                raise CheckpointError(
+                    f"tensor {t.name!r}: shape {list(t.shape)} differs from {list(want[role])} expected from "
+                    f"{first.name!r} (experts of MoE module {layer.module!r} must have equal shapes, "
+                    "gate/up [I, H], down [H, I])")
+            if t.dtype not in _QUANTIZABLE and t.dtype != FP8:
+                raise CheckpointError(f"tensor {t.name!r}: unsupported dtype {t.dtype} for an expert weight "
+                                      f"(supported: {', '.join(_QUANTIZABLE + (FP8,))})")
+            if t.dtype != layer.source_dtype:
+                raise CheckpointError(f"tensor {t.name!r}: dtype {t.dtype} differs from {layer.source_dtype} "
+                                      f"of {first.name!r} (one dtype per MoE module)")
+            if t.shape[1] % BLOCK:
+                raise CheckpointError(f"tensor {t.name!r}: in-dim K={t.shape[1]} (shape {list(t.shape)}) "
+                                      f"is not a multiple of {BLOCK}")
+            scaling = _validate_scale(w, fp8_block)
+            if scaling:
+                layer.fp8_scaling = scaling
+
+
+def _validate_scale(w: ExpertWeight, fp8_block: tuple[int, int]) -> str | None:
+    """FP8 weights need a per-tensor or block scale; others must not have one. Returns the scaling."""
+    t, s = w.info, w.scale
+    if t.dtype != FP8:
+        if s is not None:
+            raise CheckpointError(f"tensor {s.name!r}: a dequantization scale for a {t.dtype} weight "
+                                  f"({t.name!r}); only {FP8} weights are scaled")
+        return None
+    if s is None:
+        raise CheckpointError(f"tensor {t.name!r}: {FP8} weight without its scale "
+                              f"(expected {t.name}_scale_inv or {t.name[:-len('weight')]}weight_scale)")
+    if s.dtype not in _SCALE_DTYPES:
+        raise CheckpointError(f"tensor {s.name!r}: unsupported scale dtype {s.dtype} (supported: {_SCALE_DTYPES})")
+    if math.prod(s.shape) == 1:
+        return "per-tensor"
+    bo, bi = fp8_block
+    want = (-(-t.shape[0] // bo), -(-t.shape[1] // bi))
+    if s.shape != want:
+        raise CheckpointError(f"tensor {s.name!r}: scale shape {list(s.shape)} is neither one element nor the "
+                              f"{bo}x{bi} block grid {list(want)} of {t.name!r} {list(t.shape)}")
+    w.block = (bo, bi)
+    return f"block {bo}x{bi}"
+
+
+def _fp8_block_size(root: Path) -> tuple[int, int]:
+    """``quantization_config.weight_block_size`` from ``config.json``, else 128x128."""
+    try:
+        qc = json.loads((root / "config.json").read_text()).get("quantization_config") or {}
+        bs = qc.get("weight_block_size")
+        if bs and len(bs) == 2:
+            return int(bs[0]), int(bs[1])
+    except (OSError, ValueError, AttributeError):
+        pass
+    return DEFAULT_FP8_BLOCK
+
+
+def plan_layers(ckpt: Checkpoint, ignore: Sequence[str]) -> dict[str, MoELayer]:
+    """Find, classify (ignored or not) and validate every MoE module; raises before any output."""
+    layers = _find_layers(ckpt.tensors)
+    block = _fp8_block_size(ckpt.root)
+    for layer in layers.values():
+        layer.ignored = _layer_ignored(layer, ignore)
+        if layer.ignored:
+            layer.source_dtype = layer.experts[0].get("up", next(iter(layer.experts[0].values()))).info.dtype
+        else:
+            _validate_layer(layer, block)
+    for p in ignore:
+        if not any(matches_ignore(t.name, p) for ly in layers.values() if ly.ignored for t in ly.tensors()):
+            # stacklevel: the caller of convert_checkpoint / quantize_checkpoint_experts
+            warnings.warn(f"ignore pattern {p!r} matches no routed-expert tensor", stacklevel=3)
+    return layers

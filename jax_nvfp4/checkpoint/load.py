@@ -1,0 +1,135 @@
+"""Loading NVFP4 experts into JAX: from a converted checkpoint, or quantized from a source one."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+
+from ..formats import NVFP4Experts
+from .experts import plan_layers
+from .naming import CONFIG_NAME, FORMAT_NAME, FORMAT_VERSION, GEMMS, ignore_patterns, output_names
+from .safetensors_io import NP_DTYPES, ST_DTYPES, Checkpoint, CheckpointError, TensorReader, open_checkpoint
+from .sources import check_recipe, quantize_weights, quantized_parts, source_progress
+
+_DTYPE_BY_NAME = {dt.name: dt for dt in NP_DTYPES.values()}  # "bfloat16" -> dtype
+
+
+class _Stack:
+    """Host buffers for one MoE module's stacked NVFP4 experts, filled expert by expert.
+
+    ``parts[gemm][part]`` (gemm ``"gate_up"`` or ``"down"``): ``"data"`` ``[E, rows, K/2]``,
+    ``"scales"`` ``[E, rows, K/16]``, ``"global_scale"`` ``[E]``.
+    """
+
+    def __init__(self, num_experts: int, gated: bool, hidden: int, inter: int):
+        def buffers(rows, k):
+            return {part: np.empty((num_experts, *shape), NP_DTYPES[dtype])
+                    for part, (dtype, shape) in quantized_parts(rows, k).items()}
+        self.parts = {"gate_up": buffers((2 if gated else 1) * inter, hidden), "down": buffers(hidden, inter)}
+
+    def experts(self, gated: bool, dtype) -> NVFP4Experts:
+        return NVFP4Experts.from_parts(*(jnp.asarray(a) for gemm in GEMMS for a in self.parts[gemm].values()),
+                                       gated=gated, dtype=dtype)
+
+
+def quantize_checkpoint_experts(src, *, ignore: Sequence[str] = (), recipe: str = "nvfp4",
+                                progress: bool = False) -> dict[str, NVFP4Experts]:
+    """Quantize a source checkpoint's routed experts while loading them (nothing is written).
+
+    Streams one expert tensor at a time: host memory holds the quantized experts plus one source
+    expert tensor. Same rules and errors as :func:`convert_checkpoint`; the result equals
+    ``load_nvfp4_experts(convert_checkpoint(src, dst, ...).dst)``.
+
+    Returns
+    -------
+    dict mapping MoE module name (e.g. ``"model.layers.0.mlp"``) to NVFP4Experts with gate_up
+    ``[E, 2I, H]`` (or ``[E, I, H]`` not gated) and down ``[E, H, I]``, global scales ``[E]``.
+    Ignored modules are absent.
+    """
+    check_recipe(recipe)
+    ignore = ignore_patterns(ignore)
+    ckpt = open_checkpoint(src)
+    layers = [ly for ly in plan_layers(ckpt, ignore).values() if not ly.ignored]
+    total = sum(t.nbytes for ly in layers for t in ly.tensors())
+    out = {}
+    with TensorReader() as reader, source_progress(total, "nvfp4 quantize", progress) as bar:
+        for ly in layers:
+            stack = _Stack(ly.num_experts, ly.gated, ly.hidden, ly.inter)
+            for e in range(ly.num_experts):
+                for gemm in GEMMS:
+                    ws = ly.weights(e, gemm)
+                    parts = quantize_weights(reader, ws, ly.quant_dtype, recipe)
+                    for buf, part in zip(stack.parts[gemm].values(), parts):
+                        buf[e] = part
+                    bar.update(sum(w.nbytes for w in ws))
+            out[ly.module] = stack.experts(ly.gated, ly.quant_dtype)
+    return out
+
+
+def read_nvfp4_config(path) -> dict:
+    """The ``nvfp4_config.json`` of an NVFP4 checkpoint folder (or of the folder of a file in it)."""
+    path = Path(path)
+    root = path if path.is_dir() else path.parent
+    cfg_path = root / CONFIG_NAME
+    if not cfg_path.is_file():
+        raise CheckpointError(f"{root} is not an NVFP4 checkpoint written by jax_nvfp4 (no {CONFIG_NAME}); "
+                              "to quantize a source checkpoint while loading, pass quantize_source=True")
+    cfg = json.loads(cfg_path.read_text())
+    if cfg.get("format") != FORMAT_NAME or cfg.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"{cfg_path}: format {cfg.get('format')!r} version {cfg.get('format_version')!r} "
+                              f"is not {FORMAT_NAME!r} version {FORMAT_VERSION}")
+    return cfg
+
+
+def load_nvfp4_experts(path, *, quantize_source: bool = False, ignore: Sequence[str] = (), recipe: str = "nvfp4",
+                       progress: bool = False) -> dict[str, NVFP4Experts]:
+    """Load the NVFP4 experts of a checkpoint, stacked per MoE module.
+
+    Parameters
+    ----------
+    path : an NVFP4 checkpoint written by :func:`convert_checkpoint` (folder or one of its files),
+        or, with ``quantize_source=True``, a source (bf16 / fp16 / fp32 / FP8) checkpoint.
+    quantize_source : quantize the source's experts while loading (:func:`quantize_checkpoint_experts`);
+        ``ignore``, ``recipe`` and ``progress`` apply only then.
+
+    Returns
+    -------
+    dict mapping MoE module name (e.g. ``"model.layers.0.mlp"``) to NVFP4Experts: gate_up data uint8
+    ``[E, 2I, H/2]`` (rows [gate; up]; ``[E, I, H/2]`` not gated), scales float8_e4m3fn
+    ``[E, 2I, H/16]``, global_scale float32 ``[E]``; down ``[E, H, I/2]`` / ``[E, H, I/16]`` / ``[E]``.
+    Modules kept in source precision (ignored) are absent.
+    """
+    if quantize_source:
+        return quantize_checkpoint_experts(path, ignore=ignore, recipe=recipe, progress=progress)
+    cfg = read_nvfp4_config(path)
+    path = Path(path)
+    ckpt = open_checkpoint(path if path.is_dir() else path.parent)  # all shards, whichever file was named
+    out = {}
+    with TensorReader() as reader:
+        for module, m in cfg["moe_modules"].items():
+            if not m["quantized"]:
+                continue
+            gated, n = m["gated"], m["num_experts"]
+            stack = _Stack(n, gated, m["hidden_size"], m["intermediate_size"])
+            for e in range(n):
+                names = output_names(module, e, gated)
+                for gemm in GEMMS:
+                    for part, buf in stack.parts[gemm].items():
+                        # buf[e, ...] is a view also for the 1-D global scales (buf[e] would be a copy)
+                        _read_expected(ckpt, reader, names[gemm][part], buf[e, ...])
+            out[module] = stack.experts(gated, _DTYPE_BY_NAME[m["quantized_dtype"]])
+    return out
+
+
+def _read_expected(ckpt: Checkpoint, reader: TensorReader, name: str, out: np.ndarray) -> None:
+    info = ckpt.tensors.get(name)
+    if info is None:
+        raise CheckpointError(f"NVFP4 checkpoint {ckpt.root}: tensor {name!r} is missing")
+    if NP_DTYPES.get(info.dtype) != out.dtype or info.shape != out.shape:
+        raise CheckpointError(f"tensor {name!r}: {info.dtype} {list(info.shape)}, expected "
+                              f"{ST_DTYPES[out.dtype]} {list(out.shape)}")
+    reader.read_into(info, out)

@@ -1,0 +1,75 @@
+"""Names: routed-expert tensors of a source checkpoint, ignore patterns, and the NVFP4 output's names.
+
+Recognized source expert names (``L`` layer, ``N`` expert)::
+
+    Mixtral:              model.layers.L.block_sparse_moe.experts.N.{w1,w3,w2}.weight  (gate, up, down)
+    Qwen3-MoE, DeepSeek:  model.layers.L.mlp.experts.N.{gate,up,down}_proj.weight
+
+with ``weight_scale_inv`` / ``weight_scale`` / ``input_scale`` in place of ``weight`` for FP8 scales.
+The *MoE module* is the part before ``.experts`` (``model.layers.L.mlp``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import NamedTuple
+
+FORMAT_NAME = "jax_nvfp4"
+FORMAT_VERSION = 1
+CONFIG_NAME = "nvfp4_config.json"
+GATE_UP, UP, DOWN = "gate_up_proj", "up_proj", "down_proj"  # output projection names
+DATA, BLOCK_SCALE, GLOBAL_SCALE = "weight", "weight_scale", "weight_global_scale"  # output params
+GEMMS = ("gate_up", "down")  # keys of output_names, in GEMM order
+
+_EXPERT_RE = re.compile(
+    r"^(?P<module>.+)\.experts\.(?P<expert>\d+)\."
+    r"(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)\."
+    r"(?P<param>weight|weight_scale_inv|weight_scale|input_scale)$")
+_ROLE = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+
+
+class ExpertName(NamedTuple):
+    """A parsed source expert tensor name."""
+
+    module: str  # the MoE module, e.g. "model.layers.0.mlp"
+    expert: int
+    role: str  # "gate", "up" or "down", whatever the naming convention
+    param: str  # "weight", "weight_scale_inv", "weight_scale" or "input_scale"
+
+
+def parse_expert_name(name: str) -> ExpertName | None:
+    """The parts of a routed-expert tensor name, or None for any other tensor."""
+    m = _EXPERT_RE.match(name)
+    if not m:
+        return None
+    return ExpertName(m["module"], int(m["expert"]), _ROLE[m["proj"]], m["param"])
+
+
+def strip_model(name: str) -> str:
+    """``name`` without a leading ``model.``."""
+    return name[len("model."):] if name.startswith("model.") else name
+
+
+def ignore_patterns(ignore: str | Sequence[str]) -> list[str]:
+    """The ignore patterns as a list (a single string is one pattern, not a sequence of letters)."""
+    return [ignore] if isinstance(ignore, str) else list(ignore)
+
+
+def matches_ignore(name: str, pattern: str) -> bool:
+    """Whether ignore ``pattern`` selects tensor or module ``name``.
+
+    A pattern matches the name exactly or as a dotted prefix (``layers.3.mlp`` matches
+    ``layers.3.mlp.experts.0.gate_proj.weight`` but not ``layers.3.mlp2...``), with or without a
+    leading ``model.`` on either side.
+    """
+    n, p = strip_model(name), strip_model(pattern.strip().strip("."))
+    return bool(p) and (n == p or n.startswith(p + "."))
+
+
+def output_names(module: str, e: int, gated: bool) -> dict[str, dict[str, str]]:
+    """Output tensor names of expert ``e``: ``{"gate_up"|"down": {"data"|"scales"|"global_scale": name}}``."""
+    p = f"{module}.experts.{e}"
+    params = {"data": DATA, "scales": BLOCK_SCALE, "global_scale": GLOBAL_SCALE}
+    return {gemm: {part: f"{p}.{proj}.{param}" for part, param in params.items()}
+            for gemm, proj in zip(GEMMS, (GATE_UP if gated else UP, DOWN))}

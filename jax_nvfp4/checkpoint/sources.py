@@ -1,0 +1,111 @@
+"""Source expert weights to NVFP4: read, FP8-dequantized, checked finite, quantized.
+
+bfloat16, float16 and float32 weights reach the quantizer as stored. FP8 (float8_e4m3fn) weights
+are dequantized as ``fp32(w) * scale`` and rounded to bfloat16 first (spec section 4), so an FP8
+checkpoint quantizes exactly as its bf16 dequantization would.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from ..formats import BLOCK
+from ..quantize import RECIPES, quantize
+from .experts import FP8, ExpertWeight
+from .safetensors_io import CheckpointError, TensorReader
+
+
+def check_recipe(recipe: str) -> None:
+    """Raise ValueError unless ``recipe`` is one of :data:`jax_nvfp4.RECIPES`."""
+    if recipe not in RECIPES:
+        raise ValueError(f"recipe must be one of {RECIPES}, got {recipe!r}")
+
+
+def quantized_parts(rows: int, k: int) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """safetensors dtype and shape of each part of a quantized ``[rows, k]`` weight, in the order
+    :func:`quantize_weights` returns them: ``{"data" | "scales" | "global_scale": (dtype, shape)}``."""
+    return {"data": ("U8", (rows, k // 2)), "scales": ("F8_E4M3", (rows, k // BLOCK)), "global_scale": ("F32", ())}
+
+
+def source_progress(total: int, desc: str, enabled: bool):
+    """A tqdm bar over ``total`` source bytes (disabled unless ``enabled``)."""
+    from tqdm.auto import tqdm  # lazily: importing jax_nvfp4 should not import tqdm
+
+    return tqdm(total=total, unit="B", unit_scale=True, desc=desc, disable=not enabled, dynamic_ncols=True)
+
+
+@functools.partial(jax.jit, static_argnames=("recipe",))
+def _quantize_tensor(x, recipe: str):
+    """x ``[N, K]`` -> (data uint8 ``[N, K/2]``, scales e4m3 ``[N, K/16]``, global f32 ``[]``, all finite)."""
+    amax = jnp.max(jnp.abs(x.astype(jnp.float32)))  # one global scale for all rows (gate and up share it)
+    q = quantize(x, recipe=recipe, global_amax=amax)
+    return q.data, q.scales, q.global_scale, jnp.all(jnp.isfinite(x))
+
+
+def _dequantize_fp8_into(reader: TensorReader, w: ExpertWeight, out: np.ndarray) -> None:
+    """``out [N, K] bf16 = bf16(fp32(w) * scale)``, a few rows at a time (bounded fp32 temporaries)."""
+    w8 = reader.read(w.info)
+    s = reader.read(w.scale).astype(np.float32)
+    n, k = w8.shape
+    if w.block is None:
+        step = max(1, (4 << 20) // max(1, k))  # ~16 MB of fp32 temporaries
+        row_scales = itertools.repeat(s.reshape(()))
+    else:
+        step, bi = w.block  # one block-row at a time, its scales repeated to one per column
+        row_scales = (np.repeat(s_row, bi)[:k] for s_row in s)
+    for r, scale in zip(range(0, n, step), row_scales):
+        out[r:r + step] = (w8[r:r + step].astype(np.float32) * scale).astype(ml_dtypes.bfloat16)
+
+
+def _row_blocks(weights: Sequence[ExpertWeight]) -> Iterator[tuple[ExpertWeight, slice]]:
+    """Each weight with its rows in the row-stack of ``weights``."""
+    r = 0
+    for w in weights:
+        n = w.info.shape[0]
+        yield w, slice(r, r + n)
+        r += n
+
+
+def _load_rows(reader: TensorReader, weights: Sequence[ExpertWeight], dtype) -> np.ndarray:
+    """Read the weights stacked along rows into one buffer ``[sum N, K]`` of ``dtype`` (no extra copy)."""
+    k = weights[0].info.shape[1]
+    out = np.empty((sum(w.info.shape[0] for w in weights), k), dtype)
+    for w, rows in _row_blocks(weights):
+        if w.info.dtype == FP8:
+            _dequantize_fp8_into(reader, w, out[rows])
+        else:
+            reader.read_into(w.info, out[rows])
+    return out
+
+
+def _check_finite(x: np.ndarray, weights: Sequence[ExpertWeight]) -> None:
+    """Raise naming the first weight of the row-stack ``x`` with a NaN or Inf."""
+    for w, rows in _row_blocks(weights):
+        part = x[rows].astype(np.float32)
+        if not np.isfinite(part).all():
+            bad = np.argwhere(~np.isfinite(part))[0]
+            what = " after FP8 dequantization" if w.info.dtype == FP8 else ""
+            raise CheckpointError(f"tensor {w.name!r}: non-finite value {part[tuple(bad)]} at {bad.tolist()}"
+                                  f"{what}; refusing to quantize NaN/Inf weights")
+
+
+def quantize_weights(reader: TensorReader, weights: Sequence[ExpertWeight], dtype, recipe: str):
+    """Quantize the row-stack of ``weights`` with one global scale.
+
+    Returns
+    -------
+    (data uint8 ``[N, K/2]``, scales float8_e4m3fn ``[N, K/16]``, global_scale float32 ``[]``) as numpy.
+    """
+    x = _load_rows(reader, weights, dtype)
+    data, scales, gs, finite = _quantize_tensor(x, recipe)
+    if not bool(finite):  # name the culprit on the host only when the jitted check fails
+        _check_finite(x, weights)
+    del x
+    return np.asarray(data), np.asarray(scales), np.asarray(gs)
