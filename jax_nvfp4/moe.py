@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from . import activations
 from .backends import base as _base
 from .backends import xla as _xla  # noqa: F401  (registers the "xla" backend)
-from .backends.base import ACTIVATIONS, MODES, MoEProblem
+from .backends.base import MODES, MoEProblem
 from .formats import BF16Experts, NVFP4Experts
 from .routing import ROUTING_METHODS, check_route_args, route
 
@@ -156,7 +156,8 @@ def moe(x, experts, *, router_logits=None, routing: str = "softmax_topk", top_k:
     else:
         if topk_ids is None or topk_weights is None:
             raise ValueError("give router_logits, or both topk_ids and topk_weights")
-        extra = [n for n, v in (("bias", bias), ("n_group", n_group), ("topk_group", topk_group)) if v is not None]
+        extra = [n for n, v in (("bias", bias), ("n_group", n_group), ("topk_group", topk_group))
+                 if v is not None]
         if not (isinstance(routed_scaling_factor, (int, float)) and routed_scaling_factor == 1):
             extra.append("routed_scaling_factor")
         if extra:
@@ -183,6 +184,12 @@ def moe(x, experts, *, router_logits=None, routing: str = "softmax_topk", top_k:
     problem = MoEProblem(tokens=t, hidden=h, intermediate=experts.intermediate_size,
                          num_experts=experts.num_experts, top_k=topk_ids.shape[1], mode=mode,
                          activation=activation)
+    if not isinstance(local_expert_offset, int):
+        # The Backend protocol types the offset as a Python int; only "xla" also takes a traced one.
+        if backend not in ("auto", "xla"):
+            raise ValueError(f"backend={backend!r} needs a Python int local_expert_offset; a traced "
+                             "offset runs on backend 'xla'")
+        backend = "xla"
     impl = _base.select(backend, problem)
     out = impl(x, experts, topk_ids, topk_weights, problem=problem,
                local_expert_offset=local_expert_offset)

@@ -4,14 +4,16 @@ All arithmetic is float32 on the logits. Selection uses ``lax.top_k``, which is 
 equal scores the lower expert id wins. Every method multiplies the weights by
 ``routed_scaling_factor``.
 
-| method              | selection                                   | weights                               |
-| ------------------- | ------------------------------------------- | ------------------------------------- |
-| ``softmax_topk``      | top-k of ``softmax(l)``                       | ``softmax(l)[topk]``                    |
-| ``renormalize``       | top-k of ``l``                                | ``softmax(l[topk])``                    |
-| ``renormalize_naive`` | top-k of ``softmax(l)``                       | ``p[topk] / (sum p[topk] + 1e-20)``     |
-| ``topk_uniform``      | top-k of ``l``                                | ``1/k``                                 |
-| ``llama4``            | argmax (k = 1)                              | ``sigmoid(l[top1])``                    |
-| ``deepseek_v3``       | grouped top-k of ``sigmoid(l) + bias``        | ``s[topk] / (sum s[topk] + 1e-20)``     |
+Methods (selection; weights), with ``p = softmax(l)``, ``s = sigmoid(l)``:
+
+- ``softmax_topk``: top-k of ``p``; ``p[topk]`` (no renormalization).
+- ``renormalize``: top-k of ``l``; ``softmax(l[topk])``.
+- ``renormalize_naive``: top-k of ``p``; ``p[topk] / (sum p[topk] + 1e-20)``.
+- ``topk_uniform``: top-k of ``l``; ``1/k`` each.
+- ``llama4``: argmax (k = 1); ``sigmoid(l[top1])``.
+- ``deepseek_v3``: ``b = s + bias``; E is split into ``n_group`` groups scored by the sum of
+  their top-2 ``b``; top-k of ``b`` within the ``topk_group`` best groups;
+  ``s[topk] / (sum s[topk] + 1e-20)``.
 
 For every method but ``deepseek_v3`` an optional ``bias [E]`` is added to the logits first;
 for ``deepseek_v3`` it is required and affects selection only.

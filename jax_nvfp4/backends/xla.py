@@ -18,10 +18,10 @@ Pipeline for ``M = T * k`` token-expert pairs (no ``[T, E, H]`` tensor anywhere)
 
    - ``"ragged"``: :func:`jax.lax.ragged_dot_general`. XLA lowers it (on CPU and GPU) by
      expanding the rows densely over the groups, costing ``G * M`` row products, so it is
-     used only while that is small (few groups or few rows).
+     used only while that is cheap (few groups or few rows; see :func:`choose_gmm`).
    - ``"tiled"``: groups are padded to a row tile; a ``lax.scan`` over at most
-     ``ceil(M / tile) + G`` tiles multiplies each tile by its group's weights (empty tiles
-     skipped with ``lax.cond``), costing about ``M + G * tile`` row products.
+     ``(M + min(G, M) * (tile - 1)) / tile`` tiles multiplies each tile by its group's
+     weights, costing about ``M + G * tile`` row products. Always used on the CPU.
 
 4. **Activation** in fp32; the intermediate is rounded to bf16 (``bf16``/``w4a16``) or
    quantized per row to NVFP4 and decoded exactly (``w4a4``) before GEMM2.
@@ -44,7 +44,9 @@ from .base import MoEProblem, register
 
 DISPATCH = ("auto", "gather", "all")
 GMM = ("auto", "ragged", "tiled")
-_STEP_ROWS = 64  # fixed cost of one scan step of the tiled matmul, in rows of GEMM work
+# Roofline constants for the strategy choice: H200 figures (spec section 6) and an estimate of
+# the fixed cost of one scan step of the tiled matmul (loop iteration, weight slice, launch).
+_FLOP_S, _BYTES_S, _STEP_S = 790e12, 4.3e12, 10e-6
 _RAGGED_DN = lax.RaggedDotDimensionNumbers(
     dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
 
@@ -64,11 +66,40 @@ def tile_rows(rows: int, groups: int) -> int:
     return int(min(256, max(8, 1 << (avg - 1).bit_length())))
 
 
-def choose_gmm(rows: int, groups: int) -> str:
-    """``"ragged"`` if its dense expansion (``groups * rows``) is no dearer than the tiled scan."""
+def num_tiles(rows: int, groups: int, tile: int) -> int:
+    """Static bound on ``sum_g ceil(size_g / tile)``: at most ``min(groups, rows)`` groups are
+    non-empty, each wasting less than one tile."""
+    return max(1, (rows + min(groups, rows) * (tile - 1)) // tile)
+
+
+def choose_gmm(rows: int, groups: int, weights: int = 1 << 22, platform: str | None = None) -> str:
+    """``"ragged"`` or ``"tiled"`` for grouped matmuls of ``rows`` sorted rows over ``groups``
+    groups of ``weights`` weights each (GEMM1 plus GEMM2).
+
+    XLA:CPU runs the dense expansion of ``ragged_dot`` slowly at any size, so the CPU always
+    tiles. Elsewhere a roofline estimate with H200 figures picks the cheaper one: ``ragged`` is
+    one matmul over ``groups * rows`` rows that reads every group's weights once; ``tiled`` is
+    ``num_tiles`` scan steps, each reading one group's weights and paying a fixed step cost
+    (an estimate, to be calibrated with ``benchmarks/moe_bench.py --xla-variants``).
+    """
+    platform = jax.default_backend() if platform is None else platform
+    if platform == "cpu":
+        return "tiled"
     tile = tile_rows(rows, groups)
-    n_tiles = -(-rows // tile) + groups
-    return "ragged" if groups * rows <= n_tiles * (tile + _STEP_ROWS) else "tiled"
+    w_bytes = 2.0 * weights  # bf16 operands
+    ragged = max(2.0 * groups * rows * weights / _FLOP_S, groups * w_bytes / _BYTES_S)
+    step = max(2.0 * tile * weights / _FLOP_S, w_bytes / _BYTES_S) + 2 * _STEP_S
+    return "ragged" if ragged <= num_tiles(rows, groups, tile) * step else "tiled"
+
+
+def resolve_strategy(pairs: int, experts, dispatch: str = "auto", gmm: str = "auto"):
+    """Replace ``"auto"`` by the static choice for ``pairs`` token-expert pairs and ``experts``."""
+    e = experts.num_experts
+    dispatch = choose_dispatch(pairs, e) if dispatch == "auto" else dispatch
+    if gmm == "auto":
+        weights = (experts.gate_up.shape[1] + experts.intermediate_size) * experts.hidden_size
+        gmm = choose_gmm(pairs, pairs if dispatch == "gather" else e, weights)
+    return dispatch, gmm
 
 
 # ---------------------------------------------------------------------------------------------
@@ -99,7 +130,7 @@ def gmm_tiled(lhs, rhs, group_sizes, tile: int | None = None):
     m, kdim = lhs.shape
     g, n, _ = rhs.shape
     tile = tile_rows(m, g) if tile is None else tile
-    n_tiles = -(-m // tile) + g  # >= sum_g ceil(size_g / tile)
+    n_tiles = num_tiles(m, g, tile)
     tiles = (group_sizes + tile - 1) // tile
     tile_end = jnp.cumsum(tiles)
     row_end = jnp.cumsum(group_sizes)
@@ -109,25 +140,23 @@ def gmm_tiled(lhs, rhs, group_sizes, tile: int | None = None):
     dest = (tile_end[gc] - tiles[gc]) * tile + rows - (row_end[gc] - group_sizes[gc])
     dest = jnp.where(grp < g, dest, n_tiles * tile)  # out of bounds: dropped
     buf = jnp.zeros((n_tiles * tile, kdim), lhs.dtype).at[dest].set(lhs, mode="drop")
-    tile_grp = jnp.searchsorted(tile_end, jnp.arange(n_tiles, dtype=jnp.int32), side="right")
+    # Unused trailing tiles (zero rows) repeat the last group instead of branching: a lax.cond
+    # would cost a device-to-host sync per step on GPUs, more than the wasted tile.
+    tile_grp = jnp.minimum(jnp.searchsorted(tile_end, jnp.arange(n_tiles, dtype=jnp.int32),
+                                            side="right"), g - 1)
 
     # Checkpointed so that reverse mode saves only the step inputs, not each step's weight slice.
     @jax.checkpoint
     def step(carry, inp):
         xt, gi = inp
-
-        def mm():
-            w = lax.dynamic_index_in_dim(rhs, jnp.minimum(gi, g - 1), keepdims=False)
-            return lax.dot_general(xt, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-
-        return carry, lax.cond(gi < g, mm, lambda: jnp.zeros((tile, n), jnp.float32))
+        w = lax.dynamic_index_in_dim(rhs, gi, keepdims=False)
+        return carry, lax.dot_general(xt, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
     _, ys = lax.scan(step, None, (buf.reshape(n_tiles, tile, kdim), tile_grp))
     return ys.reshape(n_tiles * tile, n).at[dest].get(mode="fill", fill_value=0)
 
 
 def _gmm(kind, lhs, rhs, group_sizes):
-    kind = choose_gmm(lhs.shape[0], rhs.shape[0]) if kind == "auto" else kind
     return gmm_ragged(lhs, rhs, group_sizes) if kind == "ragged" else gmm_tiled(lhs, rhs, group_sizes)
 
 
@@ -201,7 +230,7 @@ def moe_experts(x, experts, topk_ids, topk_weights, *, mode: str, activation: st
     m = t * k
     if m == 0:
         return jnp.zeros((t, h), jnp.bfloat16)
-    dispatch = choose_dispatch(m, e) if dispatch == "auto" else dispatch
+    dispatch, gmm = resolve_strategy(m, experts, dispatch, gmm)
     order, valid_s, sizes, row_group, hit = _plan(topk_ids.reshape(m).astype(jnp.int32), e,
                                                   local_expert_offset, dispatch)
     tok = order // k
@@ -266,9 +295,12 @@ class XLABackend:
                  local_expert_offset):
         if not isinstance(experts, (NVFP4Experts, BF16Experts)):
             raise TypeError(f"experts must be NVFP4Experts or BF16Experts, got {type(experts).__name__}")
+        # Resolve "auto" here so that equal strategies share one compiled function.
+        dispatch, gmm = resolve_strategy(topk_ids.shape[0] * topk_ids.shape[1], experts,
+                                         self.dispatch, self.gmm)
         return moe_experts(x, experts, topk_ids, topk_weights, mode=problem.mode,
                            activation=problem.activation, local_expert_offset=local_expert_offset,
-                           dispatch=self.dispatch, gmm=self.gmm)
+                           dispatch=dispatch, gmm=gmm)
 
 
 register(XLABackend())

@@ -1,0 +1,237 @@
+"""MoE layer latency per backend and mode, against a bf16 ``jax.lax.ragged_dot`` baseline and the
+byte and FLOP floors of the experts actually hit.
+
+Shapes (``jax_nvfp4.arg_specs``): a DeepSeek-V3 EP8 shard (256 experts, top-8, 32 local, H 7168,
+I 2048; every token's 8 rows land on the 32 local experts) and Qwen3-30B-A3B (128 experts, top-8,
+H 2048, I 768). Routing is precomputed (random, ``topk_ids``/``topk_weights``), so the timings are
+of the expert part: dispatch, GEMM1, activation, GEMM2, combine.
+
+Floors, for the experts the batch actually hits (averaged over the input sets):
+``bytes / 4.3 TB/s`` (NVFP4 data + block scales, or bf16) and ``2 * rows * H * 3I / 790 TFLOP/s``.
+
+    python benchmarks/moe_bench.py [--quick] [--backends xla,ffi] [--modes bf16,w4a16,w4a4]
+        [--shapes deepseek_v3_ep8,qwen3_30b_a3b] [--tokens 1,4,16] [--xla-variants all/ragged,all/tiled]
+        [--json out.json] [--plot out.png]
+
+``--quick`` runs tiny shapes (a CPU smoke test in seconds). Backends that are not available on
+the default device, or do not support a problem, are skipped with a note.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _timing import device_name, median_time  # noqa: E402
+
+import jax_nvfp4 as nv  # noqa: E402
+from jax_nvfp4 import arg_specs as specs  # noqa: E402
+from jax_nvfp4.backends import base  # noqa: E402
+from jax_nvfp4.backends.xla import XLABackend  # noqa: E402
+
+BASELINE = "ragged_dot_bf16"
+
+
+def ragged_dot_moe(x, w13t, w2t, topk_ids, topk_weights, offset):
+    """The plain JAX recipe: sort pairs by expert, ``ragged_dot`` GEMM1, SwiGLU, ``ragged_dot``
+    GEMM2, weighted combine. ``w13t [E, H, 2I]`` and ``w2t [E, I, H]`` bf16 (``ragged_dot``'s
+    layout); ids outside the local experts are dropped."""
+    t, k = topk_ids.shape
+    e = w13t.shape[0]
+    local = topk_ids.reshape(-1) - offset
+    key = jnp.where((local >= 0) & (local < e), local, e)
+    order = jnp.argsort(key)
+    sizes = jnp.bincount(key, length=e + 1)[:e].astype(jnp.int32)
+    h = jax.lax.ragged_dot(x[order // k], w13t, sizes)
+    inter = h.shape[1] // 2
+    a = (jax.nn.silu(h[:, :inter].astype(jnp.float32)) * h[:, inter:]).astype(jnp.bfloat16)
+    y = jax.lax.ragged_dot(a, w2t, sizes).astype(jnp.float32)
+    y = y * jnp.where(key[order] < e, topk_weights.reshape(-1)[order], 0.0)[:, None]
+    out = jnp.zeros((t * k, y.shape[1]), jnp.float32).at[order].set(y)
+    return out.reshape(t, k, -1).sum(1).astype(jnp.bfloat16)
+
+
+def expanded_flops(shape, rows):
+    """FLOPs of XLA's dense expansion of ``ragged_dot`` (every row times every group)."""
+    return shape.flops(rows) * shape.local_experts
+
+
+def floors(shape, rows, hit):
+    flop = shape.flops(rows) / specs.H200_BF16_FLOP_PER_S
+    return {"floor_nvfp4_bytes_us": 1e6 * shape.weight_bytes(hit, "w4a16") / specs.H200_HBM_BYTES_PER_S,
+            "floor_bf16_bytes_us": 1e6 * shape.weight_bytes(hit, "bf16") / specs.H200_HBM_BYTES_PER_S,
+            "floor_flops_us": 1e6 * flop}
+
+
+def bench_shape(shape, tokens, modes, backends, args, log):
+    key = jax.random.key(args.seed)
+    q = specs.random_nvfp4_experts(key, shape)
+    need_bf16 = "bf16" in modes or not args.no_baseline
+    b = specs.to_bf16_experts(q) if need_bf16 else None
+    w13t = w2t = None
+    if not args.no_baseline:
+        w13t, w2t = jnp.swapaxes(b.gate_up, 1, 2), jnp.swapaxes(b.down, 1, 2)
+    results = []
+    for t in tokens:
+        sets = []
+        for i in range(args.sets):
+            kx, kr = jax.random.split(jax.random.fold_in(key, 1000 * t + i))
+            sets.append((specs.random_hidden(kx, t, shape), *specs.random_routing(kr, t, shape)))
+        hit = float(np.mean([specs.experts_hit(s[1], shape) for s in sets]))
+        rows = t * shape.top_k
+        common = dict(shape=shape.name, tokens=t, rows=rows, experts_hit=hit, **floors(shape, rows, hit))
+
+        def record(name, mode, fn, arg_sets):
+            try:
+                sec = median_time(jax.jit(fn), arg_sets, warmup=args.warmup, repeats=args.repeats)
+            except Exception as err:  # report and go on: one failing backend must not stop the run
+                results.append(dict(common, backend=name, mode=mode, error=f"{type(err).__name__}: {err}"))
+                log(f"  {shape.name:16s} T={t:5d} {name:20s} {mode:6s} FAILED {type(err).__name__}")
+                return
+            floor = max(common["floor_bf16_bytes_us" if mode == "bf16" else "floor_nvfp4_bytes_us"],
+                        common["floor_flops_us"])
+            results.append(dict(common, backend=name, mode=mode, median_us=1e6 * sec,
+                                floor_us=floor, fraction_of_floor=floor / (1e6 * sec)))
+            log(f"  {shape.name:16s} T={t:5d} {name:20s} {mode:6s} {1e6 * sec:10.1f} us"
+                f"   (floor {floor:8.1f} us, hit {hit:5.1f} experts)")
+
+        for mode in modes:
+            experts = b if mode == "bf16" else q
+            problem = base.MoEProblem(t, shape.hidden, shape.intermediate, shape.local_experts,
+                                      shape.top_k, mode, "swiglu")
+            for name in backends:
+                if name not in base.names():
+                    why = f"backend {name!r} is not registered (registered: {', '.join(base.names())})"
+                else:
+                    bk = base.get(name)
+                    why = bk.unavailable_reason() or bk.unsupported_reason(problem)
+                if why:
+                    results.append(dict(common, backend=name, mode=mode, skipped=why))
+                    log(f"  {shape.name:16s} T={t:5d} {name:20s} {mode:6s} skipped: {why}")
+                    continue
+
+                def fn(x, ids, w, ex, name=name, mode=mode):
+                    return nv.moe(x, ex, topk_ids=ids, topk_weights=w, mode=mode, backend=name,
+                                  local_expert_offset=shape.local_expert_offset)
+
+                record(name, mode, fn, [s + (experts,) for s in sets])
+
+            for variant in args.xla_variants:  # forced xla strategies, to calibrate choose_gmm
+                impl = XLABackend(*variant.split("/"))
+
+                def fn(x, ids, w, ex, impl=impl, problem=problem):
+                    return impl(x, ex, ids, w, problem=problem, local_expert_offset=shape.local_expert_offset)
+
+                record(f"xla[{variant}]", mode, fn, [s + (experts,) for s in sets])
+
+        if not args.no_baseline:
+            tflop = expanded_flops(shape, rows) / 1e12
+            if tflop > args.max_expanded_tflop:
+                why = (f"XLA expands ragged_dot densely over the {shape.local_experts} groups: "
+                       f"{tflop:.0f} TFLOP > --max-expanded-tflop {args.max_expanded_tflop:g}")
+                results.append(dict(common, backend=BASELINE, mode="bf16", skipped=why))
+                log(f"  {shape.name:16s} T={t:5d} {BASELINE:20s} bf16   skipped: {why}")
+            else:
+                off = shape.local_expert_offset
+                record(BASELINE, "bf16", lambda x, ids, w, a, c: ragged_dot_moe(x, a, c, ids, w, off),
+                       [s + (w13t, w2t) for s in sets])
+    return results
+
+
+def plot(results, path, log):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("matplotlib is not installed: no plot")
+        return
+    shapes = sorted({r["shape"] for r in results})
+    fig, axes = plt.subplots(1, len(shapes), figsize=(6.5 * len(shapes), 4.8), squeeze=False)
+    for ax, s in zip(axes[0], shapes):
+        rs = [r for r in results if r["shape"] == s]
+        for series in sorted({(r["backend"], r["mode"]) for r in rs if "median_us" in r}):
+            pts = sorted((r["tokens"], r["median_us"]) for r in rs
+                         if (r["backend"], r["mode"]) == series and "median_us" in r)
+            ax.plot(*zip(*pts), marker="o", label=f"{series[0]} {series[1]}")
+        for fk, label in (("floor_nvfp4_bytes_us", "floor: NVFP4 bytes"),
+                          ("floor_bf16_bytes_us", "floor: bf16 bytes"), ("floor_flops_us", "floor: FLOPs")):
+            pts = sorted({(r["tokens"], r[fk]) for r in rs})
+            ax.plot(*zip(*pts), linestyle="--", linewidth=1, label=label)
+        ax.set(xscale="log", yscale="log", xlabel="tokens", ylabel="latency (us)", title=s)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    log(f"wrote {path}")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="tiny shapes and few repeats (CPU smoke run)")
+    p.add_argument("--backends", default="xla,ffi", help="comma-separated MoE backends (default xla,ffi)")
+    p.add_argument("--modes", default="bf16,w4a16", help="comma-separated: bf16, w4a16, w4a4")
+    p.add_argument("--shapes", default=None, help="comma-separated shape names (see arg_specs)")
+    p.add_argument("--tokens", default=None, help="comma-separated token counts")
+    p.add_argument("--xla-variants", default="",
+                   help="comma-separated forced xla strategies dispatch/gmm, e.g. all/ragged,all/tiled,"
+                        "gather/ragged,gather/tiled (to calibrate the automatic choice)")
+    p.add_argument("--no-baseline", action="store_true", help=f"skip the {BASELINE} baseline")
+    p.add_argument("--max-expanded-tflop", type=float, default=100.0,
+                   help="skip the baseline when ragged_dot's dense expansion exceeds this many TFLOP")
+    p.add_argument("--warmup", type=int, default=None)
+    p.add_argument("--repeats", type=int, default=None)
+    p.add_argument("--sets", type=int, default=3, help="input sets the timing rotates through")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="write results as JSON here")
+    p.add_argument("--plot", default=None, help="write a PNG plot here (needs matplotlib)")
+    args = p.parse_args(argv)
+
+    all_shapes = specs.QUICK_SHAPES if args.quick else specs.SHAPES
+    names = args.shapes.split(",") if args.shapes else list(all_shapes)
+    known = {**specs.SHAPES, **specs.QUICK_SHAPES}
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        p.error(f"unknown shapes {unknown}; known: {sorted(known)}")
+    tokens = ([int(t) for t in args.tokens.split(",")] if args.tokens
+              else list(specs.QUICK_TOKENS if args.quick else specs.TOKENS))
+    modes = args.modes.split(",")
+    bad = [m for m in modes if m not in base.MODES]
+    if bad:
+        p.error(f"unknown modes {bad}; valid: {base.MODES}")
+    backends = [b for b in args.backends.split(",") if b]
+    args.xla_variants = [v for v in args.xla_variants.split(",") if v]
+    for v in args.xla_variants:
+        d, _, g = v.partition("/")
+        if d not in ("gather", "all") or g not in ("ragged", "tiled"):
+            p.error(f"--xla-variants entries are dispatch/gmm with dispatch in gather, all and gmm in "
+                    f"ragged, tiled; got {v!r}")
+    args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
+    args.repeats = args.repeats if args.repeats is not None else (3 if args.quick else 20)
+
+    log = lambda s: print(s, flush=True)  # noqa: E731
+    log(f"device: {device_name()}  jax {jax.__version__}  registered backends: {', '.join(base.names())}")
+    results = []
+    for n in names:
+        results += bench_shape(known[n], tokens, modes, backends, args, log)
+    out = dict(device=device_name(), jax=jax.__version__, quick=args.quick,
+               hbm_bytes_per_s=specs.H200_HBM_BYTES_PER_S, bf16_flop_per_s=specs.H200_BF16_FLOP_PER_S,
+               warmup=args.warmup, repeats=args.repeats, sets=args.sets, results=results)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+        log(f"wrote {args.json}")
+    if args.plot:
+        plot(results, args.plot, log)
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""Shared MoE problem shapes and input builders, for benchmarks, tests and kernel checks.
+
+The shapes are the ones the project is measured on (spec section 6): a DeepSeek-V3 expert-parallel
+shard (256 experts routed top-8, 32 held locally) and Qwen3-30B-A3B (128 experts, top-8, all
+local), plus tiny analogues for CPU smoke runs. Builders make random NVFP4 experts directly from
+random codes and scales on the device (no bf16 stack, no quantizer), so that full-size problems
+are quick to set up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .formats import BF16Experts, NVFP4Array, NVFP4Experts, dequantize
+
+H200_HBM_BYTES_PER_S = 4.3e12  # measured HBM copy rate (spec section 6)
+H200_BF16_FLOP_PER_S = 790e12  # upper end of the measured bf16 dense matmul rate
+NVFP4_BYTES_PER_WEIGHT = 0.5 + 1 / 16  # E2M1 nibble + one E4M3 byte per 16 weights
+BF16_BYTES_PER_WEIGHT = 2.0
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEShape:
+    """One MoE layer as seen by one device.
+
+    Attributes
+    ----------
+    name : str
+    num_experts : int
+        Global experts the router chooses among (``router_logits.shape[1]``).
+    local_experts : int
+        Experts held by this device (``experts.num_experts``); the rest live on other shards.
+    hidden, intermediate : int
+        H and I (GEMM1 ``[2I, H]`` gated, GEMM2 ``[H, I]``).
+    top_k : int
+    local_expert_offset : int
+        Global id of local expert 0.
+    gated : bool
+    """
+
+    name: str
+    num_experts: int
+    local_experts: int
+    hidden: int
+    intermediate: int
+    top_k: int
+    local_expert_offset: int = 0
+    gated: bool = True
+
+    @property
+    def gemm1_rows(self) -> int:
+        return (2 if self.gated else 1) * self.intermediate
+
+    @property
+    def weights_per_expert(self) -> int:
+        """Weights of one expert: GEMM1 plus GEMM2."""
+        return (self.gemm1_rows + self.intermediate) * self.hidden
+
+    def weight_bytes(self, experts_hit: float, mode: str) -> float:
+        """Bytes of the weights (and block scales) of ``experts_hit`` experts."""
+        per = BF16_BYTES_PER_WEIGHT if mode == "bf16" else NVFP4_BYTES_PER_WEIGHT
+        return experts_hit * self.weights_per_expert * per
+
+    def flops(self, rows: int) -> float:
+        """Matmul FLOPs of ``rows`` token-expert pairs: ``2 * rows * H * (gemm1_rows + I)``."""
+        return 2.0 * rows * self.weights_per_expert
+
+
+DEEPSEEK_V3_EP8 = MoEShape("deepseek_v3_ep8", num_experts=256, local_experts=32, hidden=7168,
+                           intermediate=2048, top_k=8)
+QWEN3_30B_A3B = MoEShape("qwen3_30b_a3b", num_experts=128, local_experts=128, hidden=2048,
+                         intermediate=768, top_k=8)
+SHAPES = {s.name: s for s in (DEEPSEEK_V3_EP8, QWEN3_30B_A3B)}
+TOKENS = (1, 4, 16, 64, 256, 1024, 4096)
+
+# Tiny analogues (same structure, CPU-sized) for smoke runs and tests.
+TINY_EP = MoEShape("tiny_ep", num_experts=64, local_experts=8, hidden=256, intermediate=128, top_k=4,
+                   local_expert_offset=8)
+TINY = MoEShape("tiny", num_experts=16, local_experts=16, hidden=128, intermediate=64, top_k=2)
+QUICK_SHAPES = {s.name: s for s in (TINY_EP, TINY)}
+QUICK_TOKENS = (1, 16)
+
+_SCALE_CHOICES = np.array([0.25, 0.375, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0], np.float32)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _random_nvfp4(key, shape, k):
+    """Random NVFP4Array of logical shape ``shape + (k,)`` with values of typical magnitude
+    ``1/sqrt(k)`` (so activations neither vanish nor overflow through the layer)."""
+    kd, kg = jax.random.split(key)
+    data = jax.random.bits(kd, shape + (k // 2,), jnp.uint8)
+    # Scale choice from the top bits of every 8th data byte (so tied to one code of the block,
+    # which does not matter here): one random draw fewer keeps compiles quick on the CPU.
+    idx = (data[..., ::8] >> 5).astype(jnp.int32)
+    scales = jnp.asarray(_SCALE_CHOICES).astype(jnp.float8_e4m3fn)[idx]
+    gs = jax.random.uniform(kg, shape[:1], jnp.float32, 0.5, 1.0) / (2.5 * np.sqrt(k))
+    return NVFP4Array(data, scales, gs)
+
+
+def random_nvfp4_experts(key, shape: MoEShape, num_experts: int | None = None) -> NVFP4Experts:
+    """Random NVFP4 experts for ``shape`` (``num_experts`` defaults to ``shape.local_experts``)."""
+    e = shape.local_experts if num_experts is None else num_experts
+    k1, k2 = jax.random.split(key)
+    return NVFP4Experts(_random_nvfp4(k1, (e, shape.gemm1_rows), shape.hidden),
+                        _random_nvfp4(k2, (e, shape.hidden), shape.intermediate), shape.gated)
+
+
+def to_bf16_experts(experts: NVFP4Experts) -> BF16Experts:
+    """bf16 copy of NVFP4 experts (decoded with the global scale, rounded to bf16)."""
+    return BF16Experts(dequantize(experts.gate_up, jnp.bfloat16), dequantize(experts.down, jnp.bfloat16),
+                       experts.gated)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def random_hidden(key, tokens: int, shape: MoEShape):
+    """bf16 ``[tokens, H]`` standard normal hidden states."""
+    return jax.random.normal(key, (tokens, shape.hidden), jnp.bfloat16)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2), static_argnames=("local_only",))
+def random_routing(key, tokens: int, shape: MoEShape, *, local_only: bool = True):
+    """Random top-k routing: ``(topk_ids int32 [T, k], topk_weights float32 [T, k])``.
+
+    ``local_only=True`` puts every token's ``k`` distinct experts on this shard (ids in
+    ``[offset, offset + local_experts)``; e.g. 8 rows a token over DeepSeek-V3's 32 local
+    experts); otherwise they are drawn from all ``num_experts`` global experts.
+    """
+    ki, kw = jax.random.split(key)
+    pool = shape.local_experts if local_only else shape.num_experts
+    if shape.top_k > pool:
+        raise ValueError(f"top_k={shape.top_k} > {pool} experts to choose from")
+    ids = jnp.argsort(jax.random.uniform(ki, (tokens, pool)), axis=-1)[:, :shape.top_k]
+    if local_only:
+        ids = ids + shape.local_expert_offset
+    w = jax.nn.softmax(jax.random.normal(kw, (tokens, shape.top_k)), axis=-1)
+    return ids.astype(jnp.int32), w.astype(jnp.float32)
+
+
+def experts_hit(topk_ids, shape: MoEShape) -> int:
+    """Distinct local experts that ``topk_ids`` routes to (host-side count)."""
+    ids = np.asarray(topk_ids).reshape(-1) - shape.local_expert_offset
+    return int(np.unique(ids[(ids >= 0) & (ids < shape.local_experts)]).size)
