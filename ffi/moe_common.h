@@ -218,6 +218,8 @@ ffi::Error CheckGemm(const char* op, const A& a, const W& w, const WS& ws, const
   if (od.size() != 2 || od[0] != d->P || od[1] != d->n_out)
     return Invalid(op, "output must be [P, n_out] = [" + std::to_string(d->P) + ", " +
                            std::to_string(d->n_out) + "], got " + ShapeStr(od));
+  if (out.element_type() != ffi::DataType::BF16 && out.element_type() != ffi::DataType::F32)
+    return Invalid(op, "output must be bfloat16 or float32");
   return ffi::Error::Success();
 }
 

@@ -12,14 +12,22 @@ namespace {
 
 // Decode expert e's [N, K] weights (without the global scale: exact in fp32 and bf16).
 void DecodeExpert(const uint8_t* w, const uint8_t* ws, int64_t e, int64_t N, int64_t K, float* dst) {
+  static const std::vector<float> kE4M3 = [] {
+    std::vector<float> t(256);
+    for (int b = 0; b < 256; ++b) t[b] = E4M3ToFloat(uint8_t(b));
+    return t;
+  }();
   const uint8_t* wd = w + e * N * (K / 2);
   const uint8_t* sd = ws + e * N * (K / 16);
   for (int64_t n = 0; n < N; ++n) {
-    for (int64_t k = 0; k < K; k += 2) {
-      const uint8_t byte = wd[n * (K / 2) + k / 2];
-      const float s = E4M3ToFloat(sd[n * (K / 16) + k / 16]);
-      dst[n * K + k] = E2M1ToFloat(byte & 0xF) * s;
-      dst[n * K + k + 1] = E2M1ToFloat(byte >> 4) * s;
+    for (int64_t kb = 0; kb < K / 16; ++kb) {
+      const float s = kE4M3[sd[n * (K / 16) + kb]];
+      const uint8_t* bytes = wd + n * (K / 2) + kb * 8;
+      float* out = dst + n * K + kb * 16;
+      for (int i = 0; i < 8; ++i) {
+        out[2 * i] = E2M1ToFloat(bytes[i] & 0xF) * s;
+        out[2 * i + 1] = E2M1ToFloat(bytes[i] >> 4) * s;
+      }
     }
   }
 }
@@ -38,7 +46,7 @@ float Dot(const float* a, const float* b, int64_t K) {
 ffi::Error GroupedGemmCpuImpl(ffi::Buffer<ffi::BF16> a, ffi::Buffer<ffi::U8> w_data,
                               ffi::Buffer<ffi::U8> w_scales, ffi::Buffer<ffi::F32> alpha,
                               ffi::Buffer<ffi::S32> sorted_ids, ffi::Buffer<ffi::S32> tile_expert,
-                              ffi::Buffer<ffi::F32> row_scale, ffi::Result<ffi::Buffer<ffi::BF16>> out,
+                              ffi::Buffer<ffi::F32> row_scale, ffi::Result<ffi::AnyBuffer> out,
                               int64_t activation, int64_t row_scale_mode, int64_t top_k, int64_t gather,
                               int64_t tile_m) {
   GemmDims d;
@@ -51,7 +59,13 @@ ffi::Error GroupedGemmCpuImpl(ffi::Buffer<ffi::BF16> a, ffi::Buffer<ffi::U8> w_d
   const int32_t* sid = sorted_ids.typed_data();
   const int32_t* te = tile_expert.typed_data();
   const float* rs = row_scale.typed_data();
-  uint16_t* op = out->typed_data();
+  // bf16 output (the default), or fp32 (w4a4 quantizes the unrounded intermediate).
+  const bool f32_out = out->element_type() == ffi::DataType::F32;
+  uint16_t* op = f32_out ? nullptr : static_cast<uint16_t*>(out->untyped_data());
+  float* opf = f32_out ? static_cast<float*>(out->untyped_data()) : nullptr;
+  auto store = [&](int64_t i, float v) {
+    if (f32_out) opf[i] = v; else op[i] = FloatToBf16(v);
+  };
   const bool gated = IsGated(activation);
   const int64_t K = d.K;
 
@@ -60,11 +74,10 @@ ffi::Error GroupedGemmCpuImpl(ffi::Buffer<ffi::BF16> a, ffi::Buffer<ffi::U8> w_d
   for (int64_t tile = 0; tile < d.tiles; ++tile) {
     const int64_t e = te[tile];
     for (int64_t r = tile * tile_m; r < (tile + 1) * tile_m; ++r) {
-      uint16_t* orow = op + r * d.n_out;
       const int64_t pair = sid[r];
       const int64_t src = gather ? (pair >= 0 ? pair / top_k : -1) : r;
       if (e < 0 || e >= d.E || pair < 0 || src >= d.a_rows) {  // padding: zeros
-        std::fill(orow, orow + d.n_out, uint16_t(0));
+        for (int64_t n = 0; n < d.n_out; ++n) store(r * d.n_out + n, 0.0f);
         continue;
       }
       if (decoded != e) {
@@ -82,7 +95,7 @@ ffi::Error GroupedGemmCpuImpl(ffi::Buffer<ffi::BF16> a, ffi::Buffer<ffi::U8> w_d
       for (int64_t n = 0; n < d.n_out; ++n) {
         const float g = Dot(arow.data(), &wdec[n * K], K) * scale;
         const float u = gated ? Dot(arow.data(), &wdec[(n + d.n_out) * K], K) * scale : 0.0f;
-        orow[n] = FloatToBf16(ApplyActivation(activation, g, u));
+        store(r * d.n_out + n, ApplyActivation(activation, g, u));
       }
     }
   }
@@ -101,7 +114,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxNvfp4GroupedGemmCpu, jax_nvfp4::GroupedGemmCpuI
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // sorted_ids [P]
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // tile_expert [P / tile_m]
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // row_scale [n]
-                                  .Ret<xla::ffi::Buffer<xla::ffi::BF16>>()  // out [P, n_out]
+                                  .Ret<xla::ffi::AnyBuffer>()               // out [P, n_out] bf16 or f32
                                   .Attr<int64_t>("activation")              // Activation enum
                                   .Attr<int64_t>("row_scale_mode")          // RowScale enum
                                   .Attr<int64_t>("top_k")                   // k (pair -> token)

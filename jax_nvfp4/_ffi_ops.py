@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .formats import BF16Experts, NVFP4Array, NVFP4Experts, dequantize
+from .formats import NVFP4Array, NVFP4Experts, dequantize
 from .quantize import quantize
 
 try:
@@ -216,14 +216,15 @@ def _moe_align_jax(topk_ids, num_experts, tile_m, expert_offset, p):
 
 def grouped_gemm(a, w: NVFP4Array, sorted_ids, tile_expert, *, tile_m: int,
                  activation: Activation = Activation.IDENTITY, top_k: int = 1, gather: bool = False,
-                 row_scale=None, row_scale_mode: RowScale = RowScale.NONE, impl: str = "ffi"):
+                 row_scale=None, row_scale_mode: RowScale = RowScale.NONE, out_dtype=jnp.bfloat16,
+                 impl: str = "ffi"):
     """Grouped W4A16 GEMM over tile-padded row groups, with the MoE epilogue.
 
     For each sorted row ``r`` of a tile owned by expert ``e`` (pair ``p = sorted_ids[r] >= 0``)::
 
         acc = a[p // top_k if gather else r] @ deq(w[e])^T          (fp32, w decoded exactly)
         v   = acc * alpha[e] * row_scale[index(r)]                   (index per row_scale_mode)
-        out[r] = bf16(act(v[:n], v[n:]) if gated else act(v))
+        out[r] = out_dtype(act(v[:n], v[n:]) if gated else act(v))
 
     Padding rows (``p < 0``) of used tiles are 0; rows of unused tiles (``tile_expert < 0``) are
     left unwritten by the CUDA kernel (0 on the CPU and in the twin).
@@ -242,11 +243,12 @@ def grouped_gemm(a, w: NVFP4Array, sorted_ids, tile_expert, *, tile_m: int,
     gather : bool
     row_scale : float32 ``[n]`` or None
     row_scale_mode : RowScale
+    out_dtype : bfloat16 (default) or float32
     impl : ``"ffi"`` or ``"jax"``
 
     Returns
     -------
-    bfloat16 ``[P, N // 2 if gated else N]``
+    ``out_dtype`` ``[P, N // 2 if gated else N]``
     """
     _check_impl(impl)
     activation = Activation(activation)
@@ -262,16 +264,19 @@ def grouped_gemm(a, w: NVFP4Array, sorted_ids, tile_expert, *, tile_m: int,
     e, n, kk = w.shape
     gated = activation in (Activation.SWIGLU, Activation.GEGLU, Activation.SWIGLU_OAI)
     n_out = n // 2 if gated else n
+    out_dtype = jnp.dtype(out_dtype)
+    if out_dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
+        raise ValueError(f"grouped_gemm: out_dtype must be bfloat16 or float32, got {out_dtype}")
     if a.ndim != 2 or a.shape[1] != kk:
         raise ValueError(f"grouped_gemm: a must be [rows, K={kk}], got {a.shape}")
     if impl == "jax":
         return _grouped_gemm_jax(a, w, sorted_ids, tile_expert, tile_m, activation, top_k, gather,
-                                 row_scale, row_scale_mode)
+                                 row_scale, row_scale_mode).astype(out_dtype)
     ensure_registered()
     p = sorted_ids.shape[0]
     scales = lax.bitcast_convert_type(w.scales, jnp.uint8)
     alpha = jnp.asarray(w.global_scale, jnp.float32).reshape(e)
-    return jax.ffi.ffi_call(TARGET_GEMM, jax.ShapeDtypeStruct((p, n_out), jnp.bfloat16),
+    return jax.ffi.ffi_call(TARGET_GEMM, jax.ShapeDtypeStruct((p, n_out), out_dtype),
                             vmap_method="sequential")(
         a, w.data, scales, alpha, sorted_ids, tile_expert, row_scale,
         activation=np.int64(activation), row_scale_mode=np.int64(row_scale_mode), top_k=np.int64(top_k),
@@ -319,7 +324,7 @@ def _grouped_gemm_jax(a, w, sorted_ids, tile_expert, tile_m, activation, top_k, 
         v = apply_activation(activation, v[:, : n // 2], v[:, n // 2:])
     else:
         v = apply_activation(activation, v)
-    return jnp.where(valid[:, None], v, 0.0).astype(jnp.bfloat16)
+    return jnp.where(valid[:, None], v, 0.0)
 
 
 # ---- moe_finalize --------------------------------------------------------------------------
@@ -419,10 +424,12 @@ def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str =
     else:  # w4a4: per-token NVFP4 activations, decoded exactly to bf16, scales in the epilogues
         qx = quantize(x, per_token=True)
         xq = dequantize(qx, jnp.bfloat16, apply_global_scale=False)
+        # fp32 intermediate: it is quantized from its unrounded values (spec section 5).
         h1 = grouped_gemm(xq, experts.gate_up, sorted_ids, tile_expert, activation=act, gather=True,
-                          row_scale=qx.global_scale, row_scale_mode=RowScale.TOKEN, **common)
+                          row_scale=qx.global_scale, row_scale_mode=RowScale.TOKEN, out_dtype=jnp.float32,
+                          **common)
         used = sorted_ids >= 0
-        h1 = jnp.where(used[:, None], h1, 0)  # rows of unused tiles are never written by the GPU
+        h1 = jnp.where(used[:, None], h1, 0.0)  # rows of unused tiles are never written by the GPU
         qa = quantize(h1, per_token=True)
         aq = dequantize(qa, jnp.bfloat16, apply_global_scale=False)
         rs = jnp.where(used, w_flat[jnp.clip(sorted_ids, 0, t * k - 1)], 0.0) * qa.global_scale
@@ -478,13 +485,13 @@ def _moe_fn(mode: str, activation: str, offset: int, impl: str, tile_m, treedef)
         return batched(x, topk_ids, topk_weights, leaves), (x, topk_ids, topk_weights, leaves)
 
     def bwd(res, ct):
-        # Gradients of the pure-JAX twin in w4a16 (w4a4: straight-through over the activation
-        # quantization, whose rounding has no useful derivative).
+        # Gradients of the pure-JAX twin (as backend "xla": in w4a4 the rounding of x onto the
+        # NVFP4 grid makes d out / d x zero).
         x, topk_ids, topk_weights, leaves = res
 
         def ref(x, topk_weights, leaves):
             experts = jax.tree_util.tree_unflatten(treedef, leaves)
-            return moe_forward(x, experts, topk_ids, topk_weights, mode="w4a16", activation=activation,
+            return moe_forward(x, experts, topk_ids, topk_weights, mode=mode, activation=activation,
                                local_expert_offset=offset, impl="jax", tile_m=tile_m)
         _, vjp = jax.vjp(ref, x, topk_weights, leaves)
         dx, dw, dleaves = vjp(ct.astype(jnp.bfloat16))

@@ -43,7 +43,7 @@ struct GemmParams {
   const int32_t* sorted_ids;  // [P]
   const int32_t* tile_expert; // [P / tile_m]
   const float* row_scale;     // [row_scale_n]
-  uint16_t* out;              // [P, n_out] bf16
+  void* out;                  // [P, n_out] bf16 or fp32
   int64_t a_rows, K, N, n_out, E, P, row_scale_n;
   int32_t top_k, gather, activation, row_scale_mode;
 };
@@ -73,7 +73,6 @@ __device__ __forceinline__ uint32_t ScaleBf16x2(uint32_t byte) {
 // CH/8 bytes of codes and CH/64 scale bytes per row.
 template <int CH, int NF>
 struct WeightRegs {
-  static constexpr int kWords = CH / 32;  // 32-bit words of codes per row: 4 or 2
   uint32_t q[NF][2][4];
   uint32_t s[NF][2];  // scale bytes: byte 0 for the first 16 K of the thread's span, byte 1 next
 
@@ -158,7 +157,12 @@ __device__ __forceinline__ int64_t SourceRow(const GemmParams& p, int64_t r) {
   return src < p.a_rows ? src : -1;
 }
 
-template <int FM, bool GATED>
+__device__ __forceinline__ void Store(uint16_t* out, int64_t i, float v) {
+  out[i] = __bfloat16_as_ushort(__float2bfloat16_rn(v));
+}
+__device__ __forceinline__ void Store(float* out, int64_t i, float v) { out[i] = v; }
+
+template <int FM, bool GATED, typename OutT>
 __global__ void __launch_bounds__(kThreads) W4A16GroupedGemmKernel(const GemmParams p) {
   constexpr int BM = FM * 8;
   constexpr int NF = GATED ? 2 : 1;  // weight fragments per warp: [gate, up] or [h]
@@ -240,26 +244,26 @@ __global__ void __launch_bounds__(kThreads) W4A16GroupedGemmKernel(const GemmPar
           const float up = GATED ? acc[NF - 1][m][i] * scale : 0.0f;
           v = ApplyActivation(p.activation, gate, up);
         }
-        p.out[r * p.n_out + feat0 + g + 8 * h] = __bfloat16_as_ushort(__float2bfloat16_rn(v));
+        Store(static_cast<OutT*>(p.out), r * p.n_out + feat0 + g + 8 * h, v);
       }
     }
   }
 }
 
-template <bool GATED>
+template <bool GATED, typename OutT>
 void Launch(const GemmParams& p, int64_t tile_m, dim3 grid, cudaStream_t stream) {
   switch (tile_m) {
-    case 8: W4A16GroupedGemmKernel<1, GATED><<<grid, kThreads, 0, stream>>>(p); break;
-    case 16: W4A16GroupedGemmKernel<2, GATED><<<grid, kThreads, 0, stream>>>(p); break;
-    case 32: W4A16GroupedGemmKernel<4, GATED><<<grid, kThreads, 0, stream>>>(p); break;
-    default: W4A16GroupedGemmKernel<8, GATED><<<grid, kThreads, 0, stream>>>(p); break;
+    case 8: W4A16GroupedGemmKernel<1, GATED, OutT><<<grid, kThreads, 0, stream>>>(p); break;
+    case 16: W4A16GroupedGemmKernel<2, GATED, OutT><<<grid, kThreads, 0, stream>>>(p); break;
+    case 32: W4A16GroupedGemmKernel<4, GATED, OutT><<<grid, kThreads, 0, stream>>>(p); break;
+    default: W4A16GroupedGemmKernel<8, GATED, OutT><<<grid, kThreads, 0, stream>>>(p); break;
   }
 }
 
 ffi::Error GroupedGemmCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> a, ffi::Buffer<ffi::U8> w_data,
                                ffi::Buffer<ffi::U8> w_scales, ffi::Buffer<ffi::F32> alpha,
                                ffi::Buffer<ffi::S32> sorted_ids, ffi::Buffer<ffi::S32> tile_expert,
-                               ffi::Buffer<ffi::F32> row_scale, ffi::Result<ffi::Buffer<ffi::BF16>> out,
+                               ffi::Buffer<ffi::F32> row_scale, ffi::Result<ffi::AnyBuffer> out,
                                int64_t activation, int64_t row_scale_mode, int64_t top_k, int64_t gather,
                                int64_t tile_m) {
   GemmDims d;
@@ -280,7 +284,7 @@ ffi::Error GroupedGemmCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> a, ff
   p.sorted_ids = sorted_ids.typed_data();
   p.tile_expert = tile_expert.typed_data();
   p.row_scale = row_scale.typed_data();
-  p.out = out->typed_data();
+  p.out = out->untyped_data();
   p.a_rows = d.a_rows;
   p.K = d.K;
   p.N = d.N;
@@ -293,10 +297,11 @@ ffi::Error GroupedGemmCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> a, ff
   p.activation = int32_t(activation);
   p.row_scale_mode = int32_t(row_scale_mode);
   const dim3 grid(unsigned(d.tiles), unsigned(slabs));
+  const bool f32_out = out->element_type() == ffi::DataType::F32;
   if (IsGated(activation)) {
-    Launch<true>(p, tile_m, grid, stream);
+    f32_out ? Launch<true, float>(p, tile_m, grid, stream) : Launch<true, uint16_t>(p, tile_m, grid, stream);
   } else {
-    Launch<false>(p, tile_m, grid, stream);
+    f32_out ? Launch<false, float>(p, tile_m, grid, stream) : Launch<false, uint16_t>(p, tile_m, grid, stream);
   }
   return LaunchError("grouped_gemm");
 }
@@ -314,7 +319,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxNvfp4GroupedGemmCuda, jax_nvfp4::GroupedGemmCud
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // sorted_ids [P]
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // tile_expert [P / tile_m]
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // row_scale [n]
-                                  .Ret<xla::ffi::Buffer<xla::ffi::BF16>>()  // out [P, n_out]
+                                  .Ret<xla::ffi::AnyBuffer>()               // out [P, n_out] bf16 or f32
                                   .Attr<int64_t>("activation")              // Activation enum
                                   .Attr<int64_t>("row_scale_mode")          // RowScale enum
                                   .Attr<int64_t>("top_k")                   // k (pair -> token)

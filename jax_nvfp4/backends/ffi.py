@@ -1,0 +1,100 @@
+"""The ``ffi`` MoE backend: the XLA FFI kernels of ``ffi/`` (CUDA on sm_90a/sm_100a, C++ on the CPU).
+
+Runs modes ``w4a16`` and ``w4a4`` (w4a4 quantizes the activations per token in JAX and feeds
+their exact bf16 decode to the same W4A16 kernels, with the token scales in the epilogues).
+Mode ``bf16`` has no kernel here: ``backend="auto"`` falls back to ``xla`` for it.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from .. import _ffi_ops as ops
+from . import base
+
+
+def _default_device():
+    try:
+        return jax.devices()[0]
+    except RuntimeError:
+        return None
+
+
+def _platform(dev) -> str:
+    """'cpu', 'cuda', or another platform name (e.g. 'rocm', 'tpu')."""
+    if dev is None:
+        return "none"
+    if dev.platform == "gpu":  # jax names both CUDA and ROCm devices 'gpu'
+        version = str(getattr(dev.client, "platform_version", "")).lower()
+        return "rocm" if ("rocm" in version or "hip" in version) else "cuda"
+    return dev.platform
+
+
+def _gpu_arch(dev) -> str | None:
+    """Arch-specific target of a CUDA device, e.g. 'sm_90a' for compute capability 9.0."""
+    cc = getattr(dev, "compute_capability", None)
+    if not cc:
+        return None
+    major, _, minor = str(cc).partition(".")
+    return f"sm_{major}{minor or '0'}a"
+
+
+class FFIBackend:
+    """MoE expert backend on the jax_nvfp4 XLA FFI kernels (see :mod:`jax_nvfp4._ffi_ops`)."""
+
+    name = "ffi"
+
+    def unavailable_reason(self) -> str | None:
+        if ops.extension_error() is not None:
+            return (f"the jax_nvfp4._ffi extension is not built ({ops.extension_error()}); "
+                    "build it with `pip install --no-build-isolation -e .`")
+        dev = _default_device()
+        platform = _platform(dev)
+        if platform == "cpu":
+            return None
+        if platform != "cuda":
+            return f"no ffi kernels for the default device's platform {platform!r} (CPU and CUDA only)"
+        info = ops.build_info()
+        if not info.get("cuda"):
+            return ("jax_nvfp4 was built without CUDA (nvcc was not found at build time): reinstall "
+                    "with nvcc on PATH to run the ffi backend on the GPU")
+        arch = _gpu_arch(dev)
+        archs = tuple(info.get("cuda_archs", ()))
+        if arch not in archs:
+            return (f"the default GPU ({dev.device_kind}, compute capability "
+                    f"{getattr(dev, 'compute_capability', '?')}) needs {arch}, but the ffi kernels are "
+                    f"built for {', '.join(archs) or 'no architecture'}")
+        return None
+
+    def unsupported_reason(self, problem: base.MoEProblem) -> str | None:
+        if problem.mode not in ops.MODES:
+            return (f"mode {problem.mode!r} has no ffi kernel (the kernels decode NVFP4 weights); "
+                    "backend 'xla' runs it")
+        if problem.activation not in ops.ACTIVATIONS:
+            return f"activation {problem.activation!r} is not one of {tuple(ops.ACTIVATIONS)}"
+        h, i = problem.hidden, problem.intermediate
+        if h % 16 or i % 16:
+            return f"H and I must be multiples of 16 (NVFP4 blocks), got H={h}, I={i}"
+        if problem.tokens * problem.top_k >= 2**31:
+            return f"T * k = {problem.tokens * problem.top_k} must be < 2^31"
+        if _platform(_default_device()) == "cuda":
+            m = ops.CUDA_K_MULTIPLE
+            if h % m or i % m:
+                return (f"the CUDA kernels need H and I to be multiples of {m} (their K chunk), "
+                        f"got H={h}, I={i}")
+            if problem.num_experts > ops.MAX_ALIGN_EXPERTS:
+                return (f"the CUDA align kernel handles at most {ops.MAX_ALIGN_EXPERTS} local experts, "
+                        f"got {problem.num_experts}")
+        return None
+
+    def __call__(self, x, experts, topk_ids, topk_weights, *, problem: base.MoEProblem,
+                 local_expert_offset: int):
+        # Rows per expert tile from the expected rows per local expert: T*k spread over the
+        # global experts when routing over them is known (expert parallelism), else the local ones.
+        spread = getattr(problem, "global_experts", None) or problem.num_experts
+        tile_m = ops.choose_tile_m(problem.tokens * problem.top_k, spread)
+        return ops.moe(x, experts, topk_ids, topk_weights, mode=problem.mode, activation=problem.activation,
+                       local_expert_offset=local_expert_offset, tile_m=tile_m)
+
+
+base.register(FFIBackend())

@@ -1,0 +1,520 @@
+"""The ``ffi`` backend: XLA FFI custom calls (align, grouped W4A16 GEMM, finalize) against their
+pure-JAX twins, the whole MoE against the twin pipeline and the ``xla`` backend, and the golden
+files through the public API. CPU tests always run (the C++ handlers); ``@pytest.mark.gpu`` tests
+run the CUDA kernels and are skipped without a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import jax_nvfp4 as nv
+from jax_nvfp4 import _ffi_ops as ops
+from jax_nvfp4.backends import base
+from jax_nvfp4.backends import ffi as ffi_backend
+from conftest import GOLDEN, golden, golden_names, has_gpu
+
+pytestmark = pytest.mark.skipif(ops.extension_error() is not None,
+                                reason=f"FFI extension not built: {ops.extension_error()}")
+
+BF16 = jnp.bfloat16
+ACTS = ("swiglu", "geglu", "relu2", "swiglu_oai")
+MODES = ("w4a16", "w4a4")
+
+
+def relerr(out, ref):
+    out = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
+    ref = np.asarray(jnp.asarray(ref, jnp.float32), np.float64)
+    return np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30)
+
+
+def f32(a):
+    return np.asarray(jnp.asarray(a, jnp.float32))
+
+
+def random_nvfp4(rng, shape, gscale):
+    """A random NVFP4 tensor: uniform codes, E4M3 block scales in [1/8, 4], per-expert global scale."""
+    *lead, kk = shape
+    data = rng.integers(0, 256, (*lead, kk // 2), dtype=np.uint8)
+    scales = rng.integers(0x20, 0x48, (*lead, kk // 16), dtype=np.uint8)  # exponents 2^-3 .. 2^1
+    return nv.NVFP4Array(jnp.asarray(data), jax.lax.bitcast_convert_type(jnp.asarray(scales), jnp.float8_e4m3fn),
+                         jnp.asarray(gscale, jnp.float32))
+
+
+def make_experts(seed, e, h, i, gated=True):
+    """Random NVFP4 experts (no quantizer compile): GEMM1 rows [gate; up] (gated) or [up]."""
+    rng = np.random.default_rng(seed)
+    rows = 2 * i if gated else i
+    gu = random_nvfp4(rng, (e, rows, h), rng.uniform(0.5, 2, e) / np.sqrt(h))
+    dn = random_nvfp4(rng, (e, h, i), rng.uniform(0.5, 2, e) / np.sqrt(i))
+    return nv.NVFP4Experts(gu, dn, gated)
+
+
+def make_routing(seed, t, k, e_global, drop=0.1):
+    """Distinct ids per token, with about `drop` of them replaced by padding (-1)."""
+    rng = np.random.default_rng(seed)
+    ids = np.asarray([rng.permutation(e_global)[:k] for _ in range(t)], np.int32).reshape(t, k)
+    ids = np.where(rng.random((t, k)) < drop, -1, ids).astype(np.int32)
+    w = rng.random((t, k)).astype(np.float32)
+    return jnp.asarray(ids), jnp.asarray(w)
+
+
+def make_x(seed, t, h):
+    return jnp.asarray(np.random.default_rng(seed).standard_normal((t, h)), BF16)
+
+
+def used_rows(sorted_ids, tile_expert, tile_m):
+    te = np.repeat(np.asarray(tile_expert), tile_m)
+    return te >= 0
+
+
+# ------------------------------------------------------------------------------------------
+# Build facts shared by C++ and Python
+
+def test_constants_and_decode_selftest():
+    ops.check_constants()
+    assert ops._ffi._selftest_decode() == 0  # the GPU kernels' E2M1 -> bf16 bit decode, on the host
+    regs = ops._ffi.registrations()
+    assert set(regs) == {ops.TARGET_ALIGN, ops.TARGET_GEMM, ops.TARGET_FINALIZE}
+    assert all("cpu" in p for p in regs.values())
+    if ops.build_info()["cuda"]:
+        assert all("CUDA" in p for p in regs.values())
+
+
+@pytest.mark.parametrize("n,e,tile", [(6, 4, 8), (13, 7, 16), (100, 3, 64), (5, 256, 32)])
+def test_padded_rows_bound(n, e, tile):
+    p = ops.padded_rows(n, e, tile)
+    assert p % tile == 0 and p >= n + min(n, e) * (tile - 1)
+    assert ops.choose_tile_m(1 * 8, 256) == 8 and ops.choose_tile_m(4096 * 8, 256) == 64
+
+
+# ------------------------------------------------------------------------------------------
+# Op 1: align
+
+ALIGN_CASES = [(0, 4, 8, 0), (1, 1, 8, 0), (7, 8, 8, 0), (64, 2, 16, 4), (1000, 8, 256, 0), (300, 3, 5, 2)]
+
+
+def _check_align_contract(ids, num_experts, offset, tile_m, sorted_ids, tile_expert, pair_to_row):
+    ids = np.asarray(ids).reshape(-1)
+    sid, te, p2r = np.asarray(sorted_ids), np.asarray(tile_expert), np.asarray(pair_to_row).reshape(-1)
+    local = ids - offset
+    valid = (ids >= 0) & (local >= 0) & (local < num_experts)
+    assert (p2r[~valid] == -1).all()
+    assert (sid[p2r[valid]] == np.flatnonzero(valid)).all()  # rows and pairs are inverse maps
+    assert (sid >= 0).sum() == valid.sum()
+    rows_e = np.repeat(te, tile_m)[p2r[valid]]
+    assert (rows_e == local[valid]).all()  # each pair sits in a tile of its expert
+    used = te[te >= 0]
+    assert (np.diff(used) >= 0).all() and (te[len(used):] == -1).all()  # ascending, then unused
+
+
+@pytest.mark.parametrize("tile_m", ops.TILE_MS)
+@pytest.mark.parametrize("t,k,e,offset", ALIGN_CASES)
+def test_align_matches_twin(t, k, e, offset, tile_m):
+    rng = np.random.default_rng(t * 7 + k)
+    ids = jnp.asarray(rng.integers(-2, e + offset + 3, (t, k)), jnp.int32)  # padding and foreign ids
+    got = ops.moe_align(ids, e, tile_m=tile_m, expert_offset=offset, impl="ffi")
+    want = ops.moe_align(ids, e, tile_m=tile_m, expert_offset=offset, impl="jax")
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    _check_align_contract(ids, e, offset, tile_m, *got)
+
+
+# ------------------------------------------------------------------------------------------
+# Op 2: grouped GEMM (every epilogue)
+
+GEMM_CASES = [  # (activation, gather, row_scale_mode, out_dtype)
+    (ops.Activation.SWIGLU, True, ops.RowScale.NONE, BF16),
+    (ops.Activation.GEGLU, True, ops.RowScale.TOKEN, BF16),
+    (ops.Activation.SWIGLU_OAI, True, ops.RowScale.NONE, jnp.float32),
+    (ops.Activation.RELU2, True, ops.RowScale.TOKEN, jnp.float32),
+    (ops.Activation.IDENTITY, False, ops.RowScale.PAIR, BF16),
+    (ops.Activation.IDENTITY, False, ops.RowScale.ROW, BF16),
+]
+
+
+def _gemm_problem(act, gather, mode, t=23, k=3, e=5, h=64, n=48, tile_m=8, seed=0):
+    rng = np.random.default_rng(seed)
+    gated = act in (ops.Activation.SWIGLU, ops.Activation.GEGLU, ops.Activation.SWIGLU_OAI)
+    rows = 2 * n if gated else n
+    w = random_nvfp4(rng, (e, rows, h), rng.uniform(0.5, 2, e) / np.sqrt(h))
+    ids = jnp.asarray(rng.integers(-1, e, (t, k)), jnp.int32)
+    sorted_ids, tile_expert, _ = ops.moe_align(ids, e, tile_m=tile_m, impl="jax")
+    p = sorted_ids.shape[0]
+    a_rows = t if gather else p
+    a = jnp.asarray(rng.standard_normal((a_rows, h)), BF16)
+    rs_len = {ops.RowScale.NONE: 1, ops.RowScale.TOKEN: t, ops.RowScale.PAIR: t * k, ops.RowScale.ROW: p}[mode]
+    row_scale = jnp.asarray(rng.uniform(0.5, 2, rs_len), jnp.float32)
+    return a, w, sorted_ids, tile_expert, row_scale
+
+
+def _run_gemm(impl, a, w, sorted_ids, tile_expert, row_scale, act, gather, mode, out_dtype, tile_m, k):
+    return ops.grouped_gemm(a, w, sorted_ids, tile_expert, tile_m=tile_m, activation=act, top_k=k, gather=gather,
+                            row_scale=row_scale if mode != ops.RowScale.NONE else None, row_scale_mode=mode,
+                            out_dtype=out_dtype, impl=impl)
+
+
+@pytest.mark.parametrize("act,gather,mode,out_dtype", GEMM_CASES)
+def test_gemm_matches_twin(act, gather, mode, out_dtype):
+    a, w, sid, te, rs = _gemm_problem(act, gather, mode)
+    args = (a, w, sid, te, rs, act, gather, mode, out_dtype, 8, 3)
+    got, want = _run_gemm("ffi", *args), _run_gemm("jax", *args)
+    assert got.dtype == jnp.dtype(out_dtype) and got.shape == want.shape
+    assert relerr(got, want) < 1e-5  # same math; only the fp32 summation order differs
+    assert (f32(got)[np.asarray(sid) < 0] == 0).all()  # padding rows are zero
+
+
+def test_gemm_rejects_bad_shapes_with_named_arguments():
+    a, w, sid, te, rs = _gemm_problem(ops.Activation.SWIGLU, True, ops.RowScale.NONE)
+    call = lambda **kw: jax.ffi.ffi_call(ops.TARGET_GEMM, jax.ShapeDtypeStruct((sid.shape[0], 48), BF16),  # noqa
+                                         vmap_method="sequential")(
+        kw.get("a", a), w.data, jax.lax.bitcast_convert_type(w.scales, jnp.uint8), kw.get("alpha", w.global_scale),
+        kw.get("sid", sid), te, rs, activation=np.int64(kw.get("act", 1)), row_scale_mode=np.int64(0),
+        top_k=np.int64(3), gather=np.int64(1), tile_m=np.int64(kw.get("tile_m", 8)))
+    ops.ensure_registered()
+    with pytest.raises(Exception, match="does not match K"):
+        call(a=a[:, :32])
+    with pytest.raises(Exception, match="alpha must be"):
+        call(alpha=w.global_scale[:2])
+    with pytest.raises(Exception, match="tile_m must be"):
+        call(tile_m=12)
+    with pytest.raises(Exception, match="unknown activation"):
+        call(act=9)
+    with pytest.raises(Exception, match="must be a multiple of tile_m = 16"):
+        call(tile_m=16)
+
+
+# ------------------------------------------------------------------------------------------
+# Op 3: finalize
+
+def test_finalize_matches_twin():
+    rng = np.random.default_rng(3)
+    y = jnp.asarray(rng.standard_normal((40, 64)), BF16)
+    p2r = jnp.asarray(rng.integers(-1, 40, (9, 4)), jnp.int32)
+    np.testing.assert_array_equal(f32(ops.moe_finalize(y, p2r)), f32(ops.moe_finalize(y, p2r, impl="jax")))
+
+
+# ------------------------------------------------------------------------------------------
+# The whole MoE: ffi == pure-JAX twin pipeline, and == backend "xla"
+
+@pytest.fixture(scope="module")
+def experts_cpu():
+    """Small H/I to keep the CPU handlers fast; E from 8 to 256."""
+    return {(e, g): make_experts(e + g, e, 64, 32, gated=g) for e in (8, 64, 256) for g in (True, False)}
+
+
+MOE_CASES = [  # (tokens, experts, top_k, activation): every activation, T from 1 to 4096, E 8..256, k 1..8
+    (1, 8, 1, "swiglu"),
+    (7, 8, 8, "geglu"),
+    (64, 256, 8, "swiglu"),
+    (64, 64, 4, "relu2"),
+    (64, 8, 2, "swiglu_oai"),
+    (1000, 256, 8, "swiglu"),
+    (4096, 8, 2, "swiglu"),
+]
+
+
+@pytest.mark.parametrize("t,e,k,act", MOE_CASES)
+def test_moe_matches_twin_and_xla(experts_cpu, t, e, k, act):
+    ex = experts_cpu[(e, act != "relu2")]
+    x = make_x(t, t, 64)
+    ids, w = make_routing(t + e, t, k, e)
+    got = jax.jit(lambda x, i, w: ops.moe(x, ex, i, w, activation=act))(x, ids, w)
+    assert got.dtype == BF16 and got.shape == (t, 64)
+    twin = jax.jit(lambda x, i, w: ops.moe(x, ex, i, w, activation=act, impl="jax"))(x, ids, w)
+    assert relerr(got, twin) < 1e-5  # the C++ handlers compute the twin's function
+    ref = nv.moe(x, ex, topk_ids=ids, topk_weights=w, activation=act, backend="xla")
+    assert relerr(got, ref) < 1e-2
+
+
+def test_moe_w4a4_matches_xla_and_grad(experts_cpu):
+    """w4a4 (per-token NVFP4 activations) against backend "xla", forward and gradients (one shape:
+    the quantizer dominates compile time on the CPU)."""
+    ex = experts_cpu[(64, True)]
+    x = make_x(7, 7, 64)
+    ids, w = make_routing(7, 7, 4, 64)
+
+    def loss(backend):
+        def f(x, w):
+            out = nv.moe(x, ex, topk_ids=ids, topk_weights=w, mode="w4a4", backend=backend)
+            return jnp.sum(out.astype(jnp.float32) ** 2), out
+        return jax.jit(jax.grad(f, argnums=(0, 1), has_aux=True))
+    (gx, gw), got = loss("ffi")(x, w)
+    (rx, rw), ref = loss("xla")(x, w)
+    assert relerr(got, ref) < 1e-2
+    assert relerr(gw, rw) < 2e-2
+    assert not f32(gx).any() and not f32(rx).any()  # x is rounded onto the NVFP4 grid, as in "xla"
+
+
+def test_empty_batch(experts_cpu):
+    ex = experts_cpu[(8, True)]
+    out = nv.moe(jnp.zeros((0, 64), BF16), ex, topk_ids=jnp.zeros((0, 2), jnp.int32),
+                 topk_weights=jnp.zeros((0, 2), jnp.float32), backend="ffi")
+    assert out.shape == (0, 64) and out.dtype == BF16
+
+
+def test_experts_without_tokens_and_foreign_ids(experts_cpu):
+    ex = experts_cpu[(64, True)]
+    x = make_x(5, 16, 64)
+    ids = jnp.asarray(np.random.default_rng(5).integers(-3, 6, (16, 3)), jnp.int32)  # experts 0..5 only
+    w = jnp.ones((16, 3), jnp.float32)
+    ref = nv.moe(x, ex, topk_ids=ids, topk_weights=w, backend="xla")
+    assert relerr(nv.moe(x, ex, topk_ids=ids, topk_weights=w, backend="ffi"), ref) < 1e-2
+    # Only padding / other shards' ids: exactly zero.
+    z = nv.moe(x, ex, topk_ids=jnp.full((16, 3), -1, jnp.int32), topk_weights=w, backend="ffi")
+    assert not f32(z).any()
+
+
+def test_expert_parallel_shards_sum_to_full(experts_cpu):
+    full = experts_cpu[(8, True)]
+    x = make_x(8, 33, 64)
+    ids, w = make_routing(8, 33, 3, 8)
+    ref = f32(nv.moe(x, full, topk_ids=ids, topk_weights=w, backend="ffi"))
+    halves = [jax.tree_util.tree_map(lambda a: a[s], full) for s in (slice(0, 4), slice(4, 8))]
+    parts = [f32(nv.moe(x, h, topk_ids=ids, topk_weights=w, local_expert_offset=o, backend="ffi"))
+             for h, o in zip(halves, (0, 4))]
+    assert relerr(parts[0] + parts[1], ref) < 1e-2
+    # A traced offset (as from lax.axis_index under shard_map) gives the same shard output.
+    traced = jax.jit(lambda o: ops.moe(x, halves[1], ids, w, local_expert_offset=o))(jnp.int32(4))
+    np.testing.assert_array_equal(f32(traced), parts[1])
+
+
+def test_deterministic_and_jit_equals_eager(experts_cpu):
+    ex = experts_cpu[(8, True)]
+    x = make_x(2, 50, 64)
+    ids, w = make_routing(2, 50, 2, 8)
+    eager = f32(ops.moe(x, ex, ids, w))
+    f = jax.jit(lambda x: ops.moe(x, ex, ids, w))
+    for _ in range(3):
+        np.testing.assert_array_equal(f32(f(x)), eager)
+
+
+# ------------------------------------------------------------------------------------------
+# Transformations: vmap rule, grad (custom_vjp through the pure-JAX twin)
+
+def test_vmap_folds_batch_into_tokens(experts_cpu):
+    ex = experts_cpu[(8, True)]
+    xb = jnp.stack([make_x(s, 9, 64) for s in range(3)])
+    ids, w = make_routing(4, 9, 2, 8)
+    out = jax.vmap(lambda x: ops.moe(x, ex, ids, w))(xb)
+    for b in range(3):
+        np.testing.assert_array_equal(f32(out[b]), f32(ops.moe(xb[b], ex, ids, w)))
+    # batched routing too, and nested under jit
+    idsb = jnp.stack([make_routing(s, 9, 2, 8)[0] for s in range(3)])
+    out = jax.jit(jax.vmap(lambda x, i: ops.moe(x, ex, i, w)))(xb, idsb)
+    np.testing.assert_array_equal(f32(out[1]), f32(ops.moe(xb[1], ex, idsb[1], w)))
+    # batched expert weights (global scales here): one MoE per batch element
+    scale = jnp.asarray([1.0, 2.0], jnp.float32)
+
+    def scaled(s, x):
+        gu = ex.gate_up
+        return ops.moe(x, nv.NVFP4Experts(nv.NVFP4Array(gu.data, gu.scales, gu.global_scale * s), ex.down),
+                       ids, w)
+    out = jax.vmap(scaled)(scale, xb[:2])
+    np.testing.assert_array_equal(f32(out[1]), f32(scaled(scale[1], xb[1])))
+
+
+def test_grad_matches_xla_backend(experts_cpu):
+    ex = experts_cpu[(8, True)]
+    x = make_x(6, 11, 64)
+    ids, w = make_routing(6, 11, 2, 8)
+
+    def loss(backend):
+        return jax.jit(jax.grad(lambda x, w: jnp.sum(nv.moe(x, ex, topk_ids=ids, topk_weights=w,
+                                                            backend=backend).astype(jnp.float32) ** 2),
+                                argnums=(0, 1)))
+    gx, gw = loss("ffi")(x, w)
+    rx, rw = loss("xla")(x, w)
+    assert relerr(gx, rx) < 2e-2 and relerr(gw, rw) < 2e-2
+
+
+# ------------------------------------------------------------------------------------------
+# Golden files (FlashInfer's reference W4A16 MoE) through the public API
+
+@pytest.mark.parametrize("name", golden_names("moe_"))
+def test_golden_through_public_api(name):
+    d = golden(name)
+    p = json.loads((GOLDEN / "MANIFEST.json").read_text())[name]
+    method = name[len("moe_"):-len(".npz")]
+    bf = lambda k: jnp.asarray(d[k].view(ml_dtypes.bfloat16))  # noqa: E731
+    rows = np.argsort(nv.gate_up_to_up_gate(2 * p["intermediate"]))  # [up; gate] -> [gate; up]
+    ones = np.ones(p["experts"], np.float32)
+    ex = nv.NVFP4Experts.from_parts(d["w13_data"][:, rows], d["w13_scales"][:, rows], ones,
+                                    d["w2_data"], d["w2_scales"], ones)
+    kw = dict(routing=method, top_k=p["top_k"])
+    if method == "deepseek_v3":
+        kw.update(bias=bf("bias_bf16_bits"), n_group=p["n_group"], topk_group=p["topk_group"],
+                  routed_scaling_factor=p["routed_scaling_factor"])
+    ref = f32(bf("out_bf16_bits"))
+    out = nv.moe(bf("x_bf16_bits"), ex, router_logits=bf("logits_bf16_bits"), backend="ffi", **kw)
+    assert relerr(out, ref) < 1e-2
+    xla = nv.moe(bf("x_bf16_bits"), ex, router_logits=bf("logits_bf16_bits"), backend="xla", **kw)
+    assert relerr(out, xla) < 1e-2
+
+
+# ------------------------------------------------------------------------------------------
+# Backend availability, support and selection
+
+def _problem(t=4, h=64, i=32, e=8, k=2, mode="w4a16", act="swiglu"):
+    return base.MoEProblem(t, h, i, e, k, mode, act)
+
+
+def test_backend_registered_and_auto_selects_it():
+    b = base.get("ffi")
+    assert isinstance(b, ffi_backend.FFIBackend) and "ffi" in base.names()
+    assert b.unavailable_reason() is None
+    assert base.select("auto", _problem()).name == "ffi"
+    assert base.select("auto", _problem(mode="w4a4")).name == "ffi"
+
+
+def test_unsupported_falls_back_to_xla():
+    p = _problem(mode="bf16")
+    assert "bf16" in ffi_backend.FFIBackend().unsupported_reason(p)
+    assert base.select("auto", p).name == "xla"
+    with pytest.raises(ValueError, match="backend='ffi' cannot run this MoE: mode 'bf16'"):
+        base.select("ffi", p)
+
+
+def test_gpu_limits_are_trace_time_reasons(monkeypatch):
+    monkeypatch.setattr(ffi_backend, "_platform", lambda dev: "cuda")
+    b = ffi_backend.FFIBackend()
+    assert "multiples of 64" in b.unsupported_reason(_problem(h=96))
+    assert "multiples of 64" in b.unsupported_reason(_problem(i=2880 + 16))
+    assert b.unsupported_reason(_problem(h=2880, i=2880)) is None  # gpt-oss shapes: K tail of 64
+    assert "at most 512" in b.unsupported_reason(_problem(h=128, i=128, e=1024))
+
+
+def test_unavailable_reasons(monkeypatch):
+    b = ffi_backend.FFIBackend()
+    monkeypatch.setattr(ops, "extension_error", lambda: "ImportError: no module")
+    assert "not built" in b.unavailable_reason()
+    monkeypatch.undo()
+
+    class FakeGpu:
+        platform, device_kind, compute_capability = "gpu", "NVIDIA A100", "8.0"
+        client = type("C", (), {"platform_version": "cuda 13000"})()
+    monkeypatch.setattr(ffi_backend, "_default_device", lambda: FakeGpu())
+    monkeypatch.setattr(ops, "build_info", lambda: {"cuda": True, "cuda_archs": ["sm_90a", "sm_100a"]})
+    assert "needs sm_80a" in b.unavailable_reason() and "sm_90a" in b.unavailable_reason()
+    monkeypatch.setattr(ops, "build_info", lambda: {"cuda": False, "cuda_archs": []})
+    assert "built without CUDA" in b.unavailable_reason()
+    FakeGpu.compute_capability = "9.0"
+    monkeypatch.setattr(ops, "build_info", lambda: {"cuda": True, "cuda_archs": ["sm_90a"]})
+    assert b.unavailable_reason() is None
+
+
+# ------------------------------------------------------------------------------------------
+# GPU: the CUDA kernels (skipped without a GPU)
+
+@pytest.fixture(scope="module")
+def gpu_experts():
+    if not has_gpu():
+        pytest.skip("needs an NVIDIA GPU")
+    # H = 320: two 128-K chunks plus the 64 tail; I = 192: one chunk plus the tail in GEMM2,
+    # 3 slabs of 64 features in GEMM1 (gated: 384 rows).
+    return {(e, g): make_experts(100 + e, e, 320, 192, gated=g) for e in (8, 32, 256) for g in (True, False)}
+
+
+@pytest.mark.gpu
+def test_gpu_backend_available():
+    assert ffi_backend.FFIBackend().unavailable_reason() is None
+    assert base.select("auto", _problem(h=128, i=128)).name == "ffi"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,k,e,offset,tile_m", [c + (ops.TILE_MS[n % 4],) for n, c in enumerate(ALIGN_CASES)] + [
+    (64, 2, 16, 4, 64), (4096, 8, 256, 0, 8), (4096, 8, 256, 0, 64), (20000, 8, 512, 0, 32)])
+def test_gpu_align_matches_twin(t, k, e, offset, tile_m):
+    rng = np.random.default_rng(t + k)
+    ids = jnp.asarray(rng.integers(-2, e + offset + 3, (t, k)), jnp.int32)
+    got = ops.moe_align(ids, e, tile_m=tile_m, expert_offset=offset, impl="ffi")
+    want = ops.moe_align(ids, e, tile_m=tile_m, expert_offset=offset, impl="jax")
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile_m,h", [(8, 320), (16, 320), (32, 320), (64, 320), (8, 128), (64, 128)])
+@pytest.mark.parametrize("act,gather,mode,out_dtype", GEMM_CASES)
+def test_gpu_gemm_matches_twin(act, gather, mode, out_dtype, h, tile_m):
+    """Every kernel instance (tile_m = 8..64 tokens, gated or not, bf16/fp32 out); K = 320 runs two
+    128-K chunks and the 64 tail, K = 128 one chunk."""
+    if not has_gpu():
+        pytest.skip("needs an NVIDIA GPU")
+    a, w, sid, te, rs = _gemm_problem(act, gather, mode, t=37, k=4, e=6, h=h, n=80, tile_m=tile_m, seed=h)
+    args = (a, w, sid, te, rs, act, gather, mode, out_dtype, tile_m, 4)
+    got, want = _run_gemm("ffi", *args), _run_gemm("jax", *args)
+    used = used_rows(sid, te, tile_m)  # rows of unused tiles are not written by the GPU kernel
+    assert relerr(f32(got)[used], f32(want)[used]) < 1e-2
+    assert (f32(got)[used & (np.asarray(sid) < 0)] == 0).all()
+
+
+@pytest.mark.gpu
+def test_gpu_finalize_matches_twin():
+    rng = np.random.default_rng(3)
+    y = jnp.asarray(rng.standard_normal((300, 1024 + 64)), BF16)
+    p2r = jnp.asarray(rng.integers(-1, 300, (77, 8)), jnp.int32)
+    np.testing.assert_array_equal(f32(ops.moe_finalize(y, p2r)), f32(ops.moe_finalize(y, p2r, impl="jax")))
+
+
+def _gpu_moe_check(ex, t, e, k, act, mode, h=320):
+    x = make_x(t, t, h)
+    ids, w = make_routing(t + e + k, t, k, e)
+    f = jax.jit(lambda x, i, w: nv.moe(x, ex, topk_ids=i, topk_weights=w, mode=mode, activation=act,
+                                       backend="ffi"))
+    got = f(x, ids, w)
+    assert got.shape == (t, h) and got.dtype == BF16
+    if t == 0:
+        return
+    if t <= 64:
+        twin = ops.moe(x, ex, ids, w, mode=mode, activation=act, impl="jax")
+        assert relerr(got, twin) < 1e-2
+    ref = nv.moe(x, ex, topk_ids=ids, topk_weights=w, mode=mode, activation=act, backend="xla")
+    assert relerr(got, ref) < 1e-2
+    np.testing.assert_array_equal(f32(f(x, ids, w)), f32(got))  # bitwise reproducible
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [0, 1, 7, 64, 1000, 4096])
+@pytest.mark.parametrize("e,k", [(8, 2), (256, 8), (32, 1)])
+def test_gpu_moe_token_counts(gpu_experts, t, e, k):
+    _gpu_moe_check(gpu_experts[(e, True)], t, e, k, "swiglu", "w4a16")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("t,e,k", [(7, 32, 4), (1000, 256, 8)])
+def test_gpu_moe_activations_and_modes(gpu_experts, t, e, k, act, mode):
+    _gpu_moe_check(gpu_experts[(e, act != "relu2")], t, e, k, act, mode)
+
+
+@pytest.mark.gpu
+def test_gpu_large_shapes_and_determinism():
+    """DeepSeek-V3 expert shapes (H 7168, I 2048), 16 local experts of 128: decode and prefill."""
+    if not has_gpu():
+        pytest.skip("needs an NVIDIA GPU")
+    ex = make_experts(7, 16, 7168, 2048)
+    f = jax.jit(lambda x, i, w: nv.moe(x, ex, topk_ids=i, topk_weights=w, backend="ffi"))
+    for t in (1, 64, 1024):
+        x = make_x(t, t, 7168)
+        ids, w = make_routing(t, t, 8, 128, drop=0.0)  # global ids: most belong to other shards
+        ids = jnp.where(jnp.arange(t)[:, None] == 0, jnp.arange(8, dtype=jnp.int32)[None], ids)  # hit some
+        got = f(x, ids, w)
+        ref = nv.moe(x, ex, topk_ids=ids, topk_weights=w, backend="xla")
+        assert relerr(got, ref) < 1e-2, t
+        np.testing.assert_array_equal(f32(f(x, ids, w)), f32(got))
+
+
+@pytest.mark.gpu
+def test_gpu_golden_through_public_api():
+    if not has_gpu():
+        pytest.skip("needs an NVIDIA GPU")
+    for name in golden_names("moe_"):
+        test_golden_through_public_api(name)
