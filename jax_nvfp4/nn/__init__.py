@@ -1,0 +1,31 @@
+"""Flax NNX integration: an NVFP4-capable MoE module, online quantization of live models, a Qwen3-MoE
+decoder and jitted generation for RL rollouts. Needs flax (``pip install jax_nvfp4[flax]``).
+
+Use in a Flax model::
+
+    from jax_nvfp4 import nn as nvnn
+
+    self.mlp = nvnn.MoE(hidden, inter, num_experts, top_k, routing="renormalize_naive", rngs=rngs)
+    ...
+    qmodel = nvnn.quantize_moe(model, ignore=["model.layers.0.mlp"])   # NVFP4 experts, w4a16
+    out = nvnn.generate(qmodel, prompts, key=key, max_new_tokens=128, temperature=1.0)
+
+Modules: :mod:`.moe` (the MoE module), :mod:`.quantization` (quantize_moe, load_experts),
+:mod:`.qwen3_moe` (the model), :mod:`.qwen3_moe_loader` (Hugging Face checkpoints),
+:mod:`.generation` (sampling and scoring).
+"""
+
+from .moe import BF16ExpertWeights, MoE, NVFP4ExpertWeights, QuantizedWeight, replay_weights
+from .quantization import load_experts, moe_modules, quantize_moe, set_moe_options
+from .qwen3_moe import (CONFIGS, CausalLMOutput, DecoderOutput, KVCache, Qwen3MoeConfig, Qwen3MoeForCausalLM,
+                        RMSNorm, rotary)
+from .qwen3_moe_loader import load_qwen3_moe
+from .generation import GenerationOutput, generate, sample_logits, sequence_logprobs
+
+__all__ = [
+    "MoE", "BF16ExpertWeights", "NVFP4ExpertWeights", "QuantizedWeight", "quantize_moe", "set_moe_options",
+    "load_experts", "moe_modules", "replay_weights",
+    "Qwen3MoeConfig", "Qwen3MoeForCausalLM", "CONFIGS", "KVCache", "CausalLMOutput", "DecoderOutput", "RMSNorm",
+    "rotary", "load_qwen3_moe",
+    "generate", "sequence_logprobs", "sample_logits", "GenerationOutput",
+]

@@ -1,0 +1,232 @@
+"""Batched generation and scoring for RL rollouts, each one ``jax.jit``.
+
+:func:`generate` runs the prefill and a ``lax.while_loop`` of decode steps in one compiled function:
+temperature / top-p sampling, per-token log-probabilities, EOS handling, and optionally every
+layer's expert selection (``return_routing``) for routing replay. :func:`sequence_logprobs` scores
+given sequences in one forward pass (teacher forcing), e.g. under the bf16 policy, to measure the
+mismatch of a quantized rollout engine.
+
+Both take any model with the :class:`~jax_nvfp4.nn.Qwen3MoeForCausalLM` interface (``config``,
+``init_cache``, ``hidden_states``, ``logits``). Prompts are left-padded: ``prompt_mask`` is False on
+the padding, and every sequence's last prompt token sits in the last column.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from flax import nnx
+
+
+class GenerationOutput(NamedTuple):
+    """Result of :func:`generate` (``N = max_new_tokens``, ``P`` prompt columns).
+
+    tokens : int32 ``[B, N]``: sampled tokens, ``pad_id`` after a sequence's EOS
+    logprobs : float32 ``[B, N]``: log-probability of each token under the sampling distribution
+        ``softmax(logits / temperature)`` (before top-p truncation; ``temperature=1`` when greedy);
+        0 where ``mask`` is False
+    mask : bool ``[B, N]``: True for generated tokens, up to and including EOS
+    routing : int32 ``[L, B, P + N, k]`` or None: expert ids of every layer at every position
+        (prompt and generated; -1 where nothing was computed)
+    """
+
+    tokens: Any
+    logprobs: Any
+    mask: Any
+    routing: Any = None
+
+
+def _check_prompts(prompt_tokens, prompt_mask):
+    if prompt_tokens.ndim != 2:
+        raise ValueError(f"prompt_tokens must be [B, P], got shape {tuple(prompt_tokens.shape)}")
+    if not jnp.issubdtype(prompt_tokens.dtype, jnp.integer):
+        raise TypeError(f"prompt_tokens must be integer token ids, got {prompt_tokens.dtype}")
+    if prompt_mask is not None and tuple(prompt_mask.shape) != tuple(prompt_tokens.shape):
+        raise ValueError(f"prompt_mask must have prompt_tokens' shape {tuple(prompt_tokens.shape)}, "
+                         f"got {tuple(prompt_mask.shape)}")
+
+
+def sample_logits(key, logits, *, temperature: float = 1.0, top_p: float = 1.0):
+    """Sample one token per row.
+
+    Parameters
+    ----------
+    key : PRNG key
+    logits : float ``[B, V]``
+    temperature : float (static): 0 is greedy (argmax)
+    top_p : float (static) in (0, 1]: sample among the most likely tokens whose probabilities sum to
+        at least ``top_p`` (nucleus sampling; the most likely token is always kept)
+
+    Returns
+    -------
+    (tokens int32 ``[B]``, logprobs float32 ``[B]`` under ``softmax(logits / temperature)``)
+    """
+    logits = logits.astype(jnp.float32)
+    if temperature == 0:
+        tok = jnp.argmax(logits, axis=-1)
+        logp = jax.nn.log_softmax(logits, axis=-1)
+    else:
+        z = logits / temperature
+        logp = jax.nn.log_softmax(z, axis=-1)
+        if top_p < 1.0:
+            srt = jnp.sort(logp, axis=-1)[:, ::-1]
+            p = jnp.exp(srt)
+            keep = (jnp.cumsum(p, axis=-1) - p) < top_p  # mass before this token is below top_p
+            threshold = jnp.min(jnp.where(keep, srt, jnp.inf), axis=-1, keepdims=True)
+            z = jnp.where(logp >= threshold, z, -jnp.inf)
+        tok = jax.random.categorical(key, z, axis=-1)
+    tok = tok.astype(jnp.int32)
+    return tok, jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
+
+
+def generate(model, prompt_tokens, *, key, max_new_tokens: int, prompt_mask=None, temperature: float = 1.0,
+             top_p: float = 1.0, eos_id: int | None = None, pad_id: int = 0,
+             return_routing: bool = False) -> GenerationOutput:
+    """Sample continuations of a batch of prompts: prefill + decode loop, one ``jax.jit``.
+
+    Parameters
+    ----------
+    model : :class:`~jax_nvfp4.nn.Qwen3MoeForCausalLM` (bf16 or quantized: its MoE mode decides)
+    prompt_tokens : int32 ``[B, P]``, left-padded
+    key : PRNG key
+    max_new_tokens : int (static) N
+    prompt_mask : optional bool ``[B, P]``: False on left padding (default: all True)
+    temperature, top_p : float (static), see :func:`sample_logits`
+    eos_id : optional int: a sequence stops after emitting it; the loop ends early when all have
+    pad_id : int: filler after EOS
+    return_routing : bool (static): also return the expert ids of every layer and position
+
+    Returns
+    -------
+    :class:`GenerationOutput`
+
+    Notes
+    -----
+    Compiled once per model structure (graph, MoE modes) and static argument set; callable inside
+    an outer ``jax.jit`` too (e.g. after :func:`~jax_nvfp4.nn.quantize_moe` of a merged policy).
+    """
+    _check_prompts(prompt_tokens, prompt_mask)
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if prompt_mask is None:
+        prompt_mask = jnp.ones(prompt_tokens.shape, bool)
+    graphdef, state = nnx.split(model)
+    # eos_id and pad_id are traced (no recompilation per value); -1 never matches a sampled token.
+    eos = jnp.asarray(-1 if eos_id is None else eos_id, jnp.int32)
+    return _generate(graphdef, state, prompt_tokens.astype(jnp.int32), prompt_mask.astype(bool), key, eos,
+                     jnp.asarray(pad_id, jnp.int32), max_new_tokens=int(max_new_tokens),
+                     temperature=float(temperature), top_p=float(top_p), return_routing=bool(return_routing))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "temperature", "top_p", "return_routing"))
+def _generate(graphdef, state, prompts, prompt_mask, key, eos_id, pad_id, *, max_new_tokens, temperature, top_p,
+              return_routing):
+    model = nnx.merge(graphdef, state)
+    b, p = prompts.shape
+    n = max_new_tokens
+    cache = model.init_cache(b, p + n)
+    out = model.hidden_states(prompts, attention_mask=prompt_mask, cache=cache, return_routing=return_routing)
+    logits = model.logits(out.hidden[:, -1])
+    routing = None
+    if return_routing:
+        n_layers, _, _, k = out.routing.shape
+        routing = jnp.full((n_layers, b, p + n, k), -1, jnp.int32)
+        routing = lax.dynamic_update_slice(routing, out.routing, (0, 0, 0, 0))
+
+    init = dict(i=jnp.zeros((), jnp.int32), cache=out.cache, logits=logits, done=jnp.zeros((b,), bool),
+                tokens=jnp.full((b, n), pad_id, jnp.int32), logprobs=jnp.zeros((b, n), jnp.float32),
+                mask=jnp.zeros((b, n), bool), routing=routing)
+
+    def cond(c):
+        return (c["i"] < n) & ~jnp.all(c["done"])
+
+    def body(c):
+        i = c["i"]
+        tok, lp = sample_logits(jax.random.fold_in(key, i), c["logits"], temperature=temperature, top_p=top_p)
+        live = ~c["done"]
+        tok = jnp.where(live, tok, pad_id)
+        done = c["done"] | (live & (tok == eos_id))
+        # Feed the token: its logits are the next step's, its experts complete the routing record.
+        step = model.hidden_states(tok[:, None], attention_mask=live[:, None], cache=c["cache"],
+                                   return_routing=return_routing)
+        new = dict(i=i + 1, cache=step.cache, logits=model.logits(step.hidden[:, -1]), done=done,
+                   tokens=c["tokens"].at[:, i].set(tok), logprobs=c["logprobs"].at[:, i].set(jnp.where(live, lp, 0.0)),
+                   mask=c["mask"].at[:, i].set(live), routing=c["routing"])
+        if return_routing:
+            new["routing"] = lax.dynamic_update_slice(c["routing"], step.routing, (0, 0, p + i, 0))
+        return new
+
+    final = lax.while_loop(cond, body, init)
+    return GenerationOutput(final["tokens"], final["logprobs"], final["mask"], final["routing"])
+
+
+_LOGITS_CHUNK_BYTES = 1 << 28  # float32 logits materialized at a time by sequence_logprobs (256 MiB)
+
+
+def sequence_logprobs(model, tokens, *, attention_mask=None, temperature: float = 1.0, topk_ids=None,
+                      chunk: int | None = None):
+    """Teacher-forced log-probabilities of each next token (one forward pass, one ``jax.jit``).
+
+    Parameters
+    ----------
+    model : :class:`~jax_nvfp4.nn.Qwen3MoeForCausalLM`
+    tokens : int32 ``[B, L]`` (left-padded prompt followed by its continuation, say)
+    attention_mask : optional bool ``[B, L]``: False on padding
+    temperature : float (static): log-probabilities of ``softmax(logits / temperature)`` (as the sampler's)
+    topk_ids : optional int32 ``[num_layers, B, L, k]``: replay these expert selections (e.g. the rollout's
+        ``GenerationOutput.routing``) instead of routing with this model's routers
+    chunk : int (static), optional: positions whose ``[B, chunk, V]`` float32 logits are materialized at
+        a time; default: as many as fit in 256 MiB (e.g. 6 for B = 64 and Qwen3's 151936-token vocabulary)
+
+    Returns
+    -------
+    float32 ``[B, L - 1]``: entry ``t`` is ``log p(tokens[:, t + 1] | tokens[:, : t + 1])``; 0 where
+    ``attention_mask[:, t + 1]`` is False.
+    """
+    _check_prompts(tokens, attention_mask)
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 for log-probabilities, got {temperature}")
+    if tokens.shape[1] < 2:
+        raise ValueError(f"tokens needs at least 2 positions, got shape {tuple(tokens.shape)}")
+    if attention_mask is None:
+        attention_mask = jnp.ones(tokens.shape, bool)
+    if chunk is None:
+        chunk = max(1, _LOGITS_CHUNK_BYTES // (4 * tokens.shape[0] * model.config.vocab_size))
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    graphdef, state = nnx.split(model)
+    return _sequence_logprobs(graphdef, state, tokens.astype(jnp.int32), attention_mask.astype(bool), topk_ids,
+                              temperature=float(temperature), chunk=int(chunk))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "temperature", "chunk"))
+def _sequence_logprobs(graphdef, state, tokens, mask, topk_ids, *, temperature, chunk):
+    model = nnx.merge(graphdef, state)
+    b, length = tokens.shape
+    hidden = model.hidden_states(tokens, attention_mask=mask, topk_ids=topk_ids).hidden[:, :-1]
+    targets = tokens[:, 1:]
+    m = length - 1
+    c = min(chunk, m)
+    n_chunks = -(-m // c)
+    pad = n_chunks * c - m
+    hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
+    targets = jnp.pad(targets, ((0, 0), (0, pad)))
+
+    # One chunk of positions at a time: the full [B, L, V] float32 logits can be gigabytes.
+    def score(j):
+        h = lax.dynamic_slice_in_dim(hidden, j * c, c, axis=1)
+        tgt = lax.dynamic_slice_in_dim(targets, j * c, c, axis=1)
+        logp = jax.nn.log_softmax(model.logits(h) / temperature, axis=-1)
+        return jnp.take_along_axis(logp, tgt[..., None], axis=-1)[..., 0]
+
+    lp = lax.map(score, jnp.arange(n_chunks))  # [n_chunks, B, c]
+    lp = jnp.moveaxis(lp, 0, 1).reshape(b, n_chunks * c)[:, :m]
+    return jnp.where(mask[:, 1:], lp, 0.0)

@@ -1,0 +1,273 @@
+"""Flax NNX Mixture-of-Experts: the :class:`MoE` module and its expert storage.
+
+An :class:`MoE` holds a router and a stack of experts, either in bf16 (:class:`BF16ExpertWeights`,
+trainable ``nnx.Param``) or in NVFP4 (:class:`NVFP4ExpertWeights`, packed codes and scales held as
+:class:`QuantizedWeight`, which is not an ``nnx.Param``: optimizers and ``nnx.grad`` over ``Param``
+leave it alone). The expert computation is :func:`jax_nvfp4.moe`. Quantizing a live model's blocks
+and loading NVFP4 experts into them: :mod:`jax_nvfp4.nn.quantization`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ..backends.base import MODES
+from ..formats import BF16Experts, NVFP4Array, NVFP4Experts
+from ..moe import moe
+from ..routing import ROUTING_METHODS
+from .. import activations
+
+_EPS = 1e-20  # as in jax_nvfp4.routing
+
+
+class QuantizedWeight(nnx.Variable):
+    """Storage of NVFP4 expert weights (packed E2M1 codes, E4M3 block scales, global scales).
+
+    A separate Variable type, not ``nnx.Param``: quantized weights are not trained, and filters such
+    as ``nnx.state(model, nnx.Param)`` or ``nnx.grad`` (which differentiates ``Param``) skip them.
+    """
+
+
+def _normal(key, shape, fan_in: int, dtype):
+    """Normal(0, 1/fan_in) in ``dtype`` (keeps activations O(1) through the layer)."""
+    return (jax.random.normal(key, shape, jnp.float32) * fan_in ** -0.5).astype(dtype)
+
+
+class BF16ExpertWeights(nnx.Module):
+    """Unquantized expert stack (trainable).
+
+    Parameters
+    ----------
+    gate_up : ``[E, 2I, H]`` (rows ``[gate; up]``), or ``[E, I, H]`` with ``gated=False``
+    down : ``[E, H, I]``
+    gated : bool
+
+    Attributes
+    ----------
+    gate_up, down : nnx.Param holding the arrays as given (bf16 usually; float32 master weights
+        are cast to bf16 for the MoE).
+    """
+
+    def __init__(self, gate_up, down, *, gated: bool = True):
+        BF16Experts(gate_up, down, gated)  # validates the shapes
+        self.gate_up = nnx.Param(gate_up)
+        self.down = nnx.Param(down)
+        self.gated = gated
+
+    @classmethod
+    def random(cls, num_experts: int, hidden_size: int, intermediate_size: int, *, gated: bool = True,
+               param_dtype=jnp.bfloat16, rngs: nnx.Rngs) -> "BF16ExpertWeights":
+        """Random experts, normal with variance ``1/fan_in``."""
+        rows = (2 if gated else 1) * intermediate_size
+        return cls(_normal(rngs.params(), (num_experts, rows, hidden_size), hidden_size, param_dtype),
+                   _normal(rngs.params(), (num_experts, hidden_size, intermediate_size), intermediate_size,
+                           param_dtype), gated=gated)
+
+    def experts(self) -> BF16Experts:
+        """The weights as :class:`~jax_nvfp4.BF16Experts` (cast to bf16), for :func:`jax_nvfp4.moe`."""
+        return BF16Experts(self.gate_up[...].astype(jnp.bfloat16), self.down[...].astype(jnp.bfloat16),
+                           self.gated)
+
+
+class NVFP4ExpertWeights(nnx.Module):
+    """NVFP4 expert stack (not trainable): the parts of :class:`~jax_nvfp4.NVFP4Experts` as Variables.
+
+    Parameters
+    ----------
+    experts : :class:`~jax_nvfp4.NVFP4Experts`
+        ``gate_up`` ``[E, 2I, H]`` (or ``[E, I, H]`` not gated) and ``down`` ``[E, H, I]`` with
+        per-expert global scales ``[E]``.
+
+    Attributes
+    ----------
+    gate_up_data : QuantizedWeight uint8 ``[E, 2I, H/2]``
+    gate_up_scales : QuantizedWeight float8_e4m3fn ``[E, 2I, H/16]``
+    gate_up_global_scale : QuantizedWeight float32 ``[E]``
+    down_data, down_scales, down_global_scale : the same for ``[E, H, I]``
+    gated : bool; dtype : the source dtype recorded by the quantizer (static)
+    """
+
+    def __init__(self, experts: NVFP4Experts):
+        if not isinstance(experts, NVFP4Experts):
+            raise TypeError(f"experts must be NVFP4Experts, got {type(experts).__name__}")
+        for name, w in (("gate_up", experts.gate_up), ("down", experts.down)):
+            setattr(self, f"{name}_data", QuantizedWeight(w.data))
+            setattr(self, f"{name}_scales", QuantizedWeight(w.scales))
+            setattr(self, f"{name}_global_scale", QuantizedWeight(w.global_scale))
+        self.gated = experts.gated
+        self.dtype = jnp.dtype(experts.gate_up.dtype)
+
+    def experts(self) -> NVFP4Experts:
+        """The weights as :class:`~jax_nvfp4.NVFP4Experts`, for :func:`jax_nvfp4.moe`."""
+        def part(name):
+            return NVFP4Array(getattr(self, f"{name}_data")[...], getattr(self, f"{name}_scales")[...],
+                              getattr(self, f"{name}_global_scale")[...], self.dtype)
+        return NVFP4Experts(part("gate_up"), part("down"), self.gated)
+
+
+def check_choice(value, choices, name):
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {tuple(choices)}, got {value!r}")
+
+
+class MoE(nnx.Module):
+    """Routed Mixture-of-Experts block: a linear router and a stack of experts (spec section 5).
+
+    Parameters
+    ----------
+    hidden_size, intermediate_size : int
+        H and the per-expert intermediate size I (multiples of 16 to be quantizable).
+    num_experts, top_k : int
+    routing : str
+        A :data:`jax_nvfp4.ROUTING_METHODS` name, e.g. ``"renormalize_naive"`` for Qwen3-MoE
+        (softmax, top-k, renormalize), ``"softmax_topk"`` (no renormalization), ``"deepseek_v3"``.
+    activation : str
+        ``"swiglu"`` (default), ``"geglu"``, ``"relu2"`` (not gated) or ``"swiglu_oai"``.
+    mode : str, optional
+        ``"bf16"``, ``"w4a16"`` or ``"w4a4"``; None runs bf16 experts in ``bf16`` and NVFP4 experts in
+        ``w4a16``. :func:`quantize_moe` sets it.
+    backend : str
+        :func:`jax_nvfp4.moe` backend, ``"auto"`` by default.
+    router_bias : bool
+        Add a learned per-expert router bias ``[E]`` (required by ``deepseek_v3``, where it affects
+        selection only).
+    n_group, topk_group, routed_scaling_factor
+        Routing parameters (see :func:`jax_nvfp4.route`).
+    param_dtype : dtype of the router and bf16 expert parameters (bfloat16)
+    rngs : nnx.Rngs
+
+    Attributes
+    ----------
+    router : nnx.Linear ``H -> E`` (kernel ``[H, E]``, no bias); logits are computed in float32
+    router_bias : nnx.Param float32 ``[E]`` or None
+    experts : :class:`BF16ExpertWeights` or :class:`NVFP4ExpertWeights`
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, *,
+                 routing: str = "softmax_topk", activation: str = "swiglu", mode: str | None = None,
+                 backend: str = "auto", router_bias: bool = False, n_group: int | None = None,
+                 topk_group: int | None = None, routed_scaling_factor: float = 1.0,
+                 param_dtype=jnp.bfloat16, rngs: nnx.Rngs):
+        check_choice(routing, ROUTING_METHODS, "routing")
+        activations.check(activation)
+        if mode is not None:
+            check_choice(mode, MODES, "mode")
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
+        if routing == "deepseek_v3" and not router_bias:
+            raise ValueError("routing 'deepseek_v3' needs router_bias=True (the score correction bias)")
+        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
+        self.num_experts, self.top_k = num_experts, top_k
+        self.routing, self.activation, self.mode, self.backend = routing, activation, mode, backend
+        self.n_group, self.topk_group = n_group, topk_group
+        self.routed_scaling_factor = routed_scaling_factor
+        self.router = nnx.Linear(hidden_size, num_experts, use_bias=False, dtype=param_dtype,
+                                 param_dtype=param_dtype, preferred_element_type=jnp.float32, rngs=rngs)
+        self.router_bias = nnx.Param(jnp.zeros((num_experts,), jnp.float32)) if router_bias else None
+        self.experts = BF16ExpertWeights.random(num_experts, hidden_size, intermediate_size,
+                                                gated=activations.is_gated(activation),
+                                                param_dtype=param_dtype, rngs=rngs)
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the experts are NVFP4."""
+        return isinstance(self.experts, NVFP4ExpertWeights)
+
+    def router_logits(self, x):
+        """float32 ``[T, E]`` router logits of bf16 ``x [T, H]`` (bf16 operands, fp32 accumulation)."""
+        return self.router(x)
+
+    def __call__(self, x, *, topk_ids=None, return_routing: bool = False):
+        """Apply the block.
+
+        Parameters
+        ----------
+        x : float ``[..., H]`` (computed in bfloat16)
+        topk_ids : optional int32 ``[..., k]``
+            Replay this expert selection (e.g. recorded by a rollout with ``return_routing=True``)
+            instead of routing ``x``. The combine weights are recomputed from this block's router
+            logits for the given ids (:func:`replay_weights`), so gradients still reach the router,
+            as in rollout routing replay for RL. Negative ids are padding.
+        return_routing : bool
+            Also return ``(topk_ids int32 [..., k], topk_weights float32 [..., k])``.
+
+        Returns
+        -------
+        ``[..., H]`` in ``x.dtype``, or ``(out, (topk_ids, topk_weights))``.
+        """
+        if x.shape[-1] != self.hidden_size:
+            raise ValueError(f"x.shape[-1]={x.shape[-1]} does not match hidden_size={self.hidden_size}")
+        lead = x.shape[:-1]
+        xt = x.reshape(-1, self.hidden_size).astype(jnp.bfloat16)
+        experts = self.experts.experts()
+        mode = self.mode
+        if mode is not None and mode != "bf16" and not self.quantized:
+            raise ValueError(f"MoE mode={mode!r} needs NVFP4 experts but this block holds bf16 ones; "
+                             "quantize them with jax_nvfp4.nn.quantize_moe(model)")
+        bias = None if self.router_bias is None else self.router_bias[...]
+        logits = self.router_logits(xt)
+        common = dict(activation=self.activation, mode=mode, backend=self.backend)
+        if topk_ids is None:
+            out, (ids, w) = moe(xt, experts, router_logits=logits, routing=self.routing, top_k=self.top_k,
+                                bias=bias, n_group=self.n_group, topk_group=self.topk_group,
+                                routed_scaling_factor=self.routed_scaling_factor, return_routing=True,
+                                **common)
+        else:
+            if topk_ids.shape[:-1] != lead:
+                raise ValueError(f"topk_ids must have shape {lead + (topk_ids.shape[-1],)} (x's leading "
+                                 f"axes, then k), got {tuple(topk_ids.shape)}")
+            ids = topk_ids.reshape(-1, topk_ids.shape[-1]).astype(jnp.int32)
+            w = replay_weights(logits, ids, self.routing, bias=bias,
+                               routed_scaling_factor=self.routed_scaling_factor)
+            out = moe(xt, experts, topk_ids=ids, topk_weights=w, **common)
+        out = out.reshape(x.shape).astype(x.dtype)
+        if return_routing:
+            k = ids.shape[-1]
+            return out, (ids.reshape(lead + (k,)), w.reshape(lead + (k,)))
+        return out
+
+
+def replay_weights(router_logits, topk_ids, routing: str, *, bias=None, routed_scaling_factor=1.0):
+    """Combine weights of a given expert selection, as ``routing`` would weight it.
+
+    Parameters
+    ----------
+    router_logits : float ``[T, E]`` (cast to float32)
+    topk_ids : int32 ``[T, k]``; negative ids are padding (weight 0, left out of normalizations)
+    routing : a :data:`jax_nvfp4.ROUTING_METHODS` name
+    bias : optional ``[E]``, added to the logits (for ``deepseek_v3`` it only ever affected selection,
+        so it is not used here)
+    routed_scaling_factor : float
+
+    Returns
+    -------
+    float32 ``[T, k]``: for the ids :func:`jax_nvfp4.route` selects, exactly its weights.
+    """
+    check_choice(routing, ROUTING_METHODS, "routing")
+    l = router_logits.astype(jnp.float32)
+    if bias is not None and routing != "deepseek_v3":
+        l = l + bias.astype(jnp.float32)
+    valid = topk_ids >= 0
+    idx = jnp.where(valid, topk_ids, 0)
+    k = topk_ids.shape[-1]
+
+    def pick(v):
+        return jnp.where(valid, jnp.take_along_axis(v, idx, axis=-1), 0.0)
+
+    if routing in ("softmax_topk", "renormalize_naive"):
+        w = pick(jax.nn.softmax(l, axis=-1))
+        if routing == "renormalize_naive":
+            w = w / (w.sum(-1, keepdims=True) + _EPS)
+    elif routing == "renormalize":
+        w = jax.nn.softmax(jnp.where(valid, pick(l), -jnp.inf), axis=-1)
+        w = jnp.where(valid, w, 0.0)
+    elif routing == "topk_uniform":
+        w = jnp.where(valid, jnp.float32(1.0 / k), 0.0)
+    elif routing == "llama4":
+        w = pick(jax.nn.sigmoid(l))
+    else:  # deepseek_v3
+        w = pick(jax.nn.sigmoid(l))
+        w = w / (w.sum(-1, keepdims=True) + _EPS)
+    return (w * jnp.float32(routed_scaling_factor)).astype(jnp.float32)

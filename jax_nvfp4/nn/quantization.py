@@ -1,0 +1,171 @@
+"""Online quantization of a live NNX model's MoE blocks, and loading NVFP4 experts into them.
+
+:func:`quantize_moe` walks any NNX model and replaces the bf16 experts of its :class:`~jax_nvfp4.nn.MoE`
+blocks by NVFP4 ones (spec section 4: one global scale per expert for gate and up together, one for
+down). It is plain Python over traced or concrete arrays, so it runs eagerly (each block's
+quantization is one compiled call) and inside ``jax.jit`` / ``nnx.jit``, e.g. fused with a rollout
+after each policy update. :func:`load_experts` puts the experts of a converted checkpoint into the
+blocks instead, without materialising bf16.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+
+import jax
+from flax import nnx
+
+from .. import activations
+from ..backends.base import MODES
+from ..checkpoint.naming import ignore_patterns, matches_ignore, strip_model
+from ..quantize import RECIPES, quantize_experts
+from .moe import MoE, NVFP4ExpertWeights, check_choice
+
+QUANTIZED_MODES = ("w4a16", "w4a4")
+
+
+def _path_name(path) -> str:
+    return ".".join(str(p) for p in path)
+
+
+def moe_modules(model) -> dict[str, MoE]:
+    """Every :class:`MoE` block of an NNX model by dotted path (``"model.layers.0.mlp"``), in graph order."""
+    if isinstance(model, MoE):
+        return {"": model}
+    return {_path_name(p): m for p, m in nnx.iter_graph(model) if isinstance(m, MoE)}
+
+
+def _selected(names, ignore):
+    """(names not ignored, {pattern: matched anything})."""
+    hits = {p: False for p in ignore}
+    keep = []
+    for n in names:
+        matched = [p for p in ignore if matches_ignore(n, p)] if n else []
+        for p in matched:
+            hits[p] = True
+        if not matched:
+            keep.append(n)
+    return keep, hits
+
+
+# One compiled quantization per expert shape when called eagerly; inlined under an outer jit.
+_quantize_experts = jax.jit(quantize_experts, static_argnames=("recipe", "gated"))
+
+
+def quantize_moe(model, *, ignore: str | Sequence[str] = (), recipe: str = "nvfp4", mode: str = "w4a16",
+                 inplace: bool = False):
+    """Replace the bf16 experts of every :class:`MoE` block of ``model`` by NVFP4 ones.
+
+    Parameters
+    ----------
+    model : an NNX module (or an :class:`MoE` itself)
+    ignore : str or sequence of str
+        Blocks to keep in bf16, by dotted path, with the converter's rules
+        (:func:`jax_nvfp4.checkpoint.matches_ignore`: exact or dotted-prefix match, with or without
+        a leading ``model.``), e.g. ``["model.layers.0.mlp"]``. A pattern that matches no block warns.
+    recipe : ``"nvfp4"`` (FlashInfer's quantizer, bit-exact) or ``"4over6"``
+    mode : ``"w4a16"`` or ``"w4a4"``
+        The mode the quantized blocks run in. Blocks that already hold NVFP4 experts keep their
+        weights and only switch mode, so one quantization serves both modes.
+    inplace : bool
+        False (default): return a copy (``nnx.clone``: the arrays of everything else are shared, not
+        copied) and leave ``model`` (e.g. a bf16 policy) unchanged. True: modify ``model``.
+
+    Returns
+    -------
+    The quantized model (``model`` itself when ``inplace``).
+
+    Notes
+    -----
+    Works eagerly (one compiled quantization per distinct expert shape) and under ``jax.jit`` /
+    ``nnx.jit``: e.g. ``nnx.jit(lambda m: quantize_moe(m))(policy)``, or merge the model inside a
+    jitted rollout and quantize there. Quantization is bit-exact with :func:`jax_nvfp4.quantize_experts`.
+    """
+    check_choice(recipe, RECIPES, "recipe")
+    check_choice(mode, QUANTIZED_MODES, "mode")
+    ignore = ignore_patterns(ignore)
+    target = model if inplace else nnx.clone(model)
+    blocks = moe_modules(target)
+    if not blocks:
+        raise ValueError(f"model ({type(model).__name__}) has no jax_nvfp4.nn.MoE block to quantize")
+    keep, hits = _selected(list(blocks), ignore)
+    for p, hit in hits.items():
+        if not hit:
+            warnings.warn(f"ignore pattern {p!r} matches no MoE block (blocks: "
+                          f"{', '.join(map(repr, list(blocks)[:4]))}{', ...' if len(blocks) > 4 else ''})",
+                          stacklevel=2)
+    for name in keep:
+        block = blocks[name]
+        if not block.quantized:
+            ex = block.experts
+            block.experts = NVFP4ExpertWeights(
+                _quantize_experts(ex.gate_up[...], ex.down[...], recipe=recipe, gated=ex.gated))
+        block.mode = mode
+    return target
+
+
+def set_moe_options(model, *, mode: str | None = None, backend: str | None = None, inplace: bool = False):
+    """Set the ``mode`` and/or ``backend`` of the :class:`MoE` blocks (a copy unless ``inplace``).
+
+    ``mode="w4a16"`` or ``"w4a4"`` applies to the blocks holding NVFP4 experts; bf16 blocks (e.g. kept
+    by an ignore list) go on running in bf16. ``mode="bf16"`` needs every block to hold bf16 experts
+    (ValueError naming the first that does not). ``backend`` applies to every block.
+    """
+    if mode is not None:
+        check_choice(mode, MODES, "mode")
+    target = model if inplace else nnx.clone(model)
+    blocks = moe_modules(target)
+    if not blocks:
+        raise ValueError(f"model ({type(model).__name__}) has no jax_nvfp4.nn.MoE block")
+    for name, block in blocks.items():
+        if mode == "bf16" and block.quantized:
+            raise ValueError(f"MoE block {name!r} holds NVFP4 experts and cannot run mode='bf16'")
+        if mode is not None and block.quantized == (mode != "bf16"):
+            block.mode = mode
+        if backend is not None:
+            block.backend = backend
+    return target
+
+
+def load_experts(model, source, *, mode: str = "w4a16", strict: bool = True):
+    """Put NVFP4 experts from a converted checkpoint into the :class:`MoE` blocks of ``model``, in place.
+
+    Parameters
+    ----------
+    model : an NNX module whose MoE block paths match the checkpoint's MoE module names (e.g.
+        ``model.layers.0.mlp``; a leading ``model.`` is optional on either side). The model may be
+        abstract (``nnx.eval_shape``): the bf16 expert stacks are replaced, never materialised.
+    source : path of an NVFP4 checkpoint written by :func:`jax_nvfp4.convert_checkpoint`, or the dict
+        returned by :func:`jax_nvfp4.load_nvfp4_experts` / :func:`jax_nvfp4.quantize_checkpoint_experts`
+    mode : ``"w4a16"`` or ``"w4a4"`` for the loaded blocks
+    strict : bool
+        Raise if a checkpoint module matches no block. Blocks absent from the checkpoint (kept in
+        source precision by the converter's ignore list) are left as they are either way.
+
+    Returns
+    -------
+    list of the block paths that were loaded.
+    """
+    check_choice(mode, QUANTIZED_MODES, "mode")
+    if not isinstance(source, dict):
+        from ..checkpoint import load_nvfp4_experts
+        source = load_nvfp4_experts(source)
+    blocks = {strip_model(n): b for n, b in moe_modules(model).items()}
+    loaded = []
+    for module, ex in source.items():
+        block = blocks.get(strip_model(module))
+        if block is None:
+            if strict:
+                raise ValueError(f"checkpoint MoE module {module!r} matches no MoE block of the model "
+                                 f"(blocks: {', '.join(list(blocks)[:4])}...)")
+            continue
+        want = (block.num_experts, block.hidden_size, block.intermediate_size)
+        got = (ex.num_experts, ex.hidden_size, ex.intermediate_size)
+        if want != got or ex.gated != activations.is_gated(block.activation):
+            raise ValueError(f"checkpoint MoE module {module!r}: experts (E, H, I) = {got}, gated={ex.gated} "
+                             f"do not fit the block's {want} with activation {block.activation!r}")
+        block.experts = NVFP4ExpertWeights(ex)
+        block.mode = mode
+        loaded.append(module)
+    return loaded

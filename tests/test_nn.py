@@ -1,0 +1,235 @@
+"""The Flax NNX MoE module and online quantization (jax_nvfp4.nn): agreement with jax_nvfp4.moe,
+bit-exact quantization of a live model (eagerly, under nnx.jit and inside jax.jit), ignore lists,
+mode switches, routing replay, gradients, loading NVFP4 experts from a converted checkpoint, errors."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+pytest.importorskip("flax")
+from flax import nnx  # noqa: E402
+
+import jax_nvfp4 as nv  # noqa: E402
+from jax_nvfp4 import nn as nvnn  # noqa: E402
+
+H, I, E, K, T = 64, 32, 8, 2, 10
+# jitted: one compilation instead of many eager ones (exact either way)
+quantize_experts = jax.jit(nv.quantize_experts, static_argnames=("recipe", "gated"))
+
+
+class Block(nnx.Module):
+    def __init__(self, rngs, **moe_kw):
+        self.norm = nnx.LayerNorm(H, rngs=rngs)
+        self.mlp = nvnn.MoE(H, I, E, K, rngs=rngs, **moe_kw)
+
+    def __call__(self, x):
+        return x + self.mlp(self.norm(x))
+
+
+class Tiny(nnx.Module):
+    """A model whose MoE blocks are named like a Hugging Face checkpoint's (``model.layers.L.mlp``)."""
+
+    def __init__(self, rngs, layers=2, **moe_kw):
+        self.model = nnx.Module()
+        self.model.layers = nnx.List([Block(rngs, **moe_kw) for _ in range(layers)])
+
+    def __call__(self, x):
+        for blk in self.model.layers:
+            x = blk(x)
+        return x
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Tiny(nnx.Rngs(0), routing="renormalize_naive")
+
+
+@pytest.fixture(scope="module")
+def x():
+    return jax.random.normal(jax.random.key(1), (2, T // 2, H), jnp.bfloat16)
+
+
+def functional(blk: nvnn.MoE, x, mode=None, backend="auto"):
+    """The block by hand: its router, then jax_nvfp4.moe on its experts."""
+    xt = x.reshape(-1, H)
+    logits = jnp.dot(xt, blk.router.kernel[...], preferred_element_type=jnp.float32)
+    return nv.moe(xt, blk.experts.experts(), router_logits=logits, routing=blk.routing, top_k=blk.top_k,
+                  mode=mode, backend=backend).reshape(x.shape)
+
+
+def test_moe_module_matches_functional(model, x):
+    blk = model.model.layers[0].mlp
+    assert isinstance(blk.experts, nvnn.BF16ExpertWeights) and blk.experts.gate_up.shape == (E, 2 * I, H)
+    out, (ids, w) = blk(x, return_routing=True)
+    assert out.shape == x.shape and out.dtype == jnp.bfloat16 and ids.shape == (2, T // 2, K)
+    np.testing.assert_array_equal(out, functional(blk, x))
+    np.testing.assert_allclose(w.sum(-1), 1.0, rtol=1e-6)  # renormalize_naive
+
+
+def quantized_leaves(m):
+    return jax.tree.leaves(nnx.state(m, nvnn.QuantizedWeight))
+
+
+def assert_same_bytes(a, b):
+    la, lb = quantized_leaves(a), quantized_leaves(b)
+    assert len(la) == len(lb) > 0
+    for u, v in zip(la, lb):
+        assert u.dtype == v.dtype and u.shape == v.shape
+        np.testing.assert_array_equal(np.asarray(u).view(np.uint8), np.asarray(v).view(np.uint8))
+
+
+def test_quantize_moe_is_bit_exact_and_leaves_the_policy_alone(model, x):
+    q = nvnn.quantize_moe(model)
+    for name, blk in nvnn.moe_modules(q).items():
+        src = nvnn.moe_modules(model)[name]
+        assert not src.quantized and src.mode is None  # the bf16 policy is unchanged
+        assert blk.quantized and blk.mode == "w4a16"
+        ref = quantize_experts(src.experts.gate_up[...], src.experts.down[...])
+        got = blk.experts.experts()
+        for a, b in ((got.gate_up, ref.gate_up), (got.down, ref.down)):
+            np.testing.assert_array_equal(a.data, b.data)
+            np.testing.assert_array_equal(np.asarray(a.scales).view(np.uint8), np.asarray(b.scales).view(np.uint8))
+            np.testing.assert_array_equal(a.global_scale, b.global_scale)
+        # everything else is shared with the policy, not copied
+        assert blk.router.kernel[...] is src.router.kernel[...]
+    blk = q.model.layers[0].mlp
+    np.testing.assert_array_equal(blk(x), functional(blk, x, "w4a16"))
+    # NVFP4 weights are not trainable parameters
+    assert not any(v.dtype == jnp.uint8 for v in jax.tree.leaves(nnx.state(q, nnx.Param)))
+
+
+def test_quantize_moe_under_jit(model, x):
+    eager = nvnn.quantize_moe(model)
+    under_nnx_jit = nnx.jit(lambda m: nvnn.quantize_moe(m))(model)
+    assert_same_bytes(under_nnx_jit, eager)
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def requantize_and_run(state, x):
+        q = nvnn.quantize_moe(nnx.merge(graphdef, state))
+        return q(x), nnx.state(q, nvnn.QuantizedWeight)
+
+    y, qstate = requantize_and_run(state, x)
+    np.testing.assert_array_equal(y, eager(x))
+    for u, v in zip(jax.tree.leaves(qstate), quantized_leaves(eager)):
+        np.testing.assert_array_equal(np.asarray(u).view(np.uint8), np.asarray(v).view(np.uint8))
+
+
+def test_ignore_inplace_modes_and_recipe(model, x):
+    with pytest.warns(UserWarning, match="'layers.7.mlp' matches no MoE block"):
+        q = nvnn.quantize_moe(model, ignore=["model.layers.0", "layers.7.mlp"])
+    assert not q.model.layers[0].mlp.quantized and q.model.layers[1].mlp.quantized
+    # one quantization serves both modes: w4a4 switches mode, keeps the very same arrays
+    q4 = nvnn.quantize_moe(q, mode="w4a4", ignore="model.layers.0.mlp")
+    assert q4.model.layers[1].mlp.mode == "w4a4" and q.model.layers[1].mlp.mode == "w4a16"
+    assert q4.model.layers[1].mlp.experts.down_data[...] is q.model.layers[1].mlp.experts.down_data[...]
+    blk = q4.model.layers[1].mlp
+    np.testing.assert_array_equal(blk(x), functional(blk, x, "w4a4"))
+    # set_moe_options: quantized modes apply to the NVFP4 blocks, the bf16 block stays bf16
+    s = nvnn.set_moe_options(q4, mode="w4a16", backend="xla")
+    assert [b.mode for b in nvnn.moe_modules(s).values()] == [None, "w4a16"]
+    assert all(b.backend == "xla" for b in nvnn.moe_modules(s).values()) and q4.model.layers[1].mlp.backend == "auto"
+    blk = s.model.layers[1].mlp
+    np.testing.assert_array_equal(blk(x), functional(blk, x, "w4a16", backend="xla"))
+    with pytest.raises(ValueError, match="'model.layers.1.mlp' holds NVFP4 experts"):
+        nvnn.set_moe_options(q4, mode="bf16")
+    c = nnx.clone(model)
+    assert nvnn.quantize_moe(c, inplace=True) is c and c.model.layers[0].mlp.quantized
+    assert c.model.layers[0].mlp.experts.experts().gate_up.data.shape == (E, 2 * I, H // 2)
+
+
+def test_errors(model, x):
+    with pytest.raises(ValueError, match="mode must be one of"):
+        nvnn.quantize_moe(model, mode="bf16")
+    with pytest.raises(ValueError, match="recipe must be one of"):
+        nvnn.quantize_moe(model, recipe="int4")
+    with pytest.raises(ValueError, match="has no jax_nvfp4.nn.MoE block"):
+        nvnn.quantize_moe(nnx.Linear(4, 4, rngs=nnx.Rngs(0)))
+    with pytest.raises(ValueError, match="routing must be one of"):
+        nvnn.MoE(H, I, E, K, routing="top2", rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="top_k must be in"):
+        nvnn.MoE(H, I, E, 9, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="router_bias=True"):
+        nvnn.MoE(H, I, E, K, routing="deepseek_v3", rngs=nnx.Rngs(0))
+    blk = nnx.clone(model.model.layers[0].mlp)
+    blk.mode = "w4a4"
+    with pytest.raises(ValueError, match="quantize_moe"):
+        blk(x)
+    with pytest.raises(ValueError, match="hidden_size"):
+        blk(x[..., :32])
+
+
+@pytest.mark.parametrize("routing", nv.ROUTING_METHODS)
+def test_replay_weights_reproduce_route(routing):
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.standard_normal((16, 8)), jnp.float32)
+    k = 1 if routing == "llama4" else 3
+    bias = jnp.asarray(rng.standard_normal(8) * 0.1, jnp.float32) if routing in ("deepseek_v3", "renormalize") else None
+    kw = dict(n_group=4, topk_group=2) if routing == "deepseek_v3" else {}
+    ids, w = nv.route(logits, routing, top_k=k, bias=bias, routed_scaling_factor=2.5, **kw)
+    got = nvnn.replay_weights(logits, ids, routing, bias=bias, routed_scaling_factor=2.5)
+    np.testing.assert_allclose(got, w, rtol=1e-6, atol=1e-7)
+    # padding ids get weight 0 and leave the others' normalization alone
+    padded = nvnn.replay_weights(logits, ids.at[:, -1].set(-1), routing, bias=bias)
+    assert bool(jnp.all(padded[:, -1] == 0))
+
+
+def test_module_routing_replay_and_other_options(x):
+    blk = nvnn.MoE(H, I, E, 3, routing="deepseek_v3", router_bias=True, n_group=4, topk_group=2,
+                   routed_scaling_factor=1.5, activation="geglu", rngs=nnx.Rngs(2))
+    blk.router_bias[...] = jnp.linspace(-0.1, 0.1, E)
+    out, (ids, w) = blk(x, return_routing=True)
+    np.testing.assert_array_equal(blk(x, topk_ids=ids), out)
+    relu = nvnn.MoE(H, I, E, K, activation="relu2", rngs=nnx.Rngs(3))
+    assert not relu.experts.gated and relu.experts.gate_up.shape == (E, I, H)
+    q = nvnn.quantize_moe(relu)
+    assert q.quantized and q(x).shape == x.shape
+    with pytest.raises(ValueError, match="topk_ids must have shape"):
+        blk(x, topk_ids=ids[0])
+
+
+def test_gradients_reach_router_and_bf16_experts(model, x):
+    def loss(m):
+        return jnp.mean(m(x).astype(jnp.float32) ** 2)
+
+    grads = nnx.grad(loss)(model)
+    g = grads["model"]["layers"][0]["mlp"]
+    assert float(jnp.abs(g["router"]["kernel"][...].astype(jnp.float32)).sum()) > 0
+    assert float(jnp.abs(g["experts"]["gate_up"][...].astype(jnp.float32)).sum()) > 0
+
+
+def test_load_experts_from_converted_checkpoint(tmp_path, model, x):
+    """A converted checkpoint's experts go into a model whose blocks match its module names; the
+    bytes equal quantizing the same bf16 weights online."""
+    import ml_dtypes
+    tensors = {}
+    for name, blk in nvnn.moe_modules(model).items():
+        gu = np.asarray(blk.experts.gate_up[...])
+        dn = np.asarray(blk.experts.down[...])
+        for e in range(E):
+            tensors[f"{name}.experts.{e}.gate_proj.weight"] = gu[e, :I].astype(ml_dtypes.bfloat16)
+            tensors[f"{name}.experts.{e}.up_proj.weight"] = gu[e, I:].astype(ml_dtypes.bfloat16)
+            tensors[f"{name}.experts.{e}.down_proj.weight"] = dn[e].astype(ml_dtypes.bfloat16)
+    src = tmp_path / "src"
+    src.mkdir()
+    save_file(tensors, str(src / "model.safetensors"))
+    dst = tmp_path / "dst"
+    nv.convert_checkpoint(src, dst, ignore=["model.layers.1.mlp"], progress=False)
+    target = nnx.clone(model)
+    assert nvnn.load_experts(target, dst) == ["model.layers.0.mlp"]
+    assert target.model.layers[0].mlp.quantized and not target.model.layers[1].mlp.quantized
+    assert_same_bytes(target, nvnn.quantize_moe(model, ignore="model.layers.1.mlp"))
+    # also into an abstract model: nothing bf16 is materialised for the loaded block
+    abstract = nnx.eval_shape(lambda: Tiny(nnx.Rngs(0), routing="renormalize_naive"))
+    nvnn.load_experts(abstract, nv.load_nvfp4_experts(dst), mode="w4a4")
+    assert abstract.model.layers[0].mlp.mode == "w4a4"
+    assert isinstance(abstract.model.layers[1].mlp.experts.down.get_value(), jax.ShapeDtypeStruct)
+    with pytest.raises(ValueError, match="matches no MoE block"):
+        nvnn.load_experts(nnx.clone(model), {"model.layers.5.mlp": target.model.layers[0].mlp.experts.experts()})
+    wrong = Tiny(nnx.Rngs(0), layers=1, activation="relu2")
+    with pytest.raises(ValueError, match="do not fit"):
+        nvnn.load_experts(wrong, dst)
