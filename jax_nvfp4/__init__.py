@@ -10,6 +10,9 @@ from .layouts import (cutedsl_gemm1_rows, gate_up_to_up_gate, swizzle_scales, tr
 from .quantize import RECIPES, quantize, quantize_experts
 from .routing import ROUTING_METHODS, route
 from .moe import moe
+from .backends import ffi as _ffi_backend  # noqa: F401  (registers backend "ffi")
+from .backends.flashinfer import prepare_flashinfer_weights  # registers backend "flashinfer"
+from .backends.flashinfer_prepare import PreparedWeights
 from .checkpoint import (CheckpointError, ConversionSummary, convert_checkpoint, load_nvfp4_experts,
                          quantize_checkpoint_experts)
 
@@ -19,7 +22,15 @@ __all__ = [
     "NVFP4Array", "NVFP4Experts", "BF16Experts", "quantize", "dequantize", "quantize_experts", "RECIPES",
     "swizzle_scales", "unswizzle_scales", "trtllm_gemm1_rows", "trtllm_gemm2_rows", "cutedsl_gemm1_rows",
     "gate_up_to_up_gate",
-    "route", "ROUTING_METHODS", "moe",
+    "route", "ROUTING_METHODS", "moe", "prepare_flashinfer_weights", "PreparedWeights",
     "convert_checkpoint", "load_nvfp4_experts", "quantize_checkpoint_experts", "ConversionSummary",
     "CheckpointError",
 ]
+
+
+def __getattr__(name):
+    # jax_nvfp4.nn (Flax NNX modules) needs flax, an optional dependency: import it on first use.
+    if name == "nn":
+        import importlib
+        return importlib.import_module(".nn", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

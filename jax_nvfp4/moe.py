@@ -14,6 +14,7 @@ from . import activations
 from .backends import base as _base
 from .backends import xla as _xla  # noqa: F401  (registers the "xla" backend)
 from .backends.base import MODES, MoEProblem
+from .backends.flashinfer_prepare import PreparedWeights, check_prepared
 from .formats import BF16Experts, NVFP4Experts
 from .routing import ROUTING_METHODS, check_route_args, route
 
@@ -24,9 +25,12 @@ def _is_array(v) -> bool:
     return hasattr(v, "shape") and hasattr(v, "dtype")
 
 
-def _check_experts(experts, mode):
+def _check_experts(experts, mode, activation):
+    if isinstance(experts, PreparedWeights):  # laid out for FlashInfer's kernels
+        return check_prepared(experts, mode, activation)
     if not isinstance(experts, (NVFP4Experts, BF16Experts)):
-        raise TypeError(f"experts must be NVFP4Experts or BF16Experts, got {type(experts).__name__}")
+        raise TypeError(f"experts must be NVFP4Experts, BF16Experts or PreparedWeights, got "
+                        f"{type(experts).__name__}")
     if mode is None:
         mode = "bf16" if isinstance(experts, BF16Experts) else "w4a16"
     if mode not in MODES:
@@ -74,7 +78,8 @@ def moe(x, experts, *, router_logits=None, routing: str = "softmax_topk", top_k:
     experts : :class:`~jax_nvfp4.NVFP4Experts` or :class:`~jax_nvfp4.BF16Experts`
         ``E`` local experts: ``gate_up [E, 2I, H]`` (rows ``[gate; up]``; ``[E, I, H]`` with
         ``gated=False`` for ``relu2``) and ``down [E, H, I]``. A pytree, so it may be a traced
-        argument of a jitted function.
+        argument of a jitted function. Or experts laid out once for FlashInfer's kernels with
+        :func:`~jax_nvfp4.prepare_flashinfer_weights` (they run on ``backend="flashinfer"``).
     router_logits : optional float ``[T, E_global]``
         Logits over all global experts; routed with :func:`~jax_nvfp4.route`. Give either these
         or ``topk_ids`` and ``topk_weights``.
@@ -118,8 +123,13 @@ def moe(x, experts, *, router_logits=None, routing: str = "softmax_topk", top_k:
     (weights are constants; gradients pass straight through the exact decode). ``w4a4`` rounds
     ``x`` onto the NVFP4 grid, so its gradient with respect to ``x`` is zero.
     """
-    mode = _check_experts(experts, mode)
     activations.check(activation)
+    mode = _check_experts(experts, mode, activation)
+    if isinstance(experts, PreparedWeights):
+        if backend not in ("auto", "flashinfer"):
+            raise ValueError(f"experts prepared for FlashInfer's kernels (PreparedWeights) run only on backend "
+                             f"'flashinfer', not {backend!r}; pass the NVFP4Experts to other backends")
+        backend = "flashinfer"
     if routing not in ROUTING_METHODS:
         raise ValueError(f"routing must be one of {ROUTING_METHODS}, got {routing!r}")
     if experts.gated != activations.is_gated(activation):
@@ -147,12 +157,11 @@ def moe(x, experts, *, router_logits=None, routing: str = "softmax_topk", top_k:
             if routing != "llama4":
                 raise ValueError(f"top_k is required for routing {routing!r}")
             top_k = 1
-        check_route_args(router_logits.shape, router_logits.dtype, routing, top_k=top_k, bias=bias,
-                         n_group=n_group, topk_group=topk_group)
+        n_group_r, topk_group_r = check_route_args(router_logits.shape, router_logits.dtype, routing,
+                                                   top_k=top_k, bias=bias, n_group=n_group,
+                                                   topk_group=topk_group)
         _check_offset(local_expert_offset, experts.num_experts, router_logits.shape[1])
-        topk_ids, topk_weights = route(router_logits, routing, top_k=top_k, bias=bias, n_group=n_group,
-                                       topk_group=topk_group,
-                                       routed_scaling_factor=routed_scaling_factor)
+        k, e_global = top_k, router_logits.shape[1]
     else:
         if topk_ids is None or topk_weights is None:
             raise ValueError("give router_logits, or both topk_ids and topk_weights")
@@ -180,10 +189,11 @@ def moe(x, experts, *, router_logits=None, routing: str = "softmax_topk", top_k:
         _check_offset(local_expert_offset, experts.num_experts, None)
         topk_ids = topk_ids.astype(jnp.int32)
         topk_weights = topk_weights.astype(jnp.float32)
+        k, e_global = topk_ids.shape[1], None
 
     problem = MoEProblem(tokens=t, hidden=h, intermediate=experts.intermediate_size,
-                         num_experts=experts.num_experts, top_k=topk_ids.shape[1], mode=mode,
-                         activation=activation)
+                         num_experts=experts.num_experts, top_k=k, mode=mode, activation=activation,
+                         global_experts=e_global)
     if not isinstance(local_expert_offset, int):
         # The Backend protocol types the offset as a Python int; only "xla" also takes a traced one.
         if backend not in ("auto", "xla"):
@@ -191,6 +201,18 @@ def moe(x, experts, *, router_logits=None, routing: str = "softmax_topk", top_k:
                              "offset runs on backend 'xla'")
         backend = "xla"
     impl = _base.select(backend, problem)
+    if router_logits is not None:
+        # A backend may route inside its kernel (e.g. FlashInfer's TensorRT-LLM-gen launcher).
+        from_logits = getattr(impl, "moe_from_logits", None)
+        res = None if from_logits is None else from_logits(
+            x, experts, router_logits, routing=routing, top_k=top_k, bias=bias, n_group=n_group_r,
+            topk_group=topk_group_r, routed_scaling_factor=routed_scaling_factor, problem=problem,
+            local_expert_offset=local_expert_offset)
+        if res is not None:
+            out, topk_ids, topk_weights = res
+            return (out, (topk_ids, topk_weights)) if return_routing else out
+        topk_ids, topk_weights = route(router_logits, routing, top_k=top_k, bias=bias, n_group=n_group,
+                                       topk_group=topk_group, routed_scaling_factor=routed_scaling_factor)
     out = impl(x, experts, topk_ids, topk_weights, problem=problem,
                local_expert_offset=local_expert_offset)
     return (out, (topk_ids, topk_weights)) if return_routing else out

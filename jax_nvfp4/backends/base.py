@@ -20,7 +20,9 @@ GATED_ACTIVATIONS = ("swiglu", "geglu", "swiglu_oai")
 class MoEProblem:
     """Static description of one MoE call (all trace-time facts a backend may check).
 
-    ``tokens`` is T, ``num_experts`` the local experts E held by ``experts``, ``top_k`` k.
+    ``tokens`` is T, ``num_experts`` the local experts E held by ``experts``, ``top_k`` k;
+    ``global_experts`` is the number of experts routed over (``router_logits.shape[1]``) when
+    known, else None (precomputed routing).
     """
 
     tokens: int
@@ -30,6 +32,7 @@ class MoEProblem:
     top_k: int
     mode: str
     activation: str
+    global_experts: int | None = None
 
 
 class Backend(Protocol):
@@ -43,6 +46,11 @@ class Backend(Protocol):
       ``[local_expert_offset, local_expert_offset + E)`` contribute nothing);
     - ``topk_weights`` float32 ``[T, k]``;
     - returns bf16 ``[T, H]``.
+
+    Optional: ``moe_from_logits(x, experts, router_logits, *, routing, top_k, bias, n_group,
+    topk_group, routed_scaling_factor, problem, local_expert_offset)`` routes inside the backend
+    and returns ``(out, topk_ids, topk_weights)``, or None when it does not apply (then
+    :func:`jax_nvfp4.moe` routes in JAX and calls ``__call__``).
     """
 
     name: str
