@@ -257,24 +257,13 @@ def step_correctness(args):
     if not (golden / "MANIFEST.json").exists():
         report("3 golden", "golden W4A16 files", "SKIP", f"{golden} not found (set JAX_NVFP4_GOLDEN)")
         return
-    import ml_dtypes
     manifest = json.loads((golden / "MANIFEST.json").read_text())
     for fname in sorted(f for f in manifest if f.startswith("moe_")):
         with guarded("3 golden", fname):
-            d, prm = np.load(golden / fname), manifest[fname]
-            method = fname[4:-4]
-            bf = lambda k: jnp.asarray(d[k].view(ml_dtypes.bfloat16))  # noqa: E731
-            rows = np.argsort(nv.gate_up_to_up_gate(2 * prm["intermediate"]))
-            ones = np.ones(prm["experts"], np.float32)
-            ex = nv.NVFP4Experts.from_parts(d["w13_data"][:, rows], d["w13_scales"][:, rows], ones,
-                                            d["w2_data"], d["w2_scales"], ones)
-            kw = dict(routing=method, top_k=prm["top_k"])
-            if method == "deepseek_v3":
-                kw.update(bias=bf("bias_bf16_bits"), n_group=prm["n_group"], topk_group=prm["topk_group"],
-                          routed_scaling_factor=prm["routed_scaling_factor"])
-            out = nv.moe(bf("x_bf16_bits"), nv.prepare_flashinfer_weights(ex, "cutedsl"),
-                         router_logits=bf("logits_bf16_bits"), **kw)
-            err = relerr(out, bf("out_bf16_bits"))
+            g = specs.load_golden_moe(golden, fname)
+            out = nv.moe(g.x, nv.prepare_flashinfer_weights(g.experts, "cutedsl"),
+                         router_logits=g.logits, **g.route_kwargs)
+            err = relerr(out, g.out)
             report("3 golden", fname, "PASS" if err < W4A16_TOL else "FAIL", f"relerr {err:.2e}", relerr=err)
 
 

@@ -145,3 +145,45 @@ def experts_hit(topk_ids, shape: MoEShape) -> int:
     """Distinct local experts that ``topk_ids`` routes to (host-side count)."""
     ids = np.asarray(topk_ids).reshape(-1) - shape.local_expert_offset
     return int(np.unique(ids[(ids >= 0) & (ids < shape.local_experts)]).size)
+
+
+@dataclasses.dataclass(frozen=True)
+class GoldenMoE:
+    """One of FlashInfer's reference W4A16 MoE cases (``golden/moe_<routing>.npz``), converted to
+    jax_nvfp4's conventions (GEMM1 rows ``[gate; up]``; global scales exactly 1).
+
+    ``moe(x, experts, router_logits=logits, **route_kwargs)`` should give ``out`` (float32 of the
+    golden bf16 output).
+    """
+
+    name: str
+    x: jax.Array
+    logits: jax.Array
+    experts: NVFP4Experts
+    route_kwargs: dict
+    out: np.ndarray
+
+
+def load_golden_moe(golden_dir, name: str) -> GoldenMoE:
+    """Load ``golden_dir/name`` (e.g. ``moe_deepseek_v3.npz``) with its MANIFEST.json parameters."""
+    import json
+    import pathlib
+
+    import ml_dtypes
+
+    golden_dir = pathlib.Path(golden_dir)
+    d = np.load(golden_dir / name)
+    p = json.loads((golden_dir / "MANIFEST.json").read_text())[name]
+    method = name[len("moe_"):-len(".npz")]
+    bf = lambda k: jnp.asarray(d[k].view(ml_dtypes.bfloat16))  # noqa: E731
+    from .layouts import gate_up_to_up_gate
+    rows = np.argsort(gate_up_to_up_gate(2 * p["intermediate"]))  # golden [up; gate] -> [gate; up]
+    ones = np.ones(p["experts"], np.float32)
+    experts = NVFP4Experts.from_parts(d["w13_data"][:, rows], d["w13_scales"][:, rows], ones,
+                                      d["w2_data"], d["w2_scales"], ones)
+    kw = dict(routing=method, top_k=p["top_k"])
+    if method == "deepseek_v3":
+        kw.update(bias=bf("bias_bf16_bits"), n_group=p["n_group"], topk_group=p["topk_group"],
+                  routed_scaling_factor=p["routed_scaling_factor"])
+    return GoldenMoE(name, bf("x_bf16_bits"), bf("logits_bf16_bits"), experts, kw,
+                     np.asarray(bf("out_bf16_bits"), np.float32))

@@ -40,3 +40,10 @@ def golden(name: str):
 
 def golden_names(prefix: str) -> list[str]:
     return sorted(p.name for p in GOLDEN.glob(f"{prefix}*.npz")) if GOLDEN.exists() else []
+
+
+def golden_moe(name: str):
+    """A golden MoE case in jax_nvfp4's conventions (see jax_nvfp4.arg_specs.load_golden_moe)."""
+    from jax_nvfp4.arg_specs import load_golden_moe
+    golden(name)  # skips when absent
+    return load_golden_moe(GOLDEN, name)

@@ -6,11 +6,9 @@ run the CUDA kernels and are skipped without a GPU.
 
 from __future__ import annotations
 
-import json
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
 
@@ -18,7 +16,7 @@ import jax_nvfp4 as nv
 from jax_nvfp4 import _ffi_ops as ops
 from jax_nvfp4.backends import base
 from jax_nvfp4.backends import ffi as ffi_backend
-from conftest import GOLDEN, golden, golden_names, has_gpu
+from conftest import golden_moe, golden_names, has_gpu
 
 pytestmark = pytest.mark.skipif(ops.extension_error() is not None,
                                 reason=f"FFI extension not built: {ops.extension_error()}")
@@ -339,22 +337,10 @@ def test_grad_matches_xla_backend(experts_cpu):
 
 @pytest.mark.parametrize("name", golden_names("moe_"))
 def test_golden_through_public_api(name):
-    d = golden(name)
-    p = json.loads((GOLDEN / "MANIFEST.json").read_text())[name]
-    method = name[len("moe_"):-len(".npz")]
-    bf = lambda k: jnp.asarray(d[k].view(ml_dtypes.bfloat16))  # noqa: E731
-    rows = np.argsort(nv.gate_up_to_up_gate(2 * p["intermediate"]))  # [up; gate] -> [gate; up]
-    ones = np.ones(p["experts"], np.float32)
-    ex = nv.NVFP4Experts.from_parts(d["w13_data"][:, rows], d["w13_scales"][:, rows], ones,
-                                    d["w2_data"], d["w2_scales"], ones)
-    kw = dict(routing=method, top_k=p["top_k"])
-    if method == "deepseek_v3":
-        kw.update(bias=bf("bias_bf16_bits"), n_group=p["n_group"], topk_group=p["topk_group"],
-                  routed_scaling_factor=p["routed_scaling_factor"])
-    ref = f32(bf("out_bf16_bits"))
-    out = nv.moe(bf("x_bf16_bits"), ex, router_logits=bf("logits_bf16_bits"), backend="ffi", **kw)
-    assert relerr(out, ref) < 1e-2
-    xla = nv.moe(bf("x_bf16_bits"), ex, router_logits=bf("logits_bf16_bits"), backend="xla", **kw)
+    g = golden_moe(name)
+    out = nv.moe(g.x, g.experts, router_logits=g.logits, backend="ffi", **g.route_kwargs)
+    assert relerr(out, g.out) < 1e-2
+    xla = nv.moe(g.x, g.experts, router_logits=g.logits, backend="xla", **g.route_kwargs)
     assert relerr(out, xla) < 1e-2
 
 

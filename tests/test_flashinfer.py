@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import ast
 import importlib.util
-import json
 import os
 import pathlib
 import re
@@ -35,7 +34,7 @@ import jax_nvfp4 as nv
 from jax_nvfp4.backends import base
 from jax_nvfp4.backends import flashinfer as fb
 from jax_nvfp4.backends import flashinfer_prepare as fp
-from conftest import GOLDEN, golden, golden_names
+from conftest import golden, golden_moe, golden_names
 import flashinfer_fake as fake
 
 HAS_JAX_TVM_FFI = all(importlib.util.find_spec(m) is not None for m in ("jax_tvm_ffi", "tvm_ffi"))
@@ -485,21 +484,10 @@ def test_expert_parallel_padding_and_foreign_ids(fake_flashinfer, kernel):
 @pytest.mark.parametrize("name", golden_names("moe_"))
 def test_golden_moe_through_cutedsl(fake_host, name):
     """FlashInfer's reference W4A16 MoE (golden) through prepared weights and the CuTe DSL call."""
-    d = golden(name)
-    prm = json.loads((GOLDEN / "MANIFEST.json").read_text())[name]
-    method = name[len("moe_"):-len(".npz")]
-    bf = lambda k: jnp.asarray(d[k].view(ml_dtypes.bfloat16))  # noqa: E731
-    rows = np.argsort(nv.gate_up_to_up_gate(2 * prm["intermediate"]))
-    ones = np.ones(prm["experts"], np.float32)
-    ex = nv.NVFP4Experts.from_parts(d["w13_data"][:, rows], d["w13_scales"][:, rows], ones,
-                                    d["w2_data"], d["w2_scales"], ones)
-    kw = dict(routing=method, top_k=prm["top_k"])
-    if method == "deepseek_v3":
-        kw.update(bias=bf("bias_bf16_bits"), n_group=prm["n_group"], topk_group=prm["topk_group"],
-                  routed_scaling_factor=prm["routed_scaling_factor"])
-    p = nv.prepare_flashinfer_weights(ex, "cutedsl")
-    out = nv.moe(bf("x_bf16_bits"), p, router_logits=bf("logits_bf16_bits"), **kw)
-    assert relerr(out, bf("out_bf16_bits")) < 1e-2
+    g = golden_moe(name)
+    p = nv.prepare_flashinfer_weights(g.experts, "cutedsl")
+    out = nv.moe(g.x, p, router_logits=g.logits, **g.route_kwargs)
+    assert relerr(out, g.out) < 1e-2
 
 
 def test_unprepared_experts_are_prepared_once(fake_host):

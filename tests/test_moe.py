@@ -2,7 +2,6 @@
 every mode and activation, dispatch/matmul strategies, properties, transformations
 (jit, scan, while_loop, grad), expert parallelism and argument validation."""
 
-import json
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +14,7 @@ import jax_nvfp4 as nv
 from jax_nvfp4 import activations, arg_specs
 from jax_nvfp4.backends import base
 from jax_nvfp4.backends.xla import XLABackend, choose_dispatch, choose_gmm, gmm_ragged, gmm_tiled
-from conftest import GOLDEN, golden, golden_names
+from conftest import golden_moe, golden_names
 
 BF16 = jnp.bfloat16
 MOE_FILES = golden_names("moe_")
@@ -132,19 +131,8 @@ def f32(a):
 # Golden files (FlashInfer's reference W4A16 MoE)
 
 def _golden_problem(name):
-    d = golden(name)
-    p = json.loads((GOLDEN / "MANIFEST.json").read_text())[name]
-    method = name[len("moe_"):-len(".npz")]
-    bf = lambda k: jnp.asarray(d[k].view(ml_dtypes.bfloat16))  # noqa: E731
-    rows = np.argsort(nv.gate_up_to_up_gate(2 * p["intermediate"]))  # [up; gate] -> [gate; up]
-    ones = np.ones(p["experts"], np.float32)
-    ex = nv.NVFP4Experts.from_parts(d["w13_data"][:, rows], d["w13_scales"][:, rows], ones,
-                                    d["w2_data"], d["w2_scales"], ones)
-    kw = dict(routing=method, top_k=p["top_k"])
-    if method == "deepseek_v3":
-        kw.update(bias=bf("bias_bf16_bits"), n_group=p["n_group"], topk_group=p["topk_group"],
-                  routed_scaling_factor=p["routed_scaling_factor"])
-    return bf("x_bf16_bits"), bf("logits_bf16_bits"), ex, kw, f32(bf("out_bf16_bits")).astype(np.float64)
+    g = golden_moe(name)
+    return g.x, g.logits, g.experts, g.route_kwargs, g.out.astype(np.float64)
 
 
 @pytest.mark.parametrize("name", MOE_FILES)
