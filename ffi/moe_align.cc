@@ -59,12 +59,4 @@ ffi::Error MoeAlignCpuImpl(ffi::Buffer<ffi::S32> topk_ids, ffi::Result<ffi::Buff
 }  // namespace
 }  // namespace jax_nvfp4
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxNvfp4MoeAlignCpu, jax_nvfp4::MoeAlignCpuImpl,
-                              xla::ffi::Ffi::Bind()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // topk_ids [T, k] global ids
-                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // sorted_ids [P]
-                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // tile_expert [P / tile_m]
-                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // pair_to_row [T, k]
-                                  .Attr<int64_t>("num_experts")            // local experts E
-                                  .Attr<int64_t>("expert_offset")          // first local global id
-                                  .Attr<int64_t>("tile_m"));               // group padding
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxNvfp4MoeAlignCpu, jax_nvfp4::MoeAlignCpuImpl, jax_nvfp4::sig::MoeAlign(xla::ffi::Ffi::Bind()));               // group padding

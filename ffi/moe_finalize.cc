@@ -32,8 +32,4 @@ ffi::Error MoeFinalizeCpuImpl(ffi::Buffer<ffi::BF16> y, ffi::Buffer<ffi::S32> pa
 }  // namespace
 }  // namespace jax_nvfp4
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxNvfp4MoeFinalizeCpu, jax_nvfp4::MoeFinalizeCpuImpl,
-                              xla::ffi::Ffi::Bind()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::BF16>>()   // y [P, H] GEMM2 rows
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()    // pair_to_row [T, k]
-                                  .Ret<xla::ffi::Buffer<xla::ffi::BF16>>());  // out [T, H]
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxNvfp4MoeFinalizeCpu, jax_nvfp4::MoeFinalizeCpuImpl, jax_nvfp4::sig::MoeFinalize(xla::ffi::Ffi::Bind()));  // out [T, H]

@@ -105,18 +105,4 @@ ffi::Error GroupedGemmCpuImpl(ffi::Buffer<ffi::BF16> a, ffi::Buffer<ffi::U8> w_d
 }  // namespace
 }  // namespace jax_nvfp4
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxNvfp4GroupedGemmCpu, jax_nvfp4::GroupedGemmCpuImpl,
-                              xla::ffi::Ffi::Bind()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::BF16>>()  // a [rows, K]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::U8>>()    // w_data [E, N, K/2] E2M1 pairs
-                                  .Arg<xla::ffi::Buffer<xla::ffi::U8>>()    // w_scales [E, N, K/16] E4M3 bits
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // alpha [E] global decode scale
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // sorted_ids [P]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // tile_expert [P / tile_m]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // row_scale [n]
-                                  .Ret<xla::ffi::AnyBuffer>()               // out [P, n_out] bf16 or f32
-                                  .Attr<int64_t>("activation")              // Activation enum
-                                  .Attr<int64_t>("row_scale_mode")          // RowScale enum
-                                  .Attr<int64_t>("top_k")                   // k (pair -> token)
-                                  .Attr<int64_t>("gather")                  // 1: a row = token of the pair
-                                  .Attr<int64_t>("tile_m"));                // rows per tile
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxNvfp4GroupedGemmCpu, jax_nvfp4::GroupedGemmCpuImpl, jax_nvfp4::sig::GroupedGemm(xla::ffi::Ffi::Bind()));                // rows per tile

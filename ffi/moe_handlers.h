@@ -1,7 +1,55 @@
 // XLA FFI handler symbols of the MoE ops, one per op and platform (module.cc exports them).
 #pragma once
 
+#include <utility>
+
 #include "xla/ffi/api/ffi.h"
+
+namespace jax_nvfp4 {
+// One signature per op, shared by the CPU handler and the CUDA handler (which binds its
+// stream first): `Sig(ffi::Ffi::Bind())` or `Sig(ffi::Ffi::Bind().Ctx<PlatformStream<...>>())`.
+namespace sig {
+namespace ffi = xla::ffi;
+
+template <typename B>
+auto MoeAlign(B b) {
+  return std::move(b)
+      .template Arg<ffi::Buffer<ffi::S32>>()  // topk_ids [T, k] global ids
+      .template Ret<ffi::Buffer<ffi::S32>>()  // sorted_ids [P]
+      .template Ret<ffi::Buffer<ffi::S32>>()  // tile_expert [P / tile_m]
+      .template Ret<ffi::Buffer<ffi::S32>>()  // pair_to_row [T, k]
+      .template Attr<int64_t>("num_experts")  // local experts E
+      .template Attr<int64_t>("expert_offset")  // first local global id
+      .template Attr<int64_t>("tile_m");  // group padding
+}
+
+template <typename B>
+auto GroupedGemm(B b) {
+  return std::move(b)
+      .template Arg<ffi::Buffer<ffi::BF16>>()  // a [rows, K]
+      .template Arg<ffi::Buffer<ffi::U8>>()  // w_data [E, N, K/2] E2M1 pairs
+      .template Arg<ffi::Buffer<ffi::U8>>()  // w_scales [E, N, K/16] E4M3 bits
+      .template Arg<ffi::Buffer<ffi::F32>>()  // alpha [E] global decode scale
+      .template Arg<ffi::Buffer<ffi::S32>>()  // sorted_ids [P]
+      .template Arg<ffi::Buffer<ffi::S32>>()  // tile_expert [P / tile_m]
+      .template Arg<ffi::Buffer<ffi::F32>>()  // row_scale [n]
+      .template Ret<ffi::AnyBuffer>()  // out [P, n_out] bf16 or f32
+      .template Attr<int64_t>("activation")  // Activation enum
+      .template Attr<int64_t>("row_scale_mode")  // RowScale enum
+      .template Attr<int64_t>("top_k")  // k (pair -> token)
+      .template Attr<int64_t>("gather")  // 1: a row = token of the pair
+      .template Attr<int64_t>("tile_m");  // rows per tile
+}
+
+template <typename B>
+auto MoeFinalize(B b) {
+  return std::move(b)
+      .template Arg<ffi::Buffer<ffi::BF16>>()  // y [P, H] GEMM2 rows
+      .template Arg<ffi::Buffer<ffi::S32>>()  // pair_to_row [T, k]
+      .template Ret<ffi::Buffer<ffi::BF16>>();  // out [T, H]
+}
+}  // namespace sig
+}  // namespace jax_nvfp4
 
 // CPU (plain C++ loops, fp32 accumulation): always built.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxNvfp4MoeAlignCpu);

@@ -115,13 +115,5 @@ ffi::Error MoeAlignCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> topk_ids,
 }  // namespace jax_nvfp4
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxNvfp4MoeAlignCuda, jax_nvfp4::MoeAlignCudaImpl,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // topk_ids [T, k] global ids
-                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // sorted_ids [P]
-                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // tile_expert [P / tile_m]
-                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // pair_to_row [T, k]
-                                  .Attr<int64_t>("num_experts")            // local experts E
-                                  .Attr<int64_t>("expert_offset")          // first local global id
-                                  .Attr<int64_t>("tile_m"),                // group padding
+                              jax_nvfp4::sig::MoeAlign(xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
                               {xla::ffi::Traits::kCmdBufferCompatible});

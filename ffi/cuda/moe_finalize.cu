@@ -63,9 +63,5 @@ ffi::Error MoeFinalizeCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> y, ff
 }  // namespace jax_nvfp4
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxNvfp4MoeFinalizeCuda, jax_nvfp4::MoeFinalizeCudaImpl,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::BF16>>()   // y [P, H] GEMM2 rows
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()    // pair_to_row [T, k]
-                                  .Ret<xla::ffi::Buffer<xla::ffi::BF16>>(),  // out [T, H]
+                              jax_nvfp4::sig::MoeFinalize(xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
                               {xla::ffi::Traits::kCmdBufferCompatible});
