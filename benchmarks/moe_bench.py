@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _timing import device_name, median_time  # noqa: E402
+from _timing import chained_time, device_name, median_time  # noqa: E402
 
 import jax_nvfp4 as nv  # noqa: E402
 from jax_nvfp4 import arg_specs as specs  # noqa: E402
@@ -90,7 +90,11 @@ def bench_shape(shape, tokens, modes, backends, args, log):
 
         def record(name, mode, fn, arg_sets):
             try:
-                sec = median_time(jax.jit(fn), arg_sets, warmup=args.warmup, repeats=args.repeats)
+                if args.chain:  # layers chained in one jit: no per-call dispatch overhead
+                    sec = chained_time(fn, arg_sets[0][0], [a[1:3] for a in arg_sets], arg_sets[0][3:],
+                                       n=args.chain)
+                else:
+                    sec = median_time(jax.jit(fn), arg_sets, warmup=args.warmup, repeats=args.repeats)
             except Exception as err:  # report and go on: one failing backend must not stop the run
                 results.append(dict(common, backend=name, mode=mode, error=f"{type(err).__name__}: {err}"))
                 log(f"  {shape.name:16s} T={t:5d} {name:20s} {mode:6s} FAILED {type(err).__name__}")
@@ -189,6 +193,9 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--repeats", type=int, default=None)
     p.add_argument("--sets", type=int, default=3, help="input sets the timing rotates through")
+    p.add_argument("--chain", type=int, default=0,
+                   help="time N layers chained in one jit (per layer: (t(N+1) - t(1)) / N), which removes "
+                        "JAX's per-call dispatch overhead; 0: median of single jitted calls")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write results as JSON here")
     p.add_argument("--plot", default=None, help="write a PNG plot here (needs matplotlib)")

@@ -2,7 +2,7 @@
 # Build the FFI extension on a GPU machine, run the ffi GPU tests, a CUDA-graph check and a short
 # benchmark; logs and JSON go to $OUT (default ./out).
 # Usage: scripts/gpu_ffi.sh [all|test|graph|bench] [pytest -k expression]
-# Env: BUDGET (seconds in all, default 400), FFI_BENCH_BACKENDS (default "ffi xla").
+# Env: BUDGET (seconds in all, default 400), FFI_BENCH_BACKENDS (default "ffi,xla").
 set -uo pipefail
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
 what=${1:-all}; kexpr=${2:-}
@@ -64,62 +64,8 @@ print('graph == no graph (bitwise):', all((a[k] == b[k]).all() for k in a.files)
 fi
 
 if [[ $what == all || $what == bench ]]; then
-  log "benchmark: us per MoE layer (N chained layers in one jit, minus 1); floor = max(hit NVFP4 bytes / 4.3 TB/s, MMA / 790 TFLOP/s)"
-  cat >"$OUT/ffi_bench.py" <<'PY'
-import json, os, sys, time
-import numpy as np, jax, jax.numpy as jnp
-from jax import lax
-import jax_nvfp4 as nv
-
-def rand_nvfp4(key, shape, g):
-    kd, ks = jax.random.split(key)
-    data = jax.random.bits(kd, shape[:-1] + (shape[-1] // 2,), jnp.uint8)
-    sc = jax.random.randint(ks, shape[:-1] + (shape[-1] // 16,), 0x20, 0x48).astype(jnp.uint8)
-    return nv.NVFP4Array(data, lax.bitcast_convert_type(sc, jnp.float8_e4m3fn), jnp.full(shape[:1], g, jnp.float32))
-
-def rand_experts(e, h, i):
-    k1, k2 = jax.random.split(jax.random.key(e + h + i))
-    return nv.NVFP4Experts(rand_nvfp4(k1, (e, 2 * i, h), 1 / np.sqrt(h)), rand_nvfp4(k2, (e, h, i), 1 / np.sqrt(i)))
-
-def timed(backend, ex, x, ids, w, n=20):
-    @jax.jit
-    def run(x, ex, ids, w, m):
-        body = lambda _, x: nv.moe(x, ex, topk_ids=ids, topk_weights=w, backend=backend)
-        return lax.fori_loop(0, m, body, x)
-    run(x, ex, ids, w, 1).block_until_ready()
-    best = []
-    for m in (1, n + 1):
-        ts = []
-        for _ in range(3):
-            t0 = time.perf_counter(); run(x, ex, ids, w, m).block_until_ready(); ts.append(time.perf_counter() - t0)
-        best.append(min(ts))
-    return (best[1] - best[0]) / n * 1e6
-
-rows = []
-for name, e_loc, e_glob, h, i, k, tokens in [("qwen3-30b-a3b", 128, 128, 2048, 768, 8, (1, 64, 4096)),
-                                             ("dsv3-ep8-shard", 32, 256, 7168, 2048, 8, (1, 64, 1024))]:
-    ex = rand_experts(e_loc, h, i)
-    for t in tokens:
-        rng = np.random.default_rng(t)
-        ids = jnp.asarray(np.stack([rng.permutation(e_glob)[:k] for _ in range(t)]).astype(np.int32))
-        w = jnp.asarray(rng.random((t, k)), jnp.float32)
-        x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
-        hit = len(set(np.asarray(ids).ravel().tolist()) & set(range(e_loc)))
-        pairs = int((np.asarray(ids) < e_loc).sum())
-        floor = max(hit * 3 * h * i * 0.5625 / 4.3e12, 2 * pairs * 3 * h * i / 790e12) * 1e6
-        r = dict(model=name, T=t, hit_experts=hit, pairs=pairs, floor_us=round(floor, 1))
-        for b in os.environ.get("FFI_BENCH_BACKENDS", "ffi xla").split():
-            try:
-                r[b + "_us"] = round(timed(b, ex, x, ids, w), 1)
-            except Exception as err:  # keep going: report what failed
-                r[b + "_us"] = f"error: {type(err).__name__}: {str(err)[:300]}"
-        if isinstance(r.get("ffi_us"), float):
-            r["ffi_vs_floor"] = round(r["ffi_us"] / max(r["floor_us"], 1e-9), 2)
-            r["ffi_tflops"] = round(2 * pairs * 3 * h * i / (r["ffi_us"] * 1e-6) / 1e12, 1)
-        print(json.dumps(r), flush=True)
-        rows.append(r)
-json.dump(rows, open(sys.argv[1], "w"), indent=1)
-PY
-  timeout $(left 170) python3 "$OUT/ffi_bench.py" "$OUT/ffi_bench.json" 2>&1 | tail -20 | tee -a "$OUT/ffi_summary.txt"
+  log "benchmark: benchmarks/moe_bench.py, layers chained in one jit (no dispatch overhead), ffi vs xla vs ragged_dot"
+  timeout $(left 400) python3 benchmarks/moe_bench.py --backends "${FFI_BENCH_BACKENDS:-ffi,xla}" --modes w4a16,w4a4 \
+    --chain 20 --json "$OUT/moe_ffi.json" 2>&1 | tail -60 | tee -a "$OUT/ffi_summary.txt"
 fi
 log "done in $(( $(date +%s) - t0 )) s"
