@@ -13,7 +13,6 @@ elementwise, so they fuse into the surrounding computation.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -206,4 +205,3 @@ __all__ = [
     "is_zero", "sign_bit",
     "f32_to_e4m3_bits", "e4m3_bits_to_f32",
 ]
-del jax

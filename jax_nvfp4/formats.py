@@ -219,5 +219,5 @@ def _check_expert_shapes(gu, dn, gated, where):
     e, n, h = gu
     rows = 2 * dn[2] if gated else dn[2]
     if dn[0] != e or dn[1] != h or n != rows:
-        want = f"[E, 2I, H] and [E, H, I]" if gated else "[E, I, H] and [E, H, I]"
+        want = "[E, 2I, H] and [E, H, I]" if gated else "[E, I, H] and [E, H, I]"
         raise ValueError(f"{where}: gate_up {gu} and down {dn} do not match {want} (gated={gated})")

@@ -197,7 +197,7 @@ def prepare_weights(experts: NVFP4Experts, kernel: str = "cutedsl") -> PreparedW
 def restore_experts(prepared: PreparedWeights, dtype=jnp.bfloat16) -> NVFP4Experts:
     """Inverse of :func:`prepare_weights` (for checks and debugging)."""
     e, m1, h2 = prepared.w1.shape
-    h, i = prepared.hidden_size, prepared.intermediate_size
+    h = prepared.hidden_size
     inv1 = np.argsort(gemm1_row_order(prepared.kernel, m1, prepared.gated))
     inv2 = np.argsort(gemm2_row_order(prepared.kernel, h))
 
