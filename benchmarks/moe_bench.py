@@ -90,7 +90,8 @@ def bench_shape(shape, tokens, modes, backends, args, log):
 
         def record(name, mode, fn, arg_sets):
             try:
-                if args.chain:  # layers chained in one jit: no per-call dispatch overhead
+                timing = f"chain{args.chain}" if args.chain and name in args.chain_backends else "median"
+                if timing != "median":  # layers chained in one jit: no per-call dispatch overhead
                     sec = chained_time(fn, arg_sets[0][0], [a[1:3] for a in arg_sets], arg_sets[0][3:],
                                        n=args.chain)
                 else:
@@ -101,7 +102,7 @@ def bench_shape(shape, tokens, modes, backends, args, log):
                 return
             floor = max(common["floor_bf16_bytes_us" if mode == "bf16" else "floor_nvfp4_bytes_us"],
                         common["floor_flops_us"])
-            results.append(dict(common, backend=name, mode=mode, median_us=1e6 * sec,
+            results.append(dict(common, backend=name, mode=mode, median_us=1e6 * sec, timing=timing,
                                 floor_us=floor, fraction_of_floor=floor / (1e6 * sec)))
             log(f"  {shape.name:16s} T={t:5d} {name:20s} {mode:6s} {1e6 * sec:10.1f} us"
                 f"   (floor {floor:8.1f} us, hit {hit:5.1f} experts)")
@@ -196,6 +197,10 @@ def main(argv=None):
     p.add_argument("--chain", type=int, default=0,
                    help="time N layers chained in one jit (per layer: (t(N+1) - t(1)) / N), which removes "
                         "JAX's per-call dispatch overhead; 0: median of single jitted calls")
+    p.add_argument("--chain-backends", default="ffi",
+                   help="comma-separated backends --chain applies to (default ffi: microsecond kernels); the "
+                        "others (and the baseline) are timed as single jitted calls, whose dispatch overhead "
+                        "is small against their milliseconds and whose compile time a chain would multiply")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write results as JSON here")
     p.add_argument("--plot", default=None, help="write a PNG plot here (needs matplotlib)")
@@ -215,6 +220,7 @@ def main(argv=None):
         p.error(f"unknown modes {bad}; valid: {base.MODES}")
     backends = [b for b in args.backends.split(",") if b]
     args.xla_variants = [v for v in args.xla_variants.split(",") if v]
+    args.chain_backends = set(args.chain_backends.split(","))
     for v in args.xla_variants:
         d, _, g = v.partition("/")
         if d not in ("gather", "all") or g not in ("ragged", "tiled"):

@@ -22,15 +22,18 @@ nb::capsule Capsule(XLA_FFI_Error* (*fn)(XLA_FFI_CallFrame*)) {
 // Checks the in-register E2M1 -> bf16 decode the CUDA kernel uses against the E2M1 table, for
 // all 65536 groups of four codes. Returns the number of wrong values (0 expected).
 int SelfTestDecode() {
+  // Every code in every one of the 8 positions (with varying neighbours): bits-as-bf16 must be
+  // exactly code * 2^-126, -0.0 included (compared bitwise).
   int bad = 0;
-  for (uint32_t q = 0; q < 65536; ++q) {
-    uint32_t lo, hi;
-    jax_nvfp4::DecodeE2M1x4(q, &lo, &hi);
-    const uint16_t got[4] = {uint16_t(lo), uint16_t(lo >> 16), uint16_t(hi), uint16_t(hi >> 16)};
-    for (int i = 0; i < 4; ++i) {
-      const float want = jax_nvfp4::E2M1ToFloat((q >> (4 * i)) & 0xF);
-      const float v = jax_nvfp4::Bf16ToFloat(got[i]);
-      if (std::memcmp(&v, &want, 4) != 0) ++bad;  // bitwise: -0.0 must stay -0.0
+  for (uint32_t v = 0; v < 65536; ++v) {
+    const uint32_t q = v | (((v * 0x9E37u) ^ (v >> 3)) & 0xFFFFu) << 16;
+    uint32_t w[4];
+    jax_nvfp4::DecodeE2M1x8(q, w);
+    for (int i = 0; i < 8; ++i) {
+      const uint16_t got = uint16_t(w[i % 4] >> (16 * (i / 4)));
+      const float want = std::ldexp(jax_nvfp4::E2M1ToFloat((q >> (4 * i)) & 0xF), -jax_nvfp4::kDecodeExp);
+      const float v32 = jax_nvfp4::Bf16ToFloat(got);
+      if (std::memcmp(&v32, &want, 4) != 0) ++bad;
     }
   }
   return bad;
@@ -118,6 +121,10 @@ NB_MODULE(_ffi, m) {
     nb::list tiles;
     for (int t : kTileMs) tiles.append(t);
     c["tile_ms"] = tiles;
+    nb::list splits;
+    for (int s : kKSplits) splits.append(s);
+    c["k_splits"] = splits;
+    c["max_split_tile_m"] = kMaxSplitTileM;
     c["max_align_experts"] = kMaxAlignExperts;
     c["cuda_k_multiple"] = kCudaKMultiple;
     c["cuda_n_multiple"] = kCudaNMultiple;
@@ -125,5 +132,5 @@ NB_MODULE(_ffi, m) {
   }, "Enum values and tiling limits shared with the kernels (jax_nvfp4._ffi_ops checks its mirror).");
 
   m.def("_selftest_decode", &SelfTestDecode,
-        "Host check of the GPU kernels' E2M1 -> bf16 decode over all 65536 4-code groups; returns #wrong.");
+        "Host check of the GPU kernels' E2M1 -> bf16 decode (every code in all 8 positions); returns #wrong.");
 }

@@ -40,6 +40,9 @@ enum class Mode : int64_t { kBf16 = 0, kW4A16 = 1, kW4A4 = 2 };
 
 // Token tile sizes (rows of the sorted, tile-padded layout a GEMM CTA works on).
 constexpr int kTileMs[] = {8, 16, 32, 64};
+// Warps of a GEMM CTA that split K (decode: more CTAs streaming weights); 1 for tiles > 16 rows.
+constexpr int kKSplits[] = {1, 2, 4};
+constexpr int64_t kMaxSplitTileM = 16;
 constexpr int kMaxAlignExperts = 512;  // local experts the one-CTA align kernel handles (smem)
 // The CUDA GEMM streams K in chunks of 128 (64 for the tail) and tiles output features by 16.
 constexpr int64_t kCudaKMultiple = 64;
@@ -112,29 +115,26 @@ inline uint16_t FloatToBf16(float f) {
   return uint16_t(u >> 16);
 }
 
-// ---- E2M1 -> bfloat16 bit decode (the GPU kernel's in-register decode; host-testable) -------
-// __byte_perm: result byte i = byte (s >> 4i) & 7 of the 8 bytes {y:x} (x is bytes 0-3).
-NVFP4_HD uint32_t BytePerm(uint32_t x, uint32_t y, uint32_t s) {
-#if defined(__CUDA_ARCH__)
-  return __byte_perm(x, y, s);
-#else
-  const uint64_t v = (uint64_t(y) << 32) | x;
-  uint32_t r = 0;
-  for (int i = 0; i < 4; ++i) r |= uint32_t((v >> (8 * ((s >> (4 * i)) & 7))) & 0xFF) << (8 * i);
-  return r;
-#endif
-}
+// ---- E2M1 -> bfloat16 bit decode (the GPU kernels' in-register decode; host-testable) -------
+// An E2M1 code's magnitude bits (e1 e0 m) placed at bfloat16 bits 8..6 (the two lowest exponent
+// bits and the top mantissa bit) and its sign at bit 15 read as a bfloat16 of exactly
+// code * 2^-126 (code 0.5 is the subnormal 2^-127). The kernels fold the 2^126 into the block
+// scale (kScaleBias) and the global scale (kDecodeBias), so the products stay exact.
+constexpr int kDecodeExp = 126;  // bits-as-bf16 = value * 2^-126
+constexpr int kScaleExp = 118;   // block scales enter the MMA as s * 2^118 (<= 448 * 2^118 < 2^127)
+constexpr float kDecodeBias = 256.0f;  // 2^(kDecodeExp - kScaleExp): applied to the fp32 accumulator
 
-// Four E2M1 codes in the low 16 bits of q (code i in bits 4i..4i+3) -> two bf16x2 words:
-// lo = {code0, code1}, hi = {code2, code3} (lower element in the low half). The magnitudes
-// {0, .5, 1, 1.5, 2, 3, 4, 6} as bf16 are looked up by byte permutes (high and low bytes
-// separately), then the sign bits are moved into place: ~12 integer ops for 4 values.
-NVFP4_HD void DecodeE2M1x4(uint32_t q, uint32_t* lo, uint32_t* hi) {
-  const uint32_t sel = q & 0x7777u;
-  const uint32_t hb = BytePerm(0x3F3F3F00u, 0x40404040u, sel);  // high bytes of the magnitudes
-  const uint32_t lb = BytePerm(0xC0800000u, 0xC0804000u, sel);  // low bytes
-  *lo = BytePerm(lb, hb, 0x5140u) | ((q << 12) & 0x8000u) | ((q << 24) & 0x80000000u);
-  *hi = BytePerm(lb, hb, 0x7362u) | ((q << 4) & 0x8000u) | ((q << 16) & 0x80000000u);
+// Eight codes in q (code i in bits 4i..4i+3) -> four bf16x2 words of value * 2^-126:
+// w[0] = {c0, c4}, w[1] = {c1, c5}, w[2] = {c2, c6}, w[3] = {c3, c7} (first in the low half).
+// One multiply places a nibble's magnitude (shift 6) and its sign (shift 12) for both halves
+// at once (the shifted copies do not overlap), a mask keeps the wanted bits: 3 ops per pair.
+NVFP4_HD void DecodeE2M1x8(uint32_t q, uint32_t (&w)[4]) {
+  constexpr uint32_t kKeep = 0x81C081C0u;  // sign bit 15 and magnitude bits 8..6, both halves
+  const uint32_t q2 = q >> 8;
+  w[0] = ((q & 0x000F000Fu) * 0x1040u) & kKeep;   // c0, c4: << 6 and << 12
+  w[1] = ((q & 0x00F000F0u) * 0x0104u) & kKeep;   // c1, c5: << 2 and << 8
+  w[2] = ((q2 & 0x000F000Fu) * 0x1040u) & kKeep;  // c2, c6
+  w[3] = ((q2 & 0x00F000F0u) * 0x0104u) & kKeep;  // c3, c7
 }
 
 // ---- shape checks shared by both platforms --------------------------------------------------
@@ -166,7 +166,7 @@ template <typename A, typename W, typename WS, typename AL, typename SI, typenam
 ffi::Error CheckGemm(const char* op, const A& a, const W& w, const WS& ws, const AL& alpha,
                      const SI& sorted_ids, const TE& tile_expert, const RS& row_scale, const O& out,
                      int64_t activation, int64_t row_scale_mode, int64_t top_k, int64_t gather,
-                     int64_t tile_m, int64_t k_multiple, int64_t n_multiple, GemmDims* d) {
+                     int64_t tile_m, int64_t k_split, int64_t k_multiple, int64_t n_multiple, GemmDims* d) {
   auto ad = a.dimensions(), wd = w.dimensions(), sd = ws.dimensions(), od = out.dimensions();
   if (ad.size() != 2) return Invalid(op, "a must be 2-D [rows, K], got " + ShapeStr(ad));
   if (wd.size() != 3) return Invalid(op, "w_data must be 3-D [E, N, K/2], got " + ShapeStr(wd));
@@ -198,6 +198,13 @@ ffi::Error CheckGemm(const char* op, const A& a, const W& w, const WS& ws, const
     return Invalid(op, "output features " + std::to_string(d->n_out) + " must be a multiple of " +
                            std::to_string(n_multiple) + " on this platform");
   if (!ValidTileM(tile_m)) return Invalid(op, "tile_m must be 8, 16, 32 or 64, got " + std::to_string(tile_m));
+  bool split_ok = false;
+  for (int s : kKSplits) split_ok |= s == k_split;
+  if (!split_ok)
+    return Invalid(op, "k_split must be 1, 2 or 4, got " + std::to_string(k_split));
+  if (k_split > 1 && tile_m > kMaxSplitTileM)
+    return Invalid(op, "k_split > 1 needs tile_m <= " + std::to_string(kMaxSplitTileM) + ", got tile_m = " +
+                           std::to_string(tile_m));
   if (sorted_ids.dimensions().size() != 1)
     return Invalid(op, "sorted_ids must be 1-D [P], got " + ShapeStr(sorted_ids.dimensions()));
   d->P = sorted_ids.dimensions()[0];

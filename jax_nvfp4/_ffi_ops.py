@@ -68,6 +68,8 @@ class Mode(enum.IntEnum):
 
 
 TILE_MS = (8, 16, 32, 64)
+K_SPLITS = (1, 2, 4)  # warps of a GEMM CTA that split K (GPU tiling; the result is the same function)
+MAX_SPLIT_TILE_M = 16  # K splitting is for decode-sized tiles
 MAX_ALIGN_EXPERTS = 512  # local experts the GPU align kernel handles (one CTA, shared memory)
 CUDA_K_MULTIPLE = 64  # the CUDA GEMM's K chunk: H and I must be multiples of it on the GPU
 CUDA_N_MULTIPLE = 16  # output features per MMA fragment
@@ -98,8 +100,9 @@ def check_constants() -> None:
         want = {m.name.lower(): int(m) for m in cls}
         if dict(c[cls.__name__]) != want:
             raise RuntimeError(f"{cls.__name__} differs between Python {want} and C++ {dict(c[cls.__name__])}")
-    got = (tuple(c["tile_ms"]), c["max_align_experts"], c["cuda_k_multiple"], c["cuda_n_multiple"])
-    if got != (TILE_MS, MAX_ALIGN_EXPERTS, CUDA_K_MULTIPLE, CUDA_N_MULTIPLE):
+    got = (tuple(c["tile_ms"]), tuple(c["k_splits"]), c["max_split_tile_m"], c["max_align_experts"],
+           c["cuda_k_multiple"], c["cuda_n_multiple"])
+    if got != (TILE_MS, K_SPLITS, MAX_SPLIT_TILE_M, MAX_ALIGN_EXPERTS, CUDA_K_MULTIPLE, CUDA_N_MULTIPLE):
         raise RuntimeError(f"tiling constants differ between Python and C++: {got}")
 
 
@@ -131,6 +134,30 @@ def choose_tile_m(n_pairs: int, num_experts: int) -> int:
         if avg <= t:
             return t
     return TILE_MS[-1]
+
+
+# A GEMM CTA has 4 warps; with k_split s they cover 16 * 4 / s output features.
+_CTA_WARPS, _WARP_FEATURES = 4, 16
+_TARGET_CTAS = 1024  # ~8 CTAs per SM on 132 SMs: enough weight bytes in flight to cover HBM latency
+_MIN_SPLIT_K = 256  # each warp keeps at least two 128-K chunks
+
+
+def choose_k_split(tiles: int, n_out: int, k: int, tile_m: int) -> int:
+    """Warps per CTA that split K: the smallest split giving about ``_TARGET_CTAS`` CTAs.
+
+    ``tiles`` is the number of row tiles (``P // tile_m``, an upper bound on the tiles in use).
+    Large tiles (prefill) have CTAs enough and never split.
+    """
+    if tile_m > MAX_SPLIT_TILE_M:
+        return 1
+    best = 1
+    for s in K_SPLITS:
+        if s > 1 and k // s < _MIN_SPLIT_K:
+            break
+        best = s
+        if tiles * -(-n_out // (_WARP_FEATURES * _CTA_WARPS // s)) >= _TARGET_CTAS:
+            break
+    return best
 
 
 def padded_rows(n_pairs: int, num_experts: int, tile_m: int) -> int:
@@ -217,7 +244,7 @@ def _moe_align_jax(topk_ids, num_experts, tile_m, expert_offset, p):
 def grouped_gemm(a, w: NVFP4Array, sorted_ids, tile_expert, *, tile_m: int,
                  activation: Activation = Activation.IDENTITY, top_k: int = 1, gather: bool = False,
                  row_scale=None, row_scale_mode: RowScale = RowScale.NONE, out_dtype=jnp.bfloat16,
-                 impl: str = "ffi"):
+                 k_split: int | None = None, impl: str = "ffi"):
     """Grouped W4A16 GEMM over tile-padded row groups, with the MoE epilogue.
 
     For each sorted row ``r`` of a tile owned by expert ``e`` (pair ``p = sorted_ids[r] >= 0``)::
@@ -244,6 +271,9 @@ def grouped_gemm(a, w: NVFP4Array, sorted_ids, tile_expert, *, tile_m: int,
     row_scale : float32 ``[n]`` or None
     row_scale_mode : RowScale
     out_dtype : bfloat16 (default) or float32
+    k_split : 1, 2, 4 or None
+        Warps of a CUDA CTA that split K (a tiling choice: the same function, summed in a
+        different fixed order); None: :func:`choose_k_split`. Must be 1 for ``tile_m > 16``.
     impl : ``"ffi"`` or ``"jax"``
 
     Returns
@@ -269,6 +299,11 @@ def grouped_gemm(a, w: NVFP4Array, sorted_ids, tile_expert, *, tile_m: int,
         raise ValueError(f"grouped_gemm: out_dtype must be bfloat16 or float32, got {out_dtype}")
     if a.ndim != 2 or a.shape[1] != kk:
         raise ValueError(f"grouped_gemm: a must be [rows, K={kk}], got {a.shape}")
+    if k_split is None:
+        k_split = choose_k_split(sorted_ids.shape[0] // tile_m, n_out, kk, tile_m)
+    if k_split not in K_SPLITS or (k_split > 1 and tile_m > MAX_SPLIT_TILE_M):
+        raise ValueError(f"grouped_gemm: k_split must be one of {K_SPLITS} (1 when tile_m > "
+                         f"{MAX_SPLIT_TILE_M}), got k_split={k_split} with tile_m={tile_m}")
     if impl == "jax":
         return _grouped_gemm_jax(a, w, sorted_ids, tile_expert, tile_m, activation, top_k, gather,
                                  row_scale, row_scale_mode).astype(out_dtype)
@@ -280,7 +315,7 @@ def grouped_gemm(a, w: NVFP4Array, sorted_ids, tile_expert, *, tile_m: int,
                             vmap_method="sequential")(
         a, w.data, scales, alpha, sorted_ids, tile_expert, row_scale,
         activation=np.int64(activation), row_scale_mode=np.int64(row_scale_mode), top_k=np.int64(top_k),
-        gather=np.int64(bool(gather)), tile_m=np.int64(tile_m))
+        gather=np.int64(bool(gather)), tile_m=np.int64(tile_m), k_split=np.int64(k_split))
 
 
 def apply_activation(activation: Activation, gate, up=None):
@@ -352,7 +387,7 @@ def moe_finalize(y, pair_to_row, *, impl: str = "ffi"):
         for j in range(k):  # fixed order, as the kernels
             r = pair_to_row[:, j]
             ok = (r >= 0) & (r < p)
-            acc = acc + jnp.where(ok[:, None], y[jnp.clip(r, 0, max(p - 1, 0))].astype(jnp.float32), 0.0)
+            acc = jnp.where(ok[:, None], acc + y[jnp.clip(r, 0, max(p - 1, 0))].astype(jnp.float32), acc)
         return acc.astype(jnp.bfloat16)
     ensure_registered()
     return jax.ffi.ffi_call(TARGET_FINALIZE, jax.ShapeDtypeStruct((t, y.shape[1]), jnp.bfloat16),

@@ -1,11 +1,17 @@
 #!/usr/bin/env bash
 # Build the FFI extension on a GPU machine, run the ffi GPU tests, a CUDA-graph check and a short
 # benchmark; logs and JSON go to $OUT (default ./out).
-# Usage: scripts/gpu_ffi.sh [all|test|graph|bench] [pytest -k expression]
-# Env: BUDGET (seconds in all, default 400), FFI_BENCH_BACKENDS (default "ffi,xla").
+# Usage: scripts/gpu_ffi.sh [stages] [pytest -k expression]
+#   stages: comma-separated test, graph, bench, ncu, sanitize, rollout; "all" = test,graph,bench
+# Env: BUDGET (seconds in all, default 400), FFI_BENCH_BACKENDS (default "ffi,xla"),
+#   FFI_BENCH_ARGS (more moe_bench.py arguments, e.g. "--tokens 1,64 --no-baseline"),
+#   TEST_NODES (pytest targets of the test stage, in order; default tests/test_ffi.py), TEST_S,
+#   SAN_K (pytest -k expression of the sanitize stage; default the stage argument), SAN_S.
 set -uo pipefail
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
-what=${1:-all}; kexpr=${2:-}
+what=",${1:-all},"; kexpr=${2:-}
+[[ $what == ",all," ]] && what=",test,graph,bench,"
+stage() { [[ $what == *",$1,"* ]]; }
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 log() { echo "== $*" | tee -a "$OUT/ffi_summary.txt"; }
 # BUDGET: seconds this script may take in all (default 400); each stage gets at most what is left.
@@ -24,17 +30,69 @@ print(jax.__version__, jax.devices(), f.build_info())
 print("arch probe:", f.cuda_arch_probe(), "| decode selftest wrong:", f._selftest_decode())
 print("ffi unavailable_reason:", ffi.FFIBackend().unavailable_reason())
 PY
+log "tools: $(command -v compute-sanitizer nsys ncu | tr '\n' ' ')"
 
-if [[ $what == all || $what == test ]]; then
+if stage test; then
   log "GPU tests"
   kargs=(); [[ -n $kexpr ]] && kargs=(-k "$kexpr")
-  timeout $(left 250) python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_ffi.py --maxfail=40 -rf \
+  # shellcheck disable=SC2086
+  timeout $(left ${TEST_S:-250}) python3 -m pytest -q -p no:cacheprovider -m gpu ${TEST_NODES:-tests/test_ffi.py} --maxfail=10 -rf \
     --durations=10 "${kargs[@]}" >"$OUT/ffi_pytest.log" 2>&1
   log "pytest rc=$?"
   grep -E "passed|failed|^FAILED|^ERROR|s call" "$OUT/ffi_pytest.log" | tail -50 | tee -a "$OUT/ffi_summary.txt"
 fi
 
-if [[ $what == all || $what == graph ]]; then
+if stage ncu; then
+  # Per-kernel time, DRAM traffic and issue activity of one layer call (Nsight Compute).
+  log "ncu: per-kernel profile of one layer call"
+  for cfg in ${NCU_CONFIGS:-deepseek_v3_ep8:1 qwen3_30b_a3b:1 deepseek_v3_ep8:64 qwen3_30b_a3b:4096 deepseek_v3_ep8:4096}; do
+    timeout $(left 120) ncu --kernel-name regex:"Moe|W4A16" --launch-skip 4 --launch-count 4 --csv \
+      --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,smsp__inst_executed.sum,sm__inst_executed_pipe_tensor.sum,smsp__issue_active.avg.pct_of_peak_sustained_active,sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,launch__grid_size \
+      python3 benchmarks/profile_kernels.py --shape "${cfg%%:*}" --tokens "${cfg##*:}" >"$OUT/ncu_one.csv" 2>&1
+    echo "# $cfg" >>"$OUT/ncu.csv"; grep '^"' "$OUT/ncu_one.csv" >>"$OUT/ncu.csv" || tail -5 "$OUT/ncu_one.csv" >>"$OUT/ncu.csv"
+    python3 - "$OUT/ncu_one.csv" "$cfg" <<'PY' 2>&1 | tee -a "$OUT/ffi_summary.txt"
+import csv, sys, collections
+rows = [r for r in csv.reader(l for l in open(sys.argv[1]) if l.startswith('"'))]
+if not rows:
+    print(sys.argv[2], "no ncu rows"); sys.exit()
+h = rows[0]; k = collections.OrderedDict()
+for r in rows[1:]:
+    d = dict(zip(h, r)); key = (d["ID"], d["Kernel Name"].split("(")[0].split("<")[0][-28:])
+    k.setdefault(key, {})[d["Metric Name"]] = d["Metric Value"]
+for (i, name), m in k.items():
+    print(f"{sys.argv[2]:>22s} {name:28s} " + " ".join(f"{n.split('__')[1][:22]}={v}" for n, v in m.items()))
+PY
+  done
+  rm -f "$OUT/ncu_one.csv"
+fi
+
+if stage sanitize; then
+  # Out-of-bounds check: the GPU tests of the ffi ops under compute-sanitizer memcheck (XLA's own
+  # kernels run under it too). Leaks are not checked: XLA's allocator keeps its pool.
+  log "compute-sanitizer memcheck: GPU ffi tests"
+  sk=${SAN_K:-$kexpr}; kargs=(); [[ -n $sk ]] && kargs=(-k "$sk")
+  # The platform allocator gives every XLA buffer its own cudaMalloc, so memcheck sees each
+  # buffer's bounds (with XLA's pooled allocator an overrun inside the pool goes unnoticed).
+  XLA_PYTHON_CLIENT_ALLOCATOR=platform timeout $(left ${SAN_S:-400}) compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 20 \
+    python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_ffi.py -x "${kargs[@]}" >"$OUT/ffi_sanitize.log" 2>&1
+  log "sanitizer rc=$? (0: no errors and tests passed; 99: memcheck errors)"
+  grep -E "ERROR SUMMARY|passed|failed|Invalid|out of bounds" "$OUT/ffi_sanitize.log" | tail -20 | tee -a "$OUT/ffi_summary.txt"
+fi
+
+if stage bench; then
+  log "benchmark: benchmarks/moe_bench.py, layers chained in one jit (no dispatch overhead), ffi vs xla vs ragged_dot"
+  # shellcheck disable=SC2086
+  timeout $(left 400) python3 benchmarks/moe_bench.py --backends "${FFI_BENCH_BACKENDS:-ffi,xla}" --modes w4a16,w4a4 \
+    --chain 20 --json "$OUT/moe_ffi.json" ${FFI_BENCH_ARGS:-} 2>&1 | tail -80 | tee -a "$OUT/ffi_summary.txt"
+fi
+
+if stage rollout; then
+  log "RL rollout example, Qwen3-30B-A3B shapes (random weights), bf16 vs w4a16"
+  timeout $(left 400) python3 examples/rl_rollout.py --config qwen3-30b-a3b --layers 8 --batch 64 \
+    --prompt-len 128 --new-tokens 256 --iters 2 --modes bf16,w4a16 --no-progress --json "$OUT/rollout.json" \
+    2>&1 | tail -30 | tee -a "$OUT/ffi_summary.txt"
+fi
+if stage graph; then
   # The same MoE with XLA command buffers forced on for custom calls: the handlers are captured
   # into CUDA graphs and replayed; the output must be bitwise the one without graphs.
   log "CUDA graph check"
@@ -63,9 +121,4 @@ print('graph == no graph (bitwise):', all((a[k] == b[k]).all() for k in a.files)
   rm -f "$OUT/graph.npz" "$OUT/nograph.npz"
 fi
 
-if [[ $what == all || $what == bench ]]; then
-  log "benchmark: benchmarks/moe_bench.py, layers chained in one jit (no dispatch overhead), ffi vs xla vs ragged_dot"
-  timeout $(left 400) python3 benchmarks/moe_bench.py --backends "${FFI_BENCH_BACKENDS:-ffi,xla}" --modes w4a16,w4a4 \
-    --chain 20 --json "$OUT/moe_ffi.json" 2>&1 | tail -60 | tee -a "$OUT/ffi_summary.txt"
-fi
 log "done in $(( $(date +%s) - t0 )) s"

@@ -152,10 +152,11 @@ def _gemm_problem(act, gather, mode, t=23, k=3, e=5, h=64, n=48, tile_m=8, seed=
     return a, w, sorted_ids, tile_expert, row_scale
 
 
-def _run_gemm(impl, a, w, sorted_ids, tile_expert, row_scale, act, gather, mode, out_dtype, tile_m, k):
+def _run_gemm(impl, a, w, sorted_ids, tile_expert, row_scale, act, gather, mode, out_dtype, tile_m, k,
+              k_split=None):
     return ops.grouped_gemm(a, w, sorted_ids, tile_expert, tile_m=tile_m, activation=act, top_k=k, gather=gather,
                             row_scale=row_scale if mode != ops.RowScale.NONE else None, row_scale_mode=mode,
-                            out_dtype=out_dtype, impl=impl)
+                            out_dtype=out_dtype, k_split=k_split, impl=impl)
 
 
 @pytest.mark.parametrize("act,gather,mode,out_dtype", GEMM_CASES)
@@ -174,7 +175,8 @@ def test_gemm_rejects_bad_shapes_with_named_arguments():
                                          vmap_method="sequential")(
         kw.get("a", a), w.data, jax.lax.bitcast_convert_type(w.scales, jnp.uint8), kw.get("alpha", w.global_scale),
         kw.get("sid", sid), te, rs, activation=np.int64(kw.get("act", 1)), row_scale_mode=np.int64(0),
-        top_k=np.int64(3), gather=np.int64(1), tile_m=np.int64(kw.get("tile_m", 8)))
+        top_k=np.int64(3), gather=np.int64(1), tile_m=np.int64(kw.get("tile_m", 8)),
+        k_split=np.int64(kw.get("k_split", 1)))
     ops.ensure_registered()
     with pytest.raises(Exception, match="does not match K"):
         call(a=a[:, :32])
@@ -186,6 +188,23 @@ def test_gemm_rejects_bad_shapes_with_named_arguments():
         call(act=9)
     with pytest.raises(Exception, match="must be a multiple of tile_m = 16"):
         call(tile_m=16)
+    with pytest.raises(Exception, match="k_split must be 1, 2 or 4, got 3"):
+        call(k_split=3)
+    with pytest.raises(Exception, match="k_split > 1 needs tile_m <= 16"):
+        call(tile_m=32, k_split=2)
+    with pytest.raises(ValueError, match="k_split must be one of"):
+        ops.grouped_gemm(a, w, sid, te, tile_m=32, activation=ops.Activation.SWIGLU, top_k=3, gather=True,
+                         k_split=4)
+
+
+def test_choose_k_split_on_the_benchmark_shapes():
+    # Decode (one 8-row tile per expert hit): split K until ~1024 CTAs or 256 K per warp.
+    assert ops.choose_k_split(8, 2048, 7168, 8) == 4  # DeepSeek-V3 shard GEMM1, T = 1
+    assert ops.choose_k_split(8, 7168, 2048, 8) == 2  # ... GEMM2
+    assert ops.choose_k_split(8, 768, 2048, 8) == 4  # Qwen3-30B-A3B GEMM1
+    assert ops.choose_k_split(8, 2048, 768, 8) == 2  # ... GEMM2: 384 K per warp, not 192
+    assert ops.choose_k_split(512, 2048, 7168, 8) == 1  # CTAs enough without splitting
+    assert ops.choose_k_split(8, 2048, 7168, 64) == 1  # prefill tiles never split
 
 
 # ------------------------------------------------------------------------------------------
@@ -426,15 +445,20 @@ def test_gpu_align_matches_twin(t, k, e, offset, tile_m):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile_m,h", [(8, 320), (16, 320), (32, 320), (64, 320), (8, 128), (64, 128)])
+@pytest.mark.parametrize("tile_m,h,k_split", [(8, 320, 1), (16, 320, 1), (32, 320, 1), (64, 320, 1), (8, 128, 1),
+                                               (64, 128, 1), (8, 320, 2), (8, 320, 4), (16, 320, 4), (8, 128, 4),
+                                               (16, 576, 2), (8, 1152, 1), (16, 1088, 2)])
 @pytest.mark.parametrize("act,gather,mode,out_dtype", GEMM_CASES)
-def test_gpu_gemm_matches_twin(act, gather, mode, out_dtype, h, tile_m):
-    """Every kernel instance (tile_m = 8..64 tokens, gated or not, bf16/fp32 out); K = 320 runs two
-    128-K chunks and the 64 tail, K = 128 one chunk."""
+def test_gpu_gemm_matches_twin(act, gather, mode, out_dtype, h, tile_m, k_split):
+    """Every kernel instance (tile_m = 8..64 tokens, k_split 1/2/4, gated or not, bf16/fp32 out);
+    K = 320 runs two 128-K chunks and the 64 tail, K = 128 one chunk (k_split 4: two warps get
+    no K at all), K = 1152 / 1088 wrap the decode kernel's cp.async ring (more chunks than
+    stages), and n = 80 leaves the last slab of a CTA partly empty (tile_m 64: a warpgroup
+    whose second weight block is past n_out)."""
     if not has_gpu():
         pytest.skip("needs an NVIDIA GPU")
     a, w, sid, te, rs = _gemm_problem(act, gather, mode, t=37, k=4, e=6, h=h, n=80, tile_m=tile_m, seed=h)
-    args = (a, w, sid, te, rs, act, gather, mode, out_dtype, tile_m, 4)
+    args = (a, w, sid, te, rs, act, gather, mode, out_dtype, tile_m, 4, k_split)
     got, want = _run_gemm("ffi", *args), _run_gemm("jax", *args)
     used = used_rows(sid, te, tile_m)  # rows of unused tiles are not written by the GPU kernel
     assert relerr(f32(got)[used], f32(want)[used]) < 1e-2

@@ -27,15 +27,26 @@ __global__ void __launch_bounds__(kFinalizeThreads)
   const int64_t h = (int64_t(blockIdx.y) * kFinalizeThreads + threadIdx.x) * 8;
   if (h >= H) return;
   float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  for (int64_t j = 0; j < k; ++j) {
-    const int64_t r = pair_to_row[t * k + j];
-    if (r < 0 || r >= P) continue;
-    const uint4 v = __ldg(reinterpret_cast<const uint4*>(y + r * H + h));
-    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+  // kBatch rows in flight at a time (not a chain of dependent loads), added in order j.
+  constexpr int kBatch = 8;
+  for (int64_t j0 = 0; j0 < k; j0 += kBatch) {
+    uint4 v[kBatch];
+    bool ok[kBatch];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      acc[2 * i] += Bf16Lo(w[i]);
-      acc[2 * i + 1] += Bf16Hi(w[i]);
+    for (int i = 0; i < kBatch; ++i) {
+      const int64_t r = j0 + i < k ? pair_to_row[t * k + j0 + i] : -1;
+      ok[i] = r >= 0 && r < P;
+      v[i] = ok[i] ? __ldg(reinterpret_cast<const uint4*>(y + r * H + h)) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      if (!ok[i]) continue;  // a dropped pair adds nothing (not even +0.0)
+      const uint32_t w[4] = {v[i].x, v[i].y, v[i].z, v[i].w};
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        acc[2 * q] += Bf16Lo(w[q]);
+        acc[2 * q + 1] += Bf16Hi(w[q]);
+      }
     }
   }
   uint4 o;

@@ -4,27 +4,31 @@
 // Structure (chosen so that decode streams weights from all SMs and prefill reuses them):
 // - "Swap AB": the weights are the MMA's A operand (16 output features per m16n8k16) and the
 //   tokens its B operand (8 tokens per fragment), so a decode tile is 8 rows, not 16 or 64.
-// - Grid = (token tiles, 64-feature slabs): every CTA of 4 warps owns 64 output features (a
-//   gated GEMM1 loads the matching 64 gate rows and 64 up rows, so the activation is fused
-//   in the epilogue) for one tile of tile_m sorted rows of one expert. At decode each expert
-//   has one 8-row tile and the N dimension alone gives N/64 CTAs per expert.
+// - Grid = (token tiles, feature slabs): a CTA of 4 warps owns one tile of tile_m sorted rows
+//   of one expert and 16 * (4 / KS) output features (a gated GEMM1 loads the matching gate
+//   rows and up rows, so the activation is fused in the epilogue). The KS warps that share
+//   16 features split K between them (KS = 1, 2 or 4; "k_split") and add their partial sums
+//   through shared memory in a fixed order. At decode (one 8-row tile per expert hit) K
+//   splitting multiplies the CTAs, so that enough weight bytes are in flight on every SM.
 // - Weights go straight from global memory into registers with 16-byte loads (each thread
 //   reads 32 consecutive K of a row: 16 bytes of codes + 2 scale bytes), prefetched one
 //   128-K chunk ahead; no shared memory, no bf16 weights in memory.
-// - The MMA's K order is permuted so that the 16-byte load *is* the fragment: in step s of
-//   a chunk, thread t's logical k {2t, 2t+1, 2t+8, 2t+9} are actual k kc + 32t + 4s + {0..3}.
-//   The activations (B) are read with the same permutation (8 contiguous bytes per step), so
+// - The MMA's K order is permuted so that the 16-byte load *is* the fragment: a 32-bit word
+//   of 8 codes (actual k0..k7 of thread t's span) feeds two MMA steps, whose logical k pairs
+//   {2t, 2t+1} and {2t+8, 2t+9} are actual {k0, k4}, {k1, k5} and then {k2, k6}, {k3, k7}.
+//   The activations (B) are paired the same way (two byte permutes per pair of registers), so
 //   the dot product is unchanged and no repacking of the checkpoint layout is needed.
-// - Decode in registers: 4 E2M1 codes -> 2 bf16x2 by byte permutes (DecodeE2M1x4), times the
-//   block's E4M3 scale as bf16x2 (exact: e2m1 * e4m3 has <= 6 significant bits). The global
-//   scale and the row scale are applied to the fp32 accumulators in the epilogue.
+// - Decode in registers, ~2 integer ops per value (DecodeE2M1x8: one multiply places a code's
+//   bits for two values), times the block's E4M3 scale as bf16x2 (exact: e2m1 * e4m3 has <= 6
+//   significant bits; the scale carries a power-of-two bias). The global scale and the row
+//   scale are applied to the fp32 accumulators in the epilogue.
 // - Every tile edge is guarded: tiles with expert -1 exit, padding rows (sorted_ids -1) read
 //   no activations and store zeros, rows are bounds-checked against a's row count.
-// - Deterministic: fixed K order per output element, no atomics, no split-K.
-#include <cuda_bf16.h>
-
+// - Deterministic: fixed K order per output element, no atomics. The split across warps
+//   depends on k_split (chosen from the problem shape), so results are bitwise reproducible
+//   for a given configuration but not across k_split values.
 #include "cuda/cuda_util.h"
-#include "moe_common.h"
+#include "cuda/gemm_common.cuh"
 #include "moe_handlers.h"
 
 namespace jax_nvfp4 {
@@ -32,21 +36,6 @@ namespace {
 
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
-constexpr int kWarpFeatures = 16;                      // one m16 fragment of weight rows per warp
-constexpr int kCtaFeatures = kWarps * kWarpFeatures;   // 64 output features per CTA
-
-struct GemmParams {
-  const uint16_t* a;          // [a_rows, K] bf16
-  const uint8_t* w;           // [E, N, K/2] E2M1 pairs
-  const uint8_t* ws;          // [E, N, K/16] E4M3 bits
-  const float* alpha;         // [E]
-  const int32_t* sorted_ids;  // [P]
-  const int32_t* tile_expert; // [P / tile_m]
-  const float* row_scale;     // [row_scale_n]
-  void* out;                  // [P, n_out] bf16 or fp32
-  int64_t a_rows, K, N, n_out, E, P, row_scale_n;
-  int32_t top_k, gather, activation, row_scale_mode;
-};
 
 __device__ __forceinline__ void Mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   asm volatile(
@@ -56,54 +45,8 @@ __device__ __forceinline__ void Mma16816(float (&c)[4], const uint32_t (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// a * b for bf16x2 (as fma with -0 so that it also assembles for sm_80-class PTX).
-__device__ __forceinline__ uint32_t MulBf16x2(uint32_t a, uint32_t b) {
-  uint32_t d;
-  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
-  return d;
-}
-
-// E4M3 byte -> {s, s} as bf16x2 (exact: E4M3 has 3 mantissa bits).
-__device__ __forceinline__ uint32_t ScaleBf16x2(uint32_t byte) {
-  const uint32_t hi = __float_as_uint(E4M3ToFloat(uint8_t(byte))) >> 16;
-  return hi | (hi << 16);
-}
-
-// One chunk of CH = 128 (or 64 for the K tail) along K for this thread's weight rows:
-// CH/8 bytes of codes and CH/64 scale bytes per row.
-template <int CH, int NF>
-struct WeightRegs {
-  uint32_t q[NF][2][4];
-  uint32_t s[NF][2];  // scale bytes: byte 0 for the first 16 K of the thread's span, byte 1 next
-
-  __device__ __forceinline__ void Load(const uint8_t* const (&wrow)[NF][2], const uint8_t* const (&srow)[NF][2],
-                                       int64_t kc, int t) {
-#pragma unroll
-    for (int j = 0; j < NF; ++j) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        if constexpr (CH == 128) {
-          const uint4 v = __ldg(reinterpret_cast<const uint4*>(wrow[j][h] + kc / 2 + 16 * t));
-          q[j][h][0] = v.x;
-          q[j][h][1] = v.y;
-          q[j][h][2] = v.z;
-          q[j][h][3] = v.w;
-          s[j][h] = __ldg(reinterpret_cast<const unsigned short*>(srow[j][h] + kc / 16 + 2 * t));
-        } else {
-          const uint2 v = __ldg(reinterpret_cast<const uint2*>(wrow[j][h] + kc / 2 + 8 * t));
-          q[j][h][0] = v.x;
-          q[j][h][1] = v.y;
-          q[j][h][2] = 0;
-          q[j][h][3] = 0;
-          s[j][h] = __ldg(srow[j][h] + kc / 16 + t);
-        }
-      }
-    }
-  }
-};
-
-// Multiply one chunk: thread t's span is K [kc + t*CH/4, kc + (t+1)*CH/4); piece p (16 bytes of
-// activations = 8 K) feeds two MMA steps.
+// Multiply one chunk: thread t's span is K [kc + t*CH/4, kc + (t+1)*CH/4); piece p (one
+// 32-bit word of codes per row, 16 bytes of activations = 8 k) feeds two MMA steps.
 template <int CH, int NF, int FM>
 __device__ __forceinline__ void ComputeChunk(const WeightRegs<CH, NF>& w, const uint16_t* const (&arow)[FM],
                                              int64_t kc, int t, float (&acc)[NF][FM][4]) {
@@ -113,84 +56,158 @@ __device__ __forceinline__ void ComputeChunk(const WeightRegs<CH, NF>& w, const 
 #pragma unroll
   for (int j = 0; j < NF; ++j)
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      scale[j][h][0] = ScaleBf16x2(w.s[j][h] & 0xFF);
-      scale[j][h][1] = ScaleBf16x2((w.s[j][h] >> 8) & 0xFF);
-    }
+    for (int h = 0; h < 2; ++h) BlockScalesBf16x2(w.s[j][h], scale[j][h][0], scale[j][h][1]);
 #pragma unroll
   for (int p = 0; p < kPieces; ++p) {
-    uint4 x[FM];
+    uint32_t b[FM][4];
 #pragma unroll
     for (int m = 0; m < FM; ++m) {
-      x[m] = arow[m] ? __ldg(reinterpret_cast<const uint4*>(arow[m] + kc + kSpan * t + 8 * p))
-                     : make_uint4(0, 0, 0, 0);
+      const uint4 x = arow[m] ? __ldg(reinterpret_cast<const uint4*>(arow[m] + kc + kSpan * t + 8 * p))
+                              : make_uint4(0, 0, 0, 0);
+      PairActivations(x, b[m]);
     }
+    uint32_t wd[NF][2][4];  // decoded words of rows g and g + 8
+#pragma unroll
+    for (int j = 0; j < NF; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) DecodeScaled(w.q[j][h][p], scale[j][h][p / 2], wd[j][h]);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      uint32_t a[NF][4];
-#pragma unroll
-      for (int j = 0; j < NF; ++j) {
-        uint32_t lo, hi;
-        DecodeE2M1x4((w.q[j][0][p] >> (16 * half)) & 0xFFFFu, &lo, &hi);  // row g
-        a[j][0] = MulBf16x2(lo, scale[j][0][p / 2]);
-        a[j][2] = MulBf16x2(hi, scale[j][0][p / 2]);
-        DecodeE2M1x4((w.q[j][1][p] >> (16 * half)) & 0xFFFFu, &lo, &hi);  // row g + 8
-        a[j][1] = MulBf16x2(lo, scale[j][1][p / 2]);
-        a[j][3] = MulBf16x2(hi, scale[j][1][p / 2]);
-      }
 #pragma unroll
       for (int m = 0; m < FM; ++m) {
-        const uint32_t b0 = half ? x[m].z : x[m].x;
-        const uint32_t b1 = half ? x[m].w : x[m].y;
 #pragma unroll
-        for (int j = 0; j < NF; ++j) Mma16816(acc[j][m], a[j], b0, b1);
+        for (int j = 0; j < NF; ++j) {
+          const uint32_t a[4] = {wd[j][0][2 * half], wd[j][1][2 * half], wd[j][0][2 * half + 1],
+                                 wd[j][1][2 * half + 1]};
+          Mma16816(acc[j][m], a, b[m][2 * half], b[m][2 * half + 1]);
+        }
       }
     }
   }
 }
 
-// Source row of a for sorted row r, or -1 (padding / out of range).
-__device__ __forceinline__ int64_t SourceRow(const GemmParams& p, int64_t r) {
-  const int32_t pair = p.sorted_ids[r];
-  if (pair < 0) return -1;
-  const int64_t src = p.gather ? int64_t(pair) / p.top_k : r;
-  return src < p.a_rows ? src : -1;
+// acc += this warp's rows x a over K [k0, k1) (multiples of 64): 128-K chunks, the next
+// chunk's weights in flight while this one multiplies, then a 64-K tail.
+template <int FM, int NF>
+__device__ __forceinline__ void MainLoop(const uint8_t* const (&wrow)[NF][2], const uint8_t* const (&srow)[NF][2],
+                                         const uint16_t* const (&arow)[FM], int64_t k0, int64_t k1, int t,
+                                         float (&acc)[NF][FM][4]) {
+  int64_t kc = k0;
+  if (k1 - k0 >= 128) {
+    WeightRegs<128, NF> cur;
+    cur.Load(wrow, srow, kc, t);
+    for (; kc + 128 <= k1; kc += 128) {
+      WeightRegs<128, NF> next;
+      const bool more = kc + 256 <= k1;
+      if (more) next.Load(wrow, srow, kc + 128, t);
+      ComputeChunk<128, NF, FM>(cur, arow, kc, t, acc);
+      if (more) cur = next;
+    }
+  }
+  if (kc < k1) {  // (k1 - k0) % 128 == 64
+    WeightRegs<64, NF> tail;
+    tail.Load(wrow, srow, kc, t);
+    ComputeChunk<64, NF, FM>(tail, arow, kc, t, acc);
+  }
 }
 
-__device__ __forceinline__ void Store(uint16_t* out, int64_t i, float v) {
-  out[i] = __bfloat16_as_ushort(__float2bfloat16_rn(v));
+// ---- decode tiles: a deeper pipeline through shared memory ---------------------------------
+// At decode a warp streams weights it uses once; registers hold one chunk in flight, too few
+// bytes to cover HBM latency. Here every thread keeps kStages - 1 chunks in flight with
+// cp.async into its own slots of a shared-memory ring (it reads back only what it copied
+// itself, so no barrier is needed: cp.async.wait_group orders its own copies).
+constexpr int kStages = 4;
+
+__device__ __forceinline__ void CpAsync16(void* smem, const void* gmem) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(SmemU32(smem)), "l"(gmem) : "memory");
 }
-__device__ __forceinline__ void Store(float* out, int64_t i, float v) { out[i] = v; }
+__device__ __forceinline__ void CpAsync4(void* smem, const void* gmem) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(SmemU32(smem)), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void CpAsyncWait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
 
-template <int FM, bool GATED, typename OutT>
-__global__ void __launch_bounds__(kThreads) W4A16GroupedGemmKernel(const GemmParams p) {
-  constexpr int BM = FM * 8;
-  constexpr int NF = GATED ? 2 : 1;  // weight fragments per warp: [gate, up] or [h]
-  const int64_t tile = blockIdx.x;
-  const int32_t e = p.tile_expert[tile];
-  if (e < 0 || e >= p.E) return;  // unused tile
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int g = lane >> 2, t = lane & 3;
-  const int64_t feat0 = int64_t(blockIdx.y) * kCtaFeatures + warp * kWarpFeatures;
-  if (feat0 >= p.n_out) return;  // no __syncthreads in this kernel: warps may leave early
-  const int64_t K = p.K;
+// One warp's ring: per stage and weight row slot (j, h), 16 bytes of codes and 4 bytes of
+// scales per lane (lane-contiguous: conflict-free 16-byte reads).
+template <int NF>
+struct WarpRing {
+  uint4 codes[kStages][NF * 2][32];
+  uint32_t scales[kStages][NF * 2][32];
+};
 
-  const uint8_t* wrow[NF][2];
-  const uint8_t* srow[NF][2];
+template <int NF>
+__device__ __forceinline__ void IssueChunk(WarpRing<NF>& ring, int stage, const uint8_t* const (&wrow)[NF][2],
+                                           const uint8_t* const (&srow)[NF][2], int64_t kc, int t, int lane) {
 #pragma unroll
   for (int j = 0; j < NF; ++j)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int64_t row = int64_t(e) * p.N + feat0 + g + 8 * h + (j == 1 ? p.n_out : 0);
-      wrow[j][h] = p.w + row * (K / 2);
-      srow[j][h] = p.ws + row * (K / 16);
+      CpAsync16(&ring.codes[stage][2 * j + h][lane], wrow[j][h] + kc / 2 + 16 * t);
+      // Thread t's two scale bytes sit at kc/16 + 2t; copy the aligned 4 bytes around them.
+      CpAsync4(&ring.scales[stage][2 * j + h][lane], srow[j][h] + kc / 16 + 2 * (t & ~1));
     }
-  const uint16_t* arow[FM];
+}
+
+template <int FM, int NF>
+__device__ __forceinline__ void MainLoopAsync(WarpRing<NF>& ring, const uint8_t* const (&wrow)[NF][2],
+                                              const uint8_t* const (&srow)[NF][2],
+                                              const uint16_t* const (&arow)[FM], int64_t k0, int64_t k1,
+                                              int t, int lane, float (&acc)[NF][FM][4]) {
+  const int64_t chunks = (k1 - k0) / 128;
 #pragma unroll
-  for (int m = 0; m < FM; ++m) {
-    const int64_t src = SourceRow(p, tile * BM + 8 * m + g);
-    arow[m] = src >= 0 ? p.a + src * K : nullptr;
+  for (int s = 0; s < kStages - 1; ++s) {  // prologue: chunks 0 .. kStages - 2 in flight
+    if (s < chunks) IssueChunk(ring, s, wrow, srow, k0 + 128 * s, t, lane);
+    CpAsyncCommit();  // (empty groups keep the counting uniform)
   }
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t ahead = c + kStages - 1;  // refills the slot chunk c - 1 used (read already)
+    if (ahead < chunks) IssueChunk(ring, int(ahead % kStages), wrow, srow, k0 + 128 * ahead, t, lane);
+    CpAsyncCommit();
+    CpAsyncWait<kStages - 1>();  // chunk c has landed
+    const int stage = int(c % kStages);
+    WeightRegs<128, NF> w;
+#pragma unroll
+    for (int j = 0; j < NF; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint4 v = ring.codes[stage][2 * j + h][lane];
+        w.q[j][h][0] = v.x;
+        w.q[j][h][1] = v.y;
+        w.q[j][h][2] = v.z;
+        w.q[j][h][3] = v.w;
+        w.s[j][h] = ring.scales[stage][2 * j + h][lane] >> (16 * (t & 1));
+      }
+    ComputeChunk<128, NF, FM>(w, arow, k0 + 128 * c, t, acc);
+  }
+  const int64_t kc = k0 + 128 * chunks;
+  if (kc < k1) {  // (k1 - k0) % 128 == 64
+    WeightRegs<64, NF> tail;
+    tail.Load(wrow, srow, kc, t);
+    ComputeChunk<64, NF, FM>(tail, arow, kc, t, acc);
+  }
+}
+
+template <int FM, int KS, bool GATED, typename OutT>
+__global__ void __launch_bounds__(kThreads) W4A16GroupedGemmKernel(const GemmParams p) {
+  constexpr int BM = FM * 8;
+  constexpr int NF = GATED ? 2 : 1;  // weight fragments per warp: [gate, up] or [h]
+  constexpr int NS = kWarps / KS;    // warps along N; KS warps share each 16 features
+  constexpr int kAcc = NF * FM * 4;  // fp32 accumulators per thread
+  constexpr bool kAsync = FM <= 2;   // decode tiles stream weights through the cp.async ring
+  __shared__ float partial[KS > 1 ? (KS - 1) * NS * kAcc * 32 : 1];
+  __shared__ WarpRing<NF> rings[kAsync ? kWarps : 1];
+  const int64_t tile = blockIdx.x;
+  const int32_t e = p.tile_expert[tile];
+  if (e < 0 || e >= p.E) return;  // unused tile (uniform over the CTA)
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int ns = warp % NS, kw = warp / NS;
+  const int64_t feat0 = (int64_t(blockIdx.y) * NS + ns) * kWarpFeatures;
+  const bool active = feat0 < p.n_out;  // the last slab may be partly past n_out
+  const int64_t K = p.K;
 
   float acc[NF][FM][4];
 #pragma unroll
@@ -200,63 +217,79 @@ __global__ void __launch_bounds__(kThreads) W4A16GroupedGemmKernel(const GemmPar
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[j][m][i] = 0.0f;
 
-  // Main loop: 128-K chunks, the next chunk's weights in flight while this one multiplies.
-  int64_t kc = 0;
-  if (K >= 128) {
-    WeightRegs<128, NF> cur;
-    cur.Load(wrow, srow, 0, t);
-    for (; kc + 128 <= K; kc += 128) {
-      WeightRegs<128, NF> next;
-      const bool more = kc + 256 <= K;
-      if (more) next.Load(wrow, srow, kc + 128, t);
-      ComputeChunk<128, NF, FM>(cur, arow, kc, t, acc);
-      if (more) cur = next;
-    }
-  }
-  if (kc < K) {  // K % 128 == 64
-    WeightRegs<64, NF> tail;
-    tail.Load(wrow, srow, kc, t);
-    ComputeChunk<64, NF, FM>(tail, arow, kc, t, acc);
-  }
-
-  // Epilogue: thread holds features feat0 + g + 8h for sorted rows tile*BM + 8m + 2t + c.
-  const float alpha = p.alpha[e];
+  if (active) {
+    const uint8_t* wrow[NF][2];
+    const uint8_t* srow[NF][2];
 #pragma unroll
-  for (int m = 0; m < FM; ++m) {
-#pragma unroll
-    for (int c = 0; c < 2; ++c) {
-      const int64_t r = tile * BM + 8 * m + 2 * t + c;
-      const bool valid = SourceRow(p, r) >= 0;
-      float scale = alpha;
-      if (valid && p.row_scale_mode != int32_t(RowScale::kNone)) {
-        const int64_t pair = p.sorted_ids[r];
-        const int64_t idx = p.row_scale_mode == int32_t(RowScale::kToken)  ? pair / p.top_k
-                            : p.row_scale_mode == int32_t(RowScale::kPair) ? pair
-                                                                           : r;
-        scale *= idx < p.row_scale_n ? p.row_scale[idx] : 0.0f;
-      }
+    for (int j = 0; j < NF; ++j)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int i = 2 * h + c;
-        float v = 0.0f;
-        if (valid) {
-          const float gate = acc[0][m][i] * scale;
-          const float up = GATED ? acc[NF - 1][m][i] * scale : 0.0f;
-          v = ApplyActivation(p.activation, gate, up);
-        }
-        Store(static_cast<OutT*>(p.out), r * p.n_out + feat0 + g + 8 * h, v);
+        const int64_t row = int64_t(e) * p.N + feat0 + g + 8 * h + (j == 1 ? p.n_out : 0);
+        wrow[j][h] = p.w + row * (K / 2);
+        srow[j][h] = p.ws + row * (K / 16);
+      }
+    const uint16_t* arow[FM];
+#pragma unroll
+    for (int m = 0; m < FM; ++m) {
+      const int64_t src = SourceRow(p, tile * BM + 8 * m + g);
+      arow[m] = src >= 0 ? p.a + src * K : nullptr;
+    }
+    // This warp's share of K, in 64-K units (a warp may get none when K is small).
+    const int64_t units = K / 64;
+    const int64_t k0 = 64 * (units * kw / KS), k1 = 64 * (units * (kw + 1) / KS);
+    if constexpr (kAsync) MainLoopAsync<FM, NF>(rings[warp], wrow, srow, arow, k0, k1, t, lane, acc);
+    else MainLoop<FM, NF>(wrow, srow, arow, k0, k1, t, acc);
+  }
+
+  if constexpr (KS > 1) {  // warps kw > 0 hand their sums to warp kw = 0, added in kw order
+    if (kw > 0 && active) {
+      float* dst = partial + ((kw - 1) * NS + ns) * kAcc * 32 + lane;
+#pragma unroll
+      for (int j = 0; j < NF; ++j)
+#pragma unroll
+        for (int m = 0; m < FM; ++m)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) dst[((j * FM + m) * 4 + i) * 32] = acc[j][m][i];
+    }
+    __syncthreads();
+    if (kw > 0) return;
+    if (active) {
+#pragma unroll
+      for (int w = 1; w < KS; ++w) {
+        const float* src = partial + ((w - 1) * NS + ns) * kAcc * 32 + lane;
+#pragma unroll
+        for (int j = 0; j < NF; ++j)
+#pragma unroll
+          for (int m = 0; m < FM; ++m)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[j][m][i] += src[((j * FM + m) * 4 + i) * 32];
       }
     }
+  }
+  if (!active) return;
+
+  Epilogue<FM, NF, GATED, OutT>(p, e, tile, feat0, acc);
+}
+
+// Instances: k_split 1, 2, 4 for 8- and 16-row tiles (decode); 1 for 32 and 64 (CheckGemm).
+template <int KS, bool GATED, typename OutT>
+void LaunchSplit(const GemmParams& p, int64_t tile_m, int64_t slabs, cudaStream_t stream) {
+  const dim3 grid(unsigned(p.P / tile_m), unsigned(slabs));
+  switch (tile_m) {
+    case 8: W4A16GroupedGemmKernel<1, KS, GATED, OutT><<<grid, kThreads, 0, stream>>>(p); break;
+    case 16: W4A16GroupedGemmKernel<2, KS, GATED, OutT><<<grid, kThreads, 0, stream>>>(p); break;
+    case 32: W4A16GroupedGemmKernel<4, 1, GATED, OutT><<<grid, kThreads, 0, stream>>>(p); break;
+    default: W4A16GroupedGemmKernel<8, 1, GATED, OutT><<<grid, kThreads, 0, stream>>>(p); break;
   }
 }
 
 template <bool GATED, typename OutT>
-void Launch(const GemmParams& p, int64_t tile_m, dim3 grid, cudaStream_t stream) {
-  switch (tile_m) {
-    case 8: W4A16GroupedGemmKernel<1, GATED, OutT><<<grid, kThreads, 0, stream>>>(p); break;
-    case 16: W4A16GroupedGemmKernel<2, GATED, OutT><<<grid, kThreads, 0, stream>>>(p); break;
-    case 32: W4A16GroupedGemmKernel<4, GATED, OutT><<<grid, kThreads, 0, stream>>>(p); break;
-    default: W4A16GroupedGemmKernel<8, GATED, OutT><<<grid, kThreads, 0, stream>>>(p); break;
+void Launch(const GemmParams& p, int64_t tile_m, int64_t k_split, cudaStream_t stream) {
+  const int64_t slabs = CeilDiv<int64_t>(p.n_out, kWarpFeatures * (kWarps / k_split));
+  switch (k_split) {
+    case 2: LaunchSplit<2, GATED, OutT>(p, tile_m, slabs, stream); break;
+    case 4: LaunchSplit<4, GATED, OutT>(p, tile_m, slabs, stream); break;
+    default: LaunchSplit<1, GATED, OutT>(p, tile_m, slabs, stream); break;
   }
 }
 
@@ -265,15 +298,15 @@ ffi::Error GroupedGemmCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> a, ff
                                ffi::Buffer<ffi::S32> sorted_ids, ffi::Buffer<ffi::S32> tile_expert,
                                ffi::Buffer<ffi::F32> row_scale, ffi::Result<ffi::AnyBuffer> out,
                                int64_t activation, int64_t row_scale_mode, int64_t top_k, int64_t gather,
-                               int64_t tile_m) {
+                               int64_t tile_m, int64_t k_split) {
   GemmDims d;
   if (auto err = CheckGemm("grouped_gemm", a, w_data, w_scales, alpha, sorted_ids, tile_expert, row_scale,
-                           *out, activation, row_scale_mode, top_k, gather, tile_m, kCudaKMultiple,
+                           *out, activation, row_scale_mode, top_k, gather, tile_m, k_split, kCudaKMultiple,
                            kCudaNMultiple, &d);
       err.failure())
     return err;
   if (d.tiles == 0 || d.n_out == 0) return ffi::Error::Success();
-  const int64_t slabs = CeilDiv<int64_t>(d.n_out, kCtaFeatures);
+  const int64_t slabs = CeilDiv<int64_t>(d.n_out, kWarpFeatures * (kWarps / k_split));
   if (d.tiles > 0x7FFFFFFF || slabs > 65535)
     return Invalid("grouped_gemm", "too many row tiles or output features for the grid");
   GemmParams p;
@@ -296,12 +329,13 @@ ffi::Error GroupedGemmCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> a, ff
   p.gather = int32_t(gather != 0);
   p.activation = int32_t(activation);
   p.row_scale_mode = int32_t(row_scale_mode);
-  const dim3 grid(unsigned(d.tiles), unsigned(slabs));
   const bool f32_out = out->element_type() == ffi::DataType::F32;
+  if (tile_m == 64 && LaunchWgmmaGemm(p, IsGated(activation), f32_out, stream))  // sm_90a prefill
+    return LaunchError("grouped_gemm");
   if (IsGated(activation)) {
-    f32_out ? Launch<true, float>(p, tile_m, grid, stream) : Launch<true, uint16_t>(p, tile_m, grid, stream);
+    f32_out ? Launch<true, float>(p, tile_m, k_split, stream) : Launch<true, uint16_t>(p, tile_m, k_split, stream);
   } else {
-    f32_out ? Launch<false, float>(p, tile_m, grid, stream) : Launch<false, uint16_t>(p, tile_m, grid, stream);
+    f32_out ? Launch<false, float>(p, tile_m, k_split, stream) : Launch<false, uint16_t>(p, tile_m, k_split, stream);
   }
   return LaunchError("grouped_gemm");
 }

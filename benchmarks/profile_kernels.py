@@ -1,0 +1,42 @@
+"""Run one MoE layer a few times, for a kernel profiler (Nsight Compute) to attach to.
+
+    ncu --kernel-name regex:"Moe|W4A16" --launch-skip 4 --launch-count 4 --csv \\
+        python benchmarks/profile_kernels.py --shape deepseek_v3_ep8 --tokens 1
+
+The first call compiles and warms up (its kernels are the ones to skip); each later call
+launches the layer's kernels once (w4a16: align, GEMM1, GEMM2, finalize).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+
+import jax_nvfp4 as nv
+from jax_nvfp4 import arg_specs as specs
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", default="deepseek_v3_ep8", choices=sorted({**specs.SHAPES, **specs.QUICK_SHAPES}))
+    p.add_argument("--tokens", type=int, default=1)
+    p.add_argument("--mode", default="w4a16", choices=("w4a16", "w4a4"))
+    p.add_argument("--backend", default="ffi")
+    p.add_argument("--calls", type=int, default=3, help="calls after the warm-up call")
+    args = p.parse_args(argv)
+    shape = {**specs.SHAPES, **specs.QUICK_SHAPES}[args.shape]
+    key = jax.random.key(0)
+    experts = specs.random_nvfp4_experts(key, shape)
+    kx, kr = jax.random.split(jax.random.fold_in(key, args.tokens))
+    x = specs.random_hidden(kx, args.tokens, shape)
+    ids, w = specs.random_routing(kr, args.tokens, shape)
+    f = jax.jit(lambda x, i, w, ex: nv.moe(x, ex, topk_ids=i, topk_weights=w, mode=args.mode,
+                                           backend=args.backend, local_expert_offset=shape.local_expert_offset))
+    for _ in range(1 + args.calls):
+        jax.block_until_ready(f(x, ids, w, experts))
+    print(f"ran {args.shape} T={args.tokens} {args.mode} on {args.backend}: {1 + args.calls} calls")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,160 @@
+// Pieces shared by the CUDA grouped GEMM kernels (moe_gemm.cu: mma.sync, any sm_90+/sm_100;
+// moe_gemm_sm90.cu: wgmma, sm_90a prefill tiles): parameters, the weight-register chunk with
+// its 16-byte loads, the E2M1/E4M3 decode helpers, row mapping and the fused epilogue.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include "moe_common.h"
+
+namespace jax_nvfp4 {
+
+constexpr int kWarpFeatures = 16;  // one m16 fragment of weight rows per warp
+
+struct GemmParams {
+  const uint16_t* a;          // [a_rows, K] bf16
+  const uint8_t* w;           // [E, N, K/2] E2M1 pairs
+  const uint8_t* ws;          // [E, N, K/16] E4M3 bits
+  const float* alpha;         // [E]
+  const int32_t* sorted_ids;  // [P]
+  const int32_t* tile_expert; // [P / tile_m]
+  const float* row_scale;     // [row_scale_n]
+  void* out;                  // [P, n_out] bf16 or fp32
+  int64_t a_rows, K, N, n_out, E, P, row_scale_n;
+  int32_t top_k, gather, activation, row_scale_mode;
+};
+
+__device__ __forceinline__ uint32_t SmemU32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// a * b for bf16x2 (as fma with -0 so that it also assembles for sm_80-class PTX).
+__device__ __forceinline__ uint32_t MulBf16x2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
+  return d;
+}
+
+// Two E4M3 block-scale bytes (low 16 bits of `two`) -> {s0, s0} and {s1, s1} as bf16x2, each
+// times 2^kScaleExp (exact: E4M3 has 3 mantissa bits and fits bf16's range after the shift;
+// 0 stays 0, NaN stays NaN). The hardware converts E4M3 pairs to f16 pairs (sm_89+).
+__device__ __forceinline__ void BlockScalesBf16x2(uint32_t two, uint32_t& s0, uint32_t& s1) {
+  uint32_t h2;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(static_cast<unsigned short>(two & 0xFFFFu)));
+  const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h2));
+  constexpr float kShift = 0x1p118f;
+  static_assert(kScaleExp == 118, "kShift is 2^kScaleExp");
+  const __nv_bfloat162 b = __floats2bfloat162_rn(f.x * kShift, f.y * kShift);
+  const uint32_t bits = *reinterpret_cast<const uint32_t*>(&b);
+  s0 = __byte_perm(bits, 0, 0x1010);
+  s1 = __byte_perm(bits, 0, 0x3232);
+}
+
+// The B-operand words of one 16-byte activation piece (8 actual k: x0..x7), in the order the
+// decoded weight words pair them ({c0, c4}, {c1, c5}, {c2, c6}, {c3, c7}: DecodeE2M1x8).
+__device__ __forceinline__ void PairActivations(const uint4& x, uint32_t (&b)[4]) {
+  b[0] = __byte_perm(x.x, x.z, 0x5410);
+  b[1] = __byte_perm(x.x, x.z, 0x7632);
+  b[2] = __byte_perm(x.y, x.w, 0x5410);
+  b[3] = __byte_perm(x.y, x.w, 0x7632);
+}
+
+// One 32-bit word of codes (8 k) of a weight row -> the four bf16x2 A words, times the
+// block scale {s, s} (bf16 products, exact).
+__device__ __forceinline__ void DecodeScaled(uint32_t q, uint32_t s, uint32_t (&a)[4]) {
+  DecodeE2M1x8(q, a);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) a[i] = MulBf16x2(a[i], s);
+}
+
+// One chunk of CH = 128 (or 64 for the K tail) along K for this thread's weight rows:
+// CH/8 bytes of codes and CH/64 scale bytes per row.
+template <int CH, int NF>
+struct WeightRegs {
+  uint32_t q[NF][2][4];
+  uint32_t s[NF][2];  // scale bytes: byte 0 for the first 16 K of the thread's span, byte 1 next
+
+  __device__ __forceinline__ void Load(const uint8_t* const (&wrow)[NF][2], const uint8_t* const (&srow)[NF][2],
+                                       int64_t kc, int t) {
+#pragma unroll
+    for (int j = 0; j < NF; ++j) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        if constexpr (CH == 128) {
+          const uint4 v = __ldg(reinterpret_cast<const uint4*>(wrow[j][h] + kc / 2 + 16 * t));
+          q[j][h][0] = v.x;
+          q[j][h][1] = v.y;
+          q[j][h][2] = v.z;
+          q[j][h][3] = v.w;
+          s[j][h] = __ldg(reinterpret_cast<const unsigned short*>(srow[j][h] + kc / 16 + 2 * t));
+        } else {
+          const uint2 v = __ldg(reinterpret_cast<const uint2*>(wrow[j][h] + kc / 2 + 8 * t));
+          q[j][h][0] = v.x;
+          q[j][h][1] = v.y;
+          q[j][h][2] = 0;
+          q[j][h][3] = 0;
+          s[j][h] = __ldg(srow[j][h] + kc / 16 + t);
+        }
+      }
+    }
+  }
+};
+
+// Source row of a for sorted row r, or -1 (padding / out of range).
+__device__ __forceinline__ int64_t SourceRow(const GemmParams& p, int64_t r) {
+  const int32_t pair = p.sorted_ids[r];
+  if (pair < 0) return -1;
+  const int64_t src = p.gather ? int64_t(pair) / p.top_k : r;
+  return src < p.a_rows ? src : -1;
+}
+
+__device__ __forceinline__ void Store(uint16_t* out, int64_t i, float v) {
+  out[i] = __bfloat16_as_ushort(__float2bfloat16_rn(v));
+}
+__device__ __forceinline__ void Store(float* out, int64_t i, float v) { out[i] = v; }
+
+// Epilogue of both kernels: thread (g, t) of a warp holds, for its 16 features feat0..+15,
+// acc[j][m][2h + c] = feature feat0 + g + 8h of weight block j (gate / up), sorted row
+// tile * 8FM + 8m + 2t + c (the m16n8 C layout, and the wgmma m64nN D layout per warp).
+template <int FM, int NF, bool GATED, typename OutT>
+__device__ __forceinline__ void Epilogue(const GemmParams& p, int32_t e, int64_t tile, int64_t feat0,
+                                         const float (&acc)[NF][FM][4]) {
+  constexpr int BM = FM * 8;
+  const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+  const float alpha = p.alpha[e] * kDecodeBias;  // the 2^-8 left in the decoded weights
+#pragma unroll
+  for (int m = 0; m < FM; ++m) {
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const int64_t r = tile * BM + 8 * m + 2 * t + c;
+      const bool valid = SourceRow(p, r) >= 0;
+      float scale = alpha;
+      if (valid && p.row_scale_mode != int32_t(RowScale::kNone)) {
+        const int64_t pair = p.sorted_ids[r];
+        const int64_t idx = p.row_scale_mode == int32_t(RowScale::kToken)  ? pair / p.top_k
+                            : p.row_scale_mode == int32_t(RowScale::kPair) ? pair
+                                                                           : r;
+        scale *= idx < p.row_scale_n ? p.row_scale[idx] : 0.0f;
+      }
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int i = 2 * h + c;
+        float v = 0.0f;
+        if (valid) {
+          const float gate = acc[0][m][i] * scale;
+          const float up = GATED ? acc[NF - 1][m][i] * scale : 0.0f;
+          v = ApplyActivation(p.activation, gate, up);
+        }
+        Store(static_cast<OutT*>(p.out), r * p.n_out + feat0 + g + 8 * h, v);
+      }
+    }
+  }
+}
+
+// The sm_90a wgmma kernel for 64-row tiles (moe_gemm_sm90.cu). Returns false when this build
+// or device cannot run it (the caller then launches the mma.sync kernel).
+bool LaunchWgmmaGemm(const GemmParams& p, bool gated, bool f32_out, cudaStream_t stream);
+
+}  // namespace jax_nvfp4

@@ -1,0 +1,300 @@
+// grouped_gemm for 64-row tiles (prefill) on sm_90a: the same function as moe_gemm.cu, on
+// warpgroup MMAs (wgmma) instead of mma.sync.
+//
+// - A CTA is two warpgroups (8 warps) and owns one 64-row tile of one expert; each warpgroup
+//   multiplies two 64-row weight blocks: gated, the gate and the up rows of 64 features (128
+//   features per CTA); otherwise two blocks of 64 features (256 per CTA), so that every
+//   staged activation chunk feeds the same number of MMAs.
+// - Weights (A) come from registers, as in the mma.sync kernel: each warp loads its 16 rows
+//   with 16-byte loads one 128-K chunk ahead and decodes FP4 -> bf16 in registers (the
+//   wgmma A-register fragment of a warp is the m16n8k16 A fragment). K is permuted the same
+//   way: thread t's code word pp (actual k0..k7 at kc + span*t + 8pp, span = chunk / 4) gives
+//   steps 2pp and 2pp + 1 their logical pairs {2t, 2t+1}, {2t+8, 2t+9} = {k0, k4}, {k1, k5}
+//   and {k2, k6}, {k3, k7}.
+// - Activations (B) are staged in shared memory, 64 rows x 128 K per chunk, double
+//   buffered, in the wgmma K-major 128-byte-swizzle layout *with the same permutation*: each
+//   thread loads 16 bytes (8 actual k) of one row and stores its four 4-byte k pairs at their
+//   logical positions (conflict-free 4-byte stores). So the checkpoint layout needs no repack.
+// - A warpgroup decodes the next piece's A words (two 16-K steps) while the previous
+//   piece's wgmmas run (two register sets, wait_group 1); one __syncthreads per chunk hands
+//   over the activation buffers.
+// - The epilogue (global and row scales, activation, bf16/fp32 store) is the shared one.
+// Only built for sm_90a (wgmma does not exist on sm_100); elsewhere LaunchWgmmaGemm returns
+// false and the mma.sync kernel runs.
+#include <atomic>
+
+#include "cuda/cuda_util.h"
+#include "cuda/gemm_common.cuh"
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define JAX_NVFP4_WGMMA 1
+#endif
+
+namespace jax_nvfp4 {
+namespace {
+
+constexpr int kTokens = 64;                    // tile_m of this kernel
+constexpr int kWgWarps = 8;                    // two warpgroups
+constexpr int kWgThreadsPerCta = kWgWarps * 32;
+constexpr int kPanelBytes = kTokens * 128;     // 64 rows x 64 K bf16: one 128-byte-swizzle panel
+constexpr int kChunkBytes = 2 * kPanelBytes;   // 128 K
+constexpr int kSmemBytes = 2 * kChunkBytes + 1024;  // double buffer, +1 KB to align to 1024
+
+#ifdef JAX_NVFP4_WGMMA
+// Shared-memory matrix descriptor: K-major, 128-byte swizzle, 8-row groups 1024 bytes apart.
+__device__ __forceinline__ uint64_t SmemDesc(uint32_t addr) {
+  return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t(16 >> 4) << 16) | (uint64_t(1024 >> 4) << 32) |
+         (uint64_t(1) << 62);
+}
+
+__device__ __forceinline__ void WgmmaFence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void WgmmaCommit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void WgmmaWait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Keep a register value where it is until here (in flight for an asynchronous wgmma).
+__device__ __forceinline__ void Hold(uint32_t& r) { asm volatile("" : "+r"(r)::"memory"); }
+__device__ __forceinline__ void Hold(float& r) { asm volatile("" : "+f"(r)::"memory"); }
+
+// d[64 features x 64 rows] += a (registers) x B (shared memory, descriptor), fp32 accumulate.
+__device__ __forceinline__ void Wgmma64x64(float (&d)[8][4], const uint32_t (&a)[4], uint64_t desc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]),
+        "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+        "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]),
+        "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
+        "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]),
+        "+f"(d[7][2]), "+f"(d[7][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+
+// This thread's share of the activation chunk: row n = 8 * warp + g of the tile, span t,
+// pieces pp < CH / 32 (16 bytes each).
+struct ActivationRegs {
+  uint4 v[4];
+
+  __device__ __forceinline__ void Load(const uint16_t* row, int64_t kc, int ch, int t) {
+#pragma unroll
+    for (int pp = 0; pp < 4; ++pp) {
+      if (pp < ch / 32)
+        v[pp] = row ? __ldg(reinterpret_cast<const uint4*>(row + kc + (ch / 4) * t + 8 * pp))
+                    : make_uint4(0, 0, 0, 0);
+    }
+  }
+
+  // Piece pp's k pairs i = 0..3 ({x0, x4}, {x1, x5}, {x2, x6}, {x3, x7}: PairActivations) go
+  // to logical k L = 32pp + 2t + 8i: panel L / 64, 16-byte chunk (L % 64) / 8 swizzled with the
+  // row (^ n % 8), byte 4t inside it.
+  __device__ __forceinline__ void Store(uint8_t* buf, int ch, int n, int t) const {
+#pragma unroll
+    for (int pp = 0; pp < 4; ++pp) {
+      if (pp < ch / 32) {
+        uint32_t w[4];
+        PairActivations(v[pp], w);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int c = 4 * pp + i;  // logical 16-byte chunk index within the 128-K chunk
+          uint8_t* dst = buf + (c >> 3) * kPanelBytes + n * 128 + (((c & 7) ^ (n & 7)) << 4) + 4 * t;
+          *reinterpret_cast<uint32_t*>(dst) = w[i];
+        }
+      }
+    }
+  }
+};
+
+// One chunk (CH = 128 or the 64 tail) of MMAs from registers w and the staged buffer at
+// `buf` (shared address). A piece (one code word per row) is two 16-K steps; its decoded A
+// words are double buffered across pieces, so piece pp + 1 decodes while pp multiplies.
+// Ends with every wgmma of the chunk complete.
+template <int CH, int NF>
+__device__ __forceinline__ void ChunkMma(const WeightRegs<CH, NF>& w, uint32_t buf, float (&acc)[NF][8][4]) {
+  constexpr int kPieces = CH / 32;
+  uint32_t scale[NF][2][2];
+#pragma unroll
+  for (int j = 0; j < NF; ++j)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) BlockScalesBf16x2(w.s[j][h], scale[j][h][0], scale[j][h][1]);
+  uint32_t a[2][NF][2][4];  // [buffer][block][row g, g + 8][decoded word]
+#pragma unroll
+  for (int pp = 0; pp < kPieces; ++pp) {
+    const int b = pp & 1;
+    if (pp >= 2) {  // piece pp - 2 (which read a[b]) is complete
+      WgmmaWait<1>();
+#pragma unroll
+      for (int j = 0; j < NF; ++j)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) Hold(a[b][j][h][i]);
+    }
+#pragma unroll
+    for (int j = 0; j < NF; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) DecodeScaled(w.q[j][h][pp], scale[j][h][pp / 2], a[b][j][h]);
+    WgmmaFence();
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int s = 2 * pp + half;  // 16-K step
+      const uint64_t desc = SmemDesc(buf + (s >> 2) * kPanelBytes + (s & 3) * 32);
+#pragma unroll
+      for (int j = 0; j < NF; ++j) {
+        const uint32_t frag[4] = {a[b][j][0][2 * half], a[b][j][1][2 * half], a[b][j][0][2 * half + 1],
+                                  a[b][j][1][2 * half + 1]};
+        Wgmma64x64(acc[j], frag, desc);
+      }
+    }
+    WgmmaCommit();
+  }
+  WgmmaWait<0>();
+#pragma unroll
+  for (int b = 0; b < 2; ++b)
+#pragma unroll
+    for (int j = 0; j < NF; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) Hold(a[b][j][h][i]);
+}
+#endif  // JAX_NVFP4_WGMMA
+
+// Output features of a CTA: 64 per warpgroup and weight block; gated GEMM1 pairs a gate and
+// an up block of the same 64 features, the others (GEMM2, relu2) take two blocks of 64.
+template <bool GATED>
+constexpr int CtaFeatures() { return GATED ? 128 : 256; }
+
+template <bool GATED, typename OutT>
+__global__ void __launch_bounds__(kWgThreadsPerCta, 1) W4A16WgmmaKernel(const GemmParams p) {
+#ifdef JAX_NVFP4_WGMMA
+  constexpr int NF = 2;  // weight blocks per warpgroup: [gate, up] or two feature blocks
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t raw = SmemU32(smem_raw);
+  uint8_t* smem = smem_raw + (((raw + 1023) & ~1023u) - raw);  // 1024-aligned (swizzle atoms)
+  const uint32_t smem_addr = SmemU32(smem);
+
+  const int64_t tile = blockIdx.x;
+  const int32_t e = p.tile_expert[tile];
+  if (e < 0 || e >= p.E) return;  // unused tile (uniform over the CTA)
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int wg = warp >> 2, wq = warp & 3;
+  // Features of block j of this warp: gated: feat[0] (gate rows feat, up rows n_out + feat);
+  // else feat[j] = base + 64j.
+  const int64_t base = int64_t(blockIdx.y) * CtaFeatures<GATED>() + wg * (GATED ? 64 : 128) + wq * kWarpFeatures;
+  int64_t feat[NF];
+  bool active[NF];  // blocks past n_out take part in the warpgroup MMAs (any in-bounds rows), not the stores
+  const int64_t K = p.K;
+  const uint8_t* wrow[NF][2];
+  const uint8_t* srow[NF][2];
+#pragma unroll
+  for (int j = 0; j < NF; ++j) {
+    feat[j] = GATED ? base : base + 64 * j;
+    active[j] = feat[j] < p.n_out;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int64_t row = int64_t(e) * p.N + (active[j] ? feat[j] + g + 8 * h + (GATED && j == 1 ? p.n_out : 0) : 0);
+      wrow[j][h] = p.w + row * (K / 2);
+      srow[j][h] = p.ws + row * (K / 16);
+    }
+  }
+  const int n = 8 * warp + g;  // this thread's activation row in the tile
+  const int64_t src = SourceRow(p, tile * kTokens + n);
+  const uint16_t* xrow = src >= 0 ? p.a + src * K : nullptr;
+
+  float acc[NF][8][4];
+#pragma unroll
+  for (int j = 0; j < NF; ++j)
+#pragma unroll
+    for (int m = 0; m < 8; ++m)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[j][m][i] = 0.0f;
+
+  const int64_t full = K / 128;
+  const bool tail = K % 128 != 0;
+  const int64_t chunks = full + (tail ? 1 : 0);
+  ActivationRegs x;
+  x.Load(xrow, 0, full ? 128 : 64, t);
+  x.Store(smem, full ? 128 : 64, n, t);
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // generic stores -> wgmma reads
+  WeightRegs<128, NF> cur;
+  if (full) cur.Load(wrow, srow, 0, t);
+  __syncthreads();
+
+  for (int64_t c = 0; c < full; ++c) {
+    const int64_t kc = c * 128;
+    const bool more = c + 1 < chunks, wmore = c + 1 < full;
+    const int next_ch = wmore ? 128 : 64;
+    if (more) x.Load(xrow, kc + 128, next_ch, t);
+    WeightRegs<128, NF> next;
+    if (wmore) next.Load(wrow, srow, kc + 128, t);
+    ChunkMma<128, NF>(cur, smem_addr + uint32_t(c & 1) * kChunkBytes, acc);
+    if (more) {  // the other buffer was last read by chunk c - 1, complete before the last barrier
+      x.Store(smem + (~c & 1) * kChunkBytes, next_ch, n, t);
+      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    }
+    __syncthreads();
+    if (wmore) cur = next;
+  }
+  if (tail) {
+    WeightRegs<64, NF> w;
+    w.Load(wrow, srow, full * 128, t);
+    ChunkMma<64, NF>(w, smem_addr + uint32_t(full & 1) * kChunkBytes, acc);
+  }
+#pragma unroll
+  for (int j = 0; j < NF; ++j)
+#pragma unroll
+    for (int m = 0; m < 8; ++m)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) Hold(acc[j][m][i]);
+  if constexpr (GATED) {
+    if (active[0]) Epilogue<8, NF, true, OutT>(p, e, tile, feat[0], acc);
+  } else {
+#pragma unroll
+    for (int j = 0; j < NF; ++j)
+      if (active[j])
+        Epilogue<8, 1, false, OutT>(p, e, tile, feat[j], reinterpret_cast<const float(&)[1][8][4]>(acc[j]));
+  }
+#endif
+}
+
+template <bool GATED, typename OutT>
+bool Launch(const GemmParams& p, cudaStream_t stream) {
+  static_assert(kSmemBytes <= 48 * 1024, "no opt-in attribute needed (none may be set during graph capture)");
+  const dim3 grid(unsigned(p.P / kTokens), unsigned(CeilDiv<int64_t>(p.n_out, CtaFeatures<GATED>())));
+  W4A16WgmmaKernel<GATED, OutT><<<grid, kWgThreadsPerCta, kSmemBytes, stream>>>(p);
+  return true;
+}
+
+// Compute capability major of the current device, cached per device (no stream operation,
+// so it is safe while XLA captures a CUDA graph).
+int DeviceMajor() {
+  static std::atomic<int> cache[64];
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 0;
+  int v = cache[dev].load(std::memory_order_relaxed);
+  if (v == 0) {
+    if (cudaDeviceGetAttribute(&v, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) return 0;
+    cache[dev].store(v, std::memory_order_relaxed);
+  }
+  return v;
+}
+
+}  // namespace
+
+bool LaunchWgmmaGemm(const GemmParams& p, bool gated, bool f32_out, cudaStream_t stream) {
+#ifdef JAX_NVFP4_HAS_SM90A
+  if (DeviceMajor() != 9 || p.P % kTokens != 0) return false;
+  if (gated) return f32_out ? Launch<true, float>(p, stream) : Launch<true, uint16_t>(p, stream);
+  return f32_out ? Launch<false, float>(p, stream) : Launch<false, uint16_t>(p, stream);
+#else
+  (void)p, (void)gated, (void)f32_out, (void)stream, (void)DeviceMajor;
+  return false;
+#endif
+}
+
+}  // namespace jax_nvfp4
