@@ -34,6 +34,8 @@ from _timing import chained_time, device_name, median_time  # noqa: E402
 import jax_nvfp4 as nv  # noqa: E402
 from jax_nvfp4 import arg_specs as specs  # noqa: E402
 from jax_nvfp4.backends import base  # noqa: E402
+from jax_nvfp4 import _ffi_ops  # noqa: E402
+from jax_nvfp4.backends.ffi import FFIBackend  # noqa: E402
 from jax_nvfp4.backends.xla import XLABackend  # noqa: E402
 
 BASELINE = "ragged_dot_bf16"
@@ -90,7 +92,8 @@ def bench_shape(shape, tokens, modes, backends, args, log):
 
         def record(name, mode, fn, arg_sets):
             try:
-                timing = f"chain{args.chain}" if args.chain and name in args.chain_backends else "median"
+                chained = args.chain and name.split("[")[0] in args.chain_backends
+                timing = f"chain{args.chain}" if chained else "median"
                 if timing != "median":  # layers chained in one jit: no per-call dispatch overhead
                     sec = chained_time(fn, arg_sets[0][0], [a[1:3] for a in arg_sets], arg_sets[0][3:],
                                        n=args.chain)
@@ -128,13 +131,15 @@ def bench_shape(shape, tokens, modes, backends, args, log):
 
                 record(name, mode, fn, [s + (experts,) for s in sets])
 
-            for variant in args.xla_variants:  # forced xla strategies, to calibrate choose_gmm
-                impl = XLABackend(*variant.split("/"))
+            variants = [(f"xla[{v}]", XLABackend(*v.split("/"))) for v in args.xla_variants]
+            if mode != "bf16" and args.ffi_flags and not FFIBackend().unavailable_reason():
+                variants += [(f"ffi[flags={f}]", FFIBackend(f)) for f in args.ffi_flags]
+            for label, impl in variants:  # forced strategies / kernel variants, side by side
 
                 def fn(x, ids, w, ex, impl=impl, problem=problem):
                     return impl(x, ex, ids, w, problem=problem, local_expert_offset=shape.local_expert_offset)
 
-                record(f"xla[{variant}]", mode, fn, [s + (experts,) for s in sets])
+                record(label, mode, fn, [s + (experts,) for s in sets])
 
         if not args.no_baseline:
             tflop = expanded_flops(shape, rows) / 1e12
@@ -188,6 +193,9 @@ def main(argv=None):
     p.add_argument("--xla-variants", default="",
                    help="comma-separated forced xla strategies dispatch/gmm, e.g. all/ragged,all/tiled,"
                         "gather/ragged,gather/tiled (to calibrate the automatic choice)")
+    p.add_argument("--ffi-flags", default="",
+                   help="comma-separated KernelFlag values to time as extra ffi rows 'ffi[flags=N]' (CUDA "
+                        "kernel variants: 1 no cp.async ring, 2 no wgmma, 4 one-block wgmma; combine by adding)")
     p.add_argument("--no-baseline", action="store_true", help=f"skip the {BASELINE} baseline")
     p.add_argument("--max-expanded-tflop", type=float, default=100.0,
                    help="skip the baseline when ragged_dot's dense expansion exceeds this many TFLOP")
@@ -221,6 +229,10 @@ def main(argv=None):
     backends = [b for b in args.backends.split(",") if b]
     args.xla_variants = [v for v in args.xla_variants.split(",") if v]
     args.chain_backends = set(args.chain_backends.split(","))
+    try:
+        args.ffi_flags = [_ffi_ops._check_kernel_flags(int(f)) for f in args.ffi_flags.split(",") if f]
+    except ValueError as err:
+        p.error(f"--ffi-flags: {err}")
     for v in args.xla_variants:
         d, _, g = v.partition("/")
         if d not in ("gather", "all") or g not in ("ragged", "tiled"):

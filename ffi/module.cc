@@ -102,7 +102,7 @@ NB_MODULE(_ffi, m) {
   m.def("constants", []() {
     using namespace jax_nvfp4;
     nb::dict c;
-    nb::dict act, rs, mode;
+    nb::dict act, rs, mode, kf;
     act["identity"] = int64_t(Activation::kIdentity);
     act["swiglu"] = int64_t(Activation::kSwiglu);
     act["geglu"] = int64_t(Activation::kGeglu);
@@ -118,6 +118,10 @@ NB_MODULE(_ffi, m) {
     c["Activation"] = act;
     c["RowScale"] = rs;
     c["Mode"] = mode;
+    kf["no_async_ring"] = int64_t(KernelFlag::kNoAsyncRing);
+    kf["no_wgmma"] = int64_t(KernelFlag::kNoWgmma);
+    kf["wgmma_one_block"] = int64_t(KernelFlag::kWgmmaOneBlock);
+    c["KernelFlag"] = kf;
     nb::list tiles;
     for (int t : kTileMs) tiles.append(t);
     c["tile_ms"] = tiles;

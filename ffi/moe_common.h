@@ -35,6 +35,14 @@ enum class RowScale : int64_t {
   kPair = 2,   // row_scale[p]          (GEMM2 in w4a16: the routing weight, topk_weights.ravel())
   kRow = 3,    // row_scale[r]          (GEMM2 in w4a4: routing weight * intermediate scale)
 };
+// Kernel variants of the CUDA grouped GEMM (bit flags; 0 = the default choice). The result is
+// the same function; they exist so that one benchmark run can compare variants side by side.
+enum class KernelFlag : int64_t {
+  kNoAsyncRing = 1,     // decode tiles (<= 16 rows): register prefetch instead of the cp.async ring
+  kNoWgmma = 2,         // 64-row tiles: the mma.sync kernel instead of the sm_90a wgmma kernel
+  kWgmmaOneBlock = 4,   // wgmma, non-gated: one 64-feature block per warpgroup instead of two
+};
+constexpr int64_t kAllKernelFlags = 7;
 // MoE modes (spec section 5); the kernels themselves are mode-agnostic.
 enum class Mode : int64_t { kBf16 = 0, kW4A16 = 1, kW4A4 = 2 };
 
@@ -166,7 +174,8 @@ template <typename A, typename W, typename WS, typename AL, typename SI, typenam
 ffi::Error CheckGemm(const char* op, const A& a, const W& w, const WS& ws, const AL& alpha,
                      const SI& sorted_ids, const TE& tile_expert, const RS& row_scale, const O& out,
                      int64_t activation, int64_t row_scale_mode, int64_t top_k, int64_t gather,
-                     int64_t tile_m, int64_t k_split, int64_t k_multiple, int64_t n_multiple, GemmDims* d) {
+                     int64_t tile_m, int64_t k_split, int64_t kernel_flags, int64_t k_multiple,
+                     int64_t n_multiple, GemmDims* d) {
   auto ad = a.dimensions(), wd = w.dimensions(), sd = ws.dimensions(), od = out.dimensions();
   if (ad.size() != 2) return Invalid(op, "a must be 2-D [rows, K], got " + ShapeStr(ad));
   if (wd.size() != 3) return Invalid(op, "w_data must be 3-D [E, N, K/2], got " + ShapeStr(wd));
@@ -198,6 +207,9 @@ ffi::Error CheckGemm(const char* op, const A& a, const W& w, const WS& ws, const
     return Invalid(op, "output features " + std::to_string(d->n_out) + " must be a multiple of " +
                            std::to_string(n_multiple) + " on this platform");
   if (!ValidTileM(tile_m)) return Invalid(op, "tile_m must be 8, 16, 32 or 64, got " + std::to_string(tile_m));
+  if (kernel_flags < 0 || (kernel_flags & ~kAllKernelFlags) != 0)
+    return Invalid(op, "kernel_flags must be a combination of the KernelFlag bits (0.." +
+                           std::to_string(kAllKernelFlags) + "), got " + std::to_string(kernel_flags));
   bool split_ok = false;
   for (int s : kKSplits) split_ok |= s == k_split;
   if (!split_ok)

@@ -48,10 +48,12 @@ ffi::Error GroupedGemmCpuImpl(ffi::Buffer<ffi::BF16> a, ffi::Buffer<ffi::U8> w_d
                               ffi::Buffer<ffi::S32> sorted_ids, ffi::Buffer<ffi::S32> tile_expert,
                               ffi::Buffer<ffi::F32> row_scale, ffi::Result<ffi::AnyBuffer> out,
                               int64_t activation, int64_t row_scale_mode, int64_t top_k, int64_t gather,
-                              int64_t tile_m, int64_t k_split) {
-  GemmDims d;  // k_split is a GPU tiling choice; validated here so both platforms accept the same calls
+                              int64_t tile_m, int64_t k_split, int64_t kernel_flags) {
+  // k_split and kernel_flags choose GPU kernels; validated here so both platforms accept the same calls.
+  GemmDims d;
   if (auto err = CheckGemm("grouped_gemm", a, w_data, w_scales, alpha, sorted_ids, tile_expert, row_scale,
-                           *out, activation, row_scale_mode, top_k, gather, tile_m, k_split, 16, 1, &d);
+                           *out, activation, row_scale_mode, top_k, gather, tile_m, k_split, kernel_flags, 16,
+                           1, &d);
       err.failure())
     return err;
   const uint16_t* ap = a.typed_data();

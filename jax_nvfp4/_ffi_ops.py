@@ -59,6 +59,15 @@ class RowScale(enum.IntEnum):
     ROW = 3  # row_scale[r]: w4a4 GEMM2, routing weight * intermediate decode scale
 
 
+class KernelFlag(enum.IntFlag):
+    """CUDA grouped-GEMM variants (bits; values shared with ``ffi/moe_common.h``). Every variant
+    computes the same function; the flags let one benchmark run compare them. 0: the default."""
+
+    NO_ASYNC_RING = 1  # decode tiles: register prefetch instead of the cp.async ring
+    NO_WGMMA = 2  # 64-row tiles: the mma.sync kernel instead of the sm_90a wgmma kernel
+    WGMMA_ONE_BLOCK = 4  # wgmma, non-gated: one 64-feature block per warpgroup instead of two
+
+
 class Mode(enum.IntEnum):
     """MoE modes (spec section 5)."""
 
@@ -96,7 +105,7 @@ def build_info() -> dict:
 def check_constants() -> None:
     """Raise if the Python enums and limits disagree with the compiled extension."""
     c = _ffi.constants()
-    for cls in (Activation, RowScale, Mode):
+    for cls in (Activation, RowScale, Mode, KernelFlag):
         want = {m.name.lower(): int(m) for m in cls}
         if dict(c[cls.__name__]) != want:
             raise RuntimeError(f"{cls.__name__} differs between Python {want} and C++ {dict(c[cls.__name__])}")
@@ -164,6 +173,14 @@ def padded_rows(n_pairs: int, num_experts: int, tile_m: int) -> int:
     """Static bound P on the tile-padded sorted rows: every non-empty group wastes < tile_m rows."""
     p = n_pairs + min(num_experts, n_pairs) * (tile_m - 1)
     return -(-p // tile_m) * tile_m
+
+
+def _check_kernel_flags(flags) -> int:
+    flags = int(flags)
+    if flags < 0 or flags & ~int(sum(KernelFlag)):
+        raise ValueError(f"kernel_flags must combine KernelFlag bits {[f.name for f in KernelFlag]} "
+                         f"(0..{int(sum(KernelFlag))}), got {flags}")
+    return flags
 
 
 def _check_impl(impl):
@@ -244,7 +261,7 @@ def _moe_align_jax(topk_ids, num_experts, tile_m, expert_offset, p):
 def grouped_gemm(a, w: NVFP4Array, sorted_ids, tile_expert, *, tile_m: int,
                  activation: Activation = Activation.IDENTITY, top_k: int = 1, gather: bool = False,
                  row_scale=None, row_scale_mode: RowScale = RowScale.NONE, out_dtype=jnp.bfloat16,
-                 k_split: int | None = None, impl: str = "ffi"):
+                 k_split: int | None = None, kernel_flags: int = 0, impl: str = "ffi"):
     """Grouped W4A16 GEMM over tile-padded row groups, with the MoE epilogue.
 
     For each sorted row ``r`` of a tile owned by expert ``e`` (pair ``p = sorted_ids[r] >= 0``)::
@@ -274,6 +291,8 @@ def grouped_gemm(a, w: NVFP4Array, sorted_ids, tile_expert, *, tile_m: int,
     k_split : 1, 2, 4 or None
         Warps of a CUDA CTA that split K (a tiling choice: the same function, summed in a
         different fixed order); None: :func:`choose_k_split`. Must be 1 for ``tile_m > 16``.
+    kernel_flags : :class:`KernelFlag` bits
+        CUDA kernel variant (0: the default); ignored by the CPU handler and the twin.
     impl : ``"ffi"`` or ``"jax"``
 
     Returns
@@ -304,6 +323,7 @@ def grouped_gemm(a, w: NVFP4Array, sorted_ids, tile_expert, *, tile_m: int,
     if k_split not in K_SPLITS or (k_split > 1 and tile_m > MAX_SPLIT_TILE_M):
         raise ValueError(f"grouped_gemm: k_split must be one of {K_SPLITS} (1 when tile_m > "
                          f"{MAX_SPLIT_TILE_M}), got k_split={k_split} with tile_m={tile_m}")
+    kernel_flags = _check_kernel_flags(kernel_flags)
     if impl == "jax":
         return _grouped_gemm_jax(a, w, sorted_ids, tile_expert, tile_m, activation, top_k, gather,
                                  row_scale, row_scale_mode).astype(out_dtype)
@@ -315,7 +335,8 @@ def grouped_gemm(a, w: NVFP4Array, sorted_ids, tile_expert, *, tile_m: int,
                             vmap_method="sequential")(
         a, w.data, scales, alpha, sorted_ids, tile_expert, row_scale,
         activation=np.int64(activation), row_scale_mode=np.int64(row_scale_mode), top_k=np.int64(top_k),
-        gather=np.int64(bool(gather)), tile_m=np.int64(tile_m), k_split=np.int64(k_split))
+        gather=np.int64(bool(gather)), tile_m=np.int64(tile_m), k_split=np.int64(k_split),
+        kernel_flags=np.int64(kernel_flags))
 
 
 def apply_activation(activation: Activation, gate, up=None):
@@ -402,7 +423,8 @@ MODES = {"w4a16": Mode.W4A16, "w4a4": Mode.W4A4}
 
 
 def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str = "w4a16",
-                activation: str = "swiglu", local_expert_offset=0, impl: str = "ffi", tile_m: int | None = None):
+                activation: str = "swiglu", local_expert_offset=0, impl: str = "ffi", tile_m: int | None = None,
+                kernel_flags: int = 0):
     """Expert part of the MoE layer through the three ops (no custom_vjp/custom_vmap; see :func:`moe`).
 
     Parameters
@@ -418,6 +440,7 @@ def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str =
         is subtracted from the ids before the align kernel.
     impl : ``"ffi"`` (custom calls) or ``"jax"`` (their pure-JAX twins)
     tile_m : optional override of :func:`choose_tile_m`
+    kernel_flags : :class:`KernelFlag` bits (CUDA kernel variants; 0: the default)
 
     Returns
     -------
@@ -449,7 +472,7 @@ def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str =
     tile_m = choose_tile_m(t * k, e) if tile_m is None else tile_m
     sorted_ids, tile_expert, pair_to_row = moe_align(topk_ids, e, tile_m=tile_m, expert_offset=offset, impl=impl)
     w_flat = jnp.asarray(topk_weights, jnp.float32).reshape(t * k)
-    common = dict(tile_m=tile_m, top_k=k, impl=impl)
+    common = dict(tile_m=tile_m, top_k=k, impl=impl, kernel_flags=kernel_flags)
 
     if MODES[mode] == Mode.W4A16:
         h1 = grouped_gemm(x.astype(jnp.bfloat16), experts.gate_up, sorted_ids, tile_expert, activation=act,
@@ -481,7 +504,7 @@ def _zero_cotangent(v):
 
 
 @functools.lru_cache(maxsize=None)
-def _moe_fn(mode: str, activation: str, offset: int, impl: str, tile_m, treedef):
+def _moe_fn(mode: str, activation: str, offset: int, impl: str, tile_m, kernel_flags: int, treedef):
     """The jit-able MoE for one static configuration, with its vmap and vjp rules.
 
     The experts travel as their flat leaves (``treedef`` rebuilds them): cotangents of the
@@ -491,7 +514,7 @@ def _moe_fn(mode: str, activation: str, offset: int, impl: str, tile_m, treedef)
     def forward(x, topk_ids, topk_weights, leaves):
         experts = jax.tree_util.tree_unflatten(treedef, leaves)
         return moe_forward(x, experts, topk_ids, topk_weights, mode=mode, activation=activation,
-                           local_expert_offset=offset, impl=impl, tile_m=tile_m)
+                           local_expert_offset=offset, impl=impl, tile_m=tile_m, kernel_flags=kernel_flags)
 
     batched = jax.custom_batching.custom_vmap(forward)
 
@@ -537,7 +560,7 @@ def _moe_fn(mode: str, activation: str, offset: int, impl: str, tile_m, treedef)
 
 
 def moe(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str = "w4a16", activation: str = "swiglu",
-        local_expert_offset=0, impl: str = "ffi", tile_m: int | None = None):
+        local_expert_offset=0, impl: str = "ffi", tile_m: int | None = None, kernel_flags: int = 0):
     """The expert part of the MoE layer on the FFI kernels (see :func:`moe_forward` for arguments).
 
     Differentiable w.r.t. ``x``, ``topk_weights`` and the experts' float leaves (a ``custom_vjp``
@@ -554,6 +577,7 @@ def moe(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str = "w4a16"
         ids = jnp.where(ids < 0, -1, ids - jnp.asarray(local_expert_offset, jnp.int32))
         topk_ids, local_expert_offset = jnp.where(ids < 0, -1, ids), 0
     leaves, treedef = jax.tree_util.tree_flatten(experts)
-    fn = _moe_fn(mode, activation, int(local_expert_offset), impl, tile_m, treedef)
+    fn = _moe_fn(mode, activation, int(local_expert_offset), impl, tile_m, _check_kernel_flags(kernel_flags),
+                 treedef)
     return fn(jnp.asarray(x).astype(jnp.bfloat16), jnp.asarray(topk_ids).astype(jnp.int32),
               jnp.asarray(topk_weights, jnp.float32), tuple(leaves))

@@ -176,7 +176,7 @@ def test_gemm_rejects_bad_shapes_with_named_arguments():
         kw.get("a", a), w.data, jax.lax.bitcast_convert_type(w.scales, jnp.uint8), kw.get("alpha", w.global_scale),
         kw.get("sid", sid), te, rs, activation=np.int64(kw.get("act", 1)), row_scale_mode=np.int64(0),
         top_k=np.int64(3), gather=np.int64(1), tile_m=np.int64(kw.get("tile_m", 8)),
-        k_split=np.int64(kw.get("k_split", 1)))
+        k_split=np.int64(kw.get("k_split", 1)), kernel_flags=np.int64(kw.get("kernel_flags", 0)))
     ops.ensure_registered()
     with pytest.raises(Exception, match="does not match K"):
         call(a=a[:, :32])
@@ -192,9 +192,28 @@ def test_gemm_rejects_bad_shapes_with_named_arguments():
         call(k_split=3)
     with pytest.raises(Exception, match="k_split > 1 needs tile_m <= 16"):
         call(tile_m=32, k_split=2)
+    with pytest.raises(Exception, match="kernel_flags must be a combination"):
+        call(kernel_flags=8)
+    with pytest.raises(ValueError, match="kernel_flags must combine KernelFlag bits"):
+        ops.grouped_gemm(a, w, sid, te, tile_m=8, activation=ops.Activation.SWIGLU, top_k=3, gather=True,
+                         kernel_flags=-1)
     with pytest.raises(ValueError, match="k_split must be one of"):
         ops.grouped_gemm(a, w, sid, te, tile_m=32, activation=ops.Activation.SWIGLU, top_k=3, gather=True,
                          k_split=4)
+
+
+def test_kernel_flags_reach_the_custom_call_and_keep_the_function():
+    """Kernel variants are a GPU choice: the attribute is in the lowered call, the CPU result is the same."""
+    ex = make_experts(5, 4, 64, 32)
+    x = make_x(1, 6, 64)
+    ids, w = make_routing(2, 6, 2, 4)
+    flags = int(ops.KernelFlag.NO_ASYNC_RING | ops.KernelFlag.WGMMA_ONE_BLOCK)
+    f = jax.jit(lambda x, i, w: ops.moe(x, ex, i, w, kernel_flags=flags))
+    assert "kernel_flags = 5" in f.lower(x, ids, w).as_text()
+    np.testing.assert_array_equal(f32(f(x, ids, w)), f32(ops.moe(x, ex, ids, w)))
+    assert ffi_backend.FFIBackend(flags).kernel_flags == flags
+    with pytest.raises(ValueError, match="kernel_flags must combine"):
+        ffi_backend.FFIBackend(16)
 
 
 def test_choose_k_split_on_the_benchmark_shapes():
@@ -463,6 +482,25 @@ def test_gpu_gemm_matches_twin(act, gather, mode, out_dtype, h, tile_m, k_split)
     used = used_rows(sid, te, tile_m)  # rows of unused tiles are not written by the GPU kernel
     assert relerr(f32(got)[used], f32(want)[used]) < 1e-2
     assert (f32(got)[used & (np.asarray(sid) < 0)] == 0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("flags", [int(ops.KernelFlag.NO_ASYNC_RING), int(ops.KernelFlag.NO_WGMMA),
+                                   int(ops.KernelFlag.WGMMA_ONE_BLOCK)])
+@pytest.mark.parametrize("act,gather,mode,out_dtype", [GEMM_CASES[0], GEMM_CASES[-1]])
+@pytest.mark.parametrize("tile_m,h", [(8, 1152), (64, 320)])
+def test_gpu_kernel_variants_match_twin(act, gather, mode, out_dtype, h, tile_m, flags):
+    """Every KernelFlag variant (register-prefetch decode, mma.sync 64-row tiles, one-block wgmma)."""
+    if not has_gpu():
+        pytest.skip("needs an NVIDIA GPU")
+    a, w, sid, te, rs = _gemm_problem(act, gather, mode, t=37, k=4, e=6, h=h, n=80, tile_m=tile_m, seed=h)
+    args = (a, w, sid, te, rs, act, gather, mode, out_dtype, tile_m, 4)
+    got = ops.grouped_gemm(a, w, sid, te, tile_m=tile_m, activation=act, top_k=4, gather=gather,
+                           row_scale=rs if mode != ops.RowScale.NONE else None, row_scale_mode=mode,
+                           out_dtype=out_dtype, kernel_flags=flags)
+    want = _run_gemm("jax", *args)
+    used = used_rows(sid, te, tile_m)
+    assert relerr(f32(got)[used], f32(want)[used]) < 1e-2
 
 
 @pytest.mark.gpu

@@ -153,8 +153,9 @@ __device__ __forceinline__ void Epilogue(const GemmParams& p, int32_t e, int64_t
   }
 }
 
-// The sm_90a wgmma kernel for 64-row tiles (moe_gemm_sm90.cu). Returns false when this build
-// or device cannot run it (the caller then launches the mma.sync kernel).
-bool LaunchWgmmaGemm(const GemmParams& p, bool gated, bool f32_out, cudaStream_t stream);
+// The sm_90a wgmma kernel for 64-row tiles (moe_gemm_sm90.cu); `one_block`: a non-gated
+// warpgroup multiplies one 64-feature block, not two. Returns false when this build or device
+// cannot run it (the caller then launches the mma.sync kernel).
+bool LaunchWgmmaGemm(const GemmParams& p, bool gated, bool f32_out, bool one_block, cudaStream_t stream);
 
 }  // namespace jax_nvfp4

@@ -190,13 +190,13 @@ __device__ __forceinline__ void MainLoopAsync(WarpRing<NF>& ring, const uint8_t*
   }
 }
 
-template <int FM, int KS, bool GATED, typename OutT>
+template <int FM, int KS, bool ASYNC, bool GATED, typename OutT>
 __global__ void __launch_bounds__(kThreads) W4A16GroupedGemmKernel(const GemmParams p) {
   constexpr int BM = FM * 8;
   constexpr int NF = GATED ? 2 : 1;  // weight fragments per warp: [gate, up] or [h]
   constexpr int NS = kWarps / KS;    // warps along N; KS warps share each 16 features
   constexpr int kAcc = NF * FM * 4;  // fp32 accumulators per thread
-  constexpr bool kAsync = FM <= 2;   // decode tiles stream weights through the cp.async ring
+  constexpr bool kAsync = ASYNC && FM <= 2;  // decode tiles stream weights through the cp.async ring
   __shared__ float partial[KS > 1 ? (KS - 1) * NS * kAcc * 32 : 1];
   __shared__ WarpRing<NF> rings[kAsync ? kWarps : 1];
   const int64_t tile = blockIdx.x;
@@ -271,26 +271,33 @@ __global__ void __launch_bounds__(kThreads) W4A16GroupedGemmKernel(const GemmPar
   Epilogue<FM, NF, GATED, OutT>(p, e, tile, feat0, acc);
 }
 
-// Instances: k_split 1, 2, 4 for 8- and 16-row tiles (decode); 1 for 32 and 64 (CheckGemm).
-template <int KS, bool GATED, typename OutT>
+// Instances: k_split 1, 2, 4 (with and without the cp.async ring) for 8- and 16-row tiles
+// (decode); k_split 1 for 32 and 64 rows (CheckGemm).
+template <int KS, bool ASYNC, bool GATED, typename OutT>
 void LaunchSplit(const GemmParams& p, int64_t tile_m, int64_t slabs, cudaStream_t stream) {
   const dim3 grid(unsigned(p.P / tile_m), unsigned(slabs));
   switch (tile_m) {
-    case 8: W4A16GroupedGemmKernel<1, KS, GATED, OutT><<<grid, kThreads, 0, stream>>>(p); break;
-    case 16: W4A16GroupedGemmKernel<2, KS, GATED, OutT><<<grid, kThreads, 0, stream>>>(p); break;
-    case 32: W4A16GroupedGemmKernel<4, 1, GATED, OutT><<<grid, kThreads, 0, stream>>>(p); break;
-    default: W4A16GroupedGemmKernel<8, 1, GATED, OutT><<<grid, kThreads, 0, stream>>>(p); break;
+    case 8: W4A16GroupedGemmKernel<1, KS, ASYNC, GATED, OutT><<<grid, kThreads, 0, stream>>>(p); break;
+    case 16: W4A16GroupedGemmKernel<2, KS, ASYNC, GATED, OutT><<<grid, kThreads, 0, stream>>>(p); break;
+    case 32: W4A16GroupedGemmKernel<4, 1, false, GATED, OutT><<<grid, kThreads, 0, stream>>>(p); break;
+    default: W4A16GroupedGemmKernel<8, 1, false, GATED, OutT><<<grid, kThreads, 0, stream>>>(p); break;
+  }
+}
+
+template <bool ASYNC, bool GATED, typename OutT>
+void LaunchAsync(const GemmParams& p, int64_t tile_m, int64_t k_split, cudaStream_t stream) {
+  const int64_t slabs = CeilDiv<int64_t>(p.n_out, kWarpFeatures * (kWarps / k_split));
+  switch (k_split) {
+    case 2: LaunchSplit<2, ASYNC, GATED, OutT>(p, tile_m, slabs, stream); break;
+    case 4: LaunchSplit<4, ASYNC, GATED, OutT>(p, tile_m, slabs, stream); break;
+    default: LaunchSplit<1, ASYNC, GATED, OutT>(p, tile_m, slabs, stream); break;
   }
 }
 
 template <bool GATED, typename OutT>
-void Launch(const GemmParams& p, int64_t tile_m, int64_t k_split, cudaStream_t stream) {
-  const int64_t slabs = CeilDiv<int64_t>(p.n_out, kWarpFeatures * (kWarps / k_split));
-  switch (k_split) {
-    case 2: LaunchSplit<2, GATED, OutT>(p, tile_m, slabs, stream); break;
-    case 4: LaunchSplit<4, GATED, OutT>(p, tile_m, slabs, stream); break;
-    default: LaunchSplit<1, GATED, OutT>(p, tile_m, slabs, stream); break;
-  }
+void Launch(const GemmParams& p, int64_t tile_m, int64_t k_split, int64_t flags, cudaStream_t stream) {
+  if (flags & int64_t(KernelFlag::kNoAsyncRing)) LaunchAsync<false, GATED, OutT>(p, tile_m, k_split, stream);
+  else LaunchAsync<true, GATED, OutT>(p, tile_m, k_split, stream);
 }
 
 ffi::Error GroupedGemmCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> a, ffi::Buffer<ffi::U8> w_data,
@@ -298,11 +305,11 @@ ffi::Error GroupedGemmCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> a, ff
                                ffi::Buffer<ffi::S32> sorted_ids, ffi::Buffer<ffi::S32> tile_expert,
                                ffi::Buffer<ffi::F32> row_scale, ffi::Result<ffi::AnyBuffer> out,
                                int64_t activation, int64_t row_scale_mode, int64_t top_k, int64_t gather,
-                               int64_t tile_m, int64_t k_split) {
+                               int64_t tile_m, int64_t k_split, int64_t kernel_flags) {
   GemmDims d;
   if (auto err = CheckGemm("grouped_gemm", a, w_data, w_scales, alpha, sorted_ids, tile_expert, row_scale,
-                           *out, activation, row_scale_mode, top_k, gather, tile_m, k_split, kCudaKMultiple,
-                           kCudaNMultiple, &d);
+                           *out, activation, row_scale_mode, top_k, gather, tile_m, k_split, kernel_flags,
+                           kCudaKMultiple, kCudaNMultiple, &d);
       err.failure())
     return err;
   if (d.tiles == 0 || d.n_out == 0) return ffi::Error::Success();
@@ -330,12 +337,16 @@ ffi::Error GroupedGemmCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> a, ff
   p.activation = int32_t(activation);
   p.row_scale_mode = int32_t(row_scale_mode);
   const bool f32_out = out->element_type() == ffi::DataType::F32;
-  if (tile_m == 64 && LaunchWgmmaGemm(p, IsGated(activation), f32_out, stream))  // sm_90a prefill
+  const bool gated = IsGated(activation);
+  if (tile_m == 64 && !(kernel_flags & int64_t(KernelFlag::kNoWgmma)) &&  // sm_90a prefill
+      LaunchWgmmaGemm(p, gated, f32_out, kernel_flags & int64_t(KernelFlag::kWgmmaOneBlock), stream))
     return LaunchError("grouped_gemm");
-  if (IsGated(activation)) {
-    f32_out ? Launch<true, float>(p, tile_m, k_split, stream) : Launch<true, uint16_t>(p, tile_m, k_split, stream);
+  const int64_t f = kernel_flags;
+  if (gated) {
+    f32_out ? Launch<true, float>(p, tile_m, k_split, f, stream) : Launch<true, uint16_t>(p, tile_m, k_split, f, stream);
   } else {
-    f32_out ? Launch<false, float>(p, tile_m, k_split, stream) : Launch<false, uint16_t>(p, tile_m, k_split, stream);
+    f32_out ? Launch<false, float>(p, tile_m, k_split, f, stream)
+            : Launch<false, uint16_t>(p, tile_m, k_split, f, stream);
   }
   return LaunchError("grouped_gemm");
 }

@@ -3,8 +3,8 @@
 //
 // - A CTA is two warpgroups (8 warps) and owns one 64-row tile of one expert; each warpgroup
 //   multiplies two 64-row weight blocks: gated, the gate and the up rows of 64 features (128
-//   features per CTA); otherwise two blocks of 64 features (256 per CTA), so that every
-//   staged activation chunk feeds the same number of MMAs.
+//   features per CTA); otherwise two blocks of 64 features (256 per CTA; KernelFlag
+//   kWgmmaOneBlock: one), so that every staged activation chunk feeds as many MMAs.
 // - Weights (A) come from registers, as in the mma.sync kernel: each warp loads its 16 rows
 //   with 16-byte loads one 128-K chunk ahead and decodes FP4 -> bf16 in registers (the
 //   wgmma A-register fragment of a warp is the m16n8k16 A fragment). K is permuted the same
@@ -163,15 +163,15 @@ __device__ __forceinline__ void ChunkMma(const WeightRegs<CH, NF>& w, uint32_t b
 }
 #endif  // JAX_NVFP4_WGMMA
 
-// Output features of a CTA: 64 per warpgroup and weight block; gated GEMM1 pairs a gate and
-// an up block of the same 64 features, the others (GEMM2, relu2) take two blocks of 64.
-template <bool GATED>
-constexpr int CtaFeatures() { return GATED ? 128 : 256; }
+// Output features of a CTA: 64 per warpgroup and feature block; gated GEMM1 pairs a gate and
+// an up block of the same 64 features, the others (GEMM2, relu2) take NB blocks of 64.
+template <bool GATED, int NB>
+constexpr int CtaFeatures() { return GATED ? 128 : 128 * NB; }
 
-template <bool GATED, typename OutT>
+template <bool GATED, int NB, typename OutT>
 __global__ void __launch_bounds__(kWgThreadsPerCta, 1) W4A16WgmmaKernel(const GemmParams p) {
 #ifdef JAX_NVFP4_WGMMA
-  constexpr int NF = 2;  // weight blocks per warpgroup: [gate, up] or two feature blocks
+  constexpr int NF = GATED ? 2 : NB;  // weight blocks per warpgroup: [gate, up] or NB feature blocks
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw = SmemU32(smem_raw);
   uint8_t* smem = smem_raw + (((raw + 1023) & ~1023u) - raw);  // 1024-aligned (swizzle atoms)
@@ -185,7 +185,8 @@ __global__ void __launch_bounds__(kWgThreadsPerCta, 1) W4A16WgmmaKernel(const Ge
   const int wg = warp >> 2, wq = warp & 3;
   // Features of block j of this warp: gated: feat[0] (gate rows feat, up rows n_out + feat);
   // else feat[j] = base + 64j.
-  const int64_t base = int64_t(blockIdx.y) * CtaFeatures<GATED>() + wg * (GATED ? 64 : 128) + wq * kWarpFeatures;
+  const int64_t base = int64_t(blockIdx.y) * CtaFeatures<GATED, NB>() + wg * (GATED ? 64 : 64 * NB) +
+                       wq * kWarpFeatures;
   int64_t feat[NF];
   bool active[NF];  // blocks past n_out take part in the warpgroup MMAs (any in-bounds rows), not the stores
   const int64_t K = p.K;
@@ -262,11 +263,11 @@ __global__ void __launch_bounds__(kWgThreadsPerCta, 1) W4A16WgmmaKernel(const Ge
 #endif
 }
 
-template <bool GATED, typename OutT>
+template <bool GATED, int NB, typename OutT>
 bool Launch(const GemmParams& p, cudaStream_t stream) {
   static_assert(kSmemBytes <= 48 * 1024, "no opt-in attribute needed (none may be set during graph capture)");
-  const dim3 grid(unsigned(p.P / kTokens), unsigned(CeilDiv<int64_t>(p.n_out, CtaFeatures<GATED>())));
-  W4A16WgmmaKernel<GATED, OutT><<<grid, kWgThreadsPerCta, kSmemBytes, stream>>>(p);
+  const dim3 grid(unsigned(p.P / kTokens), unsigned(CeilDiv<int64_t>(p.n_out, CtaFeatures<GATED, NB>())));
+  W4A16WgmmaKernel<GATED, NB, OutT><<<grid, kWgThreadsPerCta, kSmemBytes, stream>>>(p);
   return true;
 }
 
@@ -286,13 +287,14 @@ int DeviceMajor() {
 
 }  // namespace
 
-bool LaunchWgmmaGemm(const GemmParams& p, bool gated, bool f32_out, cudaStream_t stream) {
+bool LaunchWgmmaGemm(const GemmParams& p, bool gated, bool f32_out, bool one_block, cudaStream_t stream) {
 #ifdef JAX_NVFP4_HAS_SM90A
   if (DeviceMajor() != 9 || p.P % kTokens != 0) return false;
-  if (gated) return f32_out ? Launch<true, float>(p, stream) : Launch<true, uint16_t>(p, stream);
-  return f32_out ? Launch<false, float>(p, stream) : Launch<false, uint16_t>(p, stream);
+  if (gated) return f32_out ? Launch<true, 2, float>(p, stream) : Launch<true, 2, uint16_t>(p, stream);
+  if (one_block) return f32_out ? Launch<false, 1, float>(p, stream) : Launch<false, 1, uint16_t>(p, stream);
+  return f32_out ? Launch<false, 2, float>(p, stream) : Launch<false, 2, uint16_t>(p, stream);
 #else
-  (void)p, (void)gated, (void)f32_out, (void)stream, (void)DeviceMajor;
+  (void)p, (void)gated, (void)f32_out, (void)one_block, (void)stream, (void)DeviceMajor;
   return false;
 #endif
 }

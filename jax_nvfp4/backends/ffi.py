@@ -40,9 +40,16 @@ def _gpu_arch(dev) -> str | None:
 
 
 class FFIBackend:
-    """MoE expert backend on the jax_nvfp4 XLA FFI kernels (see :mod:`jax_nvfp4._ffi_ops`)."""
+    """MoE expert backend on the jax_nvfp4 XLA FFI kernels (see :mod:`jax_nvfp4._ffi_ops`).
+
+    ``kernel_flags`` (:class:`jax_nvfp4._ffi_ops.KernelFlag` bits) picks CUDA kernel variants, for
+    benchmarks that compare them; the registered instance uses the default (0).
+    """
 
     name = "ffi"
+
+    def __init__(self, kernel_flags: int = 0):
+        self.kernel_flags = ops._check_kernel_flags(kernel_flags)
 
     def unavailable_reason(self) -> str | None:
         if ops.extension_error() is not None:
@@ -94,7 +101,7 @@ class FFIBackend:
         spread = getattr(problem, "global_experts", None) or problem.num_experts
         tile_m = ops.choose_tile_m(problem.tokens * problem.top_k, spread)
         return ops.moe(x, experts, topk_ids, topk_weights, mode=problem.mode, activation=problem.activation,
-                       local_expert_offset=local_expert_offset, tile_m=tile_m)
+                       local_expert_offset=local_expert_offset, tile_m=tile_m, kernel_flags=self.kernel_flags)
 
 
 base.register(FFIBackend())

@@ -1,0 +1,40 @@
+"""Smoke runs of the benchmark scripts on tiny shapes (CPU): a GPU session must not lose its
+device time to a broken argument or result row. Not timings: only that every row is well formed."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+
+import moe_bench  # noqa: E402
+import profile_kernels  # noqa: E402
+
+
+def test_moe_bench_quick_rows(tmp_path):
+    out = tmp_path / "bench.json"
+    moe_bench.main(["--quick", "--shapes", "tiny", "--tokens", "1,5", "--modes", "w4a16", "--backends", "ffi,xla",
+                    "--chain", "2", "--ffi-flags", "1,6", "--sets", "1", "--json", str(out)])
+    rows = json.loads(out.read_text())["results"]
+    names = {(r["backend"], r["tokens"]) for r in rows}
+    for b in ("ffi", "xla", "ffi[flags=1]", "ffi[flags=6]", moe_bench.BASELINE):
+        assert {(b, 1), (b, 5)} <= names, b
+    for r in rows:
+        assert "error" not in r, r
+        assert r["median_us"] > 0 and r["floor_us"] > 0
+        assert r["timing"] == ("chain2" if r["backend"].startswith("ffi") else "median")
+
+
+def test_moe_bench_rejects_bad_kernel_flags(capsys):
+    with pytest.raises(SystemExit) as e:
+        moe_bench.main(["--quick", "--ffi-flags", "8"])
+    assert e.value.code == 2 and "--ffi-flags" in capsys.readouterr().err
+
+
+def test_profile_kernels_runs(capsys):
+    profile_kernels.main(["--shape", "tiny", "--tokens", "3", "--calls", "1"])
+    assert "ran tiny T=3 w4a16 on ffi: 2 calls" in capsys.readouterr().out
