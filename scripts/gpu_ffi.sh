@@ -6,7 +6,8 @@
 # Env: BUDGET (seconds in all, default 400), FFI_BENCH_BACKENDS (default "ffi,xla"),
 #   FFI_BENCH_ARGS (more moe_bench.py arguments, e.g. "--tokens 1,64 --no-baseline"),
 #   TEST_NODES (pytest targets of the test stage, in order; default tests/test_ffi.py), TEST_S,
-#   SAN_K (pytest -k expression of the sanitize stage; default the stage argument), SAN_S.
+#   SAN_K (pytest -k expression of the sanitize stage; default the stage argument), SAN_S,
+#   SAN_EACH=1 (one sanitizer process per test), SAN_ALLOCATOR (XLA allocator; default platform).
 set -uo pipefail
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
 what=",${1:-all},"; kexpr=${2:-}
@@ -69,13 +70,32 @@ fi
 if stage sanitize; then
   # Out-of-bounds check: the GPU tests of the ffi ops under compute-sanitizer memcheck (XLA's own
   # kernels run under it too). Leaks are not checked: XLA's allocator keeps its pool.
-  log "compute-sanitizer memcheck: GPU ffi tests"
+  # The platform allocator (SAN_ALLOCATOR, default platform) gives every XLA buffer its own
+  # cudaMalloc, so memcheck sees each buffer's bounds (inside XLA's pool an overrun goes unnoticed).
+  # SAN_EACH=1 runs every selected test in its own process, so a crash names its test and the
+  # others still run (one whole-suite process segfaulted after 23 clean tests on 2026-11-30).
+  log "compute-sanitizer memcheck: GPU ffi tests (allocator ${SAN_ALLOCATOR:-platform}, each=${SAN_EACH:-0})"
   sk=${SAN_K:-$kexpr}; kargs=(); [[ -n $sk ]] && kargs=(-k "$sk")
-  # The platform allocator gives every XLA buffer its own cudaMalloc, so memcheck sees each
-  # buffer's bounds (with XLA's pooled allocator an overrun inside the pool goes unnoticed).
-  XLA_PYTHON_CLIENT_ALLOCATOR=platform timeout $(left ${SAN_S:-400}) compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 20 \
-    python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_ffi.py -x "${kargs[@]}" >"$OUT/ffi_sanitize.log" 2>&1
-  log "sanitizer rc=$? (0: no errors and tests passed; 99: memcheck errors)"
+  san() {
+    XLA_PYTHON_CLIENT_ALLOCATOR=${SAN_ALLOCATOR:-platform} compute-sanitizer --tool memcheck --error-exitcode 99 \
+      --print-limit 20 python3 -m pytest -q -p no:cacheprovider -m gpu "$@"
+  }
+  san_end=$(( $(date +%s) + $(left ${SAN_S:-400}) ))
+  if [[ ${SAN_EACH:-0} == 1 ]]; then
+    python3 -m pytest -q --collect-only -m gpu tests/test_ffi.py "${kargs[@]}" 2>/dev/null | grep "::" >"$OUT/san_ids.txt"
+    : >"$OUT/ffi_sanitize.log"
+    while read -r id; do
+      rest=$(( san_end - $(date +%s) )); (( rest < 10 )) && { echo "budget: stopped before $id" >>"$OUT/ffi_sanitize.log"; break; }
+      timeout "$rest" bash -c "$(declare -f san); san '$id'" >>"$OUT/ffi_sanitize.log" 2>&1
+      echo "rc=$? $id" | tee -a "$OUT/ffi_sanitize.log" >>"$OUT/san_rc.txt"
+    done <"$OUT/san_ids.txt"
+    log "sanitizer per test: $(cut -d' ' -f1 "$OUT/san_rc.txt" | sort | uniq -c | tr '\n' ' ') (rc=0 clean, 99 memcheck errors)"
+    grep -v "^rc=0 " "$OUT/san_rc.txt" | head -20 | tee -a "$OUT/ffi_summary.txt"
+    rm -f "$OUT/san_ids.txt"
+  else
+    timeout $(( san_end - $(date +%s) )) san tests/test_ffi.py -x "${kargs[@]}" >"$OUT/ffi_sanitize.log" 2>&1
+    log "sanitizer rc=$? (0: no errors and tests passed; 99: memcheck errors)"
+  fi
   grep -E "ERROR SUMMARY|passed|failed|Invalid|out of bounds" "$OUT/ffi_sanitize.log" | tail -20 | tee -a "$OUT/ffi_summary.txt"
 fi
 
