@@ -76,6 +76,13 @@ struct WeightRegs {
   uint32_t q[NF][2][4];
   uint32_t s[NF][2];  // scale bytes: byte 0 for the first 16 K of the thread's span, byte 1 next
 
+  __device__ __forceinline__ void SetCodes(int j, int h, const uint4& v) {
+    q[j][h][0] = v.x;
+    q[j][h][1] = v.y;
+    q[j][h][2] = v.z;
+    q[j][h][3] = v.w;
+  }
+
   __device__ __forceinline__ void Load(const uint8_t* const (&wrow)[NF][2], const uint8_t* const (&srow)[NF][2],
                                        int64_t kc, int t) {
 #pragma unroll
@@ -83,24 +90,34 @@ struct WeightRegs {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         if constexpr (CH == 128) {
-          const uint4 v = __ldg(reinterpret_cast<const uint4*>(wrow[j][h] + kc / 2 + 16 * t));
-          q[j][h][0] = v.x;
-          q[j][h][1] = v.y;
-          q[j][h][2] = v.z;
-          q[j][h][3] = v.w;
+          SetCodes(j, h, __ldg(reinterpret_cast<const uint4*>(wrow[j][h] + kc / 2 + 16 * t)));
           s[j][h] = __ldg(reinterpret_cast<const unsigned short*>(srow[j][h] + kc / 16 + 2 * t));
         } else {
           const uint2 v = __ldg(reinterpret_cast<const uint2*>(wrow[j][h] + kc / 2 + 8 * t));
-          q[j][h][0] = v.x;
-          q[j][h][1] = v.y;
-          q[j][h][2] = 0;
-          q[j][h][3] = 0;
+          SetCodes(j, h, make_uint4(v.x, v.y, 0, 0));
           s[j][h] = __ldg(srow[j][h] + kc / 16 + t);
         }
       }
     }
   }
+
+  // scale[j][h][b]: block b of the thread's span of row (j, h) as {s, s} bf16x2 (BlockScalesBf16x2).
+  __device__ __forceinline__ void BlockScales(uint32_t (&scale)[NF][2][2]) const {
+#pragma unroll
+    for (int j = 0; j < NF; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) BlockScalesBf16x2(s[j][h], scale[j][h][0], scale[j][h][1]);
+  }
 };
+
+// The A fragment (m16n8k16, and a warp's share of the wgmma A) of step `half` of a piece, from
+// the decoded words of rows g (rows[0]) and g + 8 (rows[1]): {g lo, g+8 lo, g hi, g+8 hi}.
+__device__ __forceinline__ void AFragment(const uint32_t (&rows)[2][4], int half, uint32_t (&a)[4]) {
+  a[0] = rows[0][2 * half];
+  a[1] = rows[1][2 * half];
+  a[2] = rows[0][2 * half + 1];
+  a[3] = rows[1][2 * half + 1];
+}
 
 // Source row of a for sorted row r, or -1 (padding / out of range).
 __device__ __forceinline__ int64_t SourceRow(const GemmParams& p, int64_t r) {

@@ -53,10 +53,7 @@ __device__ __forceinline__ void ComputeChunk(const WeightRegs<CH, NF>& w, const 
   constexpr int kSpan = CH / 4;
   constexpr int kPieces = kSpan / 8;
   uint32_t scale[NF][2][2];
-#pragma unroll
-  for (int j = 0; j < NF; ++j)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) BlockScalesBf16x2(w.s[j][h], scale[j][h][0], scale[j][h][1]);
+  w.BlockScales(scale);
 #pragma unroll
   for (int p = 0; p < kPieces; ++p) {
     uint32_t b[FM][4];
@@ -77,8 +74,8 @@ __device__ __forceinline__ void ComputeChunk(const WeightRegs<CH, NF>& w, const 
       for (int m = 0; m < FM; ++m) {
 #pragma unroll
         for (int j = 0; j < NF; ++j) {
-          const uint32_t a[4] = {wd[j][0][2 * half], wd[j][1][2 * half], wd[j][0][2 * half + 1],
-                                 wd[j][1][2 * half + 1]};
+          uint32_t a[4];
+          AFragment(wd[j], half, a);
           Mma16816(acc[j][m], a, b[m][2 * half], b[m][2 * half + 1]);
         }
       }
@@ -173,11 +170,7 @@ __device__ __forceinline__ void MainLoopAsync(WarpRing<NF>& ring, const uint8_t*
     for (int j = 0; j < NF; ++j)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const uint4 v = ring.codes[stage][2 * j + h][lane];
-        w.q[j][h][0] = v.x;
-        w.q[j][h][1] = v.y;
-        w.q[j][h][2] = v.z;
-        w.q[j][h][3] = v.w;
+        w.SetCodes(j, h, ring.codes[stage][2 * j + h][lane]);
         w.s[j][h] = ring.scales[stage][2 * j + h][lane] >> (16 * (t & 1));
       }
     ComputeChunk<128, NF, FM>(w, arow, k0 + 128 * c, t, acc);

@@ -56,6 +56,15 @@ __device__ __forceinline__ void WgmmaWait() {
 // Keep a register value where it is until here (in flight for an asynchronous wgmma).
 __device__ __forceinline__ void Hold(uint32_t& r) { asm volatile("" : "+r"(r)::"memory"); }
 __device__ __forceinline__ void Hold(float& r) { asm volatile("" : "+f"(r)::"memory"); }
+template <int NF>
+__device__ __forceinline__ void HoldWords(uint32_t (&words)[NF][2][4]) {
+#pragma unroll
+  for (int j = 0; j < NF; ++j)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) Hold(words[j][h][i]);
+}
 
 // d[64 features x 64 rows] += a (registers) x B (shared memory, descriptor), fp32 accumulate.
 __device__ __forceinline__ void Wgmma64x64(float (&d)[8][4], const uint32_t (&a)[4], uint64_t desc) {
@@ -116,22 +125,14 @@ template <int CH, int NF>
 __device__ __forceinline__ void ChunkMma(const WeightRegs<CH, NF>& w, uint32_t buf, float (&acc)[NF][8][4]) {
   constexpr int kPieces = CH / 32;
   uint32_t scale[NF][2][2];
-#pragma unroll
-  for (int j = 0; j < NF; ++j)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) BlockScalesBf16x2(w.s[j][h], scale[j][h][0], scale[j][h][1]);
+  w.BlockScales(scale);
   uint32_t a[2][NF][2][4];  // [buffer][block][row g, g + 8][decoded word]
 #pragma unroll
   for (int pp = 0; pp < kPieces; ++pp) {
     const int b = pp & 1;
     if (pp >= 2) {  // piece pp - 2 (which read a[b]) is complete
       WgmmaWait<1>();
-#pragma unroll
-      for (int j = 0; j < NF; ++j)
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-#pragma unroll
-          for (int i = 0; i < 4; ++i) Hold(a[b][j][h][i]);
+      HoldWords(a[b]);
     }
 #pragma unroll
     for (int j = 0; j < NF; ++j)
@@ -144,22 +145,16 @@ __device__ __forceinline__ void ChunkMma(const WeightRegs<CH, NF>& w, uint32_t b
       const uint64_t desc = SmemDesc(buf + (s >> 2) * kPanelBytes + (s & 3) * 32);
 #pragma unroll
       for (int j = 0; j < NF; ++j) {
-        const uint32_t frag[4] = {a[b][j][0][2 * half], a[b][j][1][2 * half], a[b][j][0][2 * half + 1],
-                                  a[b][j][1][2 * half + 1]};
+        uint32_t frag[4];
+        AFragment(a[b][j], half, frag);
         Wgmma64x64(acc[j], frag, desc);
       }
     }
     WgmmaCommit();
   }
   WgmmaWait<0>();
-#pragma unroll
-  for (int b = 0; b < 2; ++b)
-#pragma unroll
-    for (int j = 0; j < NF; ++j)
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) Hold(a[b][j][h][i]);
+  HoldWords(a[0]);
+  HoldWords(a[1]);
 }
 #endif  // JAX_NVFP4_WGMMA
 
@@ -264,11 +259,10 @@ __global__ void __launch_bounds__(kWgThreadsPerCta, 1) W4A16WgmmaKernel(const Ge
 }
 
 template <bool GATED, int NB, typename OutT>
-bool Launch(const GemmParams& p, cudaStream_t stream) {
+void Launch(const GemmParams& p, cudaStream_t stream) {
   static_assert(kSmemBytes <= 48 * 1024, "no opt-in attribute needed (none may be set during graph capture)");
   const dim3 grid(unsigned(p.P / kTokens), unsigned(CeilDiv<int64_t>(p.n_out, CtaFeatures<GATED, NB>())));
   W4A16WgmmaKernel<GATED, NB, OutT><<<grid, kWgThreadsPerCta, kSmemBytes, stream>>>(p);
-  return true;
 }
 
 // Compute capability major of the current device, cached per device (no stream operation,
@@ -290,9 +284,10 @@ int DeviceMajor() {
 bool LaunchWgmmaGemm(const GemmParams& p, bool gated, bool f32_out, bool one_block, cudaStream_t stream) {
 #ifdef JAX_NVFP4_HAS_SM90A
   if (DeviceMajor() != 9 || p.P % kTokens != 0) return false;
-  if (gated) return f32_out ? Launch<true, 2, float>(p, stream) : Launch<true, 2, uint16_t>(p, stream);
-  if (one_block) return f32_out ? Launch<false, 1, float>(p, stream) : Launch<false, 1, uint16_t>(p, stream);
-  return f32_out ? Launch<false, 2, float>(p, stream) : Launch<false, 2, uint16_t>(p, stream);
+  if (gated) f32_out ? Launch<true, 2, float>(p, stream) : Launch<true, 2, uint16_t>(p, stream);
+  else if (one_block) f32_out ? Launch<false, 1, float>(p, stream) : Launch<false, 1, uint16_t>(p, stream);
+  else f32_out ? Launch<false, 2, float>(p, stream) : Launch<false, 2, uint16_t>(p, stream);
+  return true;
 #else
   (void)p, (void)gated, (void)f32_out, (void)one_block, (void)stream, (void)DeviceMajor;
   return false;
