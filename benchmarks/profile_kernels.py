@@ -1,10 +1,11 @@
 """Run one MoE layer a few times, for a kernel profiler (Nsight Compute) to attach to.
 
-    ncu --kernel-name regex:"Moe|W4A16" --launch-skip 4 --launch-count 4 --csv \\
+    ncu --kernel-name regex:"Moe|W4A16|Quant" --launch-skip 4 --launch-count 4 --csv \\
         python benchmarks/profile_kernels.py --shape deepseek_v3_ep8 --tokens 1
 
 The first call compiles and warms up (its kernels are the ones to skip); each later call
-launches the layer's kernels once (w4a16: align, GEMM1, GEMM2, finalize).
+launches the layer's kernels once (w4a16: align, GEMM1, GEMM2, finalize; w4a4 with
+``--kernel-flags 8``: two quant_dequant_rows launches more).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import jax
 
 import jax_nvfp4 as nv
 from jax_nvfp4 import arg_specs as specs
+from jax_nvfp4.backends import base
+from jax_nvfp4.backends.ffi import FFIBackend
 
 
 def main(argv=None):
@@ -24,6 +27,8 @@ def main(argv=None):
     p.add_argument("--mode", default="w4a16", choices=("w4a16", "w4a4"))
     p.add_argument("--backend", default="ffi")
     p.add_argument("--calls", type=int, default=3, help="calls after the warm-up call")
+    p.add_argument("--kernel-flags", type=int, default=0,
+                   help="KernelFlag bits of the ffi backend (as moe_bench.py --ffi-flags)")
     args = p.parse_args(argv)
     shape = {**specs.SHAPES, **specs.QUICK_SHAPES}[args.shape]
     key = jax.random.key(0)
@@ -31,11 +36,21 @@ def main(argv=None):
     kx, kr = jax.random.split(jax.random.fold_in(key, args.tokens))
     x = specs.random_hidden(kx, args.tokens, shape)
     ids, w = specs.random_routing(kr, args.tokens, shape)
-    f = jax.jit(lambda x, i, w, ex: nv.moe(x, ex, topk_ids=i, topk_weights=w, mode=args.mode,
-                                           backend=args.backend, local_expert_offset=shape.local_expert_offset))
+    if args.kernel_flags:  # a kernel variant: the backend object, as moe_bench.py times it
+        if args.backend != "ffi":
+            p.error("--kernel-flags needs --backend ffi")
+        impl = FFIBackend(args.kernel_flags)
+        problem = base.MoEProblem(args.tokens, shape.hidden, shape.intermediate, shape.local_experts,
+                                  shape.top_k, args.mode, "swiglu")
+        f = jax.jit(lambda x, i, w, ex: impl(x, ex, i, w, problem=problem,
+                                             local_expert_offset=shape.local_expert_offset))
+    else:
+        f = jax.jit(lambda x, i, w, ex: nv.moe(x, ex, topk_ids=i, topk_weights=w, mode=args.mode,
+                                               backend=args.backend, local_expert_offset=shape.local_expert_offset))
     for _ in range(1 + args.calls):
         jax.block_until_ready(f(x, ids, w, experts))
-    print(f"ran {args.shape} T={args.tokens} {args.mode} on {args.backend}: {1 + args.calls} calls")
+    flags = f"[flags={args.kernel_flags}]" if args.kernel_flags else ""
+    print(f"ran {args.shape} T={args.tokens} {args.mode} on {args.backend}{flags}: {1 + args.calls} calls")
 
 
 if __name__ == "__main__":

@@ -91,10 +91,12 @@ NB_MODULE(_ffi, m) {
     add("jax_nvfp4_moe_align", JaxNvfp4MoeAlignCpu, JaxNvfp4MoeAlignCuda);
     add("jax_nvfp4_grouped_gemm", JaxNvfp4GroupedGemmCpu, JaxNvfp4GroupedGemmCuda);
     add("jax_nvfp4_moe_finalize", JaxNvfp4MoeFinalizeCpu, JaxNvfp4MoeFinalizeCuda);
+    add("jax_nvfp4_quant_dequant_rows", JaxNvfp4QuantDequantRowsCpu, JaxNvfp4QuantDequantRowsCuda);
 #else
     add("jax_nvfp4_moe_align", JaxNvfp4MoeAlignCpu, nullptr);
     add("jax_nvfp4_grouped_gemm", JaxNvfp4GroupedGemmCpu, nullptr);
     add("jax_nvfp4_moe_finalize", JaxNvfp4MoeFinalizeCpu, nullptr);
+    add("jax_nvfp4_quant_dequant_rows", JaxNvfp4QuantDequantRowsCpu, nullptr);
 #endif
     return regs;
   }, "XLA FFI handlers of this build: target name -> {platform ('cpu', 'CUDA') -> PyCapsule}.");
@@ -121,6 +123,7 @@ NB_MODULE(_ffi, m) {
     kf["no_async_ring"] = int64_t(KernelFlag::kNoAsyncRing);
     kf["no_wgmma"] = int64_t(KernelFlag::kNoWgmma);
     kf["wgmma_one_block"] = int64_t(KernelFlag::kWgmmaOneBlock);
+    kf["fused_quant"] = int64_t(KernelFlag::kFusedQuant);
     c["KernelFlag"] = kf;
     nb::list tiles;
     for (int t : kTileMs) tiles.append(t);

@@ -50,6 +50,15 @@ auto MoeFinalize(B b) {
       .template Arg<ffi::Buffer<ffi::S32>>()  // pair_to_row [T, k]
       .template Ret<ffi::Buffer<ffi::BF16>>();  // out [T, H]
 }
+
+template <typename B>
+auto QuantDequantRows(B b) {
+  return std::move(b)
+      .template Arg<ffi::AnyBuffer>()  // x [R, K] bf16 or f32
+      .template Arg<ffi::Buffer<ffi::S32>>()  // row_ids [R] (< 0: unused row) or [0]
+      .template Ret<ffi::Buffer<ffi::BF16>>()  // out [R, K] e2m1 * block scale
+      .template Ret<ffi::Buffer<ffi::F32>>();  // scale [R] per-row global decode scale
+}
 }  // namespace sig
 }  // namespace jax_nvfp4
 
@@ -57,10 +66,12 @@ auto MoeFinalize(B b) {
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxNvfp4MoeAlignCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxNvfp4GroupedGemmCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxNvfp4MoeFinalizeCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxNvfp4QuantDequantRowsCpu);
 
 #ifdef JAX_NVFP4_WITH_CUDA
 // CUDA (sm_90a / sm_100a), CUDA-graph compatible.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxNvfp4MoeAlignCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxNvfp4GroupedGemmCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxNvfp4MoeFinalizeCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxNvfp4QuantDequantRowsCuda);
 #endif

@@ -1,13 +1,15 @@
 """XLA FFI custom calls of the NVFP4 MoE, their pure-JAX twins, and the MoE pipeline built on them.
 
-Three ops (C++ in ``ffi/``; one CPU handler and one CUDA handler each, same target name):
+Four ops (C++ in ``ffi/``; one CPU handler and one CUDA handler each, same target name):
 
 - :func:`moe_align`: sort the ``T*k`` token-expert pairs by local expert into groups padded to
   ``tile_m`` rows (``sorted_ids``, ``tile_expert``, ``pair_to_row``), on the device;
 - :func:`grouped_gemm`: bf16 rows x NVFP4 expert weights (W4A16, FP4 decoded in registers), with
   an epilogue that applies the per-expert global scale, an optional per-row scale and the
   activation;
-- :func:`moe_finalize`: un-permute and sum each token's ``k`` rows in a fixed order.
+- :func:`moe_finalize`: un-permute and sum each token's ``k`` rows in a fixed order;
+- :func:`quant_dequant_rows`: per-token NVFP4 quantization decoded back to bf16 without the
+  global scale (mode w4a4's activations; bit-exact with :func:`jax_nvfp4.quantize`).
 
 Every op takes ``impl="ffi"`` (the custom call) or ``impl="jax"`` (its pure-JAX twin, the
 reference the tests hold the kernels to). :func:`moe` chains them into the expert part of the
@@ -66,6 +68,7 @@ class KernelFlag(enum.IntFlag):
     NO_ASYNC_RING = 1  # decode tiles: register prefetch instead of the cp.async ring
     NO_WGMMA = 2  # 64-row tiles: the mma.sync kernel instead of the sm_90a wgmma kernel
     WGMMA_ONE_BLOCK = 4  # wgmma, non-gated: one 64-feature block per warpgroup instead of two
+    FUSED_QUANT = 8  # w4a4: per-token quantization by the quant_dequant_rows kernel, not pure JAX
 
 
 class Mode(enum.IntEnum):
@@ -86,6 +89,7 @@ CUDA_N_MULTIPLE = 16  # output features per MMA fragment
 TARGET_ALIGN = "jax_nvfp4_moe_align"
 TARGET_GEMM = "jax_nvfp4_grouped_gemm"
 TARGET_FINALIZE = "jax_nvfp4_moe_finalize"
+TARGET_QUANT = "jax_nvfp4_quant_dequant_rows"
 IMPLS = ("ffi", "jax")
 
 _lock = threading.Lock()
@@ -415,6 +419,50 @@ def moe_finalize(y, pair_to_row, *, impl: str = "ffi"):
                             vmap_method="sequential")(y, pair_to_row)
 
 
+def quant_dequant_rows(x, row_ids=None, *, impl: str = "ffi"):
+    """Per-token NVFP4 quantization of each row, decoded back without its global scale.
+
+    ``out = e2m1 * block_scale`` of ``quantize(x, per_token=True)``, which has at most 6
+    significant bits and so is exact in bfloat16: the rows the W4A16 GEMMs consume in mode
+    ``w4a4``, with ``scale`` (the per-row global decode scale) applied in their epilogues.
+    Bit-exact with the pure-JAX quantizer on both platforms.
+
+    Parameters
+    ----------
+    x : bfloat16 or float32 ``[R, K]``, K a multiple of 16
+    row_ids : optional int32 ``[R]``
+        Rows with a negative id are unused (e.g. the padding rows of the sorted layout): their
+        output is zero and their scale 0, whatever ``x`` holds there.
+    impl : ``"ffi"`` or ``"jax"``
+
+    Returns
+    -------
+    (bfloat16 ``[R, K]``, float32 ``[R]``)
+    """
+    _check_impl(impl)
+    x = jnp.asarray(x)
+    if x.ndim != 2 or x.shape[1] % 16:
+        raise ValueError(f"x must be [R, K] with K a multiple of 16, got shape {x.shape}")
+    if x.dtype not in (jnp.bfloat16, jnp.float32):
+        raise TypeError(f"x must be bfloat16 or float32, got {x.dtype}")
+    if row_ids is not None:
+        row_ids = jnp.asarray(row_ids)
+        if row_ids.shape != x.shape[:1] or not jnp.issubdtype(row_ids.dtype, jnp.integer):
+            raise ValueError(f"row_ids must be integer [R] = [{x.shape[0]}], got {row_ids.dtype}{list(row_ids.shape)}")
+        row_ids = row_ids.astype(jnp.int32)
+    if impl == "jax":
+        if row_ids is not None:
+            x = jnp.where(row_ids[:, None] >= 0, x, jnp.zeros((), x.dtype))
+        q = quantize(x, per_token=True)
+        return dequantize(q, jnp.bfloat16, apply_global_scale=False), q.global_scale
+    ensure_registered()
+    ids = jnp.zeros((0,), jnp.int32) if row_ids is None else row_ids
+    r, kk = x.shape
+    return jax.ffi.ffi_call(TARGET_QUANT, (jax.ShapeDtypeStruct((r, kk), jnp.bfloat16),
+                                           jax.ShapeDtypeStruct((r,), jnp.float32)),
+                            vmap_method="sequential")(x, ids)
+
+
 # ---- the MoE expert pipeline ---------------------------------------------------------------
 
 ACTIVATIONS = {"swiglu": Activation.SWIGLU, "geglu": Activation.GEGLU, "relu2": Activation.RELU2,
@@ -480,17 +528,16 @@ def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str =
         y = grouped_gemm(h1, experts.down, sorted_ids, tile_expert, activation=Activation.IDENTITY,
                          row_scale=w_flat, row_scale_mode=RowScale.PAIR, **common)
     else:  # w4a4: per-token NVFP4 activations, decoded exactly to bf16, scales in the epilogues
-        qx = quantize(x, per_token=True)
-        xq = dequantize(qx, jnp.bfloat16, apply_global_scale=False)
+        # The fused kernel or the pure-JAX quantizer: the same bytes (opt-in until timed on the GPU).
+        q_impl = impl if kernel_flags & KernelFlag.FUSED_QUANT else "jax"
+        xq, x_scale = quant_dequant_rows(x.astype(jnp.bfloat16), impl=q_impl)
         # fp32 intermediate: it is quantized from its unrounded values (spec section 5).
         h1 = grouped_gemm(xq, experts.gate_up, sorted_ids, tile_expert, activation=act, gather=True,
-                          row_scale=qx.global_scale, row_scale_mode=RowScale.TOKEN, out_dtype=jnp.float32,
-                          **common)
+                          row_scale=x_scale, row_scale_mode=RowScale.TOKEN, out_dtype=jnp.float32, **common)
+        # Rows of unused tiles are never written by the GPU: row_ids makes them zeros.
+        aq, a_scale = quant_dequant_rows(h1, sorted_ids, impl=q_impl)
         used = sorted_ids >= 0
-        h1 = jnp.where(used[:, None], h1, 0.0)  # rows of unused tiles are never written by the GPU
-        qa = quantize(h1, per_token=True)
-        aq = dequantize(qa, jnp.bfloat16, apply_global_scale=False)
-        rs = jnp.where(used, w_flat[jnp.clip(sorted_ids, 0, t * k - 1)], 0.0) * qa.global_scale
+        rs = jnp.where(used, w_flat[jnp.clip(sorted_ids, 0, t * k - 1)], 0.0) * a_scale
         y = grouped_gemm(aq, experts.down, sorted_ids, tile_expert, activation=Activation.IDENTITY,
                          row_scale=rs, row_scale_mode=RowScale.ROW, **common)
     return moe_finalize(y, pair_to_row, impl=impl)

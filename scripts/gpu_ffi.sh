@@ -5,10 +5,12 @@
 #   stages: comma-separated test, graph, bench, ncu, sanitize, rollout; "all" = test,graph,bench
 # Env: BUDGET (seconds in all, default 400), FFI_BENCH_BACKENDS (default "ffi,xla"),
 #   FFI_BENCH_ARGS (more moe_bench.py arguments, e.g. "--tokens 1,64 --no-baseline"),
-#   TEST_NODES (pytest targets of the test stage, in order; default tests/test_ffi.py), TEST_S,
+#   TEST_NODES (pytest targets of the test and sanitize stages, in order; default
+#   "tests/test_ffi_quant.py tests/test_ffi.py"), TEST_S,
 #   SAN_K (pytest -k expression of the sanitize stage; default the stage argument), SAN_S,
 #   SAN_EACH=1 (one sanitizer process per test), SAN_ALLOCATOR (XLA allocator; default platform).
 set -uo pipefail
+TEST_NODES=${TEST_NODES:-tests/test_ffi_quant.py tests/test_ffi.py}
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
 what=",${1:-all},"; kexpr=${2:-}
 [[ $what == ",all," ]] && what=",test,graph,bench,"
@@ -37,7 +39,7 @@ if stage test; then
   log "GPU tests"
   kargs=(); [[ -n $kexpr ]] && kargs=(-k "$kexpr")
   # shellcheck disable=SC2086
-  timeout $(left ${TEST_S:-250}) python3 -m pytest -q -p no:cacheprovider -m gpu ${TEST_NODES:-tests/test_ffi.py} --maxfail=10 -rf \
+  timeout $(left ${TEST_S:-250}) python3 -m pytest -q -p no:cacheprovider -m gpu $TEST_NODES --maxfail=10 -rf \
     --durations=10 "${kargs[@]}" >"$OUT/ffi_pytest.log" 2>&1
   log "pytest rc=$?"
   grep -E "passed|failed|^FAILED|^ERROR|s call" "$OUT/ffi_pytest.log" | tail -50 | tee -a "$OUT/ffi_summary.txt"
@@ -46,10 +48,14 @@ fi
 if stage ncu; then
   # Per-kernel time, DRAM traffic and issue activity of one layer call (Nsight Compute).
   log "ncu: per-kernel profile of one layer call"
+  # A config is shape:tokens, optionally :mode:kernel_flags (e.g. qwen3_30b_a3b:1:w4a4:8).
   for cfg in ${NCU_CONFIGS:-deepseek_v3_ep8:1 qwen3_30b_a3b:1 deepseek_v3_ep8:64 qwen3_30b_a3b:4096 deepseek_v3_ep8:4096}; do
-    timeout $(left 120) ncu --kernel-name regex:"Moe|W4A16" --launch-skip 4 --launch-count 4 --csv \
+    IFS=: read -r c_shape c_tokens c_mode c_flags <<<"$cfg"
+    n=4; [[ ${c_mode:-} == w4a4 ]] && (( ${c_flags:-0} & 8 )) && n=6  # kernels per call (+2 quantize)
+    timeout $(left 120) ncu --kernel-name regex:"Moe|W4A16|Quant" --launch-skip $n --launch-count $n --csv \
       --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,smsp__inst_executed.sum,sm__inst_executed_pipe_tensor.sum,smsp__issue_active.avg.pct_of_peak_sustained_active,sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,launch__grid_size \
-      python3 benchmarks/profile_kernels.py --shape "${cfg%%:*}" --tokens "${cfg##*:}" >"$OUT/ncu_one.csv" 2>&1
+      python3 benchmarks/profile_kernels.py --shape "$c_shape" --tokens "$c_tokens" --mode "${c_mode:-w4a16}" \
+      --kernel-flags "${c_flags:-0}" >"$OUT/ncu_one.csv" 2>&1
     echo "# $cfg" >>"$OUT/ncu.csv"; grep '^"' "$OUT/ncu_one.csv" >>"$OUT/ncu.csv" || tail -5 "$OUT/ncu_one.csv" >>"$OUT/ncu.csv"
     python3 - "$OUT/ncu_one.csv" "$cfg" <<'PY' 2>&1 | tee -a "$OUT/ffi_summary.txt"
 import csv, sys, collections
@@ -82,7 +88,8 @@ if stage sanitize; then
   }
   san_end=$(( $(date +%s) + $(left ${SAN_S:-400}) ))
   if [[ ${SAN_EACH:-0} == 1 ]]; then
-    python3 -m pytest -q --collect-only -m gpu tests/test_ffi.py "${kargs[@]}" 2>/dev/null | grep "::" >"$OUT/san_ids.txt"
+    # shellcheck disable=SC2086
+    python3 -m pytest -q --collect-only -m gpu $TEST_NODES "${kargs[@]}" 2>/dev/null | grep "::" >"$OUT/san_ids.txt"
     : >"$OUT/ffi_sanitize.log"
     while read -r id; do
       rest=$(( san_end - $(date +%s) )); (( rest < 10 )) && { echo "budget: stopped before $id" >>"$OUT/ffi_sanitize.log"; break; }
@@ -93,7 +100,8 @@ if stage sanitize; then
     grep -v "^rc=0 " "$OUT/san_rc.txt" | head -20 | tee -a "$OUT/ffi_summary.txt"
     rm -f "$OUT/san_ids.txt"
   else
-    timeout $(( san_end - $(date +%s) )) san tests/test_ffi.py -x "${kargs[@]}" >"$OUT/ffi_sanitize.log" 2>&1
+    # shellcheck disable=SC2086
+    timeout $(( san_end - $(date +%s) )) san $TEST_NODES -x "${kargs[@]}" >"$OUT/ffi_sanitize.log" 2>&1
     log "sanitizer rc=$? (0: no errors and tests passed; 99: memcheck errors)"
   fi
   grep -E "ERROR SUMMARY|passed|failed|Invalid|out of bounds" "$OUT/ffi_sanitize.log" | tail -20 | tee -a "$OUT/ffi_summary.txt"
@@ -121,14 +129,17 @@ import sys, numpy as np, jax, jax.numpy as jnp
 import jax_nvfp4 as nv
 sys.path.insert(0, "tests")
 from test_ffi import make_experts, make_routing, make_x
+from jax_nvfp4 import _ffi_ops as ops
 ex = make_experts(1, 32, 512, 256)
-f = jax.jit(lambda x, i, w: nv.moe(x, ex, topk_ids=i, topk_weights=w, backend="ffi"))
+layers = [jax.jit(lambda x, i, w: nv.moe(x, ex, topk_ids=i, topk_weights=w, backend="ffi")),
+          jax.jit(lambda x, i, w: ops.moe(x, ex, i, w, mode="w4a4", kernel_flags=ops.KernelFlag.FUSED_QUANT))]
 outs = []
-for t in (1, 8, 300):
-    x = make_x(t, t, 512); ids, w = make_routing(t, t, 4, 32)
-    for _ in range(3):
-        o = f(x, ids, w)
-    outs.append(np.asarray(o.astype(jnp.float32)))
+for f in layers:
+    for t in (1, 8, 300):
+        x = make_x(t, t, 512); ids, w = make_routing(t, t, 4, 32)
+        for _ in range(3):
+            o = f(x, ids, w)
+        outs.append(np.asarray(o.astype(jnp.float32)))
 np.savez(sys.argv[1], *outs)
 print("ok", sys.argv[1], [o.shape for o in outs])
 PY

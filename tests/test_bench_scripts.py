@@ -31,10 +31,15 @@ def test_moe_bench_quick_rows(tmp_path):
 
 def test_moe_bench_rejects_bad_kernel_flags(capsys):
     with pytest.raises(SystemExit) as e:
-        moe_bench.main(["--quick", "--ffi-flags", "8"])
+        moe_bench.main(["--quick", "--ffi-flags", "16"])
     assert e.value.code == 2 and "--ffi-flags" in capsys.readouterr().err
 
 
 def test_profile_kernels_runs(capsys):
     profile_kernels.main(["--shape", "tiny", "--tokens", "3", "--calls", "1"])
     assert "ran tiny T=3 w4a16 on ffi: 2 calls" in capsys.readouterr().out
+
+
+def test_profile_kernels_runs_a_kernel_variant(capsys):
+    profile_kernels.main(["--shape", "tiny", "--tokens", "3", "--mode", "w4a4", "--kernel-flags", "8", "--calls", "1"])
+    assert "ran tiny T=3 w4a4 on ffi[flags=8]: 2 calls" in capsys.readouterr().out

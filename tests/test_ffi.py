@@ -79,7 +79,7 @@ def test_constants_and_decode_selftest():
     ops.check_constants()
     assert ops._ffi._selftest_decode() == 0  # the GPU kernels' E2M1 -> bf16 bit decode, on the host
     regs = ops._ffi.registrations()
-    assert set(regs) == {ops.TARGET_ALIGN, ops.TARGET_GEMM, ops.TARGET_FINALIZE}
+    assert set(regs) == {ops.TARGET_ALIGN, ops.TARGET_GEMM, ops.TARGET_FINALIZE, ops.TARGET_QUANT}
     assert all("cpu" in p for p in regs.values())
     if ops.build_info()["cuda"]:
         assert all("CUDA" in p for p in regs.values())
@@ -193,7 +193,7 @@ def test_gemm_rejects_bad_shapes_with_named_arguments():
     with pytest.raises(Exception, match="k_split > 1 needs tile_m <= 16"):
         call(tile_m=32, k_split=2)
     with pytest.raises(Exception, match="kernel_flags must be a combination"):
-        call(kernel_flags=8)
+        call(kernel_flags=16)
     with pytest.raises(ValueError, match="kernel_flags must combine KernelFlag bits"):
         ops.grouped_gemm(a, w, sid, te, tile_m=8, activation=ops.Activation.SWIGLU, top_k=3, gather=True,
                          kernel_flags=-1)

@@ -1,8 +1,6 @@
 // moe_finalize on the GPU: out[t] = bf16(sum_j y[pair_to_row[t, j]]) with j = 0..k-1 in order
 // (no atomics: one thread owns 8 output features of one token, so results are bitwise
 // reproducible). 16-byte loads and stores.
-#include <cuda_bf16.h>
-
 #include "cuda/cuda_util.h"
 #include "moe_common.h"
 #include "moe_handlers.h"
@@ -11,14 +9,6 @@ namespace jax_nvfp4 {
 namespace {
 
 constexpr int kFinalizeThreads = 128;
-
-__device__ __forceinline__ float Bf16Lo(uint32_t w) { return __uint_as_float(w << 16); }
-__device__ __forceinline__ float Bf16Hi(uint32_t w) { return __uint_as_float(w & 0xFFFF0000u); }
-__device__ __forceinline__ uint32_t PackBf16x2(float lo, float hi) {
-  const uint32_t l = __bfloat16_as_ushort(__float2bfloat16_rn(lo));
-  const uint32_t h = __bfloat16_as_ushort(__float2bfloat16_rn(hi));
-  return l | (h << 16);
-}
 
 __global__ void __launch_bounds__(kFinalizeThreads)
     MoeFinalizeKernel(const uint16_t* __restrict__ y, const int32_t* __restrict__ pair_to_row, int64_t k,

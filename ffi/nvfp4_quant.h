@@ -1,0 +1,176 @@
+// Per-token NVFP4 quantization (spec section 2, recipe "nvfp4", one global scale per row), the
+// arithmetic shared by the CPU handler (quant_rows.cc) and the CUDA kernel (cuda/quant_rows.cu).
+// Every step is an fp32 round-to-nearest-even operation with subnormals kept, exactly as the
+// pure-JAX quantizer (jax_nvfp4/quantize.py) computes it, so all three give equal bytes.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "moe_common.h"
+
+namespace jax_nvfp4 {
+namespace quant {
+
+constexpr float kEncNum = 2688.0f;  // 448 (E4M3 max) * 6 (E2M1 max)
+constexpr uint32_t kSixthBits = 0x3E2AAAABu;  // fp32(1/6), as the reference rounds it
+constexpr float kF32Max = 3.40282346638528859812e+38f;
+constexpr float kE4m3Max = 448.0f;
+
+NVFP4_HD uint32_t Bits(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+#endif
+}
+
+NVFP4_HD float FromBits(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+#endif
+}
+
+// One IEEE rounding each: no FMA contraction, no approximate division.
+NVFP4_HD float MulRn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+
+NVFP4_HD float DivRn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fdiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+
+NVFP4_HD int Clz(uint32_t v) {
+#if defined(__CUDA_ARCH__)
+  return __clz(int(v));
+#else
+  return v ? __builtin_clz(v) : 32;
+#endif
+}
+
+// |x| as bits: the max of these is the float abs-max, with NaN winning over every number.
+NVFP4_HD uint32_t AbsBits(float x) { return Bits(x) & 0x7FFFFFFFu; }
+
+// min(v, hi) that keeps NaN (as jnp.minimum; fminf would return hi).
+NVFP4_HD float MinKeepNan(float v, float hi) { return v > hi ? hi : v; }
+
+// Round a float (|x| <= 448, or NaN) to float8_e4m3fn bits, ties to even, subnormals included.
+NVFP4_HD uint8_t F32ToE4m3Bits(float x) {
+  const uint32_t b = Bits(x);
+  const uint32_t sign = (b >> 31) << 7;
+  const uint32_t mag = b & 0x7FFFFFFFu;
+  if (mag > 0x7F800000u) return 0x7F;
+  if (mag == 0) return uint8_t(sign);
+  const int e_field = int(mag >> 23);
+  uint32_t m = e_field ? (mag & 0x7FFFFFu) | 0x800000u : mag;
+  int e = e_field ? e_field - 150 : -149;
+  if (!e_field) {  // normalize a subnormal so that bit 23 is its top bit
+    const int sh = Clz(m) - 8;
+    m <<= sh;
+    e -= sh;
+  }
+  const int exp_unb = e + 23;  // x in [2^exp_unb, 2^(exp_unb + 1))
+  const int lsb_exp = (exp_unb > -6 ? exp_unb : -6) - 3;  // weight of the last kept bit
+  const int shift = lsb_exp - e;  // >= 20
+  if (shift >= 32) return uint8_t(sign);
+  uint32_t keep = m >> shift;
+  const uint32_t rem = m & ((1u << shift) - 1u), half = 1u << (shift - 1);
+  keep += (rem > half || (rem == half && (keep & 1u))) ? 1u : 0u;
+  const uint32_t field = exp_unb >= -6 ? uint32_t(exp_unb + 6) : 0u;
+  uint32_t code = (field << 3) + keep;  // keep holds the implicit bit: +1 on the exponent
+  code = code < 0x7Eu ? code : 0x7Eu;
+  return uint8_t(code | sign);
+}
+
+// E2M1 code of an already scaled value: magnitude rounded to nearest even on
+// {0, 0.5, 1, 1.5, 2, 3, 4, 6} (saturating), sign bit set for negative nonzero values.
+NVFP4_HD uint8_t E2m1Code(float v) {
+  float a = v < 0.0f ? -v : v;
+  a = MinKeepNan(a, 6.0f);  // NaN: every comparison below is false, magnitude 0
+  const int idx = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) +
+                  (a > 5.0f);
+  const uint32_t b = Bits(v);
+  const bool neg = (b >> 31) && (b & 0x7FFFFFFFu);
+  return uint8_t(idx | (neg ? 8 : 0));
+}
+
+// E2M1 code -> its value (exact; code 8 is -0.0).
+NVFP4_HD float E2m1Value(uint8_t code) {
+  const int idx = code & 7;
+  const float mag = idx < 2 ? 0.5f * float(idx) : float(2 + (idx & 1)) * float(1 << (idx >> 1)) * 0.25f;
+  return (code & 8) ? -mag : mag;
+}
+
+// The row's scales from its abs-max (as bits): encode scale `enc` (1 for an infinite amax),
+// decode scale `dec` = 1 / enc, and the stored per-row global scale (0 for an all-zero row).
+struct RowScales {
+  float enc, dec, stored;
+};
+
+NVFP4_HD RowScales RowScalesFromAmax(uint32_t amax_bits) {
+  float enc = MinKeepNan(DivRn(kEncNum, FromBits(amax_bits)), kF32Max);
+  if (enc == 0.0f) enc = 1.0f;
+  const float dec = DivRn(1.0f, enc);
+  return {enc, dec, amax_bits == 0 ? 0.0f : dec};
+}
+
+// One block of 16: its E4M3 scale (bits and value) and the element multiplier 1 / (s8 * dec).
+struct BlockScale {
+  uint8_t bits;
+  float s8, mult;
+};
+
+NVFP4_HD BlockScale BlockScaleFromVmax(uint32_t vmax_bits, const RowScales& rs) {
+  const float sf = MinKeepNan(MulRn(FromBits(vmax_bits), MulRn(rs.enc, FromBits(kSixthBits))), kE4m3Max);
+  const uint8_t bits = F32ToE4m3Bits(sf);
+  const float s8 = E4M3ToFloat(bits);
+  const float mult = MinKeepNan(DivRn(1.0f, MulRn(s8, rs.dec)), kF32Max);
+  return {bits, s8, mult};
+}
+
+// The decoded value of one element without the global scale: e2m1(x * mult) * s8, exact in bf16.
+NVFP4_HD float QuantDequant(float x, const BlockScale& bs) {
+  return E2m1Value(E2m1Code(MulRn(x, bs.mult))) * bs.s8;
+}
+
+}  // namespace quant
+
+// Shapes of quant_dequant_rows, checked alike on both platforms: x [R, K] bf16 or f32 with K a
+// multiple of 16; row_ids [R] (rows with a negative id are unused) or [0] (all rows used);
+// out [R, K] bf16; scale [R] f32.
+template <typename X, typename I, typename O, typename S>
+ffi::Error CheckQuantRows(const char* op, const X& x, const I& row_ids, const O& out, const S& scale,
+                          int64_t* R, int64_t* K) {
+  auto xd = x.dimensions();
+  if (xd.size() != 2) return Invalid(op, "x must be 2-D [R, K], got " + ShapeStr(xd));
+  *R = xd[0];
+  *K = xd[1];
+  if (*K % 16 != 0) return Invalid(op, "K = " + std::to_string(*K) + " (x.shape[1]) must be a multiple of 16");
+  if (x.element_type() != ffi::DataType::BF16 && x.element_type() != ffi::DataType::F32)
+    return Invalid(op, "x must be bfloat16 or float32");
+  auto id = row_ids.dimensions();
+  if (id.size() != 1 || (id[0] != 0 && id[0] != *R))
+    return Invalid(op, "row_ids must be [R] = [" + std::to_string(*R) + "] or [0] (every row used), got " +
+                           ShapeStr(id));
+  auto od = out.dimensions(), sd = scale.dimensions();
+  if (od.size() != 2 || od[0] != *R || od[1] != *K)
+    return Invalid(op, "output must be [R, K] = " + ShapeStr(xd) + ", got " + ShapeStr(od));
+  if (sd.size() != 1 || sd[0] != *R)
+    return Invalid(op, "scale output must be [R] = [" + std::to_string(*R) + "], got " + ShapeStr(sd));
+  return ffi::Error::Success();
+}
+}  // namespace jax_nvfp4

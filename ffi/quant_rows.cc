@@ -1,0 +1,99 @@
+// quant_dequant_rows on the CPU: each row of x quantized to NVFP4 with its own global scale
+// (per token) and decoded back without that scale (e2m1 * E4M3 block scale, exact in bf16),
+// which is what the W4A16 GEMMs consume in mode w4a4. Arithmetic in nvfp4_quant.h.
+#include <algorithm>
+
+#if defined(__SSE__) || defined(__x86_64__)
+#include <xmmintrin.h>
+#endif
+
+#include "moe_common.h"
+#include "moe_handlers.h"
+#include "nvfp4_quant.h"
+
+namespace jax_nvfp4 {
+namespace {
+
+// The recipe keeps subnormals; XLA:CPU may run its thread with flush-to-zero or
+// denormals-are-zero set. Clear them for this handler and restore them afterwards.
+class IeeeSubnormals {
+ public:
+  IeeeSubnormals() {
+#if defined(__SSE__) || defined(__x86_64__)
+    saved_ = _mm_getcsr();
+    _mm_setcsr(saved_ & ~0x8040u);  // FTZ (bit 15), DAZ (bit 6)
+#elif defined(__aarch64__)
+    __asm__ volatile("mrs %0, fpcr" : "=r"(saved_));
+    const uint64_t v = saved_ & ~(uint64_t(1) << 24);  // FZ
+    __asm__ volatile("msr fpcr, %0" : : "r"(v));
+#endif
+  }
+  ~IeeeSubnormals() {
+#if defined(__SSE__) || defined(__x86_64__)
+    _mm_setcsr(saved_);
+#elif defined(__aarch64__)
+    __asm__ volatile("msr fpcr, %0" : : "r"(saved_));
+#endif
+  }
+
+ private:
+#if defined(__aarch64__)
+  uint64_t saved_ = 0;
+#else
+  unsigned saved_ = 0;
+#endif
+};
+
+template <typename T>
+float Load(const T* p, int64_t i);
+template <>
+float Load<uint16_t>(const uint16_t* p, int64_t i) {
+  return Bf16ToFloat(p[i]);
+}
+template <>
+float Load<float>(const float* p, int64_t i) {
+  return p[i];
+}
+
+template <typename T>
+void QuantRows(const T* x, const int32_t* row_ids, int64_t R, int64_t K, uint16_t* out, float* scale) {
+  for (int64_t r = 0; r < R; ++r) {
+    const T* xr = x + r * K;
+    uint16_t* orow = out + r * K;
+    if (row_ids && row_ids[r] < 0) {  // unused row: zeros, scale 0 (as an all-zero row)
+      std::fill(orow, orow + K, uint16_t(0));
+      scale[r] = 0.0f;
+      continue;
+    }
+    uint32_t amax = 0;
+    for (int64_t i = 0; i < K; ++i) amax = std::max(amax, quant::AbsBits(Load(xr, i)));
+    const quant::RowScales rs = quant::RowScalesFromAmax(amax);
+    scale[r] = rs.stored;
+    for (int64_t b = 0; b < K; b += 16) {
+      uint32_t vmax = 0;
+      for (int i = 0; i < 16; ++i) vmax = std::max(vmax, quant::AbsBits(Load(xr, b + i)));
+      const quant::BlockScale bs = quant::BlockScaleFromVmax(vmax, rs);
+      for (int i = 0; i < 16; ++i) orow[b + i] = FloatToBf16(quant::QuantDequant(Load(xr, b + i), bs));
+    }
+  }
+}
+
+ffi::Error QuantDequantRowsCpuImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> row_ids,
+                                   ffi::Result<ffi::Buffer<ffi::BF16>> out, ffi::Result<ffi::Buffer<ffi::F32>> scale) {
+  int64_t R, K;
+  if (auto err = CheckQuantRows("quant_dequant_rows", x, row_ids, *out, *scale, &R, &K); err.failure()) return err;
+  const int32_t* ids = row_ids.dimensions()[0] ? row_ids.typed_data() : nullptr;
+  IeeeSubnormals ieee;
+  if (x.element_type() == ffi::DataType::BF16) {
+    QuantRows(reinterpret_cast<const uint16_t*>(x.untyped_data()), ids, R, K, out->typed_data(), scale->typed_data());
+  } else {
+    QuantRows(reinterpret_cast<const float*>(x.untyped_data()), ids, R, K, out->typed_data(), scale->typed_data());
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jax_nvfp4
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxNvfp4QuantDequantRowsCpu, jax_nvfp4::QuantDequantRowsCpuImpl,
+                              jax_nvfp4::sig::QuantDequantRows(xla::ffi::Ffi::Bind()));

@@ -1,0 +1,200 @@
+"""``quant_dequant_rows``: the fused per-token NVFP4 quantize-and-decode custom call (w4a4
+activations) against the pure-JAX quantizer, byte for byte, on the CPU handler and (``gpu``
+marked) on the CUDA kernel; and the w4a4 MoE with ``KernelFlag.FUSED_QUANT`` against the default.
+"""
+
+from __future__ import annotations
+
+import hypothesis.extra.numpy as hnp
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import jax_nvfp4 as nv
+from jax_nvfp4 import _ffi_ops as ops
+
+pytestmark = pytest.mark.skipif(ops.extension_error() is not None,
+                                reason=f"FFI extension not built: {ops.extension_error()}")
+
+FUSED = int(ops.KernelFlag.FUSED_QUANT)
+
+
+def bits(a):
+    a = np.asarray(a)
+    return a.view({2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
+
+
+def assert_same_bytes(got, want):
+    for g, w, name in zip(got, want, ("out", "scale")):
+        g, w = bits(g), bits(w)
+        assert g.shape == w.shape and g.dtype == w.dtype, name
+        bad = np.argwhere(g != w)
+        assert bad.size == 0, f"{name}: {len(bad)} values differ, first at {bad[0].tolist()}: {g[tuple(bad[0])]:#x} vs {w[tuple(bad[0])]:#x}"
+
+
+def rows_with_wide_range(rng, r, k, dtype, log2_lo=-140, log2_hi=120):
+    """Rows whose magnitudes span the float range (per row and within rows), with zero rows,
+    negative zeros and exact E2M1 ties mixed in."""
+    x = rng.standard_normal((r, k)) * np.exp2(rng.uniform(log2_lo, log2_hi, (r, 1)))
+    x *= np.exp2(rng.integers(-12, 12, (r, k)))
+    x[rng.random((r, k)) < 0.05] = -0.0
+    if r > 2:
+        x[1] = 0.0
+        x[2, : k // 2] = np.tile([6.0, -0.25, 0.75, 2.5, 5.0, -1.25, 1.75, 3.5], k // 16)  # ties after scaling
+    with np.errstate(over="ignore", under="ignore"):
+        return jnp.asarray(x.astype(np.float32), dtype)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("r,k", [(1, 16), (5, 96), (64, 2048), (3, 7168), (0, 64)])
+def test_matches_pure_jax_quantizer(dtype, r, k):
+    rng = np.random.default_rng(r * 131 + k)
+    x = rows_with_wide_range(rng, r, k, dtype)
+    assert_same_bytes(ops.quant_dequant_rows(x), ops.quant_dequant_rows(x, impl="jax"))
+
+
+def test_twin_is_quantize_then_decode():
+    x = rows_with_wide_range(np.random.default_rng(1), 9, 48, jnp.bfloat16, -20, 20)
+    q = nv.quantize(x, per_token=True)
+    out, scale = ops.quant_dequant_rows(x, impl="jax")
+    assert_same_bytes((out, scale), (nv.dequantize(q, jnp.bfloat16, apply_global_scale=False), q.global_scale))
+    # and the global scale restores the values: out * scale == dequantize(q)
+    np.testing.assert_array_equal(np.asarray(out, np.float32) * np.asarray(scale)[:, None],
+                                  np.asarray(nv.dequantize(q, jnp.float32)))
+
+
+finite_f32 = st.floats(width=32, allow_nan=False, allow_infinity=False, allow_subnormal=True)
+
+
+@settings(max_examples=150, deadline=None)
+@given(hnp.arrays(np.float32, (3, 32), elements=finite_f32), st.integers(-149, 127))
+def test_property_f32_rows(x, log2_scale):
+    """Any finite fp32 rows, subnormals included, rescaled across the exponent range."""
+    with np.errstate(over="ignore", under="ignore"):
+        x = np.nan_to_num(x * np.float32(2.0) ** log2_scale, posinf=3.4e38, neginf=-3.4e38).astype(np.float32)
+    x = jnp.asarray(x)
+    assert_same_bytes(ops.quant_dequant_rows(x), ops.quant_dequant_rows(x, impl="jax"))
+
+
+@settings(max_examples=60, deadline=None)
+@given(hnp.arrays(np.uint16, (2, 64), elements=st.integers(0, 0xFFFF)))
+def test_property_every_bf16_bit_pattern(u):
+    """Raw bf16 bit patterns (infinities included; NaN rows are skipped: their bytes are unspecified)."""
+    x = jax.lax.bitcast_convert_type(jnp.asarray(u), jnp.bfloat16)
+    keep = ~np.isnan(np.asarray(x, np.float32)).any(axis=1)
+    x = x[np.flatnonzero(keep)]
+    assert_same_bytes(ops.quant_dequant_rows(x), ops.quant_dequant_rows(x, impl="jax"))
+
+
+def test_unused_rows_are_zero_whatever_they_hold():
+    rng = np.random.default_rng(2)
+    x = np.asarray(rng.standard_normal((6, 32)), np.float32)
+    x[[1, 4]] = np.nan  # garbage in rows the GEMM never wrote
+    ids = jnp.asarray([0, -1, 5, 7, -1, 2], jnp.int32)
+    got = ops.quant_dequant_rows(jnp.asarray(x), ids)
+    assert_same_bytes(got, ops.quant_dequant_rows(jnp.asarray(x), ids, impl="jax"))
+    assert not np.any(bits(got[0])[[1, 4]]) and not np.any(bits(got[1])[[1, 4]])
+    used = np.asarray([0, 2, 3, 5])
+    assert_same_bytes((got[0][used], got[1][used]), ops.quant_dequant_rows(jnp.asarray(x[used])))
+
+
+def test_jit_vmap_and_eager_agree():
+    x = rows_with_wide_range(np.random.default_rng(3), 4, 32, jnp.bfloat16, -8, 8)
+    eager = ops.quant_dequant_rows(x)
+    assert_same_bytes(jax.jit(ops.quant_dequant_rows)(x), eager)
+    batched = jax.vmap(ops.quant_dequant_rows)(jnp.stack([x, x[::-1]]))
+    assert_same_bytes((batched[0][0], batched[1][0]), eager)
+    assert_same_bytes((batched[0][1], batched[1][1]), ops.quant_dequant_rows(x[::-1]))
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(ValueError, match="K a multiple of 16"):
+        ops.quant_dequant_rows(jnp.zeros((2, 24), jnp.bfloat16))
+    with pytest.raises(TypeError, match="bfloat16 or float32"):
+        ops.quant_dequant_rows(jnp.zeros((2, 32), jnp.float16))
+    with pytest.raises(ValueError, match=r"row_ids must be integer \[R\] = \[2\]"):
+        ops.quant_dequant_rows(jnp.zeros((2, 32), jnp.bfloat16), jnp.zeros((3,), jnp.int32))
+    with pytest.raises(ValueError, match="impl"):
+        ops.quant_dequant_rows(jnp.zeros((2, 32), jnp.bfloat16), impl="cuda")
+
+
+def test_handler_rejects_bad_shapes_with_named_arguments():
+    """The C++ checks behind the Python ones (shared by the CPU and CUDA handlers)."""
+    def call(x, ids, out_shape=None, scale_shape=None):
+        r, k = x.shape
+        return jax.ffi.ffi_call(ops.TARGET_QUANT, (jax.ShapeDtypeStruct(out_shape or (r, k), jnp.bfloat16),
+                                                   jax.ShapeDtypeStruct(scale_shape or (r,), jnp.float32)),
+                                vmap_method="sequential")(x, ids)
+    ops.ensure_registered()
+    x = jnp.zeros((3, 32), jnp.bfloat16)
+    with pytest.raises(Exception, match=r"row_ids must be \[R\] = \[3\] or \[0\]"):
+        call(x, jnp.zeros((2,), jnp.int32))
+    with pytest.raises(Exception, match="must be a multiple of 16"):
+        call(jnp.zeros((3, 40), jnp.bfloat16), jnp.zeros((0,), jnp.int32))
+    with pytest.raises(Exception, match="x must be bfloat16 or float32"):
+        call(jnp.zeros((3, 32), jnp.float16), jnp.zeros((0,), jnp.int32))
+    with pytest.raises(Exception, match="scale output must be"):
+        call(x, jnp.zeros((0,), jnp.int32), scale_shape=(4,))
+    with pytest.raises(Exception, match="output must be"):
+        call(x, jnp.zeros((0,), jnp.int32), out_shape=(3, 16))
+
+
+def test_kernel_flag_mirrors_cpp():
+    ops.check_constants()
+    assert ops._ffi.constants()["KernelFlag"]["fused_quant"] == FUSED
+
+
+def _moe_case(seed, t, e, k, h=64, i=32):
+    rng = np.random.default_rng(seed)
+    gu = jnp.asarray(rng.standard_normal((e, 2 * i, h)) * 0.1, jnp.bfloat16)
+    dn = jnp.asarray(rng.standard_normal((e, h, i)) * 0.1, jnp.bfloat16)
+    experts = nv.quantize_experts(gu, dn)
+    x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
+    ids = jnp.asarray(np.stack([rng.permutation(e)[:k] for _ in range(t)]), jnp.int32)
+    w = jnp.asarray(rng.uniform(0.1, 1, (t, k)), jnp.float32)
+    return x, experts, ids, w
+
+
+@pytest.mark.parametrize("act", ["swiglu", "relu2"])
+def test_moe_w4a4_fused_quant_is_the_same_function(act):
+    x, experts, ids, w = _moe_case(4, 13, 8, 3)
+    if act == "relu2":
+        experts = nv.NVFP4Experts(jax.tree.map(lambda a: a[:, : a.shape[1] // 2] if a.ndim == 3 else a,
+                                               experts.gate_up), experts.down, False)
+    run = lambda flags: ops.moe(x, experts, ids, w, mode="w4a4", activation=act, kernel_flags=flags)  # noqa: E731
+    np.testing.assert_array_equal(bits(run(FUSED)), bits(run(0)))
+
+
+# ---- the CUDA kernel -------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("r,k", [(1, 16), (1, 7168), (8, 768), (37, 2048), (4096, 7168), (32768, 768), (5, 4096)])
+def test_gpu_matches_pure_jax_quantizer(dtype, r, k):
+    """CTA-per-row (K >= 2048) and warp-per-row (shorter) launches, partial last CTAs."""
+    rng = np.random.default_rng(r + k)
+    x = rows_with_wide_range(rng, r, k, dtype)
+    assert_same_bytes(ops.quant_dequant_rows(x), ops.quant_dequant_rows(x, impl="jax"))
+    ids = jnp.asarray(np.where(rng.random(r) < 0.3, -1, np.arange(r)), jnp.int32)
+    assert_same_bytes(ops.quant_dequant_rows(x, ids), ops.quant_dequant_rows(x, ids, impl="jax"))
+
+
+@pytest.mark.gpu
+def test_gpu_subnormals_and_extremes():
+    x = np.zeros((4, 64), np.float32)
+    x[0] = np.float32(1e-45) * np.arange(64)  # subnormal amax
+    x[1] = np.float32(3e38) * np.linspace(-1, 1, 64, dtype=np.float32)
+    x[2, ::3] = np.inf
+    x[3] = np.float32(1e-38) * np.linspace(-1, 1, 64, dtype=np.float32)
+    x = jnp.asarray(x)
+    assert_same_bytes(ops.quant_dequant_rows(x), ops.quant_dequant_rows(x, impl="jax"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 64, 1000])
+def test_gpu_moe_w4a4_fused_quant_is_the_same_function(t):
+    x, experts, ids, w = _moe_case(5, t, 32, 4, h=256, i=128)
+    run = lambda flags: ops.moe(x, experts, ids, w, mode="w4a4", kernel_flags=flags)  # noqa: E731
+    np.testing.assert_array_equal(bits(run(FUSED)), bits(run(0)))
