@@ -8,7 +8,8 @@
 #   TEST_NODES (pytest targets of the test and sanitize stages, in order; default
 #   "tests/test_ffi_quant.py tests/test_ffi.py"), TEST_S,
 #   SAN_K (pytest -k expression of the sanitize stage; default the stage argument), SAN_S,
-#   SAN_EACH=1 (one sanitizer process per test), SAN_ALLOCATOR (XLA allocator; default platform).
+#   SAN_EACH=1 (one sanitizer process per test) or SAN_EACH=function (one per test function;
+#   a crashed function is rerun one case per process), SAN_ALLOCATOR (XLA allocator; default platform).
 set -uo pipefail
 TEST_NODES=${TEST_NODES:-tests/test_ffi_quant.py tests/test_ffi.py}
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
@@ -79,7 +80,8 @@ if stage sanitize; then
   # The platform allocator (SAN_ALLOCATOR, default platform) gives every XLA buffer its own
   # cudaMalloc, so memcheck sees each buffer's bounds (inside XLA's pool an overrun goes unnoticed).
   # SAN_EACH=1 runs every selected test in its own process, so a crash names its test and the
-  # others still run (one whole-suite process segfaulted after 23 clean tests on 2026-11-30).
+  # others still run (one whole-suite process segfaulted after 23 clean tests on 2026-11-30);
+  # SAN_EACH=function starts far fewer processes (each costs a JAX start under the sanitizer).
   log "compute-sanitizer memcheck: GPU ffi tests (allocator ${SAN_ALLOCATOR:-platform}, each=${SAN_EACH:-0})"
   sk=${SAN_K:-$kexpr}; kargs=(); [[ -n $sk ]] && kargs=(-k "$sk")
   san() {
@@ -87,16 +89,31 @@ if stage sanitize; then
       --print-limit 20 python3 -m pytest -q -p no:cacheprovider -m gpu "$@"
   }
   san_end=$(( $(date +%s) + $(left ${SAN_S:-400}) ))
-  if [[ ${SAN_EACH:-0} == 1 ]]; then
+  if [[ ${SAN_EACH:-0} != 0 ]]; then
     # shellcheck disable=SC2086
     python3 -m pytest -q --collect-only -m gpu $TEST_NODES "${kargs[@]}" 2>/dev/null | grep "::" >"$OUT/san_ids.txt"
-    : >"$OUT/ffi_sanitize.log"
-    while read -r id; do
-      rest=$(( san_end - $(date +%s) )); (( rest < 10 )) && { echo "budget: stopped before $id" >>"$OUT/ffi_sanitize.log"; break; }
-      timeout "$rest" bash -c "$(declare -f san); san '$id'" >>"$OUT/ffi_sanitize.log" 2>&1
-      echo "rc=$? $id" | tee -a "$OUT/ffi_sanitize.log" >>"$OUT/san_rc.txt"
-    done <"$OUT/san_ids.txt"
-    log "sanitizer per test: $(cut -d' ' -f1 "$OUT/san_rc.txt" | sort | uniq -c | tr '\n' ' ') (rc=0 clean, 99 memcheck errors)"
+    : >"$OUT/ffi_sanitize.log"; : >"$OUT/san_rc.txt"
+    san_run() {  # san_run <label> <pytest ids...>: one sanitizer process; 200 when out of time
+      local rest=$(( san_end - $(date +%s) )) label=$1; shift
+      (( rest < 10 )) && { echo "budget: stopped before $label" | tee -a "$OUT/ffi_sanitize.log" >>"$OUT/san_rc.txt"; return 200; }
+      timeout "$rest" bash -c "$(declare -f san); san \"\$@\"" _ "$@" >>"$OUT/ffi_sanitize.log" 2>&1
+      local rc=$?; echo "rc=$rc $label" | tee -a "$OUT/ffi_sanitize.log" >>"$OUT/san_rc.txt"; return $rc
+    }
+    if [[ $SAN_EACH == function ]]; then
+      # One process per test function (all its cases); a crash (not a memcheck report or a test
+      # failure) reruns that function's cases one per process, so the crash names its case.
+      for fn in $(sed 's/\[.*//' "$OUT/san_ids.txt" | uniq); do
+        mapfile -t ids < <(awk -v f="$fn" '{ b = $0; sub(/\[.*/, "", b); if (b == f) print }' "$OUT/san_ids.txt")
+        san_run "$fn (${#ids[@]} cases)" "${ids[@]}"; rc=$?
+        (( rc == 200 )) && break
+        if (( rc > 128 || rc == 124 )) && (( ${#ids[@]} > 1 )); then
+          for id in "${ids[@]}"; do san_run "$id" "$id"; (( $? == 200 )) && break 2; done
+        fi
+      done
+    else
+      while read -r id; do san_run "$id" "$id"; (( $? == 200 )) && break; done <"$OUT/san_ids.txt"
+    fi
+    log "sanitizer processes: $(cut -d' ' -f1 "$OUT/san_rc.txt" | sort | uniq -c | tr '\n' ' ') (rc=0 clean, 99 memcheck errors, 1 test failures)"
     grep -v "^rc=0 " "$OUT/san_rc.txt" | head -20 | tee -a "$OUT/ffi_summary.txt"
     rm -f "$OUT/san_ids.txt"
   else
