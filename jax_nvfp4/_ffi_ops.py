@@ -472,8 +472,8 @@ MODES = {"w4a16": Mode.W4A16, "w4a4": Mode.W4A4}
 
 def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str = "w4a16",
                 activation: str = "swiglu", local_expert_offset=0, impl: str = "ffi", tile_m: int | None = None,
-                kernel_flags: int = 0):
-    """Expert part of the MoE layer through the three ops (no custom_vjp/custom_vmap; see :func:`moe`).
+                kernel_flags: int = 0, k_split: int | None = None):
+    """Expert part of the MoE layer through the ops (no custom_vjp/custom_vmap; see :func:`moe`).
 
     Parameters
     ----------
@@ -489,6 +489,7 @@ def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str =
     impl : ``"ffi"`` (custom calls) or ``"jax"`` (their pure-JAX twins)
     tile_m : optional override of :func:`choose_tile_m`
     kernel_flags : :class:`KernelFlag` bits (CUDA kernel variants; 0: the default)
+    k_split : optional override of :func:`choose_k_split` for both GEMMs (1, 2 or 4)
 
     Returns
     -------
@@ -520,7 +521,7 @@ def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str =
     tile_m = choose_tile_m(t * k, e) if tile_m is None else tile_m
     sorted_ids, tile_expert, pair_to_row = moe_align(topk_ids, e, tile_m=tile_m, expert_offset=offset, impl=impl)
     w_flat = jnp.asarray(topk_weights, jnp.float32).reshape(t * k)
-    common = dict(tile_m=tile_m, top_k=k, impl=impl, kernel_flags=kernel_flags)
+    common = dict(tile_m=tile_m, top_k=k, impl=impl, kernel_flags=kernel_flags, k_split=k_split)
 
     if MODES[mode] == Mode.W4A16:
         h1 = grouped_gemm(x.astype(jnp.bfloat16), experts.gate_up, sorted_ids, tile_expert, activation=act,
@@ -551,7 +552,7 @@ def _zero_cotangent(v):
 
 
 @functools.lru_cache(maxsize=None)
-def _moe_fn(mode: str, activation: str, offset: int, impl: str, tile_m, kernel_flags: int, treedef):
+def _moe_fn(mode: str, activation: str, offset: int, impl: str, tile_m, kernel_flags: int, k_split, treedef):
     """The jit-able MoE for one static configuration, with its vmap and vjp rules.
 
     The experts travel as their flat leaves (``treedef`` rebuilds them): cotangents of the
@@ -561,7 +562,8 @@ def _moe_fn(mode: str, activation: str, offset: int, impl: str, tile_m, kernel_f
     def forward(x, topk_ids, topk_weights, leaves):
         experts = jax.tree_util.tree_unflatten(treedef, leaves)
         return moe_forward(x, experts, topk_ids, topk_weights, mode=mode, activation=activation,
-                           local_expert_offset=offset, impl=impl, tile_m=tile_m, kernel_flags=kernel_flags)
+                           local_expert_offset=offset, impl=impl, tile_m=tile_m, kernel_flags=kernel_flags,
+                           k_split=k_split)
 
     batched = jax.custom_batching.custom_vmap(forward)
 
@@ -607,7 +609,8 @@ def _moe_fn(mode: str, activation: str, offset: int, impl: str, tile_m, kernel_f
 
 
 def moe(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str = "w4a16", activation: str = "swiglu",
-        local_expert_offset=0, impl: str = "ffi", tile_m: int | None = None, kernel_flags: int = 0):
+        local_expert_offset=0, impl: str = "ffi", tile_m: int | None = None, kernel_flags: int = 0,
+        k_split: int | None = None):
     """The expert part of the MoE layer on the FFI kernels (see :func:`moe_forward` for arguments).
 
     Differentiable w.r.t. ``x``, ``topk_weights`` and the experts' float leaves (a ``custom_vjp``
@@ -625,6 +628,6 @@ def moe(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str = "w4a16"
         topk_ids, local_expert_offset = jnp.where(ids < 0, -1, ids), 0
     leaves, treedef = jax.tree_util.tree_flatten(experts)
     fn = _moe_fn(mode, activation, int(local_expert_offset), impl, tile_m, _check_kernel_flags(kernel_flags),
-                 treedef)
+                 k_split, treedef)
     return fn(jnp.asarray(x).astype(jnp.bfloat16), jnp.asarray(topk_ids).astype(jnp.int32),
               jnp.asarray(topk_weights, jnp.float32), tuple(leaves))

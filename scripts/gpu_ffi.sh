@@ -2,7 +2,7 @@
 # Build the FFI extension on a GPU machine, run the ffi GPU tests, a CUDA-graph check and a short
 # benchmark; logs and JSON go to $OUT (default ./out).
 # Usage: scripts/gpu_ffi.sh [stages] [pytest -k expression]
-#   stages: comma-separated test, graph, bench, ncu, sanitize, rollout; "all" = test,graph,bench
+#   stages: comma-separated test, graph, bench, ncu, sanitize, invariance, rollout; "all" = test,graph,bench
 # Env: BUDGET (seconds in all, default 400), FFI_BENCH_BACKENDS (default "ffi,xla"),
 #   FFI_BENCH_ARGS (more moe_bench.py arguments, e.g. "--tokens 1,64 --no-baseline"),
 #   TEST_NODES (pytest targets of the test and sanitize stages, in order; default
@@ -129,6 +129,14 @@ if stage bench; then
   # shellcheck disable=SC2086
   timeout $(left 400) python3 benchmarks/moe_bench.py --backends "${FFI_BENCH_BACKENDS:-ffi,xla}" --modes w4a16,w4a4 \
     --chain 20 --json "$OUT/moe_ffi.json" ${FFI_BENCH_ARGS:-} 2>&1 | tail -80 | tee -a "$OUT/ffi_summary.txt"
+fi
+
+if stage invariance; then
+  log "batch invariance: a token's output bytes alone vs in batches of T (xla, ffi and variants)"
+  for m in w4a16 w4a4; do
+    timeout $(left 150) python3 benchmarks/batch_invariance.py --shape deepseek_v3_ep8 --mode $m \
+      --tokens 4,16,64,256,1024,4096 --json "$OUT/invariance_$m.json" 2>&1 | tail -8 | tee -a "$OUT/ffi_summary.txt"
+  done
 fi
 
 if stage rollout; then

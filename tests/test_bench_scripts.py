@@ -13,6 +13,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 
 import moe_bench  # noqa: E402
 import profile_kernels  # noqa: E402
+import batch_invariance  # noqa: E402
 
 
 def test_moe_bench_quick_rows(tmp_path):
@@ -43,3 +44,14 @@ def test_profile_kernels_runs(capsys):
 def test_profile_kernels_runs_a_kernel_variant(capsys):
     profile_kernels.main(["--shape", "tiny", "--tokens", "3", "--mode", "w4a4", "--kernel-flags", "8", "--calls", "1"])
     assert "ran tiny T=3 w4a4 on ffi[flags=8]: 2 calls" in capsys.readouterr().out
+
+
+def test_batch_invariance_rows(tmp_path):
+    out = tmp_path / "bi.json"
+    rows = batch_invariance.main(["--shape", "tiny", "--tokens", "2,9,600", "--probes", "2", "--variants", "2:1,0:4",
+                                  "--json", str(out)])
+    assert json.loads(out.read_text())["results"] == rows
+    by = {(r["config"], r["tokens"]): r for r in rows}
+    assert {c for c, _ in by} == {"xla", "ffi", "ffi[flags=2,k_split=1]", "ffi[flags=0,k_split=4]"}
+    assert all(r["bitwise_equal"] for r in rows if "error" not in r)  # the CPU kernels are batch-invariant
+    assert "k_split" in by[("ffi[flags=0,k_split=4]", 600)]["error"]  # 64-row tiles take no K split
