@@ -124,6 +124,7 @@ NB_MODULE(_ffi, m) {
     kf["no_wgmma"] = int64_t(KernelFlag::kNoWgmma);
     kf["wgmma_one_block"] = int64_t(KernelFlag::kWgmmaOneBlock);
     kf["fused_quant"] = int64_t(KernelFlag::kFusedQuant);
+    kf["slabs_first"] = int64_t(KernelFlag::kSlabsFirst);
     c["KernelFlag"] = kf;
     nb::list tiles;
     for (int t : kTileMs) tiles.append(t);

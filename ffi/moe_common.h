@@ -42,8 +42,9 @@ enum class KernelFlag : int64_t {
   kNoWgmma = 2,         // 64-row tiles: the mma.sync kernel instead of the sm_90a wgmma kernel
   kWgmmaOneBlock = 4,   // wgmma, non-gated: one 64-feature block per warpgroup instead of two
   kFusedQuant = 8,      // w4a4: per-token quantization by quant_dequant_rows (the GEMMs ignore it)
+  kSlabsFirst = 16,     // wgmma: consecutive CTAs take one row tile's feature slabs (L2 reuse of activations)
 };
-constexpr int64_t kAllKernelFlags = 15;
+constexpr int64_t kAllKernelFlags = 31;
 // MoE modes (spec section 5); the kernels themselves are mode-agnostic.
 enum class Mode : int64_t { kBf16 = 0, kW4A16 = 1, kW4A4 = 2 };
 

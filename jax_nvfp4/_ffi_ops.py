@@ -69,6 +69,7 @@ class KernelFlag(enum.IntFlag):
     NO_WGMMA = 2  # 64-row tiles: the mma.sync kernel instead of the sm_90a wgmma kernel
     WGMMA_ONE_BLOCK = 4  # wgmma, non-gated: one 64-feature block per warpgroup instead of two
     FUSED_QUANT = 8  # w4a4: per-token quantization by the quant_dequant_rows kernel, not pure JAX
+    SLABS_FIRST = 16  # wgmma: consecutive CTAs take one row tile's feature slabs (activations reused in L2)
 
 
 class Mode(enum.IntEnum):

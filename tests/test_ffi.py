@@ -193,7 +193,7 @@ def test_gemm_rejects_bad_shapes_with_named_arguments():
     with pytest.raises(Exception, match="k_split > 1 needs tile_m <= 16"):
         call(tile_m=32, k_split=2)
     with pytest.raises(Exception, match="kernel_flags must be a combination"):
-        call(kernel_flags=16)
+        call(kernel_flags=32)
     with pytest.raises(ValueError, match="kernel_flags must combine KernelFlag bits"):
         ops.grouped_gemm(a, w, sid, te, tile_m=8, activation=ops.Activation.SWIGLU, top_k=3, gather=True,
                          kernel_flags=-1)
@@ -213,7 +213,7 @@ def test_kernel_flags_reach_the_custom_call_and_keep_the_function():
     np.testing.assert_array_equal(f32(f(x, ids, w)), f32(ops.moe(x, ex, ids, w)))
     assert ffi_backend.FFIBackend(flags).kernel_flags == flags
     with pytest.raises(ValueError, match="kernel_flags must combine"):
-        ffi_backend.FFIBackend(16)
+        ffi_backend.FFIBackend(32)
 
 
 def test_choose_k_split_on_the_benchmark_shapes():
@@ -486,11 +486,13 @@ def test_gpu_gemm_matches_twin(act, gather, mode, out_dtype, h, tile_m, k_split)
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("flags", [int(ops.KernelFlag.NO_ASYNC_RING), int(ops.KernelFlag.NO_WGMMA),
-                                   int(ops.KernelFlag.WGMMA_ONE_BLOCK)])
+                                   int(ops.KernelFlag.WGMMA_ONE_BLOCK), int(ops.KernelFlag.SLABS_FIRST),
+                                   int(ops.KernelFlag.SLABS_FIRST | ops.KernelFlag.WGMMA_ONE_BLOCK)])
 @pytest.mark.parametrize("act,gather,mode,out_dtype", [GEMM_CASES[0], GEMM_CASES[-1]])
 @pytest.mark.parametrize("tile_m,h", [(8, 1152), (64, 320)])
 def test_gpu_kernel_variants_match_twin(act, gather, mode, out_dtype, h, tile_m, flags):
-    """Every KernelFlag variant (register-prefetch decode, mma.sync 64-row tiles, one-block wgmma)."""
+    """Every KernelFlag variant of the GEMM (register-prefetch decode, mma.sync 64-row tiles,
+    one-block wgmma, the slabs-first wgmma grid)."""
     if not has_gpu():
         pytest.skip("needs an NVIDIA GPU")
     a, w, sid, te, rs = _gemm_problem(act, gather, mode, t=37, k=4, e=6, h=h, n=80, tile_m=tile_m, seed=h)

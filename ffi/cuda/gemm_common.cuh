@@ -24,6 +24,7 @@ struct GemmParams {
   void* out;                  // [P, n_out] bf16 or fp32
   int64_t a_rows, K, N, n_out, E, P, row_scale_n;
   int32_t top_k, gather, activation, row_scale_mode;
+  int32_t slabs_first;  // wgmma kernel: 1-D grid walking a row tile's feature slabs first
 };
 
 __device__ __forceinline__ uint32_t SmemU32(const void* p) {
@@ -170,9 +171,9 @@ __device__ __forceinline__ void Epilogue(const GemmParams& p, int32_t e, int64_t
   }
 }
 
-// The sm_90a wgmma kernel for 64-row tiles (moe_gemm_sm90.cu); `one_block`: a non-gated
-// warpgroup multiplies one 64-feature block, not two. Returns false when this build or device
-// cannot run it (the caller then launches the mma.sync kernel).
-bool LaunchWgmmaGemm(const GemmParams& p, bool gated, bool f32_out, bool one_block, cudaStream_t stream);
+// The sm_90a wgmma kernel for 64-row tiles (moe_gemm_sm90.cu), with the variants of
+// `kernel_flags` (kWgmmaOneBlock, kSlabsFirst). Returns false when this build or device cannot
+// run it (the caller then launches the mma.sync kernel).
+bool LaunchWgmmaGemm(const GemmParams& p, bool gated, bool f32_out, int64_t kernel_flags, cudaStream_t stream);
 
 }  // namespace jax_nvfp4

@@ -309,7 +309,7 @@ ffi::Error GroupedGemmCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> a, ff
   const int64_t slabs = CeilDiv<int64_t>(d.n_out, kWarpFeatures * (kWarps / k_split));
   if (d.tiles > 0x7FFFFFFF || slabs > 65535)
     return Invalid("grouped_gemm", "too many row tiles or output features for the grid");
-  GemmParams p;
+  GemmParams p{};
   p.a = a.typed_data();
   p.w = w_data.typed_data();
   p.ws = w_scales.typed_data();
@@ -332,7 +332,7 @@ ffi::Error GroupedGemmCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> a, ff
   const bool f32_out = out->element_type() == ffi::DataType::F32;
   const bool gated = IsGated(activation);
   if (tile_m == 64 && !(kernel_flags & int64_t(KernelFlag::kNoWgmma)) &&  // sm_90a prefill
-      LaunchWgmmaGemm(p, gated, f32_out, kernel_flags & int64_t(KernelFlag::kWgmmaOneBlock), stream))
+      LaunchWgmmaGemm(p, gated, f32_out, kernel_flags, stream))
     return LaunchError("grouped_gemm");
   const int64_t f = kernel_flags;
   if (gated) {

@@ -172,7 +172,15 @@ __global__ void __launch_bounds__(kWgThreadsPerCta, 1) W4A16WgmmaKernel(const Ge
   uint8_t* smem = smem_raw + (((raw + 1023) & ~1023u) - raw);  // 1024-aligned (swizzle atoms)
   const uint32_t smem_addr = SmemU32(smem);
 
-  const int64_t tile = blockIdx.x;
+  // Default: x = row tile, y = feature slab (a wave of CTAs shares a slab of several experts'
+  // weights). slabs_first: a 1-D grid where consecutive CTAs take the slabs of one row tile (a
+  // wave shares its activation tiles in L2, and an expert's weights across its row tiles).
+  int64_t tile = blockIdx.x, slab = blockIdx.y;
+  if (p.slabs_first) {
+    const int64_t slabs = CeilDiv<int64_t>(p.n_out, CtaFeatures<GATED, NB>());
+    tile = blockIdx.x / slabs;
+    slab = blockIdx.x % slabs;
+  }
   const int32_t e = p.tile_expert[tile];
   if (e < 0 || e >= p.E) return;  // unused tile (uniform over the CTA)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -180,7 +188,7 @@ __global__ void __launch_bounds__(kWgThreadsPerCta, 1) W4A16WgmmaKernel(const Ge
   const int wg = warp >> 2, wq = warp & 3;
   // Features of block j of this warp: gated: feat[0] (gate rows feat, up rows n_out + feat);
   // else feat[j] = base + 64j.
-  const int64_t base = int64_t(blockIdx.y) * CtaFeatures<GATED, NB>() + wg * (GATED ? 64 : 64 * NB) +
+  const int64_t base = slab * CtaFeatures<GATED, NB>() + wg * (GATED ? 64 : 64 * NB) +
                        wq * kWarpFeatures;
   int64_t feat[NF];
   bool active[NF];  // blocks past n_out take part in the warpgroup MMAs (any in-bounds rows), not the stores
@@ -259,9 +267,11 @@ __global__ void __launch_bounds__(kWgThreadsPerCta, 1) W4A16WgmmaKernel(const Ge
 }
 
 template <bool GATED, int NB, typename OutT>
-void Launch(const GemmParams& p, cudaStream_t stream) {
+void Launch(GemmParams p, bool slabs_first, cudaStream_t stream) {
   static_assert(kSmemBytes <= 48 * 1024, "no opt-in attribute needed (none may be set during graph capture)");
-  const dim3 grid(unsigned(p.P / kTokens), unsigned(CeilDiv<int64_t>(p.n_out, CtaFeatures<GATED, NB>())));
+  const int64_t tiles = p.P / kTokens, slabs = CeilDiv<int64_t>(p.n_out, CtaFeatures<GATED, NB>());
+  p.slabs_first = slabs_first && tiles * slabs <= 0x7FFFFFFF;  // else the 2-D grid (x up to 2^31 - 1)
+  const dim3 grid = p.slabs_first ? dim3(unsigned(tiles * slabs)) : dim3(unsigned(tiles), unsigned(slabs));
   W4A16WgmmaKernel<GATED, NB, OutT><<<grid, kWgThreadsPerCta, kSmemBytes, stream>>>(p);
 }
 
@@ -281,15 +291,17 @@ int DeviceMajor() {
 
 }  // namespace
 
-bool LaunchWgmmaGemm(const GemmParams& p, bool gated, bool f32_out, bool one_block, cudaStream_t stream) {
+bool LaunchWgmmaGemm(const GemmParams& p, bool gated, bool f32_out, int64_t kernel_flags, cudaStream_t stream) {
 #ifdef JAX_NVFP4_HAS_SM90A
   if (DeviceMajor() != 9 || p.P % kTokens != 0) return false;
-  if (gated) f32_out ? Launch<true, 2, float>(p, stream) : Launch<true, 2, uint16_t>(p, stream);
-  else if (one_block) f32_out ? Launch<false, 1, float>(p, stream) : Launch<false, 1, uint16_t>(p, stream);
-  else f32_out ? Launch<false, 2, float>(p, stream) : Launch<false, 2, uint16_t>(p, stream);
+  const bool one_block = kernel_flags & int64_t(KernelFlag::kWgmmaOneBlock);
+  const bool sf = kernel_flags & int64_t(KernelFlag::kSlabsFirst);
+  if (gated) f32_out ? Launch<true, 2, float>(p, sf, stream) : Launch<true, 2, uint16_t>(p, sf, stream);
+  else if (one_block) f32_out ? Launch<false, 1, float>(p, sf, stream) : Launch<false, 1, uint16_t>(p, sf, stream);
+  else f32_out ? Launch<false, 2, float>(p, sf, stream) : Launch<false, 2, uint16_t>(p, sf, stream);
   return true;
 #else
-  (void)p, (void)gated, (void)f32_out, (void)one_block, (void)stream, (void)DeviceMajor;
+  (void)p, (void)gated, (void)f32_out, (void)kernel_flags, (void)stream, (void)DeviceMajor;
   return false;
 #endif
 }
