@@ -125,6 +125,7 @@ NB_MODULE(_ffi, m) {
     kf["wgmma_one_block"] = int64_t(KernelFlag::kWgmmaOneBlock);
     kf["fused_quant"] = int64_t(KernelFlag::kFusedQuant);
     kf["slabs_first"] = int64_t(KernelFlag::kSlabsFirst);
+    kf["align_one_warp"] = int64_t(KernelFlag::kAlignOneWarp);
     c["KernelFlag"] = kf;
     nb::list tiles;
     for (int t : kTileMs) tiles.append(t);
@@ -134,6 +135,7 @@ NB_MODULE(_ffi, m) {
     c["k_splits"] = splits;
     c["max_split_tile_m"] = kMaxSplitTileM;
     c["max_align_experts"] = kMaxAlignExperts;
+    c["align_one_warp_pairs"] = kAlignOneWarpPairs;
     c["cuda_k_multiple"] = kCudaKMultiple;
     c["cuda_n_multiple"] = kCudaNMultiple;
     return c;

@@ -18,10 +18,10 @@ namespace {
 ffi::Error MoeAlignCpuImpl(ffi::Buffer<ffi::S32> topk_ids, ffi::Result<ffi::Buffer<ffi::S32>> sorted_ids,
                            ffi::Result<ffi::Buffer<ffi::S32>> tile_expert,
                            ffi::Result<ffi::Buffer<ffi::S32>> pair_to_row, int64_t num_experts,
-                           int64_t expert_offset, int64_t tile_m) {
+                           int64_t expert_offset, int64_t tile_m, int64_t kernel_flags) {
   int64_t n, P;
   if (auto err = CheckAlign("moe_align", topk_ids, num_experts, tile_m, *sorted_ids, *tile_expert,
-                            *pair_to_row, int64_t(1) << 30, &n, &P);
+                            *pair_to_row, int64_t(1) << 30, kernel_flags, &n, &P);
       err.failure())
     return err;
   const int32_t* ids = topk_ids.typed_data();

@@ -43,8 +43,10 @@ enum class KernelFlag : int64_t {
   kWgmmaOneBlock = 4,   // wgmma, non-gated: one 64-feature block per warpgroup instead of two
   kFusedQuant = 8,      // w4a4: per-token quantization by quant_dequant_rows (the GEMMs ignore it)
   kSlabsFirst = 16,     // wgmma: consecutive CTAs take one row tile's feature slabs (L2 reuse of activations)
+  kAlignOneWarp = 32,   // moe_align with <= 32 pairs: one warp, no block scan (the GEMMs ignore it)
 };
-constexpr int64_t kAllKernelFlags = 31;
+constexpr int64_t kAllKernelFlags = 63;
+constexpr int64_t kAlignOneWarpPairs = 32;
 // MoE modes (spec section 5); the kernels themselves are mode-agnostic.
 enum class Mode : int64_t { kBf16 = 0, kW4A16 = 1, kW4A4 = 2 };
 
@@ -159,6 +161,13 @@ inline ffi::Error Invalid(const char* op, const std::string& msg) {
   return ffi::Error::InvalidArgument(std::string("jax_nvfp4 ") + op + ": " + msg);
 }
 
+inline ffi::Error CheckKernelFlags(const char* op, int64_t kernel_flags) {
+  if (kernel_flags < 0 || (kernel_flags & ~kAllKernelFlags) != 0)
+    return Invalid(op, "kernel_flags must be a combination of the KernelFlag bits (0.." +
+                           std::to_string(kAllKernelFlags) + "), got " + std::to_string(kernel_flags));
+  return ffi::Error::Success();
+}
+
 inline bool ValidTileM(int64_t tile_m) {
   for (int t : kTileMs)
     if (t == tile_m) return true;
@@ -209,9 +218,7 @@ ffi::Error CheckGemm(const char* op, const A& a, const W& w, const WS& ws, const
     return Invalid(op, "output features " + std::to_string(d->n_out) + " must be a multiple of " +
                            std::to_string(n_multiple) + " on this platform");
   if (!ValidTileM(tile_m)) return Invalid(op, "tile_m must be 8, 16, 32 or 64, got " + std::to_string(tile_m));
-  if (kernel_flags < 0 || (kernel_flags & ~kAllKernelFlags) != 0)
-    return Invalid(op, "kernel_flags must be a combination of the KernelFlag bits (0.." +
-                           std::to_string(kAllKernelFlags) + "), got " + std::to_string(kernel_flags));
+  if (auto err = CheckKernelFlags(op, kernel_flags); err.failure()) return err;
   bool split_ok = false;
   for (int s : kKSplits) split_ok |= s == k_split;
   if (!split_ok)
@@ -247,7 +254,8 @@ ffi::Error CheckGemm(const char* op, const A& a, const W& w, const WS& ws, const
 template <typename I, typename SI, typename TE, typename PR>
 ffi::Error CheckAlign(const char* op, const I& topk_ids, int64_t num_experts, int64_t tile_m,
                       const SI& sorted_ids, const TE& tile_expert, const PR& pair_to_row,
-                      int64_t max_experts, int64_t* n_pairs, int64_t* P) {
+                      int64_t max_experts, int64_t kernel_flags, int64_t* n_pairs, int64_t* P) {
+  if (auto err = CheckKernelFlags(op, kernel_flags); err.failure()) return err;
   auto id = topk_ids.dimensions();
   if (id.size() != 2) return Invalid(op, "topk_ids must be 2-D [T, k], got " + ShapeStr(id));
   *n_pairs = id[0] * id[1];

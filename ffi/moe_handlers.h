@@ -20,7 +20,8 @@ auto MoeAlign(B b) {
       .template Ret<ffi::Buffer<ffi::S32>>()  // pair_to_row [T, k]
       .template Attr<int64_t>("num_experts")  // local experts E
       .template Attr<int64_t>("expert_offset")  // first local global id
-      .template Attr<int64_t>("tile_m");  // group padding
+      .template Attr<int64_t>("tile_m")  // group padding
+      .template Attr<int64_t>("kernel_flags");  // KernelFlag bits (GPU kernel variants; 0: default)
 }
 
 template <typename B>

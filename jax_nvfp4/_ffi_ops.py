@@ -70,6 +70,7 @@ class KernelFlag(enum.IntFlag):
     WGMMA_ONE_BLOCK = 4  # wgmma, non-gated: one 64-feature block per warpgroup instead of two
     FUSED_QUANT = 8  # w4a4: per-token quantization by the quant_dequant_rows kernel, not pure JAX
     SLABS_FIRST = 16  # wgmma: consecutive CTAs take one row tile's feature slabs (activations reused in L2)
+    ALIGN_ONE_WARP = 32  # moe_align with <= ALIGN_ONE_WARP_PAIRS pairs: one warp, no block-wide scan
 
 
 class Mode(enum.IntEnum):
@@ -84,6 +85,7 @@ TILE_MS = (8, 16, 32, 64)
 K_SPLITS = (1, 2, 4)  # warps of a GEMM CTA that split K (GPU tiling; the result is the same function)
 MAX_SPLIT_TILE_M = 16  # K splitting is for decode-sized tiles
 MAX_ALIGN_EXPERTS = 512  # local experts the GPU align kernel handles (one CTA, shared memory)
+ALIGN_ONE_WARP_PAIRS = 32  # pairs the one-warp align path (KernelFlag.ALIGN_ONE_WARP) handles
 CUDA_K_MULTIPLE = 64  # the CUDA GEMM's K chunk: H and I must be multiples of it on the GPU
 CUDA_N_MULTIPLE = 16  # output features per MMA fragment
 
@@ -115,8 +117,9 @@ def check_constants() -> None:
         if dict(c[cls.__name__]) != want:
             raise RuntimeError(f"{cls.__name__} differs between Python {want} and C++ {dict(c[cls.__name__])}")
     got = (tuple(c["tile_ms"]), tuple(c["k_splits"]), c["max_split_tile_m"], c["max_align_experts"],
-           c["cuda_k_multiple"], c["cuda_n_multiple"])
-    if got != (TILE_MS, K_SPLITS, MAX_SPLIT_TILE_M, MAX_ALIGN_EXPERTS, CUDA_K_MULTIPLE, CUDA_N_MULTIPLE):
+           c["align_one_warp_pairs"], c["cuda_k_multiple"], c["cuda_n_multiple"])
+    if got != (TILE_MS, K_SPLITS, MAX_SPLIT_TILE_M, MAX_ALIGN_EXPERTS, ALIGN_ONE_WARP_PAIRS, CUDA_K_MULTIPLE,
+               CUDA_N_MULTIPLE):
         raise RuntimeError(f"tiling constants differ between Python and C++: {got}")
 
 
@@ -195,7 +198,8 @@ def _check_impl(impl):
 
 # ---- moe_align -----------------------------------------------------------------------------
 
-def moe_align(topk_ids, num_experts: int, *, tile_m: int, expert_offset: int = 0, impl: str = "ffi"):
+def moe_align(topk_ids, num_experts: int, *, tile_m: int, expert_offset: int = 0, impl: str = "ffi",
+              kernel_flags: int = 0):
     """Sort token-expert pairs by local expert into groups padded to ``tile_m`` rows.
 
     Parameters
@@ -210,6 +214,8 @@ def moe_align(topk_ids, num_experts: int, *, tile_m: int, expert_offset: int = 0
     expert_offset : int
         Global id of local expert 0 (expert parallelism).
     impl : ``"ffi"`` or ``"jax"``
+    kernel_flags : :class:`KernelFlag` bits (``ALIGN_ONE_WARP`` picks the CUDA one-warp path for
+        small batches; the result is the same)
 
     Returns
     -------
@@ -222,6 +228,7 @@ def moe_align(topk_ids, num_experts: int, *, tile_m: int, expert_offset: int = 0
         Sorted row of each pair, -1 if dropped.
     """
     _check_impl(impl)
+    kernel_flags = _check_kernel_flags(kernel_flags)
     if tile_m not in TILE_MS:
         raise ValueError(f"tile_m must be one of {TILE_MS}, got {tile_m}")
     topk_ids = jnp.asarray(topk_ids).astype(jnp.int32)
@@ -234,7 +241,7 @@ def moe_align(topk_ids, num_experts: int, *, tile_m: int, expert_offset: int = 0
            jax.ShapeDtypeStruct((t, k), jnp.int32))
     return jax.ffi.ffi_call(TARGET_ALIGN, out, vmap_method="sequential")(
         topk_ids, num_experts=np.int64(num_experts), expert_offset=np.int64(expert_offset),
-        tile_m=np.int64(tile_m))
+        tile_m=np.int64(tile_m), kernel_flags=np.int64(kernel_flags))
 
 
 def _moe_align_jax(topk_ids, num_experts, tile_m, expert_offset, p):
@@ -520,7 +527,8 @@ def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str =
         topk_ids = jnp.where(topk_ids < 0, -1, topk_ids)
         offset = 0
     tile_m = choose_tile_m(t * k, e) if tile_m is None else tile_m
-    sorted_ids, tile_expert, pair_to_row = moe_align(topk_ids, e, tile_m=tile_m, expert_offset=offset, impl=impl)
+    sorted_ids, tile_expert, pair_to_row = moe_align(topk_ids, e, tile_m=tile_m, expert_offset=offset, impl=impl,
+                                                     kernel_flags=kernel_flags)
     w_flat = jnp.asarray(topk_weights, jnp.float32).reshape(t * k)
     common = dict(tile_m=tile_m, top_k=k, impl=impl, kernel_flags=kernel_flags, k_split=k_split)
 

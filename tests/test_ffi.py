@@ -193,13 +193,28 @@ def test_gemm_rejects_bad_shapes_with_named_arguments():
     with pytest.raises(Exception, match="k_split > 1 needs tile_m <= 16"):
         call(tile_m=32, k_split=2)
     with pytest.raises(Exception, match="kernel_flags must be a combination"):
-        call(kernel_flags=32)
+        call(kernel_flags=64)
     with pytest.raises(ValueError, match="kernel_flags must combine KernelFlag bits"):
         ops.grouped_gemm(a, w, sid, te, tile_m=8, activation=ops.Activation.SWIGLU, top_k=3, gather=True,
                          kernel_flags=-1)
     with pytest.raises(ValueError, match="k_split must be one of"):
         ops.grouped_gemm(a, w, sid, te, tile_m=32, activation=ops.Activation.SWIGLU, top_k=3, gather=True,
                          k_split=4)
+
+
+def test_align_takes_kernel_flags_and_checks_them():
+    ids = jnp.asarray([[0, 3], [3, -1]], jnp.int32)
+    flags = int(ops.KernelFlag.ALIGN_ONE_WARP)
+    f = jax.jit(lambda i: ops.moe_align(i, 4, tile_m=8, kernel_flags=flags))
+    assert "kernel_flags = 32" in f.lower(ids).as_text()
+    for g, w in zip(f(ids), ops.moe_align(ids, 4, tile_m=8, impl="jax")):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    ops.ensure_registered()
+    out = (jax.ShapeDtypeStruct((32,), jnp.int32), jax.ShapeDtypeStruct((4,), jnp.int32),
+           jax.ShapeDtypeStruct((2, 2), jnp.int32))
+    with pytest.raises(Exception, match="kernel_flags must be a combination"):
+        jax.ffi.ffi_call(ops.TARGET_ALIGN, out)(ids, num_experts=np.int64(4), expert_offset=np.int64(0),
+                                                 tile_m=np.int64(8), kernel_flags=np.int64(64))
 
 
 def test_kernel_flags_reach_the_custom_call_and_keep_the_function():
@@ -213,7 +228,7 @@ def test_kernel_flags_reach_the_custom_call_and_keep_the_function():
     np.testing.assert_array_equal(f32(f(x, ids, w)), f32(ops.moe(x, ex, ids, w)))
     assert ffi_backend.FFIBackend(flags).kernel_flags == flags
     with pytest.raises(ValueError, match="kernel_flags must combine"):
-        ffi_backend.FFIBackend(32)
+        ffi_backend.FFIBackend(64)
 
 
 def test_choose_k_split_on_the_benchmark_shapes():
@@ -464,6 +479,22 @@ def test_gpu_align_matches_twin(t, k, e, offset, tile_m):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tile_m", ops.TILE_MS)
+@pytest.mark.parametrize("t,k,e,offset", [(1, 1, 8, 0), (1, 8, 32, 0), (4, 8, 32, 96), (3, 8, 5, 2), (8, 4, 256, 0),
+                                          (7, 5, 16, 0), (5, 7, 8, 0)])
+def test_gpu_align_one_warp_matches_twin(t, k, e, offset, tile_m):
+    """KernelFlag.ALIGN_ONE_WARP: the one-warp path for <= 32 pairs (drops, foreign and repeated
+    experts), and the block path it falls back to above 32 pairs (5 x 7)."""
+    rng = np.random.default_rng(t * k + e)
+    ids = jnp.asarray(rng.integers(-2, e + offset + 3, (t, k)), jnp.int32)
+    flags = int(ops.KernelFlag.ALIGN_ONE_WARP)
+    got = ops.moe_align(ids, e, tile_m=tile_m, expert_offset=offset, kernel_flags=flags)
+    want = ops.moe_align(ids, e, tile_m=tile_m, expert_offset=offset, impl="jax")
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("tile_m,h,k_split", [(8, 320, 1), (16, 320, 1), (32, 320, 1), (64, 320, 1), (8, 128, 1),
                                                (64, 128, 1), (8, 320, 2), (8, 320, 4), (16, 320, 4), (8, 128, 4),
                                                (16, 576, 2), (8, 1152, 1), (16, 1088, 2)])
@@ -503,6 +534,20 @@ def test_gpu_kernel_variants_match_twin(act, gather, mode, out_dtype, h, tile_m,
     want = _run_gemm("jax", *args)
     used = used_rows(sid, te, tile_m)
     assert relerr(f32(got)[used], f32(want)[used]) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("t", [1, 4, 300, 2000])
+def test_gpu_opt_in_variants_are_bitwise_the_default(gpu_experts, t, mode):
+    """Fused quantize, slabs-first wgmma grid and one-warp align change where and how the work
+    runs, not a single output bit (t = 2000 x 8 pairs over 32 experts: 64-row wgmma tiles)."""
+    ex = gpu_experts[(32, True)]
+    x = make_x(t, t, 320)
+    ids, w = make_routing(t, t, 8, 32)
+    flags = int(ops.KernelFlag.FUSED_QUANT | ops.KernelFlag.SLABS_FIRST | ops.KernelFlag.ALIGN_ONE_WARP)
+    run = jax.jit(lambda x, i, w, flags: ops.moe(x, ex, i, w, mode=mode, kernel_flags=flags), static_argnums=3)
+    np.testing.assert_array_equal(f32(run(x, ids, w, flags)), f32(run(x, ids, w, 0)))
 
 
 @pytest.mark.gpu
