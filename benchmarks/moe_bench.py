@@ -195,7 +195,7 @@ def main(argv=None):
                         "gather/ragged,gather/tiled (to calibrate the automatic choice)")
     p.add_argument("--ffi-flags", default="",
                    help="comma-separated KernelFlag values to time as extra ffi rows 'ffi[flags=N]' (CUDA "
-                        "kernel variants: 1 no cp.async ring, 2 no wgmma, 4 one-block wgmma, 8 fused w4a4 quantize, 16 slabs-first wgmma grid, 32 one-warp align; combine by adding)")
+                        "kernel variants: 1 no cp.async ring, 2 no wgmma, 4 one-block wgmma, 8 fused w4a4 quantize, 16 slabs-first wgmma grid, 32 one-warp align, 64 PDL launches; combine by adding)")
     p.add_argument("--no-baseline", action="store_true", help=f"skip the {BASELINE} baseline")
     p.add_argument("--max-expanded-tflop", type=float, default=100.0,
                    help="skip the baseline when ragged_dot's dense expansion exceeds this many TFLOP")

@@ -126,6 +126,7 @@ NB_MODULE(_ffi, m) {
     kf["fused_quant"] = int64_t(KernelFlag::kFusedQuant);
     kf["slabs_first"] = int64_t(KernelFlag::kSlabsFirst);
     kf["align_one_warp"] = int64_t(KernelFlag::kAlignOneWarp);
+    kf["pdl"] = int64_t(KernelFlag::kPdl);
     c["KernelFlag"] = kf;
     nb::list tiles;
     for (int t : kTileMs) tiles.append(t);

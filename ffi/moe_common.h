@@ -44,8 +44,9 @@ enum class KernelFlag : int64_t {
   kFusedQuant = 8,      // w4a4: per-token quantization by quant_dequant_rows (the GEMMs ignore it)
   kSlabsFirst = 16,     // wgmma: consecutive CTAs take one row tile's feature slabs (L2 reuse of activations)
   kAlignOneWarp = 32,   // moe_align with <= 32 pairs: one warp, no block scan (the GEMMs ignore it)
+  kPdl = 64,            // every kernel launched with programmatic dependent launch (overlaps launches)
 };
-constexpr int64_t kAllKernelFlags = 63;
+constexpr int64_t kAllKernelFlags = 127;
 constexpr int64_t kAlignOneWarpPairs = 32;
 // MoE modes (spec section 5); the kernels themselves are mode-agnostic.
 enum class Mode : int64_t { kBf16 = 0, kW4A16 = 1, kW4A4 = 2 };

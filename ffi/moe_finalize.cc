@@ -9,8 +9,9 @@ namespace jax_nvfp4 {
 namespace {
 
 ffi::Error MoeFinalizeCpuImpl(ffi::Buffer<ffi::BF16> y, ffi::Buffer<ffi::S32> pair_to_row,
-                              ffi::Result<ffi::Buffer<ffi::BF16>> out) {
+                              ffi::Result<ffi::Buffer<ffi::BF16>> out, int64_t kernel_flags) {
   int64_t T, k, P, H;
+  if (auto err = CheckKernelFlags("moe_finalize", kernel_flags); err.failure()) return err;
   if (auto err = CheckFinalize("moe_finalize", y, pair_to_row, *out, 1, &T, &k, &P, &H); err.failure())
     return err;
   const uint16_t* yp = y.typed_data();

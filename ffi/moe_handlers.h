@@ -49,7 +49,8 @@ auto MoeFinalize(B b) {
   return std::move(b)
       .template Arg<ffi::Buffer<ffi::BF16>>()  // y [P, H] GEMM2 rows
       .template Arg<ffi::Buffer<ffi::S32>>()  // pair_to_row [T, k]
-      .template Ret<ffi::Buffer<ffi::BF16>>();  // out [T, H]
+      .template Ret<ffi::Buffer<ffi::BF16>>()  // out [T, H]
+      .template Attr<int64_t>("kernel_flags");  // KernelFlag bits (GPU launch variants; 0: default)
 }
 
 template <typename B>
@@ -58,7 +59,8 @@ auto QuantDequantRows(B b) {
       .template Arg<ffi::AnyBuffer>()  // x [R, K] bf16 or f32
       .template Arg<ffi::Buffer<ffi::S32>>()  // row_ids [R] (< 0: unused row) or [0]
       .template Ret<ffi::Buffer<ffi::BF16>>()  // out [R, K] e2m1 * block scale
-      .template Ret<ffi::Buffer<ffi::F32>>();  // scale [R] per-row global decode scale
+      .template Ret<ffi::Buffer<ffi::F32>>()  // scale [R] per-row global decode scale
+      .template Attr<int64_t>("kernel_flags");  // KernelFlag bits (GPU launch variants; 0: default)
 }
 }  // namespace sig
 }  // namespace jax_nvfp4

@@ -79,8 +79,10 @@ void QuantRows(const T* x, const int32_t* row_ids, int64_t R, int64_t K, uint16_
 }
 
 ffi::Error QuantDequantRowsCpuImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> row_ids,
-                                   ffi::Result<ffi::Buffer<ffi::BF16>> out, ffi::Result<ffi::Buffer<ffi::F32>> scale) {
+                                   ffi::Result<ffi::Buffer<ffi::BF16>> out, ffi::Result<ffi::Buffer<ffi::F32>> scale,
+                                   int64_t kernel_flags) {
   int64_t R, K;
+  if (auto err = CheckKernelFlags("quant_dequant_rows", kernel_flags); err.failure()) return err;
   if (auto err = CheckQuantRows("quant_dequant_rows", x, row_ids, *out, *scale, &R, &K); err.failure()) return err;
   const int32_t* ids = row_ids.dimensions()[0] ? row_ids.typed_data() : nullptr;
   IeeeSubnormals ieee;

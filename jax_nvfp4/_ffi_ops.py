@@ -71,6 +71,7 @@ class KernelFlag(enum.IntFlag):
     FUSED_QUANT = 8  # w4a4: per-token quantization by the quant_dequant_rows kernel, not pure JAX
     SLABS_FIRST = 16  # wgmma: consecutive CTAs take one row tile's feature slabs (activations reused in L2)
     ALIGN_ONE_WARP = 32  # moe_align with <= ALIGN_ONE_WARP_PAIRS pairs: one warp, no block-wide scan
+    PDL = 64  # every kernel launched with programmatic dependent launch (its start overlaps the previous kernel)
 
 
 class Mode(enum.IntEnum):
@@ -397,7 +398,7 @@ def _grouped_gemm_jax(a, w, sorted_ids, tile_expert, tile_m, activation, top_k, 
 
 # ---- moe_finalize --------------------------------------------------------------------------
 
-def moe_finalize(y, pair_to_row, *, impl: str = "ffi"):
+def moe_finalize(y, pair_to_row, *, impl: str = "ffi", kernel_flags: int = 0):
     """``out[t] = bf16(sum_j y[pair_to_row[t, j]])``, j = 0..k-1 in order, fp32 accumulation.
 
     Parameters
@@ -405,12 +406,14 @@ def moe_finalize(y, pair_to_row, *, impl: str = "ffi"):
     y : bfloat16 ``[P, H]`` (GEMM2 rows, already scaled by the routing weights)
     pair_to_row : int32 ``[T, k]`` (-1: the pair adds nothing)
     impl : ``"ffi"`` or ``"jax"``
+    kernel_flags : :class:`KernelFlag` bits (``PDL``; the result is the same)
 
     Returns
     -------
     bfloat16 ``[T, H]``
     """
     _check_impl(impl)
+    kernel_flags = _check_kernel_flags(kernel_flags)
     y = jnp.asarray(y).astype(jnp.bfloat16)
     pair_to_row = jnp.asarray(pair_to_row, jnp.int32)
     t, k = pair_to_row.shape
@@ -424,10 +427,10 @@ def moe_finalize(y, pair_to_row, *, impl: str = "ffi"):
         return acc.astype(jnp.bfloat16)
     ensure_registered()
     return jax.ffi.ffi_call(TARGET_FINALIZE, jax.ShapeDtypeStruct((t, y.shape[1]), jnp.bfloat16),
-                            vmap_method="sequential")(y, pair_to_row)
+                            vmap_method="sequential")(y, pair_to_row, kernel_flags=np.int64(kernel_flags))
 
 
-def quant_dequant_rows(x, row_ids=None, *, impl: str = "ffi"):
+def quant_dequant_rows(x, row_ids=None, *, impl: str = "ffi", kernel_flags: int = 0):
     """Per-token NVFP4 quantization of each row, decoded back without its global scale.
 
     ``out = e2m1 * block_scale`` of ``quantize(x, per_token=True)``, which has at most 6
@@ -442,12 +445,14 @@ def quant_dequant_rows(x, row_ids=None, *, impl: str = "ffi"):
         Rows with a negative id are unused (e.g. the padding rows of the sorted layout): their
         output is zero and their scale 0, whatever ``x`` holds there.
     impl : ``"ffi"`` or ``"jax"``
+    kernel_flags : :class:`KernelFlag` bits (``PDL``; the result is the same)
 
     Returns
     -------
     (bfloat16 ``[R, K]``, float32 ``[R]``)
     """
     _check_impl(impl)
+    kernel_flags = _check_kernel_flags(kernel_flags)
     x = jnp.asarray(x)
     if x.ndim != 2 or x.shape[1] % 16:
         raise ValueError(f"x must be [R, K] with K a multiple of 16, got shape {x.shape}")
@@ -468,7 +473,7 @@ def quant_dequant_rows(x, row_ids=None, *, impl: str = "ffi"):
     r, kk = x.shape
     return jax.ffi.ffi_call(TARGET_QUANT, (jax.ShapeDtypeStruct((r, kk), jnp.bfloat16),
                                            jax.ShapeDtypeStruct((r,), jnp.float32)),
-                            vmap_method="sequential")(x, ids)
+                            vmap_method="sequential")(x, ids, kernel_flags=np.int64(kernel_flags))
 
 
 # ---- the MoE expert pipeline ---------------------------------------------------------------
@@ -540,17 +545,17 @@ def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str =
     else:  # w4a4: per-token NVFP4 activations, decoded exactly to bf16, scales in the epilogues
         # The fused kernel or the pure-JAX quantizer: the same bytes (opt-in until timed on the GPU).
         q_impl = impl if kernel_flags & KernelFlag.FUSED_QUANT else "jax"
-        xq, x_scale = quant_dequant_rows(x.astype(jnp.bfloat16), impl=q_impl)
+        xq, x_scale = quant_dequant_rows(x.astype(jnp.bfloat16), impl=q_impl, kernel_flags=kernel_flags)
         # fp32 intermediate: it is quantized from its unrounded values (spec section 5).
         h1 = grouped_gemm(xq, experts.gate_up, sorted_ids, tile_expert, activation=act, gather=True,
                           row_scale=x_scale, row_scale_mode=RowScale.TOKEN, out_dtype=jnp.float32, **common)
         # Rows of unused tiles are never written by the GPU: row_ids makes them zeros.
-        aq, a_scale = quant_dequant_rows(h1, sorted_ids, impl=q_impl)
+        aq, a_scale = quant_dequant_rows(h1, sorted_ids, impl=q_impl, kernel_flags=kernel_flags)
         used = sorted_ids >= 0
         rs = jnp.where(used, w_flat[jnp.clip(sorted_ids, 0, t * k - 1)], 0.0) * a_scale
         y = grouped_gemm(aq, experts.down, sorted_ids, tile_expert, activation=Activation.IDENTITY,
                          row_scale=rs, row_scale_mode=RowScale.ROW, **common)
-    return moe_finalize(y, pair_to_row, impl=impl)
+    return moe_finalize(y, pair_to_row, impl=impl, kernel_flags=kernel_flags)
 
 
 def _zero_cotangent(v):

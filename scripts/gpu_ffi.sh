@@ -156,8 +156,10 @@ sys.path.insert(0, "tests")
 from test_ffi import make_experts, make_routing, make_x
 from jax_nvfp4 import _ffi_ops as ops
 ex = make_experts(1, 32, 512, 256)
+opt_in = sum(ops.KernelFlag) & ~(ops.KernelFlag.NO_ASYNC_RING | ops.KernelFlag.NO_WGMMA | ops.KernelFlag.WGMMA_ONE_BLOCK)
 layers = [jax.jit(lambda x, i, w: nv.moe(x, ex, topk_ids=i, topk_weights=w, backend="ffi")),
-          jax.jit(lambda x, i, w: ops.moe(x, ex, i, w, mode="w4a4", kernel_flags=ops.KernelFlag.FUSED_QUANT))]
+          jax.jit(lambda x, i, w: ops.moe(x, ex, i, w, mode="w4a4", kernel_flags=opt_in)),  # PDL in graphs too
+          jax.jit(lambda x, i, w: ops.moe(x, ex, i, w, kernel_flags=opt_in))]
 outs = []
 for f in layers:
     for t in (1, 8, 300):

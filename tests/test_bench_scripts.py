@@ -32,7 +32,7 @@ def test_moe_bench_quick_rows(tmp_path):
 
 def test_moe_bench_rejects_bad_kernel_flags(capsys):
     with pytest.raises(SystemExit) as e:
-        moe_bench.main(["--quick", "--ffi-flags", "64"])
+        moe_bench.main(["--quick", "--ffi-flags", "128"])
     assert e.value.code == 2 and "--ffi-flags" in capsys.readouterr().err
 
 

@@ -193,7 +193,7 @@ def test_gemm_rejects_bad_shapes_with_named_arguments():
     with pytest.raises(Exception, match="k_split > 1 needs tile_m <= 16"):
         call(tile_m=32, k_split=2)
     with pytest.raises(Exception, match="kernel_flags must be a combination"):
-        call(kernel_flags=64)
+        call(kernel_flags=128)
     with pytest.raises(ValueError, match="kernel_flags must combine KernelFlag bits"):
         ops.grouped_gemm(a, w, sid, te, tile_m=8, activation=ops.Activation.SWIGLU, top_k=3, gather=True,
                          kernel_flags=-1)
@@ -214,7 +214,7 @@ def test_align_takes_kernel_flags_and_checks_them():
            jax.ShapeDtypeStruct((2, 2), jnp.int32))
     with pytest.raises(Exception, match="kernel_flags must be a combination"):
         jax.ffi.ffi_call(ops.TARGET_ALIGN, out)(ids, num_experts=np.int64(4), expert_offset=np.int64(0),
-                                                 tile_m=np.int64(8), kernel_flags=np.int64(64))
+                                                 tile_m=np.int64(8), kernel_flags=np.int64(128))
 
 
 def test_kernel_flags_reach_the_custom_call_and_keep_the_function():
@@ -228,7 +228,7 @@ def test_kernel_flags_reach_the_custom_call_and_keep_the_function():
     np.testing.assert_array_equal(f32(f(x, ids, w)), f32(ops.moe(x, ex, ids, w)))
     assert ffi_backend.FFIBackend(flags).kernel_flags == flags
     with pytest.raises(ValueError, match="kernel_flags must combine"):
-        ffi_backend.FFIBackend(64)
+        ffi_backend.FFIBackend(128)
 
 
 def test_choose_k_split_on_the_benchmark_shapes():
@@ -536,16 +536,21 @@ def test_gpu_kernel_variants_match_twin(act, gather, mode, out_dtype, h, tile_m,
     assert relerr(f32(got)[used], f32(want)[used]) < 1e-2
 
 
+OPT_IN_FLAGS = (ops.KernelFlag.FUSED_QUANT, ops.KernelFlag.SLABS_FIRST, ops.KernelFlag.ALIGN_ONE_WARP,
+                ops.KernelFlag.PDL)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("t", [1, 4, 300, 2000])
-def test_gpu_opt_in_variants_are_bitwise_the_default(gpu_experts, t, mode):
-    """Fused quantize, slabs-first wgmma grid and one-warp align change where and how the work
-    runs, not a single output bit (t = 2000 x 8 pairs over 32 experts: 64-row wgmma tiles)."""
+@pytest.mark.parametrize("t", [1, 4, 2000])
+@pytest.mark.parametrize("flags", [int(f) for f in OPT_IN_FLAGS] + [int(sum(OPT_IN_FLAGS))])
+def test_gpu_opt_in_variants_are_bitwise_the_default(gpu_experts, t, mode, flags):
+    """Fused quantize, slabs-first wgmma grid, one-warp align and PDL launches change where and
+    how the work runs, not a single output bit (t = 2000 x 8 pairs over 32 experts: 64-row wgmma
+    tiles; t = 4: 32 pairs, the one-warp align)."""
     ex = gpu_experts[(32, True)]
     x = make_x(t, t, 320)
     ids, w = make_routing(t, t, 8, 32)
-    flags = int(ops.KernelFlag.FUSED_QUANT | ops.KernelFlag.SLABS_FIRST | ops.KernelFlag.ALIGN_ONE_WARP)
     run = jax.jit(lambda x, i, w, flags: ops.moe(x, ex, i, w, mode=mode, kernel_flags=flags), static_argnums=3)
     np.testing.assert_array_equal(f32(run(x, ids, w, flags)), f32(run(x, ids, w, 0)))
 

@@ -126,7 +126,7 @@ def test_handler_rejects_bad_shapes_with_named_arguments():
         r, k = x.shape
         return jax.ffi.ffi_call(ops.TARGET_QUANT, (jax.ShapeDtypeStruct(out_shape or (r, k), jnp.bfloat16),
                                                    jax.ShapeDtypeStruct(scale_shape or (r,), jnp.float32)),
-                                vmap_method="sequential")(x, ids)
+                                vmap_method="sequential")(x, ids, kernel_flags=np.int64(0))
     ops.ensure_registered()
     x = jnp.zeros((3, 32), jnp.bfloat16)
     with pytest.raises(Exception, match=r"row_ids must be \[R\] = \[3\] or \[0\]"):
@@ -139,6 +139,8 @@ def test_handler_rejects_bad_shapes_with_named_arguments():
         call(x, jnp.zeros((0,), jnp.int32), scale_shape=(4,))
     with pytest.raises(Exception, match="output must be"):
         call(x, jnp.zeros((0,), jnp.int32), out_shape=(3, 16))
+    with pytest.raises(ValueError, match="kernel_flags must combine"):
+        ops.quant_dequant_rows(x, kernel_flags=128)
 
 
 def test_kernel_flag_mirrors_cpp():

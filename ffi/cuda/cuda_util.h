@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <string>
+#include <utility>
 
 #include "moe_common.h"
 
@@ -21,6 +22,34 @@ inline ffi::Error LaunchError(const char* op) {
 template <typename T>
 constexpr T CeilDiv(T a, T b) {
   return (a + b - 1) / b;
+}
+
+// Programmatic dependent launch (KernelFlag::kPdl): a kernel launched with `pdl` may start while
+// the previous kernel on the stream finishes; it must call GridDependencyWait() before it reads
+// anything an earlier kernel wrote (every kernel of ours does so first thing). Without PDL the
+// wait returns at once.
+__device__ __forceinline__ void GridDependencyWait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
+// kernel<<<grid, block, smem, stream>>>(args...), with the PDL launch attribute when `pdl`.
+// Errors surface through cudaGetLastError (LaunchError).
+template <typename... Params, typename... Args>
+void LaunchKernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, bool pdl,
+                  Args&&... args) {
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cfg.attrs = pdl ? &attr : nullptr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
 }
 
 // bf16 pairs in a 32-bit word (first element in the low half) <-> float.

@@ -21,6 +21,7 @@ __global__ void __launch_bounds__(kAlignThreads)
     MoeAlignKernel(const int32_t* __restrict__ ids, int64_t n, int64_t num_experts, int64_t offset,
                    int32_t tile_m, int64_t P, int32_t* __restrict__ sorted_ids,
                    int32_t* __restrict__ tile_expert, int32_t* __restrict__ pair_to_row) {
+  GridDependencyWait();
   using BlockScan = cub::BlockScan<int32_t, kAlignThreads>;
   __shared__ typename BlockScan::TempStorage scan_tmp;
   __shared__ int32_t s_total;
@@ -106,6 +107,7 @@ __global__ void __launch_bounds__(kAlignSmallThreads)
                           int32_t* __restrict__ tile_expert, int32_t* __restrict__ pair_to_row) {
   __shared__ int32_t s_start[32], s_expert[32];  // per lane: its group's first row and expert (leaders), else -1
   __shared__ int32_t s_total;
+  GridDependencyWait();
   const int tid = threadIdx.x, lane = tid & 31;
   for (int64_t r = tid; r < P; r += kAlignSmallThreads) sorted_ids[r] = -1;
   int32_t e = -2, row = 0;  // warp 0: this lane's pair's expert (-1 dropped, -2 no pair) and row
@@ -161,16 +163,17 @@ ffi::Error MoeAlignCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> topk_ids,
       err.failure())
     return err;
   if (P == 0) return ffi::Error::Success();  // empty batch: nothing to write
+  const bool pdl = kernel_flags & int64_t(KernelFlag::kPdl);
   if ((kernel_flags & int64_t(KernelFlag::kAlignOneWarp)) && n <= kAlignOneWarpPairs) {
-    MoeAlignOneWarpKernel<<<1, kAlignSmallThreads, 0, stream>>>(
-        topk_ids.typed_data(), int32_t(n), num_experts, expert_offset, int32_t(tile_m), P,
-        sorted_ids->typed_data(), tile_expert->typed_data(), pair_to_row->typed_data());
+    LaunchKernel(MoeAlignOneWarpKernel, 1, kAlignSmallThreads, 0, stream, pdl, topk_ids.typed_data(), int32_t(n),
+                 num_experts, expert_offset, int32_t(tile_m), P, sorted_ids->typed_data(),
+                 tile_expert->typed_data(), pair_to_row->typed_data());
     return LaunchError("moe_align");
   }
   const size_t smem = sizeof(int32_t) * (kAlignWarps + 1) * num_experts;  // <= 34 KB
-  MoeAlignKernel<<<1, kAlignThreads, smem, stream>>>(
-      topk_ids.typed_data(), n, num_experts, expert_offset, int32_t(tile_m), P, sorted_ids->typed_data(),
-      tile_expert->typed_data(), pair_to_row->typed_data());
+  LaunchKernel(MoeAlignKernel, 1, kAlignThreads, smem, stream, pdl, topk_ids.typed_data(), n, num_experts,
+               expert_offset, int32_t(tile_m), P, sorted_ids->typed_data(), tile_expert->typed_data(),
+               pair_to_row->typed_data());
   return LaunchError("moe_align");
 }
 

@@ -13,6 +13,7 @@ constexpr int kFinalizeThreads = 128;
 __global__ void __launch_bounds__(kFinalizeThreads)
     MoeFinalizeKernel(const uint16_t* __restrict__ y, const int32_t* __restrict__ pair_to_row, int64_t k,
                       int64_t P, int64_t H, uint16_t* __restrict__ out) {
+  GridDependencyWait();
   const int64_t t = blockIdx.x;
   const int64_t h = (int64_t(blockIdx.y) * kFinalizeThreads + threadIdx.x) * 8;
   if (h >= H) return;
@@ -48,15 +49,17 @@ __global__ void __launch_bounds__(kFinalizeThreads)
 }
 
 ffi::Error MoeFinalizeCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> y, ffi::Buffer<ffi::S32> pair_to_row,
-                               ffi::Result<ffi::Buffer<ffi::BF16>> out) {
+                               ffi::Result<ffi::Buffer<ffi::BF16>> out, int64_t kernel_flags) {
   int64_t T, k, P, H;
+  if (auto err = CheckKernelFlags("moe_finalize", kernel_flags); err.failure()) return err;
   if (auto err = CheckFinalize("moe_finalize", y, pair_to_row, *out, 8, &T, &k, &P, &H); err.failure())
     return err;
   if (T == 0 || H == 0) return ffi::Error::Success();
   const int64_t blocks_h = CeilDiv<int64_t>(H / 8, kFinalizeThreads);
   if (T > 0x7FFFFFFF || blocks_h > 65535) return Invalid("moe_finalize", "T or H too large for the grid");
-  MoeFinalizeKernel<<<dim3(unsigned(T), unsigned(blocks_h)), kFinalizeThreads, 0, stream>>>(
-      y.typed_data(), pair_to_row.typed_data(), k, P, H, out->typed_data());
+  LaunchKernel(MoeFinalizeKernel, dim3(unsigned(T), unsigned(blocks_h)), kFinalizeThreads, 0, stream,
+               kernel_flags & int64_t(KernelFlag::kPdl), y.typed_data(), pair_to_row.typed_data(), k, P, H,
+               out->typed_data());
   return LaunchError("moe_finalize");
 }
 

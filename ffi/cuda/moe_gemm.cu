@@ -192,6 +192,7 @@ __global__ void __launch_bounds__(kThreads) W4A16GroupedGemmKernel(const GemmPar
   constexpr bool kAsync = ASYNC && FM <= 2;  // decode tiles stream weights through the cp.async ring
   __shared__ float partial[KS > 1 ? (KS - 1) * NS * kAcc * 32 : 1];
   __shared__ WarpRing<NF> rings[kAsync ? kWarps : 1];
+  GridDependencyWait();
   const int64_t tile = blockIdx.x;
   const int32_t e = p.tile_expert[tile];
   if (e < 0 || e >= p.E) return;  // unused tile (uniform over the CTA)
@@ -267,30 +268,31 @@ __global__ void __launch_bounds__(kThreads) W4A16GroupedGemmKernel(const GemmPar
 // Instances: k_split 1, 2, 4 (with and without the cp.async ring) for 8- and 16-row tiles
 // (decode); k_split 1 for 32 and 64 rows (CheckGemm).
 template <int KS, bool ASYNC, bool GATED, typename OutT>
-void LaunchSplit(const GemmParams& p, int64_t tile_m, int64_t slabs, cudaStream_t stream) {
+void LaunchSplit(const GemmParams& p, int64_t tile_m, int64_t slabs, bool pdl, cudaStream_t stream) {
   const dim3 grid(unsigned(p.P / tile_m), unsigned(slabs));
   switch (tile_m) {
-    case 8: W4A16GroupedGemmKernel<1, KS, ASYNC, GATED, OutT><<<grid, kThreads, 0, stream>>>(p); break;
-    case 16: W4A16GroupedGemmKernel<2, KS, ASYNC, GATED, OutT><<<grid, kThreads, 0, stream>>>(p); break;
-    case 32: W4A16GroupedGemmKernel<4, 1, false, GATED, OutT><<<grid, kThreads, 0, stream>>>(p); break;
-    default: W4A16GroupedGemmKernel<8, 1, false, GATED, OutT><<<grid, kThreads, 0, stream>>>(p); break;
+    case 8: LaunchKernel(W4A16GroupedGemmKernel<1, KS, ASYNC, GATED, OutT>, grid, kThreads, 0, stream, pdl, p); break;
+    case 16: LaunchKernel(W4A16GroupedGemmKernel<2, KS, ASYNC, GATED, OutT>, grid, kThreads, 0, stream, pdl, p); break;
+    case 32: LaunchKernel(W4A16GroupedGemmKernel<4, 1, false, GATED, OutT>, grid, kThreads, 0, stream, pdl, p); break;
+    default: LaunchKernel(W4A16GroupedGemmKernel<8, 1, false, GATED, OutT>, grid, kThreads, 0, stream, pdl, p); break;
   }
 }
 
 template <bool ASYNC, bool GATED, typename OutT>
-void LaunchAsync(const GemmParams& p, int64_t tile_m, int64_t k_split, cudaStream_t stream) {
+void LaunchAsync(const GemmParams& p, int64_t tile_m, int64_t k_split, bool pdl, cudaStream_t stream) {
   const int64_t slabs = CeilDiv<int64_t>(p.n_out, kWarpFeatures * (kWarps / k_split));
   switch (k_split) {
-    case 2: LaunchSplit<2, ASYNC, GATED, OutT>(p, tile_m, slabs, stream); break;
-    case 4: LaunchSplit<4, ASYNC, GATED, OutT>(p, tile_m, slabs, stream); break;
-    default: LaunchSplit<1, ASYNC, GATED, OutT>(p, tile_m, slabs, stream); break;
+    case 2: LaunchSplit<2, ASYNC, GATED, OutT>(p, tile_m, slabs, pdl, stream); break;
+    case 4: LaunchSplit<4, ASYNC, GATED, OutT>(p, tile_m, slabs, pdl, stream); break;
+    default: LaunchSplit<1, ASYNC, GATED, OutT>(p, tile_m, slabs, pdl, stream); break;
   }
 }
 
 template <bool GATED, typename OutT>
 void Launch(const GemmParams& p, int64_t tile_m, int64_t k_split, int64_t flags, cudaStream_t stream) {
-  if (flags & int64_t(KernelFlag::kNoAsyncRing)) LaunchAsync<false, GATED, OutT>(p, tile_m, k_split, stream);
-  else LaunchAsync<true, GATED, OutT>(p, tile_m, k_split, stream);
+  const bool pdl = flags & int64_t(KernelFlag::kPdl);
+  if (flags & int64_t(KernelFlag::kNoAsyncRing)) LaunchAsync<false, GATED, OutT>(p, tile_m, k_split, pdl, stream);
+  else LaunchAsync<true, GATED, OutT>(p, tile_m, k_split, pdl, stream);
 }
 
 ffi::Error GroupedGemmCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> a, ffi::Buffer<ffi::U8> w_data,

@@ -172,6 +172,7 @@ __global__ void __launch_bounds__(kWgThreadsPerCta, 1) W4A16WgmmaKernel(const Ge
   uint8_t* smem = smem_raw + (((raw + 1023) & ~1023u) - raw);  // 1024-aligned (swizzle atoms)
   const uint32_t smem_addr = SmemU32(smem);
 
+  GridDependencyWait();
   // Default: x = row tile, y = feature slab (a wave of CTAs shares a slab of several experts'
   // weights). slabs_first: a 1-D grid where consecutive CTAs take the slabs of one row tile (a
   // wave shares its activation tiles in L2, and an expert's weights across its row tiles).
@@ -267,12 +268,12 @@ __global__ void __launch_bounds__(kWgThreadsPerCta, 1) W4A16WgmmaKernel(const Ge
 }
 
 template <bool GATED, int NB, typename OutT>
-void Launch(GemmParams p, bool slabs_first, cudaStream_t stream) {
+void Launch(GemmParams p, bool slabs_first, bool pdl, cudaStream_t stream) {
   static_assert(kSmemBytes <= 48 * 1024, "no opt-in attribute needed (none may be set during graph capture)");
   const int64_t tiles = p.P / kTokens, slabs = CeilDiv<int64_t>(p.n_out, CtaFeatures<GATED, NB>());
   p.slabs_first = slabs_first && tiles * slabs <= 0x7FFFFFFF;  // else the 2-D grid (x up to 2^31 - 1)
   const dim3 grid = p.slabs_first ? dim3(unsigned(tiles * slabs)) : dim3(unsigned(tiles), unsigned(slabs));
-  W4A16WgmmaKernel<GATED, NB, OutT><<<grid, kWgThreadsPerCta, kSmemBytes, stream>>>(p);
+  LaunchKernel(W4A16WgmmaKernel<GATED, NB, OutT>, grid, kWgThreadsPerCta, kSmemBytes, stream, pdl, p);
 }
 
 // Compute capability major of the current device, cached per device (no stream operation,
@@ -295,10 +296,10 @@ bool LaunchWgmmaGemm(const GemmParams& p, bool gated, bool f32_out, int64_t kern
 #ifdef JAX_NVFP4_HAS_SM90A
   if (DeviceMajor() != 9 || p.P % kTokens != 0) return false;
   const bool one_block = kernel_flags & int64_t(KernelFlag::kWgmmaOneBlock);
-  const bool sf = kernel_flags & int64_t(KernelFlag::kSlabsFirst);
-  if (gated) f32_out ? Launch<true, 2, float>(p, sf, stream) : Launch<true, 2, uint16_t>(p, sf, stream);
-  else if (one_block) f32_out ? Launch<false, 1, float>(p, sf, stream) : Launch<false, 1, uint16_t>(p, sf, stream);
-  else f32_out ? Launch<false, 2, float>(p, sf, stream) : Launch<false, 2, uint16_t>(p, sf, stream);
+  const bool sf = kernel_flags & int64_t(KernelFlag::kSlabsFirst), pdl = kernel_flags & int64_t(KernelFlag::kPdl);
+  if (gated) f32_out ? Launch<true, 2, float>(p, sf, pdl, stream) : Launch<true, 2, uint16_t>(p, sf, pdl, stream);
+  else if (one_block) f32_out ? Launch<false, 1, float>(p, sf, pdl, stream) : Launch<false, 1, uint16_t>(p, sf, pdl, stream);
+  else f32_out ? Launch<false, 2, float>(p, sf, pdl, stream) : Launch<false, 2, uint16_t>(p, sf, pdl, stream);
   return true;
 #else
   (void)p, (void)gated, (void)f32_out, (void)kernel_flags, (void)stream, (void)DeviceMajor;

@@ -43,6 +43,7 @@ template <typename T, int ROW_THREADS>
 __global__ void __launch_bounds__(kQuantThreads)
     QuantDequantRowsKernel(const T* __restrict__ x, const int32_t* __restrict__ row_ids, int64_t R, int64_t K,
                            uint16_t* __restrict__ out, float* __restrict__ scale) {
+  GridDependencyWait();
   static_assert(ROW_THREADS == 32 || ROW_THREADS == kQuantThreads, "a row is one warp or the whole CTA");
   constexpr int kWarpsPerRow = ROW_THREADS / 32;
   __shared__ uint32_t warp_amax[kWarpsPerRow];
@@ -89,30 +90,33 @@ __global__ void __launch_bounds__(kQuantThreads)
 }
 
 template <typename T>
-void Launch(const T* x, const int32_t* row_ids, int64_t R, int64_t K, uint16_t* out, float* scale,
+void Launch(const T* x, const int32_t* row_ids, int64_t R, int64_t K, uint16_t* out, float* scale, bool pdl,
             cudaStream_t stream) {
   if (K / 16 >= kQuantThreads) {  // long rows: a CTA per row
-    QuantDequantRowsKernel<T, kQuantThreads><<<unsigned(R), kQuantThreads, 0, stream>>>(x, row_ids, R, K, out, scale);
+    LaunchKernel(QuantDequantRowsKernel<T, kQuantThreads>, unsigned(R), kQuantThreads, 0, stream, pdl, x, row_ids,
+                 R, K, out, scale);
   } else {  // short rows: a warp per row
     const int64_t rows_per_cta = kQuantThreads / 32;
-    QuantDequantRowsKernel<T, 32><<<unsigned(CeilDiv(R, rows_per_cta)), kQuantThreads, 0, stream>>>(
-        x, row_ids, R, K, out, scale);
+    LaunchKernel(QuantDequantRowsKernel<T, 32>, unsigned(CeilDiv(R, rows_per_cta)), kQuantThreads, 0, stream, pdl,
+                 x, row_ids, R, K, out, scale);
   }
 }
 
 ffi::Error QuantDequantRowsCudaImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> row_ids,
                                     ffi::Result<ffi::Buffer<ffi::BF16>> out,
-                                    ffi::Result<ffi::Buffer<ffi::F32>> scale) {
+                                    ffi::Result<ffi::Buffer<ffi::F32>> scale, int64_t kernel_flags) {
   int64_t R, K;
+  if (auto err = CheckKernelFlags("quant_dequant_rows", kernel_flags); err.failure()) return err;
   if (auto err = CheckQuantRows("quant_dequant_rows", x, row_ids, *out, *scale, &R, &K); err.failure()) return err;
   if (R == 0) return ffi::Error::Success();
   if (R > 0x7FFFFFFF) return Invalid("quant_dequant_rows", "R = x.shape[0] must be < 2^31");
   const int32_t* ids = row_ids.dimensions()[0] ? row_ids.typed_data() : nullptr;
+  const bool pdl = kernel_flags & int64_t(KernelFlag::kPdl);
   if (x.element_type() == ffi::DataType::BF16) {
     Launch(reinterpret_cast<const uint16_t*>(x.untyped_data()), ids, R, K, out->typed_data(), scale->typed_data(),
-           stream);
+           pdl, stream);
   } else {
-    Launch(reinterpret_cast<const float*>(x.untyped_data()), ids, R, K, out->typed_data(), scale->typed_data(),
+    Launch(reinterpret_cast<const float*>(x.untyped_data()), ids, R, K, out->typed_data(), scale->typed_data(), pdl,
            stream);
   }
   return LaunchError("quant_dequant_rows");
