@@ -2,6 +2,11 @@
 //   acc[n] = sum_k a[row(r), k] * w_e[n, k]      (w decoded exactly: e2m1 * e4m3 scale; fp32)
 //   v = acc * (alpha[e] * row_scale)               -> activation (GEMM1) -> bf16
 // the same function the CUDA kernel computes, written as plain loops.
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <memory>
+#include <mutex>
 #include <vector>
 
 #include "moe_common.h"
@@ -10,16 +15,18 @@
 namespace jax_nvfp4 {
 namespace {
 
-// Decode expert e's [N, K] weights (without the global scale: exact in fp32 and bf16).
-void DecodeExpert(const uint8_t* w, const uint8_t* ws, int64_t e, int64_t N, int64_t K, float* dst) {
+// Decode rows [n0, n0 + rows) of expert e's [N, K] weights (without the global scale: exact in
+// fp32 and bf16) into dst [rows, K].
+void DecodeRows(const uint8_t* w, const uint8_t* ws, int64_t e, int64_t N, int64_t K, int64_t n0, int64_t rows,
+                float* dst) {
   static const std::vector<float> kE4M3 = [] {
     std::vector<float> t(256);
     for (int b = 0; b < 256; ++b) t[b] = E4M3ToFloat(uint8_t(b));
     return t;
   }();
-  const uint8_t* wd = w + e * N * (K / 2);
-  const uint8_t* sd = ws + e * N * (K / 16);
-  for (int64_t n = 0; n < N; ++n) {
+  const uint8_t* wd = w + (e * N + n0) * (K / 2);
+  const uint8_t* sd = ws + (e * N + n0) * (K / 16);
+  for (int64_t n = 0; n < rows; ++n) {
     for (int64_t kb = 0; kb < K / 16; ++kb) {
       const float s = kE4M3[sd[n * (K / 16) + kb]];
       const uint8_t* bytes = wd + n * (K / 2) + kb * 8;
@@ -43,7 +50,93 @@ float Dot(const float* a, const float* b, int64_t K) {
   return acc;
 }
 
-ffi::Error GroupedGemmCpuImpl(ffi::Buffer<ffi::BF16> a, ffi::Buffer<ffi::U8> w_data,
+constexpr int64_t kFeatureBlock = 32;  // output features per work item (decoded weights stay in cache)
+
+struct CpuGemm {
+  const GemmDims& d;
+  const uint16_t* a;
+  const uint8_t *w, *ws;
+  const float *alpha, *rs;
+  const int32_t *sid, *te;
+  int64_t activation, row_scale_mode, top_k, gather, tile_m;
+  uint16_t* out_bf16;
+  float* out_f32;
+
+  void Store(int64_t i, float v) const {
+    if (out_f32) out_f32[i] = v; else out_bf16[i] = FloatToBf16(v);
+  }
+
+  // Work item: one row tile x one block of output features. Every output element is one Dot in a
+  // fixed order whatever thread computes it, so the result does not depend on the thread count.
+  void Run(int64_t item, std::vector<float>& arows, std::vector<float>& wdec) const {
+    const int64_t blocks = (d.n_out + kFeatureBlock - 1) / kFeatureBlock;
+    const int64_t tile = item / blocks, n0 = item % blocks * kFeatureBlock;
+    const int64_t nb = std::min(kFeatureBlock, d.n_out - n0), K = d.K;
+    const bool gated = IsGated(activation);
+    const int64_t e = te[tile];
+    int64_t used = 0;  // rows of this tile with a pair, gathered into arows
+    int64_t src_of[64], row_of[64];
+    float scale_of[64];
+    for (int64_t r = tile * tile_m; r < (tile + 1) * tile_m; ++r) {
+      const int64_t pair = sid[r];
+      const int64_t src = gather ? (pair >= 0 ? pair / top_k : -1) : r;
+      if (e < 0 || e >= d.E || pair < 0 || src >= d.a_rows) {  // padding: zeros
+        for (int64_t n = n0; n < n0 + nb; ++n) Store(r * d.n_out + n, 0.0f);
+        continue;
+      }
+      float scale = alpha[e];
+      if (row_scale_mode != int64_t(RowScale::kNone)) {
+        const int64_t idx = row_scale_mode == int64_t(RowScale::kToken) ? pair / top_k
+                            : row_scale_mode == int64_t(RowScale::kPair) ? pair
+                                                                          : r;
+        scale *= (idx < d.row_scale_n) ? rs[idx] : 0.0f;
+      }
+      src_of[used] = src, row_of[used] = r, scale_of[used] = scale;
+      ++used;
+    }
+    if (used == 0) return;
+    for (int64_t i = 0; i < used; ++i)
+      for (int64_t k = 0; k < K; ++k) arows[i * K + k] = Bf16ToFloat(a[src_of[i] * K + k]);
+    DecodeRows(w, ws, e, d.N, K, n0, nb, wdec.data());
+    if (gated) DecodeRows(w, ws, e, d.N, K, d.n_out + n0, nb, wdec.data() + nb * K);
+    for (int64_t n = 0; n < nb; ++n) {
+      for (int64_t i = 0; i < used; ++i) {
+        const float g = Dot(&arows[i * K], &wdec[n * K], K) * scale_of[i];
+        const float u = gated ? Dot(&arows[i * K], &wdec[(nb + n) * K], K) * scale_of[i] : 0.0f;
+        Store(row_of[i] * d.n_out + n0 + n, ApplyActivation(activation, g, u));
+      }
+    }
+  }
+};
+
+// Work items shared by the handler's thread and the tasks it schedules on XLA's intra-op pool.
+// Every thread takes items from one counter, so the handler's thread finishes the work alone if
+// no pool thread is free (no deadlock when all pool threads are busy), and waits only for items
+// that other threads have taken. A task that starts after the work is done takes nothing and
+// touches only this shared state, never the handler's buffers.
+struct WorkQueue {
+  const CpuGemm* gemm;
+  int64_t items;
+  std::atomic<int64_t> next{0};
+  std::mutex mu;
+  std::condition_variable cv;
+  int64_t completed = 0;
+
+  void Work() {
+    std::vector<float> arows, wdec;
+    for (int64_t i; (i = next.fetch_add(1)) < items;) {
+      if (arows.empty()) {
+        arows.resize(gemm->tile_m * gemm->d.K);
+        wdec.resize(2 * kFeatureBlock * gemm->d.K);
+      }
+      gemm->Run(i, arows, wdec);
+      std::lock_guard<std::mutex> lock(mu);
+      if (++completed == items) cv.notify_all();
+    }
+  }
+};
+
+ffi::Error GroupedGemmCpuImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> a, ffi::Buffer<ffi::U8> w_data,
                               ffi::Buffer<ffi::U8> w_scales, ffi::Buffer<ffi::F32> alpha,
                               ffi::Buffer<ffi::S32> sorted_ids, ffi::Buffer<ffi::S32> tile_expert,
                               ffi::Buffer<ffi::F32> row_scale, ffi::Result<ffi::AnyBuffer> out,
@@ -56,55 +149,28 @@ ffi::Error GroupedGemmCpuImpl(ffi::Buffer<ffi::BF16> a, ffi::Buffer<ffi::U8> w_d
                            1, &d);
       err.failure())
     return err;
-  const uint16_t* ap = a.typed_data();
-  const float* al = alpha.typed_data();
-  const int32_t* sid = sorted_ids.typed_data();
-  const int32_t* te = tile_expert.typed_data();
-  const float* rs = row_scale.typed_data();
   // bf16 output (the default), or fp32 (w4a4 quantizes the unrounded intermediate).
   const bool f32_out = out->element_type() == ffi::DataType::F32;
-  uint16_t* op = f32_out ? nullptr : static_cast<uint16_t*>(out->untyped_data());
-  float* opf = f32_out ? static_cast<float*>(out->untyped_data()) : nullptr;
-  auto store = [&](int64_t i, float v) {
-    if (f32_out) opf[i] = v; else op[i] = FloatToBf16(v);
-  };
-  const bool gated = IsGated(activation);
-  const int64_t K = d.K;
-
-  std::vector<float> wdec(d.N * K), arow(K);
-  int64_t decoded = -1;
-  for (int64_t tile = 0; tile < d.tiles; ++tile) {
-    const int64_t e = te[tile];
-    for (int64_t r = tile * tile_m; r < (tile + 1) * tile_m; ++r) {
-      const int64_t pair = sid[r];
-      const int64_t src = gather ? (pair >= 0 ? pair / top_k : -1) : r;
-      if (e < 0 || e >= d.E || pair < 0 || src >= d.a_rows) {  // padding: zeros
-        for (int64_t n = 0; n < d.n_out; ++n) store(r * d.n_out + n, 0.0f);
-        continue;
-      }
-      if (decoded != e) {
-        DecodeExpert(w_data.typed_data(), w_scales.typed_data(), e, d.N, K, wdec.data());
-        decoded = e;
-      }
-      float scale = al[e];
-      if (row_scale_mode != int64_t(RowScale::kNone)) {
-        const int64_t idx = row_scale_mode == int64_t(RowScale::kToken) ? pair / top_k
-                            : row_scale_mode == int64_t(RowScale::kPair) ? pair
-                                                                          : r;
-        scale *= (idx < d.row_scale_n) ? rs[idx] : 0.0f;
-      }
-      for (int64_t k = 0; k < K; ++k) arow[k] = Bf16ToFloat(ap[src * K + k]);
-      for (int64_t n = 0; n < d.n_out; ++n) {
-        const float g = Dot(arow.data(), &wdec[n * K], K) * scale;
-        const float u = gated ? Dot(arow.data(), &wdec[(n + d.n_out) * K], K) * scale : 0.0f;
-        store(r * d.n_out + n, ApplyActivation(activation, g, u));
-      }
-    }
-  }
+  const CpuGemm g{d, a.typed_data(), w_data.typed_data(), w_scales.typed_data(), alpha.typed_data(),
+                  row_scale.typed_data(), sorted_ids.typed_data(), tile_expert.typed_data(), activation,
+                  row_scale_mode, top_k, gather, tile_m,
+                  f32_out ? nullptr : static_cast<uint16_t*>(out->untyped_data()),
+                  f32_out ? static_cast<float*>(out->untyped_data()) : nullptr};
+  const int64_t items = d.tiles * ((d.n_out + kFeatureBlock - 1) / kFeatureBlock);
+  if (items == 0) return ffi::Error::Success();
+  auto queue = std::make_shared<WorkQueue>();
+  queue->gemm = &g;
+  queue->items = items;
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), items) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([queue] { queue->Work(); });
+  queue->Work();
+  std::unique_lock<std::mutex> lock(queue->mu);
+  queue->cv.wait(lock, [&] { return queue->completed == items; });
   return ffi::Error::Success();
 }
 
 }  // namespace
 }  // namespace jax_nvfp4
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxNvfp4GroupedGemmCpu, jax_nvfp4::GroupedGemmCpuImpl, jax_nvfp4::sig::GroupedGemm(xla::ffi::Ffi::Bind()));                // rows per tile
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxNvfp4GroupedGemmCpu, jax_nvfp4::GroupedGemmCpuImpl,
+                              jax_nvfp4::sig::GroupedGemm(xla::ffi::Ffi::Bind().Ctx<xla::ffi::ThreadPool>()));
