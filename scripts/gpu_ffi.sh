@@ -2,7 +2,7 @@
 # Build the FFI extension on a GPU machine, run the ffi GPU tests, a CUDA-graph check and a short
 # benchmark; logs and JSON go to $OUT (default ./out).
 # Usage: scripts/gpu_ffi.sh [stages] [pytest -k expression]
-#   stages: comma-separated test, graph, bench, ncu, sanitize, invariance, rollout; "all" = test,graph,bench
+#   stages: comma-separated test, graph, bench, ab, ncu, sanitize, invariance, rollout; "all" = test,graph,bench
 # Env: BUDGET (seconds in all, default 400), FFI_BENCH_BACKENDS (default "ffi,xla"),
 #   FFI_BENCH_ARGS (more moe_bench.py arguments, e.g. "--tokens 1,64 --no-baseline"),
 #   TEST_NODES (pytest targets of the test and sanitize stages, in order; default
@@ -122,6 +122,20 @@ if stage sanitize; then
     log "sanitizer rc=$? (0: no errors and tests passed; 99: memcheck errors)"
   fi
   grep -E "ERROR SUMMARY|passed|failed|Invalid|out of bounds" "$OUT/ffi_sanitize.log" | tail -20 | tee -a "$OUT/ffi_summary.txt"
+fi
+
+if stage ab; then
+  # The opt-in KernelFlag variants against the default, each where it should matter (one row per
+  # variant and token count, layers chained in one jit); the winners become the default.
+  log "A/B of the opt-in kernel variants (moe_bench, chain 10, no baseline)"
+  ab() {
+    # shellcheck disable=SC2086
+    timeout $(left "$1") python3 benchmarks/moe_bench.py --backends ffi --no-baseline --chain 10 \
+      --shapes deepseek_v3_ep8,qwen3_30b_a3b "${@:2}" 2>&1 | grep -v "^wrote" | tail -60 | tee -a "$OUT/ffi_summary.txt"
+  }
+  ab 200 --modes w4a16 --tokens 1,4,16,64 --ffi-flags 1,32,64,96 --json "$OUT/ab_decode.json"  # ring, align, PDL
+  ab 120 --modes w4a4 --tokens 1,4,64 --ffi-flags 8,104 --json "$OUT/ab_w4a4.json"  # fused quantize (+align, PDL)
+  ab 200 --modes w4a16 --tokens 1024,4096 --ffi-flags 4,16,20 --json "$OUT/ab_prefill.json"  # wgmma grid, blocks
 fi
 
 if stage bench; then
