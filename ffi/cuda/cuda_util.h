@@ -34,11 +34,15 @@ __device__ __forceinline__ void GridDependencyWait() {
 #endif
 }
 
-// kernel<<<grid, block, smem, stream>>>(args...), with the PDL launch attribute when `pdl`.
+// kernel<<<grid, block, smem, stream>>>(args...), or with the PDL launch attribute when `pdl`.
 // Errors surface through cudaGetLastError (LaunchError).
 template <typename... Params, typename... Args>
 void LaunchKernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, bool pdl,
                   Args&&... args) {
+  if (!pdl) {
+    kernel<<<grid, block, smem, stream>>>(std::forward<Args>(args)...);
+    return;
+  }
   cudaLaunchAttribute attr;
   attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr.val.programmaticStreamSerializationAllowed = 1;
@@ -47,8 +51,8 @@ void LaunchKernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
   cfg.blockDim = block;
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
-  cfg.attrs = pdl ? &attr : nullptr;
-  cfg.numAttrs = pdl ? 1 : 0;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
   cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
 }
 
