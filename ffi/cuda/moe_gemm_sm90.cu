@@ -56,14 +56,10 @@ __device__ __forceinline__ void WgmmaWait() {
 // Keep a register value where it is until here (in flight for an asynchronous wgmma).
 __device__ __forceinline__ void Hold(uint32_t& r) { asm volatile("" : "+r"(r)::"memory"); }
 __device__ __forceinline__ void Hold(float& r) { asm volatile("" : "+f"(r)::"memory"); }
-template <int NF>
-__device__ __forceinline__ void HoldWords(uint32_t (&words)[NF][2][4]) {
+template <typename T, int N>
+__device__ __forceinline__ void Hold(T (&values)[N]) {  // every element of a (nested) array
 #pragma unroll
-  for (int j = 0; j < NF; ++j)
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) Hold(words[j][h][i]);
+  for (int i = 0; i < N; ++i) Hold(values[i]);
 }
 
 // d[64 features x 64 rows] += a (registers) x B (shared memory, descriptor), fp32 accumulate.
@@ -132,7 +128,7 @@ __device__ __forceinline__ void ChunkMma(const WeightRegs<CH, NF>& w, uint32_t b
     const int b = pp & 1;
     if (pp >= 2) {  // piece pp - 2 (which read a[b]) is complete
       WgmmaWait<1>();
-      HoldWords(a[b]);
+      Hold(a[b]);
     }
 #pragma unroll
     for (int j = 0; j < NF; ++j)
@@ -153,8 +149,8 @@ __device__ __forceinline__ void ChunkMma(const WeightRegs<CH, NF>& w, uint32_t b
     WgmmaCommit();
   }
   WgmmaWait<0>();
-  HoldWords(a[0]);
-  HoldWords(a[1]);
+  Hold(a[0]);
+  Hold(a[1]);
 }
 #endif  // JAX_NVFP4_WGMMA
 
@@ -250,12 +246,7 @@ __global__ void __launch_bounds__(kWgThreadsPerCta, 1) W4A16WgmmaKernel(const Ge
     w.Load(wrow, srow, full * 128, t);
     ChunkMma<64, NF>(w, smem_addr + uint32_t(full & 1) * kChunkBytes, acc);
   }
-#pragma unroll
-  for (int j = 0; j < NF; ++j)
-#pragma unroll
-    for (int m = 0; m < 8; ++m)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) Hold(acc[j][m][i]);
+  Hold(acc);
   if constexpr (GATED) {
     if (active[0]) Epilogue<8, NF, true, OutT>(p, e, tile, feat[0], acc);
   } else {
