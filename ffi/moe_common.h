@@ -53,6 +53,8 @@ enum class Mode : int64_t { kBf16 = 0, kW4A16 = 1, kW4A4 = 2 };
 
 // Token tile sizes (rows of the sorted, tile-padded layout a GEMM CTA works on).
 constexpr int kTileMs[] = {8, 16, 32, 64};
+constexpr int kMaxTileM = 64;
+static_assert(kTileMs[3] == kMaxTileM, "kMaxTileM is the largest tile");
 // Warps of a GEMM CTA that split K (decode: more CTAs streaming weights); 1 for tiles > 16 rows.
 constexpr int kKSplits[] = {1, 2, 4};
 constexpr int64_t kMaxSplitTileM = 16;
@@ -64,6 +66,15 @@ constexpr int64_t kCudaNMultiple = 16;
 NVFP4_HD bool IsGated(int64_t act) {
   return act == int64_t(Activation::kSwiglu) || act == int64_t(Activation::kGeglu) ||
          act == int64_t(Activation::kSwigluOai);
+}
+
+// alpha times the per-row scale that `mode` selects for sorted row r holding pair `pair` (0
+// past the end of row_scale): the GEMM epilogue's scale on both platforms.
+NVFP4_HD float RowScaled(float alpha, int64_t mode, const float* row_scale, int64_t row_scale_n, int64_t pair,
+                         int64_t top_k, int64_t r) {
+  if (mode == int64_t(RowScale::kNone)) return alpha;
+  const int64_t idx = mode == int64_t(RowScale::kToken) ? pair / top_k : mode == int64_t(RowScale::kPair) ? pair : r;
+  return alpha * (idx < row_scale_n ? row_scale[idx] : 0.0f);
 }
 
 NVFP4_HD float Sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }

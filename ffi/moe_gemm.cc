@@ -75,8 +75,8 @@ struct CpuGemm {
     const bool gated = IsGated(activation);
     const int64_t e = te[tile];
     int64_t used = 0;  // rows of this tile with a pair, gathered into arows
-    int64_t src_of[64], row_of[64];
-    float scale_of[64];
+    int64_t src_of[kMaxTileM], row_of[kMaxTileM];
+    float scale_of[kMaxTileM];
     for (int64_t r = tile * tile_m; r < (tile + 1) * tile_m; ++r) {
       const int64_t pair = sid[r];
       const int64_t src = gather ? (pair >= 0 ? pair / top_k : -1) : r;
@@ -84,14 +84,8 @@ struct CpuGemm {
         for (int64_t n = n0; n < n0 + nb; ++n) Store(r * d.n_out + n, 0.0f);
         continue;
       }
-      float scale = alpha[e];
-      if (row_scale_mode != int64_t(RowScale::kNone)) {
-        const int64_t idx = row_scale_mode == int64_t(RowScale::kToken) ? pair / top_k
-                            : row_scale_mode == int64_t(RowScale::kPair) ? pair
-                                                                          : r;
-        scale *= (idx < d.row_scale_n) ? rs[idx] : 0.0f;
-      }
-      src_of[used] = src, row_of[used] = r, scale_of[used] = scale;
+      src_of[used] = src, row_of[used] = r;
+      scale_of[used] = RowScaled(alpha[e], row_scale_mode, rs, d.row_scale_n, pair, top_k, r);
       ++used;
     }
     if (used == 0) return;

@@ -148,14 +148,8 @@ __device__ __forceinline__ void Epilogue(const GemmParams& p, int32_t e, int64_t
     for (int c = 0; c < 2; ++c) {
       const int64_t r = tile * BM + 8 * m + 2 * t + c;
       const bool valid = SourceRow(p, r) >= 0;
-      float scale = alpha;
-      if (valid && p.row_scale_mode != int32_t(RowScale::kNone)) {
-        const int64_t pair = p.sorted_ids[r];
-        const int64_t idx = p.row_scale_mode == int32_t(RowScale::kToken)  ? pair / p.top_k
-                            : p.row_scale_mode == int32_t(RowScale::kPair) ? pair
-                                                                           : r;
-        scale *= idx < p.row_scale_n ? p.row_scale[idx] : 0.0f;
-      }
+      const float scale =
+          valid ? RowScaled(alpha, p.row_scale_mode, p.row_scale, p.row_scale_n, p.sorted_ids[r], p.top_k, r) : alpha;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int i = 2 * h + c;
