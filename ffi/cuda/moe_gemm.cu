@@ -279,8 +279,8 @@ void LaunchSplit(const GemmParams& p, int64_t tile_m, int64_t slabs, bool pdl, c
 }
 
 template <bool ASYNC, bool GATED, typename OutT>
-void LaunchAsync(const GemmParams& p, int64_t tile_m, int64_t k_split, bool pdl, cudaStream_t stream) {
-  const int64_t slabs = CeilDiv<int64_t>(p.n_out, kWarpFeatures * (kWarps / k_split));
+void LaunchAsync(const GemmParams& p, int64_t tile_m, int64_t k_split, int64_t slabs, bool pdl,
+                 cudaStream_t stream) {
   switch (k_split) {
     case 2: LaunchSplit<2, ASYNC, GATED, OutT>(p, tile_m, slabs, pdl, stream); break;
     case 4: LaunchSplit<4, ASYNC, GATED, OutT>(p, tile_m, slabs, pdl, stream); break;
@@ -289,10 +289,11 @@ void LaunchAsync(const GemmParams& p, int64_t tile_m, int64_t k_split, bool pdl,
 }
 
 template <bool GATED, typename OutT>
-void Launch(const GemmParams& p, int64_t tile_m, int64_t k_split, int64_t flags, cudaStream_t stream) {
+void Launch(const GemmParams& p, int64_t tile_m, int64_t k_split, int64_t slabs, int64_t flags,
+            cudaStream_t stream) {
   const bool pdl = flags & int64_t(KernelFlag::kPdl);
-  if (flags & int64_t(KernelFlag::kNoAsyncRing)) LaunchAsync<false, GATED, OutT>(p, tile_m, k_split, pdl, stream);
-  else LaunchAsync<true, GATED, OutT>(p, tile_m, k_split, pdl, stream);
+  if (flags & int64_t(KernelFlag::kNoAsyncRing)) LaunchAsync<false, GATED, OutT>(p, tile_m, k_split, slabs, pdl, stream);
+  else LaunchAsync<true, GATED, OutT>(p, tile_m, k_split, slabs, pdl, stream);
 }
 
 ffi::Error GroupedGemmCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> a, ffi::Buffer<ffi::U8> w_data,
@@ -338,10 +339,11 @@ ffi::Error GroupedGemmCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> a, ff
     return LaunchError("grouped_gemm");
   const int64_t f = kernel_flags;
   if (gated) {
-    f32_out ? Launch<true, float>(p, tile_m, k_split, f, stream) : Launch<true, uint16_t>(p, tile_m, k_split, f, stream);
+    f32_out ? Launch<true, float>(p, tile_m, k_split, slabs, f, stream)
+            : Launch<true, uint16_t>(p, tile_m, k_split, slabs, f, stream);
   } else {
-    f32_out ? Launch<false, float>(p, tile_m, k_split, f, stream)
-            : Launch<false, uint16_t>(p, tile_m, k_split, f, stream);
+    f32_out ? Launch<false, float>(p, tile_m, k_split, slabs, f, stream)
+            : Launch<false, uint16_t>(p, tile_m, k_split, slabs, f, stream);
   }
   return LaunchError("grouped_gemm");
 }
