@@ -14,6 +14,7 @@ from hypothesis import given, settings, strategies as st
 
 import jax_nvfp4 as nv
 from jax_nvfp4 import _ffi_ops as ops
+from test_ffi import make_experts, make_routing, make_x
 
 pytestmark = pytest.mark.skipif(ops.extension_error() is not None,
                                 reason=f"FFI extension not built: {ops.extension_error()}")
@@ -148,23 +149,14 @@ def test_kernel_flag_mirrors_cpp():
     assert ops._ffi.constants()["KernelFlag"]["fused_quant"] == FUSED
 
 
-def _moe_case(seed, t, e, k, h=64, i=32):
-    rng = np.random.default_rng(seed)
-    gu = jnp.asarray(rng.standard_normal((e, 2 * i, h)) * 0.1, jnp.bfloat16)
-    dn = jnp.asarray(rng.standard_normal((e, h, i)) * 0.1, jnp.bfloat16)
-    experts = nv.quantize_experts(gu, dn)
-    x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
-    ids = jnp.asarray(np.stack([rng.permutation(e)[:k] for _ in range(t)]), jnp.int32)
-    w = jnp.asarray(rng.uniform(0.1, 1, (t, k)), jnp.float32)
-    return x, experts, ids, w
+def _moe_case(seed, t, e, k, h=64, i=32, gated=True):
+    """Random NVFP4 experts, activations and routing (with padding ids), as test_ffi builds them."""
+    return make_x(seed, t, h), make_experts(seed, e, h, i, gated=gated), *make_routing(seed, t, k, e)
 
 
 @pytest.mark.parametrize("act", ["swiglu", "relu2"])
 def test_moe_w4a4_fused_quant_is_the_same_function(act):
-    x, experts, ids, w = _moe_case(4, 13, 8, 3)
-    if act == "relu2":
-        experts = nv.NVFP4Experts(jax.tree.map(lambda a: a[:, : a.shape[1] // 2] if a.ndim == 3 else a,
-                                               experts.gate_up), experts.down, False)
+    x, experts, ids, w = _moe_case(4, 13, 8, 3, gated=act != "relu2")
     run = lambda flags: ops.moe(x, experts, ids, w, mode="w4a4", activation=act, kernel_flags=flags)  # noqa: E731
     np.testing.assert_array_equal(bits(run(FUSED)), bits(run(0)))
 
