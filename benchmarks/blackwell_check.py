@@ -409,9 +409,7 @@ def step_timing(args):
             for name, mode, kind in runs:
                 if kind is None:
                     b = base.get(name)
-                    problem = base.MoEProblem(t, shape.hidden, shape.intermediate, shape.local_experts,
-                                              shape.top_k, mode, "swiglu", None)
-                    why = b.unavailable_reason() or b.unsupported_reason(problem)
+                    why = b.unavailable_reason() or b.unsupported_reason(shape.problem(t, mode))
                     if why:
                         report("6 timing", f"{shape.name} T={t} {name} {mode}", "SKIP", why)
                         continue

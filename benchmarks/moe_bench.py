@@ -112,8 +112,7 @@ def bench_shape(shape, tokens, modes, backends, args, log):
 
         for mode in modes:
             experts = b if mode == "bf16" else q
-            problem = base.MoEProblem(t, shape.hidden, shape.intermediate, shape.local_experts,
-                                      shape.top_k, mode, "swiglu")
+            problem = shape.problem(t, mode)
             for name in backends:
                 if name not in base.names():
                     why = f"backend {name!r} is not registered (registered: {', '.join(base.names())})"

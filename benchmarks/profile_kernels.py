@@ -16,7 +16,6 @@ import jax
 
 import jax_nvfp4 as nv
 from jax_nvfp4 import arg_specs as specs
-from jax_nvfp4.backends import base
 from jax_nvfp4.backends.ffi import FFIBackend
 
 
@@ -40,8 +39,7 @@ def main(argv=None):
         if args.backend != "ffi":
             p.error("--kernel-flags needs --backend ffi")
         impl = FFIBackend(args.kernel_flags)
-        problem = base.MoEProblem(args.tokens, shape.hidden, shape.intermediate, shape.local_experts,
-                                  shape.top_k, args.mode, "swiglu")
+        problem = shape.problem(args.tokens, args.mode)
         f = jax.jit(lambda x, i, w, ex: impl(x, ex, i, w, problem=problem,
                                              local_expert_offset=shape.local_expert_offset))
     else:

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .backends.base import MoEProblem
 from .formats import BF16Experts, NVFP4Array, NVFP4Experts, dequantize
 
 H200_HBM_BYTES_PER_S = 4.3e12  # measured HBM copy rate (spec section 6)
@@ -51,6 +52,10 @@ class MoEShape:
     top_k: int
     local_expert_offset: int = 0
     gated: bool = True
+
+    def problem(self, tokens: int, mode: str, activation: str = "swiglu") -> MoEProblem:
+        """The backends' static description of this layer at ``tokens`` tokens."""
+        return MoEProblem(tokens, self.hidden, self.intermediate, self.local_experts, self.top_k, mode, activation)
 
     @property
     def gemm1_rows(self) -> int:
