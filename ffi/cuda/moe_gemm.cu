@@ -83,6 +83,18 @@ __device__ __forceinline__ void ComputeChunk(const WeightRegs<CH, NF>& w, const 
   }
 }
 
+// The 64-K tail at kc when kc < k1 ((k1 - k0) % 128 == 64), loaded straight into registers.
+template <int FM, int NF>
+__device__ __forceinline__ void TailChunk(const uint8_t* const (&wrow)[NF][2], const uint8_t* const (&srow)[NF][2],
+                                          const uint16_t* const (&arow)[FM], int64_t kc, int64_t k1, int t,
+                                          float (&acc)[NF][FM][4]) {
+  if (kc < k1) {
+    WeightRegs<64, NF> tail;
+    tail.Load(wrow, srow, kc, t);
+    ComputeChunk<64, NF, FM>(tail, arow, kc, t, acc);
+  }
+}
+
 // acc += this warp's rows x a over K [k0, k1) (multiples of 64): 128-K chunks, the next
 // chunk's weights in flight while this one multiplies, then a 64-K tail.
 template <int FM, int NF>
@@ -101,11 +113,7 @@ __device__ __forceinline__ void MainLoop(const uint8_t* const (&wrow)[NF][2], co
       if (more) cur = next;
     }
   }
-  if (kc < k1) {  // (k1 - k0) % 128 == 64
-    WeightRegs<64, NF> tail;
-    tail.Load(wrow, srow, kc, t);
-    ComputeChunk<64, NF, FM>(tail, arow, kc, t, acc);
-  }
+  TailChunk<FM, NF>(wrow, srow, arow, kc, k1, t, acc);
 }
 
 // ---- decode tiles: a deeper pipeline through shared memory ---------------------------------
@@ -176,11 +184,7 @@ __device__ __forceinline__ void MainLoopAsync(WarpRing<NF>& ring, const uint8_t*
     ComputeChunk<128, NF, FM>(w, arow, k0 + 128 * c, t, acc);
   }
   const int64_t kc = k0 + 128 * chunks;
-  if (kc < k1) {  // (k1 - k0) % 128 == 64
-    WeightRegs<64, NF> tail;
-    tail.Load(wrow, srow, kc, t);
-    ComputeChunk<64, NF, FM>(tail, arow, kc, t, acc);
-  }
+  TailChunk<FM, NF>(wrow, srow, arow, kc, k1, t, acc);
 }
 
 template <int FM, int KS, bool ASYNC, bool GATED, typename OutT>
