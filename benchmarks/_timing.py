@@ -28,20 +28,52 @@ def device_name() -> str:
     return getattr(d, "device_kind", d.platform)
 
 
-def chained_time(fn, x, routing_sets, rest, *, n: int = 20, repeats: int = 3) -> float:
+def device_clock_available() -> bool:
+    """Whether :func:`chained_time` can use ``clock="device"`` (the ffi extension is built)."""
+    from jax_nvfp4 import _ffi_ops
+    return _ffi_ops.extension_error() is None
+
+
+def chained_time(fn, x, routing_sets, rest, *, n: int = 20, repeats: int = 3, clock: str = "host") -> float:
     """Seconds per call of a layer ``fn(x, ids, w, *rest) -> x'`` (same shape and dtype as ``x``),
-    with JAX's per-call dispatch overhead removed: 1 and n+1 layers chained in one jit,
-    (t(n+1) - t(1)) / n, each the best of ``repeats``. The chain is unrolled (straight-line
-    code, as a model's layers): an XLA while loop would add a host round trip per step. Step i
-    uses routing set i % S, so consecutive layers hit different experts and small weight sets do
-    not stay in L2 across steps."""
+    chained n times in one jit, so that JAX's per-call dispatch overhead does not count. The chain
+    is unrolled (straight-line code, as a model's layers): an XLA while loop would add a host
+    round trip per step. Step i uses routing set i % S, so consecutive layers hit different
+    experts and small weight sets do not stay in L2 across steps.
+
+    ``clock="device"``: two :func:`jax_nvfp4._ffi_ops.device_clock` readings around the n layers
+    (on the GPU its ``%globaltimer``), the best of ``repeats`` runs of (t_end - t_start) / n; no host
+    time enters. ``clock="host"``: wall time of 1 and n+1 chained layers, (t(n+1) - t(1)) / n, each
+    the best of ``repeats`` (host jitter of the short runs enters; retried longer if it swamps them).
+    """
+    if clock not in ("host", "device"):
+        raise ValueError(f"clock must be 'host' or 'device', got {clock!r}")
     s = len(routing_sets)
 
-    @functools.partial(jax.jit, static_argnums=0)
-    def run(m, x, routing, *rest):
+    def layers(m, x, routing, rest):
         for i in range(m):
             x = fn(x, *routing[i % s], *rest)
         return x
+
+    if clock == "device":
+        from jax_nvfp4 import _ffi_ops
+
+        @jax.jit
+        def timed(x, routing, *rest):
+            x, t0 = _ffi_ops.device_clock(x)
+            x, t1 = _ffi_ops.device_clock(layers(n, x, routing, rest))
+            return x, t0, t1
+
+        def span_ns():
+            _, t0, t1 = jax.block_until_ready(timed(x, routing_sets, *rest))
+            return _ffi_ops.clock_ns(t1) - _ffi_ops.clock_ns(t0)
+
+        span_ns()  # compile, warm up
+        return min(span_ns() for _ in range(repeats)) * 1e-9 / n
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def run(m, x, routing, *rest):
+        return layers(m, x, routing, rest)
 
     def best_of(m, k):
         times = []

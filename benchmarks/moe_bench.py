@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _timing import chained_time, device_name, median_time  # noqa: E402
+from _timing import chained_time, device_clock_available, device_name, median_time  # noqa: E402
 
 import jax_nvfp4 as nv  # noqa: E402
 from jax_nvfp4 import arg_specs as specs  # noqa: E402
@@ -93,10 +93,10 @@ def bench_shape(shape, tokens, modes, backends, args, log):
         def record(name, mode, fn, arg_sets):
             try:
                 chained = args.chain and name.split("[")[0] in args.chain_backends
-                timing = f"chain{args.chain}" if chained else "median"
+                timing = f"chain{args.chain}/{args.clock}" if chained else "median"
                 if timing != "median":  # layers chained in one jit: no per-call dispatch overhead
                     sec = chained_time(fn, arg_sets[0][0], [a[1:3] for a in arg_sets], arg_sets[0][3:],
-                                       n=args.chain)
+                                       n=args.chain, repeats=args.repeats, clock=args.clock)
                 else:
                     sec = median_time(jax.jit(fn), arg_sets, warmup=args.warmup, repeats=args.repeats)
             except Exception as err:  # report and go on: one failing backend must not stop the run
@@ -199,11 +199,16 @@ def main(argv=None):
     p.add_argument("--max-expanded-tflop", type=float, default=100.0,
                    help="skip the baseline when ragged_dot's dense expansion exceeds this many TFLOP")
     p.add_argument("--warmup", type=int, default=None)
-    p.add_argument("--repeats", type=int, default=None)
+    p.add_argument("--repeats", type=int, default=None,
+                   help="timed calls per row (median), or with --chain runs of each chain length (best of)")
     p.add_argument("--sets", type=int, default=3, help="input sets the timing rotates through")
     p.add_argument("--chain", type=int, default=0,
-                   help="time N layers chained in one jit (per layer: (t(N+1) - t(1)) / N), which removes "
-                        "JAX's per-call dispatch overhead; 0: median of single jitted calls")
+                   help="time N layers chained in one jit (per layer: the chain's time / N, see --clock), which "
+                        "removes JAX's per-call dispatch overhead; 0: median of single jitted calls")
+    p.add_argument("--clock", choices=("auto", "device", "host"), default="auto",
+                   help="what times a --chain: 'device' = two device_clock custom calls around the chain "
+                        "(GPU %%globaltimer; no host jitter), 'host' = wall time of 1 and N+1 layers; 'auto' = "
+                        "device when the ffi extension is built")
     p.add_argument("--chain-backends", default="ffi",
                    help="comma-separated backends --chain applies to (default ffi: microsecond kernels); the "
                         "others (and the baseline) are timed as single jitted calls, whose dispatch overhead "
@@ -228,6 +233,8 @@ def main(argv=None):
     backends = [b for b in args.backends.split(",") if b]
     args.xla_variants = [v for v in args.xla_variants.split(",") if v]
     args.chain_backends = set(args.chain_backends.split(","))
+    if args.clock == "auto":
+        args.clock = "device" if device_clock_available() else "host"
     try:
         args.ffi_flags = [_ffi_ops._check_kernel_flags(int(f)) for f in args.ffi_flags.split(",") if f]
     except ValueError as err:

@@ -92,11 +92,13 @@ NB_MODULE(_ffi, m) {
     add("jax_nvfp4_grouped_gemm", JaxNvfp4GroupedGemmCpu, JaxNvfp4GroupedGemmCuda);
     add("jax_nvfp4_moe_finalize", JaxNvfp4MoeFinalizeCpu, JaxNvfp4MoeFinalizeCuda);
     add("jax_nvfp4_quant_dequant_rows", JaxNvfp4QuantDequantRowsCpu, JaxNvfp4QuantDequantRowsCuda);
+    add("jax_nvfp4_device_clock", JaxNvfp4DeviceClockCpu, JaxNvfp4DeviceClockCuda);
 #else
     add("jax_nvfp4_moe_align", JaxNvfp4MoeAlignCpu, nullptr);
     add("jax_nvfp4_grouped_gemm", JaxNvfp4GroupedGemmCpu, nullptr);
     add("jax_nvfp4_moe_finalize", JaxNvfp4MoeFinalizeCpu, nullptr);
     add("jax_nvfp4_quant_dequant_rows", JaxNvfp4QuantDequantRowsCpu, nullptr);
+    add("jax_nvfp4_device_clock", JaxNvfp4DeviceClockCpu, nullptr);
 #endif
     return regs;
   }, "XLA FFI handlers of this build: target name -> {platform ('cpu', 'CUDA') -> PyCapsule}.");

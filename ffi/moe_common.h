@@ -313,6 +313,19 @@ ffi::Error CheckFinalize(const char* op, const Y& y, const PR& pair_to_row, cons
   return ffi::Error::Success();
 }
 
+// device_clock: x aliased to the first output, the time output [2] (low, high 32-bit words).
+inline ffi::Error CheckDeviceClock(const ffi::AnyBuffer& x, const ffi::AnyBuffer& x_out,
+                                   const ffi::Buffer<ffi::U32>& ns) {
+  if (ns.element_count() != 2) return Invalid("device_clock", "the time output must have 2 elements");
+  if (x_out.untyped_data() != x.untyped_data())
+    return Invalid("device_clock", "x must be aliased to the first output (input_output_aliases={0: 0})");
+  return ffi::Error::Success();
+}
+NVFP4_HD void StoreClockNs(uint64_t t, uint32_t* ns) {
+  ns[0] = uint32_t(t);
+  ns[1] = uint32_t(t >> 32);
+}
+
 // Local expert index of a global id, or -1 for padding (< 0) and other shards' experts.
 NVFP4_HD int32_t LocalExpert(int32_t id, int64_t offset, int64_t num_experts) {
   if (id < 0) return -1;

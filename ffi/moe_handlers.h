@@ -62,6 +62,16 @@ auto QuantDequantRows(B b) {
       .template Ret<ffi::Buffer<ffi::F32>>()  // scale [R] per-row global decode scale
       .template Attr<int64_t>("kernel_flags");  // KernelFlag bits (GPU launch variants; 0: default)
 }
+
+// Benchmark clock: passes x through (aliased) and records the time at which the stream reached
+// it, so that a chain of layers can be timed between two such points without host jitter.
+template <typename B>
+auto DeviceClock(B b) {
+  return std::move(b)
+      .template Arg<ffi::AnyBuffer>()  // x, any shape and type
+      .template Ret<ffi::AnyBuffer>()  // x, the same buffer (input_output_aliases)
+      .template Ret<ffi::Buffer<ffi::U32>>();  // [2] nanoseconds, low and high 32-bit words
+}
 }  // namespace sig
 }  // namespace jax_nvfp4
 
@@ -70,6 +80,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxNvfp4MoeAlignCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxNvfp4GroupedGemmCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxNvfp4MoeFinalizeCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxNvfp4QuantDequantRowsCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxNvfp4DeviceClockCpu);
 
 #ifdef JAX_NVFP4_WITH_CUDA
 // CUDA (sm_90a / sm_100a), CUDA-graph compatible.
@@ -77,4 +88,5 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxNvfp4MoeAlignCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxNvfp4GroupedGemmCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxNvfp4MoeFinalizeCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxNvfp4QuantDequantRowsCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxNvfp4DeviceClockCuda);
 #endif

@@ -11,6 +11,8 @@ Four ops (C++ in ``ffi/``; one CPU handler and one CUDA handler each, same targe
 - :func:`quant_dequant_rows`: per-token NVFP4 quantization decoded back to bf16 without the
   global scale (mode w4a4's activations; bit-exact with :func:`jax_nvfp4.quantize`).
 
+Benchmarks also use :func:`device_clock` (the time at which the stream reaches a value).
+
 Every op takes ``impl="ffi"`` (the custom call) or ``impl="jax"`` (its pure-JAX twin, the
 reference the tests hold the kernels to). :func:`moe` chains them into the expert part of the
 MoE layer, with a ``custom_vjp`` (gradients from the pure-JAX path) and a ``custom_vmap`` rule
@@ -94,6 +96,7 @@ TARGET_ALIGN = "jax_nvfp4_moe_align"
 TARGET_GEMM = "jax_nvfp4_grouped_gemm"
 TARGET_FINALIZE = "jax_nvfp4_moe_finalize"
 TARGET_QUANT = "jax_nvfp4_quant_dequant_rows"
+TARGET_CLOCK = "jax_nvfp4_device_clock"
 IMPLS = ("ffi", "jax")
 
 _lock = threading.Lock()
@@ -474,6 +477,28 @@ def quant_dequant_rows(x, row_ids=None, *, impl: str = "ffi", kernel_flags: int 
     return jax.ffi.ffi_call(TARGET_QUANT, (jax.ShapeDtypeStruct((r, kk), jnp.bfloat16),
                                            jax.ShapeDtypeStruct((r,), jnp.float32)),
                             vmap_method="sequential")(x, ids, kernel_flags=np.int64(kernel_flags))
+
+
+def device_clock(x):
+    """``(x, ns)``: ``x`` unchanged and the time at which the device reached it.
+
+    A benchmark helper: ``ns`` (uint32 ``[2]``, nanoseconds as low and high words; see
+    :func:`clock_ns`) is taken by a custom call that runs once everything ``x`` depends on has run
+    (the GPU's ``%globaltimer`` after the earlier kernels on the stream; the CPU's steady clock).
+    Two clocks around a chain of layers time the chain on the device, without host jitter or
+    dispatch overhead. ``x`` passes through aliased, so later work must use the returned ``x``.
+    """
+    ensure_registered()
+    x = jnp.asarray(x)
+    return jax.ffi.ffi_call(TARGET_CLOCK, (jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                           jax.ShapeDtypeStruct((2,), jnp.uint32)),
+                            input_output_aliases={0: 0}, vmap_method="sequential")(x)
+
+
+def clock_ns(ns) -> int:
+    """The nanoseconds of a :func:`device_clock` reading (host side)."""
+    lo, hi = (int(v) for v in np.asarray(ns, np.uint32))
+    return lo | (hi << 32)
 
 
 # ---- the MoE expert pipeline ---------------------------------------------------------------

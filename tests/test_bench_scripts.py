@@ -16,10 +16,11 @@ import profile_kernels  # noqa: E402
 import batch_invariance  # noqa: E402
 
 
-def test_moe_bench_quick_rows(tmp_path):
+@pytest.mark.parametrize("clock", ["device", "host"])
+def test_moe_bench_quick_rows(tmp_path, clock):
     out = tmp_path / "bench.json"
     moe_bench.main(["--quick", "--shapes", "tiny", "--tokens", "1,5", "--modes", "w4a16", "--backends", "ffi,xla",
-                    "--chain", "2", "--ffi-flags", "1,6", "--sets", "1", "--json", str(out)])
+                    "--chain", "2", "--clock", clock, "--ffi-flags", "1,6", "--sets", "1", "--json", str(out)])
     rows = json.loads(out.read_text())["results"]
     names = {(r["backend"], r["tokens"]) for r in rows}
     for b in ("ffi", "xla", "ffi[flags=1]", "ffi[flags=6]", moe_bench.BASELINE):
@@ -27,7 +28,7 @@ def test_moe_bench_quick_rows(tmp_path):
     for r in rows:
         assert "error" not in r, r
         assert r["median_us"] > 0 and r["floor_us"] > 0
-        assert r["timing"] == ("chain2" if r["backend"].startswith("ffi") else "median")
+        assert r["timing"] == (f"chain2/{clock}" if r["backend"].startswith("ffi") else "median")
 
 
 def test_moe_bench_rejects_bad_kernel_flags(capsys):

@@ -6,6 +6,7 @@ run the CUDA kernels and are skipped without a GPU.
 
 from __future__ import annotations
 
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -79,7 +80,8 @@ def test_constants_and_decode_selftest():
     ops.check_constants()
     assert ops._ffi._selftest_decode() == 0  # the GPU kernels' E2M1 -> bf16 bit decode, on the host
     regs = ops._ffi.registrations()
-    assert set(regs) == {ops.TARGET_ALIGN, ops.TARGET_GEMM, ops.TARGET_FINALIZE, ops.TARGET_QUANT}
+    assert set(regs) == {ops.TARGET_ALIGN, ops.TARGET_GEMM, ops.TARGET_FINALIZE, ops.TARGET_QUANT,
+                         ops.TARGET_CLOCK}
     assert all("cpu" in p for p in regs.values())
     if ops.build_info()["cuda"]:
         assert all("CUDA" in p for p in regs.values())
@@ -249,6 +251,45 @@ def test_finalize_matches_twin():
     y = jnp.asarray(rng.standard_normal((40, 64)), BF16)
     p2r = jnp.asarray(rng.integers(-1, 40, (9, 4)), jnp.int32)
     np.testing.assert_array_equal(f32(ops.moe_finalize(y, p2r)), f32(ops.moe_finalize(y, p2r, impl="jax")))
+
+
+# ------------------------------------------------------------------------------------------
+# Benchmark clock (runs on the default device: the CPU here, the GPU on a GPU machine)
+
+def test_device_clock_brackets_the_work_between_two_readings():
+    ex = make_experts(1, 8, 512, 256)
+    x = make_x(0, 64, 512)
+    ids, w = make_routing(0, 64, 2, 8)
+
+    @functools.partial(jax.jit, static_argnums=1)
+    def timed(x, layers):
+        x, t0 = ops.device_clock(x)
+        for _ in range(layers):
+            x = ops.moe(x, ex, ids, w)
+        x, t1 = ops.device_clock(x)
+        return x, t0, t1
+
+    def span(layers):  # output, best of 3 (t1 - t0)
+        runs = [timed(x, layers) for _ in range(3)]
+        assert all(t.dtype == jnp.uint32 and t.shape == (2,) and ops.clock_ns(t) > 0 for _, t, _ in runs)
+        return runs[0][0], min(ops.clock_ns(t1) - ops.clock_ns(t0) for _, t0, t1 in runs)
+
+    y0, idle = span(0)
+    y4, busy = span(4)
+    np.testing.assert_array_equal(f32(y0), f32(x))  # passes x through unchanged
+    want = x
+    for _ in range(4):
+        want = ops.moe(want, ex, ids, w)
+    np.testing.assert_array_equal(f32(y4), f32(want))
+    assert 0 <= idle < busy  # the readings bracket the 4 layers
+
+
+@pytest.mark.gpu
+def test_gpu_device_clock_brackets_the_work_between_two_readings():
+    """The same on the GPU (%globaltimer), in the GPU stage of scripts/gpu_ffi.sh."""
+    if not has_gpu():
+        pytest.skip("needs an NVIDIA GPU")
+    test_device_clock_brackets_the_work_between_two_readings()
 
 
 # ------------------------------------------------------------------------------------------
