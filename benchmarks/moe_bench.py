@@ -131,8 +131,9 @@ def bench_shape(shape, tokens, modes, backends, args, log):
                 record(name, mode, fn, [s + (experts,) for s in sets])
 
             variants = [(f"xla[{v}]", XLABackend(*v.split("/"))) for v in args.xla_variants]
-            if mode != "bf16" and args.ffi_flags and not FFIBackend().unavailable_reason():
+            if mode != "bf16" and not FFIBackend().unavailable_reason():
                 variants += [(f"ffi[flags={f}]", FFIBackend(f)) for f in args.ffi_flags]
+                variants += [(f"ffi[ks={s}]", FFIBackend(k_split=s)) for s in args.ffi_k_splits]
             for label, impl in variants:  # forced strategies / kernel variants, side by side
 
                 def fn(x, ids, w, ex, impl=impl, problem=problem):
@@ -194,7 +195,10 @@ def main(argv=None):
                         "gather/ragged,gather/tiled (to calibrate the automatic choice)")
     p.add_argument("--ffi-flags", default="",
                    help="comma-separated KernelFlag values to time as extra ffi rows 'ffi[flags=N]' (CUDA "
-                        "kernel variants: 1 no cp.async ring, 2 no wgmma, 4 one-block wgmma, 8 fused w4a4 quantize, 16 slabs-first wgmma grid, 32 one-warp align, 64 PDL launches; combine by adding)")
+                        "kernel variants: 1 no cp.async ring, 2 no wgmma, 4 one-block wgmma, 8 fused w4a4 quantize, 16 slabs-first wgmma grid, 32 one-warp align, 64 PDL launches, 128 activations prefetched in decode tiles; combine by adding)")
+    p.add_argument("--ffi-k-splits", default="",
+                   help="comma-separated k_split values (1, 2, 4) to time as extra ffi rows 'ffi[ks=N]': the "
+                        "decode tiles' K split fixed instead of chosen from the shape (more CTAs per GEMM)")
     p.add_argument("--no-baseline", action="store_true", help=f"skip the {BASELINE} baseline")
     p.add_argument("--max-expanded-tflop", type=float, default=100.0,
                    help="skip the baseline when ragged_dot's dense expansion exceeds this many TFLOP")
@@ -239,6 +243,10 @@ def main(argv=None):
         args.ffi_flags = [_ffi_ops._check_kernel_flags(int(f)) for f in args.ffi_flags.split(",") if f]
     except ValueError as err:
         p.error(f"--ffi-flags: {err}")
+    try:
+        args.ffi_k_splits = [FFIBackend(k_split=int(s)).k_split for s in args.ffi_k_splits.split(",") if s]
+    except ValueError as err:
+        p.error(f"--ffi-k-splits: {err}")
     for v in args.xla_variants:
         d, _, g = v.partition("/")
         if d not in ("gather", "all") or g not in ("ragged", "tiled"):

@@ -129,6 +129,7 @@ NB_MODULE(_ffi, m) {
     kf["slabs_first"] = int64_t(KernelFlag::kSlabsFirst);
     kf["align_one_warp"] = int64_t(KernelFlag::kAlignOneWarp);
     kf["pdl"] = int64_t(KernelFlag::kPdl);
+    kf["prefetch_activations"] = int64_t(KernelFlag::kPrefetchActivations);
     c["KernelFlag"] = kf;
     nb::list tiles;
     for (int t : kTileMs) tiles.append(t);

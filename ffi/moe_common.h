@@ -45,8 +45,9 @@ enum class KernelFlag : int64_t {
   kSlabsFirst = 16,     // wgmma: consecutive CTAs take one row tile's feature slabs (L2 reuse of activations)
   kAlignOneWarp = 32,   // moe_align with <= 32 pairs: one warp, no block scan (the GEMMs ignore it)
   kPdl = 64,            // every kernel launched with programmatic dependent launch (overlaps launches)
+  kPrefetchActivations = 128,  // decode tiles on the cp.async ring: activations loaded a piece ahead
 };
-constexpr int64_t kAllKernelFlags = 127;
+constexpr int64_t kAllKernelFlags = 255;
 constexpr int64_t kAlignOneWarpPairs = 32;
 // MoE modes (spec section 5); the kernels themselves are mode-agnostic.
 enum class Mode : int64_t { kBf16 = 0, kW4A16 = 1, kW4A4 = 2 };

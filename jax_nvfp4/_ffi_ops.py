@@ -74,6 +74,7 @@ class KernelFlag(enum.IntFlag):
     SLABS_FIRST = 16  # wgmma: consecutive CTAs take one row tile's feature slabs (activations reused in L2)
     ALIGN_ONE_WARP = 32  # moe_align with <= ALIGN_ONE_WARP_PAIRS pairs: one warp, no block-wide scan
     PDL = 64  # every kernel launched with programmatic dependent launch (its start overlaps the previous kernel)
+    PREFETCH_ACTIVATIONS = 128  # decode tiles on the cp.async ring: each activation piece loaded one piece ahead
 
 
 class Mode(enum.IntEnum):

@@ -10,7 +10,7 @@
 #   SAN_K (pytest -k expression of the sanitize stage; default the stage argument), SAN_S,
 #   SAN_EACH=1 (one sanitizer process per test) or SAN_EACH=function (one per test function;
 #   a crashed function is rerun one case per process, a case that segfaults up to SAN_RETRY more
-#   times, default 2), SAN_ALLOCATOR (XLA allocator; default platform).
+#   times, default 2), SAN_ALLOCATOR (XLA allocator; default platform), SAN_KERNELS (all or ours).
 set -uo pipefail
 TEST_NODES=${TEST_NODES:-tests/test_ffi_quant.py tests/test_ffi.py}
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
@@ -48,29 +48,40 @@ if stage test; then
 fi
 
 if stage ncu; then
-  # Per-kernel time, DRAM traffic and issue activity of one layer call (Nsight Compute).
+  # Per-kernel time, DRAM traffic, occupancy, issue activity, pipe use and stall reasons of one
+  # layer call (Nsight Compute). --clock-control none: the card's clocks are left as they are
+  # (never locked to base by the profiler; device/H200.md), so durations match the benchmark's.
   log "ncu: per-kernel profile of one layer call"
+  metrics=gpu__time_duration.sum,dram__bytes_read.sum,smsp__inst_executed.sum,sm__inst_executed_pipe_tensor.sum
+  # Pipe use and stall reasons, kept only where this ncu knows the name (a wrong name fails the run).
+  known=$(ncu --query-metrics --chip gh100 2>/dev/null | awk '{print $1}')
+  for m in sm__inst_executed_pipe_alu.avg.pct_of_peak_sustained_active \
+           sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active \
+           sm__inst_executed_pipe_fmaheavy.avg.pct_of_peak_sustained_active \
+           sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active \
+           smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio \
+           smsp__average_warps_issue_stalled_short_scoreboard_per_issue_active.ratio \
+           smsp__average_warps_issue_stalled_wait_per_issue_active.ratio \
+           smsp__average_warps_issue_stalled_math_pipe_throttle_per_issue_active.ratio \
+           smsp__average_warps_issue_stalled_lg_throttle_per_issue_active.ratio \
+           smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio \
+           smsp__average_warps_issue_stalled_not_selected_per_issue_active.ratio; do
+    grep -qx "${m%%.*}" <<<"$known" && metrics+=",$m"
+  done
+  log "ncu metrics: $metrics"
+  # The GEMM kernels' loop instruction mix (static), to set against the issue figures ncu reports.
+  python3 scripts/sass_loops.py >"$OUT/sass_loops.txt" 2>&1 || log "sass_loops failed: $(tail -1 "$OUT/sass_loops.txt")"
   # A config is shape:tokens, optionally :mode:kernel_flags (e.g. qwen3_30b_a3b:1:w4a4:8).
   for cfg in ${NCU_CONFIGS:-deepseek_v3_ep8:1 qwen3_30b_a3b:1 deepseek_v3_ep8:64 qwen3_30b_a3b:4096 deepseek_v3_ep8:4096}; do
     IFS=: read -r c_shape c_tokens c_mode c_flags <<<"$cfg"
     n=4; [[ ${c_mode:-} == w4a4 ]] && (( ${c_flags:-0} & 8 )) && n=6  # kernels per call (+2 quantize)
-    timeout $(left 120) ncu --kernel-name regex:"Moe|W4A16|Quant" --launch-skip $n --launch-count $n --csv \
-      --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,smsp__inst_executed.sum,sm__inst_executed_pipe_tensor.sum,smsp__issue_active.avg.pct_of_peak_sustained_active,sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,launch__grid_size \
+    timeout $(left 120) ncu --clock-control none --kernel-name regex:"Moe|W4A16|Quant" --launch-skip $n \
+      --launch-count $n --csv --print-units base --section SpeedOfLight --section Occupancy --section LaunchStats \
+      --section SchedulerStats --section WarpStateStats --metrics "$metrics" \
       python3 benchmarks/profile_kernels.py --shape "$c_shape" --tokens "$c_tokens" --mode "${c_mode:-w4a16}" \
       --kernel-flags "${c_flags:-0}" >"$OUT/ncu_one.csv" 2>&1
     echo "# $cfg" >>"$OUT/ncu.csv"; grep '^"' "$OUT/ncu_one.csv" >>"$OUT/ncu.csv" || tail -5 "$OUT/ncu_one.csv" >>"$OUT/ncu.csv"
-    python3 - "$OUT/ncu_one.csv" "$cfg" <<'PY' 2>&1 | tee -a "$OUT/ffi_summary.txt"
-import csv, sys, collections
-rows = [r for r in csv.reader(l for l in open(sys.argv[1]) if l.startswith('"'))]
-if not rows:
-    print(sys.argv[2], "no ncu rows"); sys.exit()
-h = rows[0]; k = collections.OrderedDict()
-for r in rows[1:]:
-    d = dict(zip(h, r)); key = (d["ID"], d["Kernel Name"].split("(")[0].split("<")[0][-28:])
-    k.setdefault(key, {})[d["Metric Name"]] = d["Metric Value"]
-for (i, name), m in k.items():
-    print(f"{sys.argv[2]:>22s} {name:28s} " + " ".join(f"{n.split('__')[1][:22]}={v}" for n, v in m.items()))
-PY
+    python3 scripts/ncu_summary.py "$OUT/ncu_one.csv" "$cfg" 2>&1 | tee -a "$OUT/ffi_summary.txt"
   done
   rm -f "$OUT/ncu_one.csv"
 fi
@@ -86,11 +97,14 @@ if stage sanitize; then
   # On 2026-11-30 the sanitizer process itself segfaulted (rc 139, no memcheck report, no Python
   # fault trace) in 4 of 21 GEMM cases and 8 of 13 MoE cases; the same cases ran clean when
   # rerun (scripts/san_isolate.sh), so a segfaulted case is retried and every run is listed.
-  log "compute-sanitizer memcheck: GPU ffi tests (allocator ${SAN_ALLOCATOR:-platform}, each=${SAN_EACH:-0})"
+  log "compute-sanitizer memcheck: GPU ffi tests (allocator ${SAN_ALLOCATOR:-platform}, each=${SAN_EACH:-0}, kernels ${SAN_KERNELS:-all})"
   sk=${SAN_K:-$kexpr}; kargs=(); [[ -n $sk ]] && kargs=(-k "$sk")
+  # SAN_KERNELS=ours instruments only our kernels (every one lives in namespace jax_nvfp4), not
+  # XLA's: less time per case; default all.
+  san_filter=(); [[ ${SAN_KERNELS:-all} == ours ]] && san_filter=(--kernel-name kns=jax_nvfp4)
   san() {
     XLA_PYTHON_CLIENT_ALLOCATOR=${SAN_ALLOCATOR:-platform} compute-sanitizer --tool memcheck --error-exitcode 99 \
-      --print-limit 20 python3 -m pytest -q -p no:cacheprovider -m gpu "$@"
+      --print-limit 20 "${san_filter[@]}" python3 -m pytest -q -p no:cacheprovider -m gpu "$@"
   }
   san_end=$(( $(date +%s) + $(left ${SAN_S:-400}) ))
   if [[ ${SAN_EACH:-0} != 0 ]]; then
@@ -100,7 +114,7 @@ if stage sanitize; then
     san_run() {  # san_run <label> <pytest ids...>: one sanitizer process; 200 when out of time
       local rest=$(( san_end - $(date +%s) )) label=$1; shift
       (( rest < 10 )) && { echo "budget: stopped before $label" | tee -a "$OUT/ffi_sanitize.log" >>"$OUT/san_rc.txt"; return 200; }
-      timeout "$rest" bash -c "$(declare -f san); san \"\$@\"" _ "$@" >>"$OUT/ffi_sanitize.log" 2>&1
+      timeout "$rest" bash -c "$(declare -p san_filter); $(declare -f san); san \"\$@\"" _ "$@" >>"$OUT/ffi_sanitize.log" 2>&1
       local rc=$?; echo "rc=$rc $label" | tee -a "$OUT/ffi_sanitize.log" >>"$OUT/san_rc.txt"; return $rc
     }
     if [[ $SAN_EACH == function ]]; then
@@ -144,9 +158,12 @@ if stage ab; then
   ab() {
     # shellcheck disable=SC2086
     timeout $(left "$1") python3 benchmarks/moe_bench.py --backends ffi --no-baseline --chain 20 --repeats 20 \
-      --shapes deepseek_v3_ep8,qwen3_30b_a3b "${@:2}" 2>&1 | grep -v "^wrote" | tail -60 | tee -a "$OUT/ffi_summary.txt"
+      --shapes deepseek_v3_ep8,qwen3_30b_a3b "${@:2}" 2>&1 | grep -v "^wrote" | tail -90 | tee -a "$OUT/ffi_summary.txt"
   }
-  ab 200 --modes w4a16 --tokens 1,4,16,64 --ffi-flags 1,32,64,96 --json "$OUT/ab_decode.json"  # ring, align, PDL
+  # ring, align, PDL, prefetched activations; the decode tiles' K split fixed (the CTA count:
+  # choose_k_split aims at ~1024)
+  ab 300 --modes w4a16 --tokens 1,4,64 --ffi-flags 1,32,64,96,128,224 --ffi-k-splits 1,2,4 \
+    --json "$OUT/ab_decode.json"
   ab 120 --modes w4a4 --tokens 1,4,64 --ffi-flags 8,104 --json "$OUT/ab_w4a4.json"  # fused quantize (+align, PDL)
   ab 200 --modes w4a16 --tokens 1024,4096 --ffi-flags 4,16,20 --json "$OUT/ab_prefill.json"  # wgmma grid, blocks
 fi

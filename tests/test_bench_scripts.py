@@ -10,20 +10,26 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
 
 import moe_bench  # noqa: E402
 import profile_kernels  # noqa: E402
 import batch_invariance  # noqa: E402
+import ncu_summary  # noqa: E402
+import sass_loops  # noqa: E402
+
+from jax_nvfp4 import _ffi_ops  # noqa: E402
 
 
 @pytest.mark.parametrize("clock", ["device", "host"])
 def test_moe_bench_quick_rows(tmp_path, clock):
     out = tmp_path / "bench.json"
     moe_bench.main(["--quick", "--shapes", "tiny", "--tokens", "1,5", "--modes", "w4a16", "--backends", "ffi,xla",
-                    "--chain", "2", "--clock", clock, "--ffi-flags", "1,6", "--sets", "1", "--json", str(out)])
+                    "--chain", "2", "--clock", clock, "--ffi-flags", "1,6", "--ffi-k-splits", "4", "--sets", "1",
+                    "--json", str(out)])
     rows = json.loads(out.read_text())["results"]
     names = {(r["backend"], r["tokens"]) for r in rows}
-    for b in ("ffi", "xla", "ffi[flags=1]", "ffi[flags=6]", moe_bench.BASELINE):
+    for b in ("ffi", "xla", "ffi[flags=1]", "ffi[flags=6]", "ffi[ks=4]", moe_bench.BASELINE):
         assert {(b, 1), (b, 5)} <= names, b
     for r in rows:
         assert "error" not in r, r
@@ -33,8 +39,11 @@ def test_moe_bench_quick_rows(tmp_path, clock):
 
 def test_moe_bench_rejects_bad_kernel_flags(capsys):
     with pytest.raises(SystemExit) as e:
-        moe_bench.main(["--quick", "--ffi-flags", "128"])
+        moe_bench.main(["--quick", "--ffi-flags", str(2 * max(_ffi_ops.KernelFlag))])
     assert e.value.code == 2 and "--ffi-flags" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        moe_bench.main(["--quick", "--ffi-k-splits", "3"])
+    assert e.value.code == 2 and "--ffi-k-splits" in capsys.readouterr().err
 
 
 def test_profile_kernels_runs(capsys):
@@ -56,3 +65,43 @@ def test_batch_invariance_rows(tmp_path):
     assert {c for c, _ in by} == {"xla", "ffi", "ffi[flags=2,k_split=1]", "ffi[flags=0,k_split=4]"}
     assert all(r["bitwise_equal"] for r in rows if "error" not in r)  # the CPU kernels are batch-invariant
     assert "k_split" in by[("ffi[flags=0,k_split=4]", 600)]["error"]  # 64-row tiles take no K split
+
+
+def test_ncu_summary_lines():
+    # The shape of `ncu --csv --print-units base` output (details page): section rows and raw metrics.
+    head = '"ID","Process ID","Kernel Name","Section Name","Metric Name","Metric Unit","Metric Value"'
+    rows = [head, "==PROF== Disconnected",
+            '"0","1","W4A16GroupedGemmKernel<1, 4, true>(GemmParams)","","gpu__time_duration.sum","ns","50,000"',
+            '"0","1","W4A16GroupedGemmKernel<1, 4, true>(GemmParams)","","dram__bytes_read.sum","byte","100000000"',
+            '"0","1","W4A16GroupedGemmKernel<1, 4, true>(GemmParams)","Occupancy","Achieved Occupancy","%","41.5"',
+            '"0","1","W4A16GroupedGemmKernel<1, 4, true>(GemmParams)","Occupancy","Unlisted Metric","%","1"',
+            '"1","1","MoeFinalizeKernel(int)","","gpu__time_duration.sum","ns","3000"']
+    lines = [r + "\n" for r in rows]
+    out = ncu_summary.summary_lines(lines, "dsv3:1")
+    assert len(out) == 2
+    assert "W4A16GroupedGemmKernel" in out[0] and "ns=50,000" in out[0] and "TB/s=2.00" in out[0]
+    assert "occ%=41.5" in out[0] and "Unlisted" not in out[0]
+    assert "MoeFinalizeKernel" in out[1] and "TB/s" not in out[1]
+    assert ncu_summary.summary_lines(["==ERROR== no kernels\n"], "x") == ["x no ncu rows"]
+
+
+def test_sass_loops_finds_the_loop_and_groups_its_opcodes():
+    sass = """
+\t\tFunction : _Z6KernelILi1EEv
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   LOP3.LUT R2, R3, 0xf000f, RZ, 0xc0, !PT ;
+        /*0020*/                   IMAD R4, R2, 0x1040, RZ ;
+        /*0030*/                   HMMA.16816.F32.BF16 R8, R12, R16, R8 ;
+        /*0040*/              @!P0 BRA 0x10 ;
+        /*0050*/                   EXIT ;
+        /*0060*/                   BRA 0x60;
+\t\tFunction : _Z5OtherILi2EEv
+        /*0000*/                   EXIT ;
+"""
+    fns = sass_loops.functions(sass)
+    assert list(fns) == ["_Z6KernelILi1EEv", "_Z5OtherILi2EEv"]
+    (start, end, counts), = sass_loops.loops(fns["_Z6KernelILi1EEv"])  # the exit trap is no loop
+    assert (start, end) == (0x10, 0x40)
+    assert counts == {"LOP3": 1, "IMAD": 1, "HMMA": 1, "BRA": 1}
+    assert sass_loops.describe(counts).startswith("alu=1 fma=1 tensor=1 other=1")
+    assert sass_loops.loops(fns["_Z5OtherILi2EEv"]) == []

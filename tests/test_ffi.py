@@ -46,6 +46,9 @@ def random_nvfp4(rng, shape, gscale):
                          jnp.asarray(gscale, jnp.float32))
 
 
+UNKNOWN_FLAG = 2 * max(int(f) for f in ops.KernelFlag)  # the next bit: no KernelFlag has it
+
+
 def make_experts(seed, e, h, i, gated=True):
     """Random NVFP4 experts (no quantizer compile): GEMM1 rows [gate; up] (gated) or [up]."""
     rng = np.random.default_rng(seed)
@@ -195,7 +198,7 @@ def test_gemm_rejects_bad_shapes_with_named_arguments():
     with pytest.raises(Exception, match="k_split > 1 needs tile_m <= 16"):
         call(tile_m=32, k_split=2)
     with pytest.raises(Exception, match="kernel_flags must be a combination"):
-        call(kernel_flags=128)
+        call(kernel_flags=UNKNOWN_FLAG)
     with pytest.raises(ValueError, match="kernel_flags must combine KernelFlag bits"):
         ops.grouped_gemm(a, w, sid, te, tile_m=8, activation=ops.Activation.SWIGLU, top_k=3, gather=True,
                          kernel_flags=-1)
@@ -216,7 +219,7 @@ def test_align_takes_kernel_flags_and_checks_them():
            jax.ShapeDtypeStruct((2, 2), jnp.int32))
     with pytest.raises(Exception, match="kernel_flags must be a combination"):
         jax.ffi.ffi_call(ops.TARGET_ALIGN, out)(ids, num_experts=np.int64(4), expert_offset=np.int64(0),
-                                                 tile_m=np.int64(8), kernel_flags=np.int64(128))
+                                                 tile_m=np.int64(8), kernel_flags=np.int64(UNKNOWN_FLAG))
 
 
 def test_kernel_flags_reach_the_custom_call_and_keep_the_function():
@@ -230,7 +233,24 @@ def test_kernel_flags_reach_the_custom_call_and_keep_the_function():
     np.testing.assert_array_equal(f32(f(x, ids, w)), f32(ops.moe(x, ex, ids, w)))
     assert ffi_backend.FFIBackend(flags).kernel_flags == flags
     with pytest.raises(ValueError, match="kernel_flags must combine"):
-        ffi_backend.FFIBackend(128)
+        ffi_backend.FFIBackend(UNKNOWN_FLAG)
+
+
+def test_backend_k_split_reaches_decode_tiles_only():
+    """FFIBackend(k_split=s) fixes the split of decode tiles (in the lowered GEMM calls) and leaves
+    larger tiles, which never split, alone instead of failing."""
+    ex = make_experts(5, 4, 64, 32)
+    b = ffi_backend.FFIBackend(k_split=4)
+    for t, want in ((2, "k_split = 4"), (300, "k_split = 1")):  # tile_m 8 (decode), 64 (prefill)
+        x = make_x(1, t, 64)
+        ids, w = make_routing(2, t, 2, 4)
+        problem = base.MoEProblem(t, 64, 32, 4, 2, "w4a16", "swiglu")
+        f = jax.jit(lambda x, i, w: b(x, ex, i, w, problem=problem, local_expert_offset=0))
+        text = f.lower(x, ids, w).as_text()
+        assert text.count(want) == 2, (t, want)
+        np.testing.assert_array_equal(f32(f(x, ids, w)), f32(ops.moe(x, ex, ids, w)))  # CPU: the same function
+    with pytest.raises(ValueError, match="k_split must be None or one of"):
+        ffi_backend.FFIBackend(k_split=3)
 
 
 def test_choose_k_split_on_the_benchmark_shapes():
@@ -559,12 +579,13 @@ def test_gpu_gemm_matches_twin(act, gather, mode, out_dtype, h, tile_m, k_split)
 @pytest.mark.gpu
 @pytest.mark.parametrize("flags", [int(ops.KernelFlag.NO_ASYNC_RING), int(ops.KernelFlag.NO_WGMMA),
                                    int(ops.KernelFlag.WGMMA_ONE_BLOCK), int(ops.KernelFlag.SLABS_FIRST),
-                                   int(ops.KernelFlag.SLABS_FIRST | ops.KernelFlag.WGMMA_ONE_BLOCK)])
+                                   int(ops.KernelFlag.SLABS_FIRST | ops.KernelFlag.WGMMA_ONE_BLOCK),
+                                   int(ops.KernelFlag.PREFETCH_ACTIVATIONS)])
 @pytest.mark.parametrize("act,gather,mode,out_dtype", [GEMM_CASES[0], GEMM_CASES[-1]])
 @pytest.mark.parametrize("tile_m,h", [(8, 1152), (64, 320)])
 def test_gpu_kernel_variants_match_twin(act, gather, mode, out_dtype, h, tile_m, flags):
     """Every KernelFlag variant of the GEMM (register-prefetch decode, mma.sync 64-row tiles,
-    one-block wgmma, the slabs-first wgmma grid)."""
+    one-block wgmma, the slabs-first wgmma grid, activations prefetched in decode tiles)."""
     if not has_gpu():
         pytest.skip("needs an NVIDIA GPU")
     a, w, sid, te, rs = _gemm_problem(act, gather, mode, t=37, k=4, e=6, h=h, n=80, tile_m=tile_m, seed=h)
@@ -578,17 +599,18 @@ def test_gpu_kernel_variants_match_twin(act, gather, mode, out_dtype, h, tile_m,
 
 
 OPT_IN_FLAGS = (ops.KernelFlag.FUSED_QUANT, ops.KernelFlag.SLABS_FIRST, ops.KernelFlag.ALIGN_ONE_WARP,
-                ops.KernelFlag.PDL)
+                ops.KernelFlag.PDL, ops.KernelFlag.PREFETCH_ACTIVATIONS)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("t", [1, 4, 2000])
+@pytest.mark.parametrize("t", [1, 4, 48, 2000])
 @pytest.mark.parametrize("flags", [int(f) for f in OPT_IN_FLAGS] + [int(sum(OPT_IN_FLAGS))])
 def test_gpu_opt_in_variants_are_bitwise_the_default(gpu_experts, t, mode, flags):
-    """Fused quantize, slabs-first wgmma grid, one-warp align and PDL launches change where and
-    how the work runs, not a single output bit (t = 2000 x 8 pairs over 32 experts: 64-row wgmma
-    tiles; t = 4: 32 pairs, the one-warp align)."""
+    """Fused quantize, slabs-first wgmma grid, one-warp align, PDL launches and prefetched
+    activations change where and how the work runs, not a single output bit (t = 2000 x 8 pairs
+    over 32 experts: 64-row wgmma tiles; t = 48: 16-row decode tiles; t = 4: 32 pairs, the
+    one-warp align; t = 1: 8-row tiles)."""
     ex = gpu_experts[(32, True)]
     x = make_x(t, t, 320)
     ids, w = make_routing(t, t, 8, 32)

@@ -45,41 +45,53 @@ __device__ __forceinline__ void Mma16816(float (&c)[4], const uint32_t (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// Multiply one chunk: thread t's span is K [kc + t*CH/4, kc + (t+1)*CH/4); piece p (one
-// 32-bit word of codes per row, 16 bytes of activations = 8 k) feeds two MMA steps.
+// The 16 bytes of activations (8 k) at k of each of the thread's rows (zeros where it has none).
+template <int FM>
+__device__ __forceinline__ void LoadPiece(const uint16_t* const (&arow)[FM], int64_t k, uint4 (&x)[FM]) {
+#pragma unroll
+  for (int m = 0; m < FM; ++m)
+    x[m] = arow[m] ? __ldg(reinterpret_cast<const uint4*>(arow[m] + k)) : make_uint4(0, 0, 0, 0);
+}
+
+// Piece p of a chunk (one 32-bit word of codes per weight row, the activations x = 8 k) feeds
+// two MMA steps per weight fragment and row block.
+template <int CH, int NF, int FM>
+__device__ __forceinline__ void ComputePiece(const WeightRegs<CH, NF>& w, const uint32_t (&scale)[NF][2][2], int p,
+                                             const uint4 (&x)[FM], float (&acc)[NF][FM][4]) {
+  uint32_t b[FM][4];
+#pragma unroll
+  for (int m = 0; m < FM; ++m) PairActivations(x[m], b[m]);
+  uint32_t wd[NF][2][4];  // decoded words of rows g and g + 8
+#pragma unroll
+  for (int j = 0; j < NF; ++j)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) DecodeScaled(w.q[j][h][p], scale[j][h][p / 2], wd[j][h]);
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+#pragma unroll
+    for (int m = 0; m < FM; ++m) {
+#pragma unroll
+      for (int j = 0; j < NF; ++j) {
+        uint32_t a[4];
+        AFragment(wd[j], half, a);
+        Mma16816(acc[j][m], a, b[m][2 * half], b[m][2 * half + 1]);
+      }
+    }
+  }
+}
+
+// Multiply one chunk: thread t's span is K [kc + t*CH/4, kc + (t+1)*CH/4), CH/32 pieces.
 template <int CH, int NF, int FM>
 __device__ __forceinline__ void ComputeChunk(const WeightRegs<CH, NF>& w, const uint16_t* const (&arow)[FM],
                                              int64_t kc, int t, float (&acc)[NF][FM][4]) {
   constexpr int kSpan = CH / 4;
-  constexpr int kPieces = kSpan / 8;
   uint32_t scale[NF][2][2];
   w.BlockScales(scale);
 #pragma unroll
-  for (int p = 0; p < kPieces; ++p) {
-    uint32_t b[FM][4];
-#pragma unroll
-    for (int m = 0; m < FM; ++m) {
-      const uint4 x = arow[m] ? __ldg(reinterpret_cast<const uint4*>(arow[m] + kc + kSpan * t + 8 * p))
-                              : make_uint4(0, 0, 0, 0);
-      PairActivations(x, b[m]);
-    }
-    uint32_t wd[NF][2][4];  // decoded words of rows g and g + 8
-#pragma unroll
-    for (int j = 0; j < NF; ++j)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) DecodeScaled(w.q[j][h][p], scale[j][h][p / 2], wd[j][h]);
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-#pragma unroll
-      for (int m = 0; m < FM; ++m) {
-#pragma unroll
-        for (int j = 0; j < NF; ++j) {
-          uint32_t a[4];
-          AFragment(wd[j], half, a);
-          Mma16816(acc[j][m], a, b[m][2 * half], b[m][2 * half + 1]);
-        }
-      }
-    }
+  for (int p = 0; p < kSpan / 8; ++p) {
+    uint4 x[FM];
+    LoadPiece<FM>(arow, kc + kSpan * t + 8 * p, x);
+    ComputePiece<CH, NF, FM>(w, scale, p, x, acc);
   }
 }
 
@@ -156,7 +168,10 @@ __device__ __forceinline__ void IssueChunk(WarpRing<NF>& ring, int stage, const 
     }
 }
 
-template <int FM, int NF>
+// PREFETCH (KernelFlag::kPrefetchActivations): each activation piece is loaded while the one
+// before it multiplies (piece 0 of a chunk during the last piece of the chunk before), so an
+// L2 hit on the activation rows no longer stalls the warp right before its MMAs.
+template <int FM, int NF, bool PREFETCH>
 __device__ __forceinline__ void MainLoopAsync(WarpRing<NF>& ring, const uint8_t* const (&wrow)[NF][2],
                                               const uint8_t* const (&srow)[NF][2],
                                               const uint16_t* const (&arow)[FM], int64_t k0, int64_t k1,
@@ -167,6 +182,8 @@ __device__ __forceinline__ void MainLoopAsync(WarpRing<NF>& ring, const uint8_t*
     if (s < chunks) IssueChunk(ring, s, wrow, srow, k0 + 128 * s, t, lane);
     CpAsyncCommit();  // (empty groups keep the counting uniform)
   }
+  uint4 x[FM];  // PREFETCH: the activations of the next piece to multiply
+  if (PREFETCH && chunks > 0) LoadPiece<FM>(arow, k0 + 32 * t, x);
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t ahead = c + kStages - 1;  // refills the slot chunk c - 1 used (read already)
     if (ahead < chunks) IssueChunk(ring, int(ahead % kStages), wrow, srow, k0 + 128 * ahead, t, lane);
@@ -181,19 +198,36 @@ __device__ __forceinline__ void MainLoopAsync(WarpRing<NF>& ring, const uint8_t*
         w.SetCodes(j, h, ring.codes[stage][2 * j + h][lane]);
         w.s[j][h] = ring.scales[stage][2 * j + h][lane] >> (16 * (t & 1));
       }
-    ComputeChunk<128, NF, FM>(w, arow, k0 + 128 * c, t, acc);
+    const int64_t kc = k0 + 128 * c;
+    if constexpr (PREFETCH) {
+      uint32_t scale[NF][2][2];
+      w.BlockScales(scale);
+#pragma unroll
+      for (int p = 0; p < 4; ++p) {  // thread t's span of the chunk: K [kc + 32t, kc + 32t + 32)
+        uint4 next[FM];
+        if (p < 3) LoadPiece<FM>(arow, kc + 32 * t + 8 * (p + 1), next);
+        else if (c + 1 < chunks) LoadPiece<FM>(arow, kc + 128 + 32 * t, next);  // never past k1
+        ComputePiece<128, NF, FM>(w, scale, p, x, acc);
+#pragma unroll
+        for (int m = 0; m < FM; ++m) x[m] = next[m];
+      }
+    } else {
+      ComputeChunk<128, NF, FM>(w, arow, kc, t, acc);
+    }
   }
-  const int64_t kc = k0 + 128 * chunks;
-  TailChunk<FM, NF>(wrow, srow, arow, kc, k1, t, acc);
+  TailChunk<FM, NF>(wrow, srow, arow, k0 + 128 * chunks, k1, t, acc);
 }
 
-template <int FM, int KS, bool ASYNC, bool GATED, typename OutT>
+// LOOP: how decode tiles (FM <= 2) stream weights; larger tiles always use MainLoop.
+enum DecodeLoop : int { kRegisterLoop = 0, kRingLoop = 1, kRingPrefetchLoop = 2 };
+
+template <int FM, int KS, int LOOP, bool GATED, typename OutT>
 __global__ void __launch_bounds__(kThreads) W4A16GroupedGemmKernel(const GemmParams p) {
   constexpr int BM = FM * 8;
   constexpr int NF = GATED ? 2 : 1;  // weight fragments per warp: [gate, up] or [h]
   constexpr int NS = kWarps / KS;    // warps along N; KS warps share each 16 features
   constexpr int kAcc = NF * FM * 4;  // fp32 accumulators per thread
-  constexpr bool kAsync = ASYNC && FM <= 2;  // decode tiles stream weights through the cp.async ring
+  constexpr bool kAsync = LOOP != kRegisterLoop && FM <= 2;  // decode tiles: weights through the cp.async ring
   __shared__ float partial[KS > 1 ? (KS - 1) * NS * kAcc * 32 : 1];
   __shared__ WarpRing<NF> rings[kAsync ? kWarps : 1];
   GridDependencyWait();
@@ -235,7 +269,8 @@ __global__ void __launch_bounds__(kThreads) W4A16GroupedGemmKernel(const GemmPar
     // This warp's share of K, in 64-K units (a warp may get none when K is small).
     const int64_t units = K / 64;
     const int64_t k0 = 64 * (units * kw / KS), k1 = 64 * (units * (kw + 1) / KS);
-    if constexpr (kAsync) MainLoopAsync<FM, NF>(rings[warp], wrow, srow, arow, k0, k1, t, lane, acc);
+    if constexpr (kAsync)
+      MainLoopAsync<FM, NF, LOOP == kRingPrefetchLoop>(rings[warp], wrow, srow, arow, k0, k1, t, lane, acc);
     else MainLoop<FM, NF>(wrow, srow, arow, k0, k1, t, acc);
   }
 
@@ -269,26 +304,30 @@ __global__ void __launch_bounds__(kThreads) W4A16GroupedGemmKernel(const GemmPar
   Epilogue<FM, NF, GATED, OutT>(p, e, tile, feat0, acc);
 }
 
-// Instances: k_split 1, 2, 4 (with and without the cp.async ring) for 8- and 16-row tiles
-// (decode); k_split 1 for 32 and 64 rows (CheckGemm).
-template <int KS, bool ASYNC, bool GATED, typename OutT>
+// Instances: k_split 1, 2, 4 and the three DecodeLoops for 8- and 16-row tiles (decode);
+// k_split 1 and the register loop for 32 and 64 rows (CheckGemm).
+template <int KS, int LOOP, bool GATED, typename OutT>
 void LaunchSplit(const GemmParams& p, int64_t tile_m, int64_t slabs, bool pdl, cudaStream_t stream) {
   const dim3 grid(unsigned(p.P / tile_m), unsigned(slabs));
   switch (tile_m) {
-    case 8: LaunchKernel(W4A16GroupedGemmKernel<1, KS, ASYNC, GATED, OutT>, grid, kThreads, 0, stream, pdl, p); break;
-    case 16: LaunchKernel(W4A16GroupedGemmKernel<2, KS, ASYNC, GATED, OutT>, grid, kThreads, 0, stream, pdl, p); break;
-    case 32: LaunchKernel(W4A16GroupedGemmKernel<4, 1, false, GATED, OutT>, grid, kThreads, 0, stream, pdl, p); break;
-    default: LaunchKernel(W4A16GroupedGemmKernel<8, 1, false, GATED, OutT>, grid, kThreads, 0, stream, pdl, p); break;
+    case 8: LaunchKernel(W4A16GroupedGemmKernel<1, KS, LOOP, GATED, OutT>, grid, kThreads, 0, stream, pdl, p); break;
+    case 16: LaunchKernel(W4A16GroupedGemmKernel<2, KS, LOOP, GATED, OutT>, grid, kThreads, 0, stream, pdl, p); break;
+    case 32:
+      LaunchKernel(W4A16GroupedGemmKernel<4, 1, kRegisterLoop, GATED, OutT>, grid, kThreads, 0, stream, pdl, p);
+      break;
+    default:
+      LaunchKernel(W4A16GroupedGemmKernel<8, 1, kRegisterLoop, GATED, OutT>, grid, kThreads, 0, stream, pdl, p);
+      break;
   }
 }
 
-template <bool ASYNC, bool GATED, typename OutT>
-void LaunchAsync(const GemmParams& p, int64_t tile_m, int64_t k_split, int64_t slabs, bool pdl,
-                 cudaStream_t stream) {
+template <int LOOP, bool GATED, typename OutT>
+void LaunchLoop(const GemmParams& p, int64_t tile_m, int64_t k_split, int64_t slabs, bool pdl,
+                cudaStream_t stream) {
   switch (k_split) {
-    case 2: LaunchSplit<2, ASYNC, GATED, OutT>(p, tile_m, slabs, pdl, stream); break;
-    case 4: LaunchSplit<4, ASYNC, GATED, OutT>(p, tile_m, slabs, pdl, stream); break;
-    default: LaunchSplit<1, ASYNC, GATED, OutT>(p, tile_m, slabs, pdl, stream); break;
+    case 2: LaunchSplit<2, LOOP, GATED, OutT>(p, tile_m, slabs, pdl, stream); break;
+    case 4: LaunchSplit<4, LOOP, GATED, OutT>(p, tile_m, slabs, pdl, stream); break;
+    default: LaunchSplit<1, LOOP, GATED, OutT>(p, tile_m, slabs, pdl, stream); break;
   }
 }
 
@@ -296,8 +335,12 @@ template <bool GATED, typename OutT>
 void Launch(const GemmParams& p, int64_t tile_m, int64_t k_split, int64_t slabs, int64_t flags,
             cudaStream_t stream) {
   const bool pdl = flags & int64_t(KernelFlag::kPdl);
-  if (flags & int64_t(KernelFlag::kNoAsyncRing)) LaunchAsync<false, GATED, OutT>(p, tile_m, k_split, slabs, pdl, stream);
-  else LaunchAsync<true, GATED, OutT>(p, tile_m, k_split, slabs, pdl, stream);
+  if (flags & int64_t(KernelFlag::kNoAsyncRing))
+    LaunchLoop<kRegisterLoop, GATED, OutT>(p, tile_m, k_split, slabs, pdl, stream);
+  else if (flags & int64_t(KernelFlag::kPrefetchActivations))
+    LaunchLoop<kRingPrefetchLoop, GATED, OutT>(p, tile_m, k_split, slabs, pdl, stream);
+  else
+    LaunchLoop<kRingLoop, GATED, OutT>(p, tile_m, k_split, slabs, pdl, stream);
 }
 
 ffi::Error GroupedGemmCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> a, ffi::Buffer<ffi::U8> w_data,
