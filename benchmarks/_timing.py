@@ -4,8 +4,12 @@ jitted function, rotating among several input sets so that caches do not flatter
 from __future__ import annotations
 
 import functools
+import glob
+import os
 import statistics
+import tempfile
 import time
+import warnings
 
 import jax
 
@@ -92,3 +96,45 @@ def chained_time(fn, x, routing_sets, rest, *, n: int = 20, repeats: int = 3, cl
             return diff / n
     raise RuntimeError(f"a chain of {n} layers did not resolve above timing noise "
                        f"(t({n + 1}) <= t(1) over {k} repeats); use a longer --chain")
+
+
+def _trace_events(fn, args) -> list[dict]:
+    """The device work of one ``fn(*args)`` call, from a ``jax.profiler`` trace of that call alone:
+    [{name, op, start_us, dur_us}] sorted by start. On a GPU these are the kernels on the device's
+    streams (XLA fusions and our custom calls' kernels alike); on the CPU, XLA's thunks."""
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            jax.block_until_ready(fn(*args))
+        path = next(glob.iglob(os.path.join(d, "**", "*.xplane.pb"), recursive=True))
+        data = jax.profiler.ProfileData.from_file(path)
+        device = [p for p in data.planes if p.name.startswith("/device:")]
+        events = []
+        with warnings.catch_warnings():  # (jaxlib's stats type warns about its own __module__)
+            warnings.simplefilter("ignore", DeprecationWarning)
+            for plane in device or [p for p in data.planes if p.name == "/host:CPU"]:
+                lines = list(plane.lines)
+                # GPU: the stream lines (derived lines such as "XLA Ops", if any, repeat them).
+                for line in [ln for ln in lines if device and "stream" in ln.name.lower()] or lines:
+                    for e in line.events:
+                        stats = dict(e.stats)
+                        if not device and "hlo_op" not in stats:
+                            continue  # host: only the executed XLA ops
+                        events.append(dict(name=e.name, op=str(stats.get("hlo_op", "")),
+                                           start_us=e.start_ns / 1e3, dur_us=e.duration_ns / 1e3))
+    events.sort(key=lambda r: r["start_us"])
+    t0 = events[0]["start_us"] if events else 0.0
+    prev_end = t0
+    for r in events:
+        r["gap_us"] = max(0.0, r["start_us"] - prev_end)
+        prev_end = max(prev_end, r["start_us"] + r["dur_us"])
+        r["start_us"] -= t0
+    return events
+
+
+def kernel_timeline(fn, args, *, traces: int = 3) -> list[dict]:
+    """Per-kernel device timeline of one call of ``fn`` (already warmed up): ``traces`` calls, each
+    traced alone, and the one with the median span returned (see :func:`_trace_events`). The
+    gaps between kernels are launch latency and dependency waits: what fusing or PDL can save."""
+    runs = [_trace_events(fn, args) for _ in range(traces)]
+    span = [max((r["start_us"] + r["dur_us"] for r in run), default=0.0) for run in runs]
+    return runs[sorted(range(traces), key=span.__getitem__)[traces // 2]]

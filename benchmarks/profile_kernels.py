@@ -6,17 +6,26 @@
 The first call compiles and warms up (its kernels are the ones to skip); each later call
 launches the layer's kernels once (w4a16: align, GEMM1, GEMM2, finalize; w4a4 with
 ``--kernel-flags 8``: two quant_dequant_rows launches more).
+
+``--timeline N`` needs no profiler: it traces N single calls with ``jax.profiler`` and prints the
+device timeline of the median one, every kernel (XLA's glue too) with its duration and the gap
+before it.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 import jax
 
 import jax_nvfp4 as nv
 from jax_nvfp4 import arg_specs as specs
 from jax_nvfp4.backends.ffi import FFIBackend
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _timing import kernel_timeline  # noqa: E402
 
 
 def main(argv=None):
@@ -26,6 +35,8 @@ def main(argv=None):
     p.add_argument("--mode", default="w4a16", choices=("w4a16", "w4a4"))
     p.add_argument("--backend", default="ffi")
     p.add_argument("--calls", type=int, default=3, help="calls after the warm-up call")
+    p.add_argument("--timeline", type=int, default=0, metavar="N",
+                   help="trace N single calls (jax.profiler) and print the median one's kernel timeline")
     p.add_argument("--kernel-flags", type=int, default=0,
                    help="KernelFlag bits of the ffi backend (as moe_bench.py --ffi-flags)")
     args = p.parse_args(argv)
@@ -49,6 +60,14 @@ def main(argv=None):
         jax.block_until_ready(f(x, ids, w, experts))
     flags = f"[flags={args.kernel_flags}]" if args.kernel_flags else ""
     print(f"ran {args.shape} T={args.tokens} {args.mode} on {args.backend}{flags}: {1 + args.calls} calls")
+    if args.timeline:
+        events = kernel_timeline(f, (x, ids, w, experts), traces=args.timeline)
+        print(f"timeline ({jax.devices()[0].platform}, median span of {args.timeline} traced calls):")
+        print(f"  {'start_us':>9s} {'dur_us':>8s} {'gap_us':>7s}  kernel (XLA op)")
+        for r in events:
+            print(f"  {r['start_us']:9.1f} {r['dur_us']:8.1f} {r['gap_us']:7.1f}  {r['name'][:60]} ({r['op']})")
+        busy, gaps = sum(r["dur_us"] for r in events), sum(r["gap_us"] for r in events)
+        print(f"  {len(events)} kernels: busy {busy:.1f} us, gaps {gaps:.1f} us, span {busy + gaps:.1f} us")
 
 
 if __name__ == "__main__":

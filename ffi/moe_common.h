@@ -213,6 +213,10 @@ ffi::Error CheckGemm(const char* op, const A& a, const W& w, const WS& ws, const
   if (wd[2] * 2 != d->K)
     return Invalid(op, "w_data " + ShapeStr(wd) + " does not match K = " + std::to_string(d->K) +
                            " of a " + ShapeStr(ad) + " (needs w_data.shape[2] = K/2)");
+  // float8_e4m3fn as the NVFP4 arrays hold it (no bitcast copy per call), or its bits as uint8.
+  if (ws.element_type() != ffi::DataType::F8E4M3FN && ws.element_type() != ffi::DataType::U8)
+    return Invalid(op, "w_scales must be float8_e4m3fn (or its bits as uint8), got XLA element type " +
+                           std::to_string(int(ws.element_type())));
   if (sd.size() != 3 || sd[0] != d->E || sd[1] != d->N || sd[2] * 16 != d->K)
     return Invalid(op, "w_scales must be [E, N, K/16] = [" + std::to_string(d->E) + ", " +
                            std::to_string(d->N) + ", " + std::to_string(d->K / 16) + "], got " +

@@ -131,7 +131,7 @@ struct WorkQueue {
 };
 
 ffi::Error GroupedGemmCpuImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> a, ffi::Buffer<ffi::U8> w_data,
-                              ffi::Buffer<ffi::U8> w_scales, ffi::Buffer<ffi::F32> alpha,
+                              ffi::AnyBuffer w_scales, ffi::Buffer<ffi::F32> alpha,
                               ffi::Buffer<ffi::S32> sorted_ids, ffi::Buffer<ffi::S32> tile_expert,
                               ffi::Buffer<ffi::F32> row_scale, ffi::Result<ffi::AnyBuffer> out,
                               int64_t activation, int64_t row_scale_mode, int64_t top_k, int64_t gather,
@@ -145,7 +145,8 @@ ffi::Error GroupedGemmCpuImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> a, ff
     return err;
   // bf16 output (the default), or fp32 (w4a4 quantizes the unrounded intermediate).
   const bool f32_out = out->element_type() == ffi::DataType::F32;
-  const CpuGemm g{d, a.typed_data(), w_data.typed_data(), w_scales.typed_data(), alpha.typed_data(),
+  const CpuGemm g{d, a.typed_data(), w_data.typed_data(), static_cast<const uint8_t*>(w_scales.untyped_data()),
+                  alpha.typed_data(),
                   row_scale.typed_data(), sorted_ids.typed_data(), tile_expert.typed_data(), activation,
                   row_scale_mode, top_k, gather, tile_m,
                   f32_out ? nullptr : static_cast<uint16_t*>(out->untyped_data()),

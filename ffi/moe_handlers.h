@@ -29,7 +29,7 @@ auto GroupedGemm(B b) {
   return std::move(b)
       .template Arg<ffi::Buffer<ffi::BF16>>()  // a [rows, K]
       .template Arg<ffi::Buffer<ffi::U8>>()  // w_data [E, N, K/2] E2M1 pairs
-      .template Arg<ffi::Buffer<ffi::U8>>()  // w_scales [E, N, K/16] E4M3 bits
+      .template Arg<ffi::AnyBuffer>()  // w_scales [E, N, K/16] float8_e4m3fn (or its bits as uint8)
       .template Arg<ffi::Buffer<ffi::F32>>()  // alpha [E] global decode scale
       .template Arg<ffi::Buffer<ffi::S32>>()  // sorted_ids [P]
       .template Arg<ffi::Buffer<ffi::S32>>()  // tile_expert [P / tile_m]

@@ -346,11 +346,10 @@ def grouped_gemm(a, w: NVFP4Array, sorted_ids, tile_expert, *, tile_m: int,
                                  row_scale, row_scale_mode).astype(out_dtype)
     ensure_registered()
     p = sorted_ids.shape[0]
-    scales = lax.bitcast_convert_type(w.scales, jnp.uint8)
     alpha = jnp.asarray(w.global_scale, jnp.float32).reshape(e)
     return jax.ffi.ffi_call(TARGET_GEMM, jax.ShapeDtypeStruct((p, n_out), out_dtype),
                             vmap_method="sequential")(
-        a, w.data, scales, alpha, sorted_ids, tile_expert, row_scale,
+        a, w.data, w.scales, alpha, sorted_ids, tile_expert, row_scale,  # scales as float8_e4m3fn: no copy
         activation=np.int64(activation), row_scale_mode=np.int64(row_scale_mode), top_k=np.int64(top_k),
         gather=np.int64(bool(gather)), tile_m=np.int64(tile_m), k_split=np.int64(k_split),
         kernel_flags=np.int64(kernel_flags))

@@ -2,8 +2,10 @@
 # Build the FFI extension on a GPU machine, run the ffi GPU tests, a CUDA-graph check and a short
 # benchmark; logs and JSON go to $OUT (default ./out).
 # Usage: scripts/gpu_ffi.sh [stages] [pytest -k expression]
-#   stages: comma-separated test, graph, bench, ab, ncu, sanitize, invariance, rollout; "all" = test,graph,bench
+#   stages: comma-separated test, graph, bench, ab, ncu, timeline, sanitize, invariance, rollout;
+#   "all" = test,graph,bench
 # Env: BUDGET (seconds in all, default 400), FFI_BENCH_BACKENDS (default "ffi,xla"),
+#   NCU_CONFIGS / TIMELINE_CONFIGS (space-separated shape:tokens[:mode[:kernel_flags]]),
 #   FFI_BENCH_ARGS (more moe_bench.py arguments, e.g. "--tokens 1,64 --no-baseline"),
 #   TEST_NODES (pytest targets of the test and sanitize stages, in order; default
 #   "tests/test_ffi_quant.py tests/test_ffi.py"), TEST_S,
@@ -84,6 +86,19 @@ if stage ncu; then
     python3 scripts/ncu_summary.py "$OUT/ncu_one.csv" "$cfg" 2>&1 | tee -a "$OUT/ffi_summary.txt"
   done
   rm -f "$OUT/ncu_one.csv"
+fi
+
+if stage timeline; then
+  # Every kernel of one layer call (XLA's glue too) with its duration and the gap before it, from
+  # a jax.profiler trace (no profiler tool needed): where decode time goes besides our kernels.
+  log "kernel timeline of one layer call (jax.profiler)"
+  for cfg in ${TIMELINE_CONFIGS:-deepseek_v3_ep8:1 qwen3_30b_a3b:1 qwen3_30b_a3b:1:w4a4 qwen3_30b_a3b:1:w4a4:8 deepseek_v3_ep8:64}; do
+    IFS=: read -r c_shape c_tokens c_mode c_flags <<<"$cfg"
+    echo "# $cfg" | tee -a "$OUT/ffi_summary.txt"
+    timeout $(left 90) python3 benchmarks/profile_kernels.py --shape "$c_shape" --tokens "$c_tokens" \
+      --mode "${c_mode:-w4a16}" --kernel-flags "${c_flags:-0}" --calls 1 --timeline 5 2>&1 | tail -40 \
+      | tee -a "$OUT/ffi_summary.txt"
+  done
 fi
 
 if stage sanitize; then

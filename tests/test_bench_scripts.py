@@ -56,6 +56,14 @@ def test_profile_kernels_runs_a_kernel_variant(capsys):
     assert "ran tiny T=3 w4a4 on ffi[flags=8]: 2 calls" in capsys.readouterr().out
 
 
+def test_profile_kernels_timeline(capsys):
+    profile_kernels.main(["--shape", "tiny", "--tokens", "3", "--calls", "1", "--timeline", "2"])
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if "ffi_call" in line]
+    assert len(rows) == 4, out  # align, two GEMMs, finalize: the XLA ops the CPU trace shows
+    assert "4 kernels: busy" in out
+
+
 def test_batch_invariance_rows(tmp_path):
     out = tmp_path / "bi.json"
     rows = batch_invariance.main(["--shape", "tiny", "--tokens", "2,9,600", "--probes", "2", "--variants", "2:1,0:4",

@@ -178,7 +178,7 @@ def test_gemm_rejects_bad_shapes_with_named_arguments():
     a, w, sid, te, rs = _gemm_problem(ops.Activation.SWIGLU, True, ops.RowScale.NONE)
     call = lambda **kw: jax.ffi.ffi_call(ops.TARGET_GEMM, jax.ShapeDtypeStruct((sid.shape[0], 48), BF16),  # noqa
                                          vmap_method="sequential")(
-        kw.get("a", a), w.data, jax.lax.bitcast_convert_type(w.scales, jnp.uint8), kw.get("alpha", w.global_scale),
+        kw.get("a", a), w.data, kw.get("scales", w.scales), kw.get("alpha", w.global_scale),
         kw.get("sid", sid), te, rs, activation=np.int64(kw.get("act", 1)), row_scale_mode=np.int64(0),
         top_k=np.int64(3), gather=np.int64(1), tile_m=np.int64(kw.get("tile_m", 8)),
         k_split=np.int64(kw.get("k_split", 1)), kernel_flags=np.int64(kw.get("kernel_flags", 0)))
@@ -187,6 +187,10 @@ def test_gemm_rejects_bad_shapes_with_named_arguments():
         call(a=a[:, :32])
     with pytest.raises(Exception, match="alpha must be"):
         call(alpha=w.global_scale[:2])
+    with pytest.raises(Exception, match="w_scales must be float8_e4m3fn"):
+        call(scales=w.scales.astype(BF16))
+    np.testing.assert_array_equal(f32(call(scales=jax.lax.bitcast_convert_type(w.scales, jnp.uint8))),
+                                  f32(call()))  # the scale bits as uint8 are accepted too
     with pytest.raises(Exception, match="tile_m must be"):
         call(tile_m=12)
     with pytest.raises(Exception, match="unknown activation"):
@@ -234,6 +238,17 @@ def test_kernel_flags_reach_the_custom_call_and_keep_the_function():
     assert ffi_backend.FFIBackend(flags).kernel_flags == flags
     with pytest.raises(ValueError, match="kernel_flags must combine"):
         ffi_backend.FFIBackend(UNKNOWN_FLAG)
+
+
+def test_moe_passes_the_expert_arrays_without_copies():
+    """The custom calls take the NVFP4 arrays as they are: no per-call bitcast-convert (a copy of
+    every expert's scales, on the CPU at least) or other op on the weights in the compiled layer."""
+    ex = make_experts(5, 4, 64, 32)
+    x = make_x(1, 6, 64)
+    ids, w = make_routing(2, 6, 2, 4)
+    hlo = jax.jit(lambda x, i, w, ex: ops.moe(x, ex, i, w)).lower(x, ids, w, ex).compile().as_text()
+    assert "bitcast-convert" not in hlo
+    assert hlo.count("custom_call_target=\"jax_nvfp4_grouped_gemm\"") == 2
 
 
 def test_backend_k_split_reaches_decode_tiles_only():

@@ -344,7 +344,7 @@ void Launch(const GemmParams& p, int64_t tile_m, int64_t k_split, int64_t slabs,
 }
 
 ffi::Error GroupedGemmCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> a, ffi::Buffer<ffi::U8> w_data,
-                               ffi::Buffer<ffi::U8> w_scales, ffi::Buffer<ffi::F32> alpha,
+                               ffi::AnyBuffer w_scales, ffi::Buffer<ffi::F32> alpha,
                                ffi::Buffer<ffi::S32> sorted_ids, ffi::Buffer<ffi::S32> tile_expert,
                                ffi::Buffer<ffi::F32> row_scale, ffi::Result<ffi::AnyBuffer> out,
                                int64_t activation, int64_t row_scale_mode, int64_t top_k, int64_t gather,
@@ -362,7 +362,7 @@ ffi::Error GroupedGemmCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> a, ff
   GemmParams p{};
   p.a = a.typed_data();
   p.w = w_data.typed_data();
-  p.ws = w_scales.typed_data();
+  p.ws = static_cast<const uint8_t*>(w_scales.untyped_data());
   p.alpha = alpha.typed_data();
   p.sorted_ids = sorted_ids.typed_data();
   p.tile_expert = tile_expert.typed_data();
