@@ -204,7 +204,7 @@ __device__ __forceinline__ void MainLoopAsync(WarpRing<NF>& ring, const uint8_t*
       w.BlockScales(scale);
 #pragma unroll
       for (int p = 0; p < 4; ++p) {  // thread t's span of the chunk: K [kc + 32t, kc + 32t + 32)
-        uint4 next[FM];
+        uint4 next[FM] = {};  // (stays zero after the last piece of the last chunk)
         if (p < 3) LoadPiece<FM>(arow, kc + 32 * t + 8 * (p + 1), next);
         else if (c + 1 < chunks) LoadPiece<FM>(arow, kc + 128 + 32 * t, next);  // never past k1
         ComputePiece<128, NF, FM>(w, scale, p, x, acc);
