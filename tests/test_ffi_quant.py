@@ -14,7 +14,7 @@ from hypothesis import given, settings, strategies as st
 
 import jax_nvfp4 as nv
 from jax_nvfp4 import _ffi_ops as ops
-from test_ffi import make_experts, make_routing, make_x
+from test_ffi import UNKNOWN_FLAG, make_experts, make_routing, make_x
 
 pytestmark = pytest.mark.skipif(ops.extension_error() is not None,
                                 reason=f"FFI extension not built: {ops.extension_error()}")
@@ -141,7 +141,7 @@ def test_handler_rejects_bad_shapes_with_named_arguments():
     with pytest.raises(Exception, match="output must be"):
         call(x, jnp.zeros((0,), jnp.int32), out_shape=(3, 16))
     with pytest.raises(ValueError, match="kernel_flags must combine"):
-        ops.quant_dequant_rows(x, kernel_flags=128)
+        ops.quant_dequant_rows(x, kernel_flags=UNKNOWN_FLAG)
 
 
 def test_kernel_flag_mirrors_cpp():
