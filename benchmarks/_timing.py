@@ -111,7 +111,7 @@ def _trace_events(fn, args) -> list[dict]:
         events = []
         with warnings.catch_warnings():  # (jaxlib's stats type warns about its own __module__)
             warnings.simplefilter("ignore", DeprecationWarning)
-            for plane in device or [p for p in data.planes if p.name == "/host:CPU"]:
+            for plane in device[:1] or [p for p in data.planes if p.name == "/host:CPU"]:  # (one device)
                 lines = list(plane.lines)
                 # GPU: the stream lines (derived lines such as "XLA Ops", if any, repeat them).
                 for line in [ln for ln in lines if device and "stream" in ln.name.lower()] or lines:

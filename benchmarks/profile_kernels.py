@@ -67,7 +67,8 @@ def main(argv=None):
         for r in events:
             print(f"  {r['start_us']:9.1f} {r['dur_us']:8.1f} {r['gap_us']:7.1f}  {r['name'][:60]} ({r['op']})")
         busy, gaps = sum(r["dur_us"] for r in events), sum(r["gap_us"] for r in events)
-        print(f"  {len(events)} kernels: busy {busy:.1f} us, gaps {gaps:.1f} us, span {busy + gaps:.1f} us")
+        span = max((r["start_us"] + r["dur_us"] for r in events), default=0.0)
+        print(f"  {len(events)} kernels: busy {busy:.1f} us, gaps {gaps:.1f} us, span {span:.1f} us")
 
 
 if __name__ == "__main__":

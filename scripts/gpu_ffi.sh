@@ -71,13 +71,15 @@ if stage ncu; then
     grep -qx "${m%%.*}" <<<"$known" && metrics+=",$m"
   done
   log "ncu metrics: $metrics"
+  # Kernel names with their template arguments (the variant), where this ncu has the option.
+  kbase=(); ncu --help 2>/dev/null | grep -q -- --print-kernel-base && kbase=(--print-kernel-base demangled)
   # The GEMM kernels' loop instruction mix (static), to set against the issue figures ncu reports.
   python3 scripts/sass_loops.py >"$OUT/sass_loops.txt" 2>&1 || log "sass_loops failed: $(tail -1 "$OUT/sass_loops.txt")"
   # A config is shape:tokens, optionally :mode:kernel_flags (e.g. qwen3_30b_a3b:1:w4a4:8).
   for cfg in ${NCU_CONFIGS:-deepseek_v3_ep8:1 qwen3_30b_a3b:1 deepseek_v3_ep8:64 qwen3_30b_a3b:4096 deepseek_v3_ep8:4096}; do
     IFS=: read -r c_shape c_tokens c_mode c_flags <<<"$cfg"
     n=4; [[ ${c_mode:-} == w4a4 ]] && (( ${c_flags:-0} & 8 )) && n=6  # kernels per call (+2 quantize)
-    timeout $(left 120) ncu --clock-control none --kernel-name regex:"Moe|W4A16|Quant" --launch-skip $n \
+    timeout $(left 120) ncu --clock-control none --kernel-name regex:"Moe|W4A16|Quant" "${kbase[@]}" --launch-skip $n \
       --launch-count $n --csv --print-units base --section SpeedOfLight --section Occupancy --section LaunchStats \
       --section SchedulerStats --section WarpStateStats --metrics "$metrics" \
       python3 benchmarks/profile_kernels.py --shape "$c_shape" --tokens "$c_tokens" --mode "${c_mode:-w4a16}" \

@@ -52,6 +52,21 @@ def _number(v: str) -> float | None:
         return None
 
 
+def short_name(name: str, width: int = 44) -> str:
+    """'void jax_nvfp4::(anonymous namespace)::K<1, 4, 2, true, unsigned short>(GemmParams)' ->
+    'K<1,4,2,true,u16>' (template arguments kept: they name the kernel variant)."""
+    name = name.replace("(anonymous namespace)::", "").replace("jax_nvfp4::", "").removeprefix("void ")
+    if name.endswith(")"):  # drop the parameter list: the last top-level (...)
+        depth = 0
+        for i in range(len(name) - 1, -1, -1):
+            depth += {")": 1, "(": -1}.get(name[i], 0)
+            if depth == 0:
+                name = name[:i]
+                break
+    name = name.replace(", ", ",").replace("unsigned short", "u16")
+    return name if len(name) <= width else name[: width - 3] + "..."
+
+
 def kernels(lines) -> "OrderedDict[tuple[str, str], dict[str, str]]":
     """(ID, short kernel name) -> {metric name: value} from ncu's CSV lines (others are skipped)."""
     rows = list(csv.reader(line for line in lines if line.startswith('"')))
@@ -61,8 +76,8 @@ def kernels(lines) -> "OrderedDict[tuple[str, str], dict[str, str]]":
     head = rows[0]
     for r in rows[1:]:
         d = dict(zip(head, r))
-        name = d.get("Kernel Name", "?").split("(")[0].split("<")[0]
-        out.setdefault((d.get("ID", "?"), name[-28:]), {})[d.get("Metric Name", "?")] = d.get("Metric Value", "")
+        out.setdefault((d.get("ID", "?"), short_name(d.get("Kernel Name", "?"))), {})[d.get("Metric Name", "?")] = \
+            d.get("Metric Value", "")
     return out
 
 
@@ -76,7 +91,7 @@ def summary_lines(lines, label: str = "") -> list[str]:
         ns, nbytes = _number(m.get("gpu__time_duration.sum", "")), _number(m.get("dram__bytes_read.sum", ""))
         if ns and nbytes is not None:
             parts.insert(2, f"TB/s={nbytes / ns / 1e3:.2f}")
-        out.append(f"{label:>22s} {name:28s} " + " ".join(parts))
+        out.append(f"{label:>22s} {name:44s} " + " ".join(parts))
     return out
 
 

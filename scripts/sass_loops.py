@@ -13,7 +13,9 @@ from __future__ import annotations
 import argparse
 import collections
 import importlib.util
+import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -79,9 +81,14 @@ def main(argv=None):
     so = args.so or (spec.origin if spec else None)
     if so is None:
         p.error("no --so given and the jax_nvfp4._ffi extension is not built")
+    # cuobjdump (and the nvdisasm it runs) on PATH, else in the CUDA toolkit next to nvcc.
+    tool = shutil.which("cuobjdump") or next(
+        (c for c in (os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "cuobjdump"),
+                     "/usr/local/cuda/bin/cuobjdump") if os.path.exists(c)), "cuobjdump")
+    env = dict(os.environ, PATH=os.path.dirname(tool) + os.pathsep + os.environ.get("PATH", ""))
     try:
-        sass = subprocess.run(["cuobjdump", "-sass", "-arch", args.arch, so], check=True,
-                              capture_output=True, text=True).stdout
+        sass = subprocess.run([tool, "-sass", "-arch", args.arch, so], check=True, capture_output=True, text=True,
+                              env=env).stdout
     except (OSError, subprocess.CalledProcessError) as err:
         sys.exit(f"cuobjdump -sass failed (is it, and nvdisasm, on PATH?): {err}")
     for name, ins in functions(sass).items():

@@ -91,6 +91,9 @@ def test_ncu_summary_lines():
     assert "occ%=41.5" in out[0] and "Unlisted" not in out[0]
     assert "MoeFinalizeKernel" in out[1] and "TB/s" not in out[1]
     assert ncu_summary.summary_lines(["==ERROR== no kernels\n"], "x") == ["x no ncu rows"]
+    assert ncu_summary.short_name("void jax_nvfp4::(anonymous namespace)::W4A16GroupedGemmKernel<1, 4, 2, true, "
+                                  "unsigned short>(jax_nvfp4::GemmParams)") == "W4A16GroupedGemmKernel<1,4,2,true,u16>"
+    assert ncu_summary.short_name("MoeFinalizeKernel(const unsigned short *, int)") == "MoeFinalizeKernel"
 
 
 def test_sass_loops_finds_the_loop_and_groups_its_opcodes():
