@@ -38,6 +38,30 @@ def device_clock_available() -> bool:
     return _ffi_ops.extension_error() is None
 
 
+def _layers(fn, m, s, x, routing, rest):
+    for i in range(m):
+        x = fn(x, *routing[i % s], *rest)
+    return x
+
+
+def clocked_chain(fn, n: int, s: int):
+    """jit of ``(x, routing_sets, *rest) -> (x', t0, t1)``: n chained layers between two
+    :func:`jax_nvfp4._ffi_ops.device_clock` readings (see :func:`chained_time`)."""
+    from jax_nvfp4 import _ffi_ops
+
+    @jax.jit
+    def timed(x, routing, *rest):
+        x, t0 = _ffi_ops.device_clock(x)
+        # Work that does not depend on x (e.g. every layer's align, which reads only the
+        # routing) could otherwise be scheduled before the first reading: all inputs pass a
+        # barrier that comes after it.
+        x, routing, rest = jax.lax.optimization_barrier((x, routing, rest))
+        x, t1 = _ffi_ops.device_clock(_layers(fn, n, s, x, routing, rest))
+        return x, t0, t1
+
+    return timed
+
+
 def chained_time(fn, x, routing_sets, rest, *, n: int = 20, repeats: int = 3, clock: str = "host") -> float:
     """Seconds per call of a layer ``fn(x, ids, w, *rest) -> x'`` (same shape and dtype as ``x``),
     chained n times in one jit, so that JAX's per-call dispatch overhead does not count. The chain
@@ -53,20 +77,9 @@ def chained_time(fn, x, routing_sets, rest, *, n: int = 20, repeats: int = 3, cl
     if clock not in ("host", "device"):
         raise ValueError(f"clock must be 'host' or 'device', got {clock!r}")
     s = len(routing_sets)
-
-    def layers(m, x, routing, rest):
-        for i in range(m):
-            x = fn(x, *routing[i % s], *rest)
-        return x
-
     if clock == "device":
         from jax_nvfp4 import _ffi_ops
-
-        @jax.jit
-        def timed(x, routing, *rest):
-            x, t0 = _ffi_ops.device_clock(x)
-            x, t1 = _ffi_ops.device_clock(layers(n, x, routing, rest))
-            return x, t0, t1
+        timed = clocked_chain(fn, n, s)
 
         def span_ns():
             _, t0, t1 = jax.block_until_ready(timed(x, routing_sets, *rest))
@@ -77,7 +90,7 @@ def chained_time(fn, x, routing_sets, rest, *, n: int = 20, repeats: int = 3, cl
 
     @functools.partial(jax.jit, static_argnums=0)
     def run(m, x, routing, *rest):
-        return layers(m, x, routing, rest)
+        return _layers(fn, m, s, x, routing, rest)
 
     def best_of(m, k):
         times = []

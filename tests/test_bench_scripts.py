@@ -12,6 +12,7 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
 
+import _timing  # noqa: E402
 import moe_bench  # noqa: E402
 import profile_kernels  # noqa: E402
 import batch_invariance  # noqa: E402
@@ -116,3 +117,19 @@ def test_sass_loops_finds_the_loop_and_groups_its_opcodes():
     assert counts == {"LOP3": 1, "IMAD": 1, "HMMA": 1, "BRA": 1}
     assert sass_loops.describe(counts).startswith("alu=1 fma=1 tensor=1 other=1")
     assert sass_loops.loops(fns["_Z5OtherILi2EEv"]) == []
+
+
+def test_clocked_chain_reads_the_clock_before_any_layer_work():
+    """Work of the layers that does not depend on x (here a sort of the routing; in the MoE every
+    layer's align) must not be scheduled before the first device_clock reading."""
+    jnp = _timing.jax.numpy
+
+    def layer(x, ids):
+        return x + jnp.sort(jnp.tile(ids, (64, 64)))[0, 0]
+
+    x, ids = jnp.ones((4, 4)), jnp.arange(64.0)
+    timed = _timing.clocked_chain(layer, 3, 1)
+    entry = timed.lower(x, [(ids,)]).compile().as_text().split("ENTRY")[1].splitlines()
+    first_clock = next(i for i, line in enumerate(entry) if "jax_nvfp4_device_clock" in line)
+    routing_work = [i for i, line in enumerate(entry) if " sort(" in line or "fusion(" in line]
+    assert routing_work and min(routing_work) > first_clock, entry
