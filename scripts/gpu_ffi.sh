@@ -11,8 +11,8 @@
 #   "tests/test_ffi_quant.py tests/test_ffi.py"), TEST_S,
 #   SAN_K (pytest -k expression of the sanitize stage; default the stage argument), SAN_S,
 #   SAN_EACH=1 (one sanitizer process per test) or SAN_EACH=function (one per test function;
-#   a crashed function is rerun one case per process, a case that segfaults up to SAN_RETRY more
-#   times, default 2), SAN_ALLOCATOR (XLA allocator; default platform), SAN_KERNELS (all or ours).
+#   after a crash the unfinished cases run again, up to SAN_RETRY times (default 2) without
+#   progress), SAN_ALLOCATOR (XLA allocator; default platform), SAN_KERNELS (all or ours).
 set -uo pipefail
 TEST_NODES=${TEST_NODES:-tests/test_ffi_quant.py tests/test_ffi.py}
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
@@ -113,7 +113,8 @@ if stage sanitize; then
   # SAN_EACH=function starts far fewer processes (each costs a JAX start under the sanitizer).
   # On 2026-11-30 the sanitizer process itself segfaulted (rc 139, no memcheck report, no Python
   # fault trace) in 4 of 21 GEMM cases and 8 of 13 MoE cases; the same cases ran clean when
-  # rerun (scripts/san_isolate.sh), so a segfaulted case is retried and every run is listed.
+  # rerun (scripts/san_isolate.sh), so after a crash the cases the process had not finished run
+  # again in a new process (every run is listed).
   log "compute-sanitizer memcheck: GPU ffi tests (allocator ${SAN_ALLOCATOR:-platform}, each=${SAN_EACH:-0}, kernels ${SAN_KERNELS:-all})"
   sk=${SAN_K:-$kexpr}; kargs=(); [[ -n $sk ]] && kargs=(-k "$sk")
   # SAN_KERNELS=ours instruments only our kernels (every one lives in namespace jax_nvfp4), not
@@ -121,7 +122,7 @@ if stage sanitize; then
   san_filter=(); [[ ${SAN_KERNELS:-all} == ours ]] && san_filter=(--kernel-name kns=jax_nvfp4)
   san() {
     XLA_PYTHON_CLIENT_ALLOCATOR=${SAN_ALLOCATOR:-platform} compute-sanitizer --tool memcheck --error-exitcode 99 \
-      --print-limit 20 "${san_filter[@]}" python3 -m pytest -q -p no:cacheprovider -m gpu "$@"
+      --print-limit 20 "${san_filter[@]}" python3 -m pytest -v -p no:cacheprovider -m gpu "$@"
   }
   san_end=$(( $(date +%s) + $(left ${SAN_S:-400}) ))
   if [[ ${SAN_EACH:-0} != 0 ]]; then
@@ -131,32 +132,45 @@ if stage sanitize; then
     san_run() {  # san_run <label> <pytest ids...>: one sanitizer process; 200 when out of time
       local rest=$(( san_end - $(date +%s) )) label=$1; shift
       (( rest < 10 )) && { echo "budget: stopped before $label" | tee -a "$OUT/ffi_sanitize.log" >>"$OUT/san_rc.txt"; return 200; }
-      timeout "$rest" bash -c "$(declare -p san_filter); $(declare -f san); san \"\$@\"" _ "$@" >>"$OUT/ffi_sanitize.log" 2>&1
-      local rc=$?; echo "rc=$rc $label" | tee -a "$OUT/ffi_sanitize.log" >>"$OUT/san_rc.txt"; return $rc
+      timeout "$rest" bash -c "$(declare -p san_filter); $(declare -f san); san \"\$@\"" _ "$@" >"$OUT/san_last.log" 2>&1
+      local rc=$?; cat "$OUT/san_last.log" >>"$OUT/ffi_sanitize.log"
+      echo "rc=$rc $label" | tee -a "$OUT/ffi_sanitize.log" >>"$OUT/san_rc.txt"; return $rc
+    }
+    san_resume() {  # san_resume <label> <ids...>: after a crash (rc > 128 or timeout), the ids the
+      # process had not finished (pytest -v names each finished one) run again; a case that crashes
+      # SAN_RETRY + 1 times in a row is given up (and listed); 200 when out of time
+      local label=$1 run=$1; shift
+      local ids=("$@") stuck=0 rc
+      while :; do
+        san_run "$run (${#ids[@]} cases)" "${ids[@]}"; rc=$?
+        (( rc == 200 || (rc <= 128 && rc != 124) )) && return $rc
+        mapfile -t done_ids < <(grep -oE '^[^ ]+::[^ ]+ (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)' "$OUT/san_last.log" | cut -d' ' -f1)
+        local left_ids=() id
+        for id in "${ids[@]}"; do [[ " ${done_ids[*]} " == *" $id "* ]] || left_ids+=("$id"); done
+        (( ${#left_ids[@]} == 0 )) && return $rc
+        echo "crashed (rc=$rc) during ${left_ids[0]}" >>"$OUT/san_rc.txt"
+        if (( ${#left_ids[@]} < ${#ids[@]} )); then
+          stuck=0
+        elif (( ++stuck > ${SAN_RETRY:-2} )); then
+          echo "gave up (rc=$rc) on ${left_ids[0]}" >>"$OUT/san_rc.txt"
+          left_ids=("${left_ids[@]:1}"); stuck=0
+          (( ${#left_ids[@]} == 0 )) && return $rc
+        fi
+        ids=("${left_ids[@]}"); run="$label, rest"
+      done
     }
     if [[ $SAN_EACH == function ]]; then
-      # One process per test function (all its cases); a crash (not a memcheck report or a test
-      # failure) reruns that function's cases one per process, so the crash names its case.
+      # One process per test function (all its cases), resumed after a crash.
       for fn in $(sed 's/\[.*//' "$OUT/san_ids.txt" | uniq); do
         mapfile -t ids < <(awk -v f="$fn" '{ b = $0; sub(/\[.*/, "", b); if (b == f) print }' "$OUT/san_ids.txt")
-        san_run "$fn (${#ids[@]} cases)" "${ids[@]}"; rc=$?
-        (( rc == 200 )) && break
-        if (( rc > 128 || rc == 124 )) && (( ${#ids[@]} > 1 )); then
-          for id in "${ids[@]}"; do
-            for (( try = 0; try <= ${SAN_RETRY:-2}; try++ )); do
-              san_run "$id" "$id"; rc=$?
-              (( rc == 200 )) && break 3
-              (( rc == 139 )) || break  # only the sanitizer's intermittent segfault is retried
-            done
-          done
-        fi
+        san_resume "$fn" "${ids[@]}"; (( $? == 200 )) && break
       done
     else
-      while read -r id; do san_run "$id" "$id"; (( $? == 200 )) && break; done <"$OUT/san_ids.txt"
+      while read -r id; do san_resume "$id" "$id"; (( $? == 200 )) && break; done <"$OUT/san_ids.txt"
     fi
     log "sanitizer processes: $(cut -d' ' -f1 "$OUT/san_rc.txt" | sort | uniq -c | tr '\n' ' ') (rc=0 clean, 99 memcheck errors, 1 test failures)"
     grep -v "^rc=0 " "$OUT/san_rc.txt" | head -20 | tee -a "$OUT/ffi_summary.txt"
-    rm -f "$OUT/san_ids.txt"
+    rm -f "$OUT/san_ids.txt" "$OUT/san_last.log"
   else
     # shellcheck disable=SC2086
     timeout $(( san_end - $(date +%s) )) san $TEST_NODES -x "${kargs[@]}" >"$OUT/ffi_sanitize.log" 2>&1
