@@ -3,8 +3,10 @@ device time to a broken argument or result row. Not timings: only that every row
 
 from __future__ import annotations
 
+import glob
 import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -133,3 +135,11 @@ def test_clocked_chain_reads_the_clock_before_any_layer_work():
     first_clock = next(i for i, line in enumerate(entry) if "jax_nvfp4_device_clock" in line)
     routing_work = [i for i, line in enumerate(entry) if " sort(" in line or "fusion(" in line]
     assert routing_work and min(routing_work) > first_clock, entry
+
+
+@pytest.mark.parametrize("script", sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "scripts", "*.sh"))),
+                         ids=os.path.basename)
+def test_gpu_scripts_parse(script):
+    """A syntax error in a device script would cost a GPU session's time: bash -n here first."""
+    r = subprocess.run(["bash", "-n", script], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
