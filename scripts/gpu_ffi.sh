@@ -200,6 +200,8 @@ if stage ab; then
     --json "$OUT/ab_decode.json"
   ab 120 --modes w4a4 --tokens 1,4,64 --ffi-flags 8,104 --json "$OUT/ab_w4a4.json"  # fused quantize (+align, PDL)
   ab 200 --modes w4a16 --tokens 1024,4096 --ffi-flags 4,16,20 --json "$OUT/ab_prefill.json"  # wgmma grid, blocks
+  log "A/B verdicts (variant time / default time, same run)"
+  python3 benchmarks/ab_summary.py $(ls "$OUT"/ab_*.json 2>/dev/null) 2>&1 | tee -a "$OUT/ffi_summary.txt"
 fi
 
 if stage bench; then

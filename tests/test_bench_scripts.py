@@ -15,6 +15,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
 
 import _timing  # noqa: E402
+import ab_summary  # noqa: E402
 import moe_bench  # noqa: E402
 import profile_kernels  # noqa: E402
 import batch_invariance  # noqa: E402
@@ -38,6 +39,8 @@ def test_moe_bench_quick_rows(tmp_path, clock):
         assert "error" not in r, r
         assert r["median_us"] > 0 and r["floor_us"] > 0
         assert r["timing"] == (f"chain2/{clock}" if r["backend"].startswith("ffi") else "median")
+    summary = "\n".join(ab_summary.summary_lines(rows))
+    assert all(f"ffi[{v}]" in summary for v in ("flags=1", "flags=6", "ks=4")), summary
 
 
 def test_moe_bench_rejects_bad_kernel_flags(capsys):
@@ -143,3 +146,20 @@ def test_gpu_scripts_parse(script):
     """A syntax error in a device script would cost a GPU session's time: bash -n here first."""
     r = subprocess.run(["bash", "-n", script], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+def test_ab_summary_verdicts():
+    def row(backend, t, us, mode="w4a16"):
+        return dict(backend=backend, shape="s", tokens=t, mode=mode, median_us=us)
+    rows = [row("ffi", 1, 100.0), row("ffi", 4, 200.0), row("ffi", 4, 300.0, "w4a4"),
+            row("ffi[flags=64]", 1, 90.0), row("ffi[flags=64]", 4, 180.0),  # faster everywhere
+            row("ffi[ks=2]", 1, 99.0), row("ffi[ks=2]", 4, 250.0),  # one tie, one loss
+            row("ffi[flags=8]", 4, 295.0, "w4a4"), row("ffi[flags=8]", 64, 1.0, "w4a4"),  # no default at T=64
+            dict(backend="ffi[flags=1]", shape="s", tokens=1, mode="w4a16", error="boom")]
+    lines = ab_summary.summary_lines(rows)
+    head = {ln.split()[0]: ln for ln in lines if not ln.startswith(" ")}
+    assert set(head) == {"ffi[flags=64]", "ffi[ks=2]", "ffi[flags=8]"}
+    assert "WINS EVERYWHERE" in head["ffi[flags=64]"] and "geomean x0.900" in head["ffi[flags=64]"]
+    assert "slower  1" in head["ffi[ks=2]"] and "loses" in head["ffi[ks=2]"]
+    assert "rows  1" in head["ffi[flags=8]"] and "no loss" in head["ffi[flags=8]"]
+    assert ab_summary.summary_lines([row("ffi", 1, 1.0)]) == ["no variant rows with a default row to compare"]
