@@ -144,10 +144,14 @@ def _trace_events(fn, args) -> list[dict]:
     return events
 
 
+def span_us(events: list[dict]) -> float:
+    """Microseconds from the first kernel's start to the last one's end (events of :func:`_trace_events`)."""
+    return max((r["start_us"] + r["dur_us"] for r in events), default=0.0)
+
+
 def kernel_timeline(fn, args, *, traces: int = 3) -> list[dict]:
     """Per-kernel device timeline of one call of ``fn`` (already warmed up): ``traces`` calls, each
     traced alone, and the one with the median span returned (see :func:`_trace_events`). The
     gaps between kernels are launch latency and dependency waits: what fusing or PDL can save."""
     runs = [_trace_events(fn, args) for _ in range(traces)]
-    span = [max((r["start_us"] + r["dur_us"] for r in run), default=0.0) for run in runs]
-    return runs[sorted(range(traces), key=span.__getitem__)[traces // 2]]
+    return sorted(runs, key=span_us)[traces // 2]

@@ -25,7 +25,7 @@ from jax_nvfp4 import arg_specs as specs
 from jax_nvfp4.backends.ffi import FFIBackend
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _timing import kernel_timeline  # noqa: E402
+from _timing import kernel_timeline, span_us  # noqa: E402
 
 
 def main(argv=None):
@@ -67,8 +67,7 @@ def main(argv=None):
         for r in events:
             print(f"  {r['start_us']:9.1f} {r['dur_us']:8.1f} {r['gap_us']:7.1f}  {r['name'][:60]} ({r['op']})")
         busy, gaps = sum(r["dur_us"] for r in events), sum(r["gap_us"] for r in events)
-        span = max((r["start_us"] + r["dur_us"] for r in events), default=0.0)
-        print(f"  {len(events)} kernels: busy {busy:.1f} us, gaps {gaps:.1f} us, span {span:.1f} us")
+        print(f"  {len(events)} kernels: busy {busy:.1f} us, gaps {gaps:.1f} us, span {span_us(events):.1f} us")
 
 
 if __name__ == "__main__":

@@ -12,8 +12,8 @@
 #   "tests/test_ffi_quant.py tests/test_ffi.py"), TEST_S,
 #   SAN_K (pytest -k expression of the sanitize stage; default the stage argument), SAN_S,
 #   SAN_EACH=1 (one sanitizer process per test) or SAN_EACH=function (one per test function;
-#   after a crash the unfinished cases run again, up to SAN_RETRY times (default 2) without
-#   progress), SAN_ALLOCATOR (XLA allocator; default platform), SAN_KERNELS (all or ours).
+#   after a crash the unfinished cases run again; a case that crashes SAN_RETRY + 1 times in a row,
+#   default 2, is given up), SAN_ALLOCATOR (XLA allocator; default platform), SAN_KERNELS (all or ours).
 set -uo pipefail
 TEST_NODES=${TEST_NODES:-tests/test_ffi_quant.py tests/test_ffi.py}
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"

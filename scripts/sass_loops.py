@@ -57,8 +57,9 @@ def loops(ins: list[tuple[int, str]]):
     found = []
     for i, (a, text) in enumerate(ins):
         m = _TARGET.search(text)
-        if m and int(m.group(1), 16) < a and int(m.group(1), 16) in index:  # (not the exit trap's BRA to itself)
-            body = ins[index[int(m.group(1), 16)]: i + 1]
+        target = int(m.group(1), 16) if m else a
+        if target < a and target in index:  # (not the exit trap's BRA to itself)
+            body = ins[index[target]: i + 1]
             found.append((body[0][0], a, collections.Counter(opcode(t) for _, t in body)))
     return sorted(found, key=lambda f: f[1] - f[0])
 
