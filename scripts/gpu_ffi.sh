@@ -11,9 +11,13 @@
 #   TEST_NODES (pytest targets of the test and sanitize stages, in order; default
 #   "tests/test_ffi_quant.py tests/test_ffi.py"), TEST_S,
 #   SAN_K (pytest -k expression of the sanitize stage; default the stage argument), SAN_S,
-#   SAN_EACH=1 (one sanitizer process per test) or SAN_EACH=function (one per test function;
-#   after a crash the unfinished cases run again; a case that crashes SAN_RETRY + 1 times in a row,
-#   default 2, is given up), SAN_ALLOCATOR (XLA allocator; default platform), SAN_KERNELS (all or ours).
+#   SAN_EACH=1 (one sanitizer process per test), SAN_EACH=function (one per test function) or
+#   SAN_EACH=all (one for all; after a crash the unfinished cases run again; a case that crashes
+#   SAN_RETRY + 1 times in a row, default 2, is given up), SAN_ALLOCATOR (XLA allocator; default
+#   platform), SAN_KERNELS (all or ours), SAN_DONE (file of finished test ids, kept on the device
+#   between calls while it stays warm: a later call skips them; default /tmp/jax_nvfp4_san_done.txt),
+#   JAX_COMPILATION_CACHE_DIR (default /tmp/jax_nvfp4_jax_cache: the sanitize processes reuse what
+#   the test stage or an earlier call compiled).
 set -uo pipefail
 TEST_NODES=${TEST_NODES:-tests/test_ffi_quant.py tests/test_ffi.py}
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
@@ -21,6 +25,10 @@ what=",${1:-all},"; kexpr=${2:-}
 [[ $what == ",all," ]] && what=",test,graph,bench,"
 stage() { [[ $what == *",$1,"* ]]; }
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+# A persistent compilation cache: every test process (plain, then under the sanitizer) compiles the
+# same jitted twins; compiling them once saves most of a sanitizer process's host time.
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jax_nvfp4_jax_cache}
+export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0
 log() { echo "== $*" | tee -a "$OUT/ffi_summary.txt"; }
 # BUDGET: seconds this script may take in all (default 400); each stage gets at most what is left.
 BUDGET=${BUDGET:-400}; start=$(date +%s)
@@ -131,12 +139,19 @@ if stage sanitize; then
   if [[ ${SAN_EACH:-0} != 0 ]]; then
     # shellcheck disable=SC2086
     python3 -m pytest -q --collect-only -m gpu $TEST_NODES "${kargs[@]}" 2>/dev/null | grep "::" >"$OUT/san_ids.txt"
+    # Cases an earlier call on this machine finished are skipped (SAN_DONE).
+    san_done=${SAN_DONE:-/tmp/jax_nvfp4_san_done.txt}; touch "$san_done"
+    grep -vxFf "$san_done" "$OUT/san_ids.txt" >"$OUT/san_todo.txt"; mv "$OUT/san_todo.txt" "$OUT/san_ids.txt"
+    log "sanitize: $(wc -l <"$OUT/san_ids.txt") cases to run, $(wc -l <"$san_done") finished in earlier calls"
     : >"$OUT/ffi_sanitize.log"; : >"$OUT/san_rc.txt"
     san_run() {  # san_run <label> <pytest ids...>: one sanitizer process; 200 when out of time
       local rest=$(( san_end - $(date +%s) )) label=$1; shift
       (( rest < 10 )) && { echo "budget: stopped before $label" | tee -a "$OUT/ffi_sanitize.log" >>"$OUT/san_rc.txt"; return 200; }
       timeout "$rest" bash -c "$(declare -p san_filter); $(declare -f san); san \"\$@\"" _ "$@" >"$OUT/san_last.log" 2>&1
       local rc=$?; cat "$OUT/san_last.log" >>"$OUT/ffi_sanitize.log"
+      # Finished cases are recorded only from a process with no memcheck errors (rc 99 reports them).
+      (( rc != 99 )) && grep -oE '^[^ ]+::[^ ]+ (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)' "$OUT/san_last.log" \
+        | cut -d' ' -f1 >>"$san_done"
       echo "rc=$rc $label" | tee -a "$OUT/ffi_sanitize.log" >>"$OUT/san_rc.txt"; return $rc
     }
     san_resume() {  # san_resume <label> <ids...>: after a crash (rc > 128 or timeout), the ids the
@@ -162,7 +177,9 @@ if stage sanitize; then
         ids=("${left_ids[@]}"); run="$label, rest"
       done
     }
-    if [[ $SAN_EACH == function ]]; then
+    if [[ $SAN_EACH == all ]]; then
+      mapfile -t ids <"$OUT/san_ids.txt"; (( ${#ids[@]} )) && san_resume all "${ids[@]}"
+    elif [[ $SAN_EACH == function ]]; then
       # One process per test function (all its cases), resumed after a crash.
       for fn in $(sed 's/\[.*//' "$OUT/san_ids.txt" | uniq); do
         mapfile -t ids < <(awk -v f="$fn" '{ b = $0; sub(/\[.*/, "", b); if (b == f) print }' "$OUT/san_ids.txt")
