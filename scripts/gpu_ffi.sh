@@ -149,6 +149,13 @@ if stage sanitize; then
       (( rest < 10 )) && { echo "budget: stopped before $label" | tee -a "$OUT/ffi_sanitize.log" >>"$OUT/san_rc.txt"; return 200; }
       timeout "$rest" bash -c "$(declare -p san_filter); $(declare -f san); san \"\$@\"" _ "$@" >"$OUT/san_last.log" 2>&1
       local rc=$?; cat "$OUT/san_last.log" >>"$OUT/ffi_sanitize.log"
+      # A segfaulted sanitizer can leave its python child running with its GPU memory (on
+      # 2026-12-01 the process after two such crashes ran out of device memory): end it.
+      if (( rc > 128 || rc == 124 )); then
+        echo "after rc=$rc: GPU memory used $(nvidia-smi --query-gpu=memory.used --format=csv,noheader)," \
+          "leftover test processes: $(pgrep -fc 'pytest -v -p no:cacheprovider -m gpu')" >>"$OUT/san_rc.txt"
+        pkill -9 -f 'pytest -v -p no:cacheprovider -m gpu'; sleep 2
+      fi
       # Finished cases are recorded only from a process with no memcheck errors (rc 99 reports them).
       (( rc != 99 )) && grep -oE '^[^ ]+::[^ ]+ (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)' "$OUT/san_last.log" \
         | cut -d' ' -f1 >>"$san_done"
