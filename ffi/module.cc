@@ -122,14 +122,13 @@ NB_MODULE(_ffi, m) {
     c["Activation"] = act;
     c["RowScale"] = rs;
     c["Mode"] = mode;
-    kf["no_async_ring"] = int64_t(KernelFlag::kNoAsyncRing);
+    kf["other_decode_loop"] = int64_t(KernelFlag::kOtherDecodeLoop);
     kf["no_wgmma"] = int64_t(KernelFlag::kNoWgmma);
-    kf["wgmma_one_block"] = int64_t(KernelFlag::kWgmmaOneBlock);
+    kf["wgmma_two_blocks"] = int64_t(KernelFlag::kWgmmaTwoBlocks);
     kf["fused_quant"] = int64_t(KernelFlag::kFusedQuant);
-    kf["slabs_first"] = int64_t(KernelFlag::kSlabsFirst);
+    kf["row_tiles_first"] = int64_t(KernelFlag::kRowTilesFirst);
     kf["align_one_warp"] = int64_t(KernelFlag::kAlignOneWarp);
     kf["pdl"] = int64_t(KernelFlag::kPdl);
-    kf["prefetch_activations"] = int64_t(KernelFlag::kPrefetchActivations);
     c["KernelFlag"] = kf;
     nb::list tiles;
     for (int t : kTileMs) tiles.append(t);

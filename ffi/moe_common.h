@@ -37,17 +37,20 @@ enum class RowScale : int64_t {
 };
 // Kernel variants of the CUDA grouped GEMM (bit flags; 0 = the default choice). The result is
 // the same function; they exist so that one benchmark run can compare variants side by side.
+// The defaults are the winners of the H200 A/B of 2026-12-01 (BENCHMARKS.md); each flag names
+// the alternative, so the same A/B can be run again.
 enum class KernelFlag : int64_t {
-  kNoAsyncRing = 1,     // decode tiles (<= 16 rows): register prefetch instead of the cp.async ring
-  kNoWgmma = 2,         // 64-row tiles: the mma.sync kernel instead of the sm_90a wgmma kernel
-  kWgmmaOneBlock = 4,   // wgmma, non-gated: one 64-feature block per warpgroup instead of two
-  kFusedQuant = 8,      // w4a4: per-token quantization by quant_dequant_rows (the GEMMs ignore it)
-  kSlabsFirst = 16,     // wgmma: consecutive CTAs take one row tile's feature slabs (L2 reuse of activations)
-  kAlignOneWarp = 32,   // moe_align with <= 32 pairs: one warp, no block scan (the GEMMs ignore it)
-  kPdl = 64,            // every kernel launched with programmatic dependent launch (overlaps launches)
-  kPrefetchActivations = 128,  // decode tiles on the cp.async ring: activations loaded a piece ahead
+  kOtherDecodeLoop = 1,  // decode tiles: the other weight loop (default: register prefetch on
+                         // 8-row tiles, the cp.async ring on 16-row tiles)
+  kNoWgmma = 2,          // 64-row tiles: the mma.sync kernel instead of the sm_90a wgmma kernel
+  kWgmmaTwoBlocks = 4,   // wgmma, non-gated: two 64-feature blocks per warpgroup instead of one
+  kFusedQuant = 8,       // w4a4: per-token quantization by quant_dequant_rows (the GEMMs ignore it)
+  kRowTilesFirst = 16,   // wgmma: consecutive CTAs take one feature slab's row tiles (L2 reuse of
+                         // weights) instead of one row tile's slabs (L2 reuse of activations)
+  kAlignOneWarp = 32,    // moe_align with <= 32 pairs: one warp, no block scan (the GEMMs ignore it)
+  kPdl = 64,             // every kernel launched with programmatic dependent launch (overlaps launches)
 };
-constexpr int64_t kAllKernelFlags = 255;
+constexpr int64_t kAllKernelFlags = 127;
 constexpr int64_t kAlignOneWarpPairs = 32;
 // MoE modes (spec section 5); the kernels themselves are mode-agnostic.
 enum class Mode : int64_t { kBf16 = 0, kW4A16 = 1, kW4A4 = 2 };

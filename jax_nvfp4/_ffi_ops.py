@@ -65,16 +65,17 @@ class RowScale(enum.IntEnum):
 
 class KernelFlag(enum.IntFlag):
     """CUDA grouped-GEMM variants (bits; values shared with ``ffi/moe_common.h``). Every variant
-    computes the same function; the flags let one benchmark run compare them. 0: the default."""
+    computes the same function; the flags let one benchmark run compare them. 0: the default
+    (for the GEMM loops, the winners of the H200 A/B of 2026-12-01; each flag names the other
+    choice, so that A/B can be run again)."""
 
-    NO_ASYNC_RING = 1  # decode tiles: register prefetch instead of the cp.async ring
+    OTHER_DECODE_LOOP = 1  # decode tiles: swap the weight loops (default: register prefetch on 8-row tiles, cp.async ring on 16-row)
     NO_WGMMA = 2  # 64-row tiles: the mma.sync kernel instead of the sm_90a wgmma kernel
-    WGMMA_ONE_BLOCK = 4  # wgmma, non-gated: one 64-feature block per warpgroup instead of two
+    WGMMA_TWO_BLOCKS = 4  # wgmma, non-gated: two 64-feature blocks per warpgroup instead of one
     FUSED_QUANT = 8  # w4a4: per-token quantization by the quant_dequant_rows kernel, not pure JAX
-    SLABS_FIRST = 16  # wgmma: consecutive CTAs take one row tile's feature slabs (activations reused in L2)
+    ROW_TILES_FIRST = 16  # wgmma: consecutive CTAs take one feature slab's row tiles, not one row tile's slabs
     ALIGN_ONE_WARP = 32  # moe_align with <= ALIGN_ONE_WARP_PAIRS pairs: one warp, no block-wide scan
     PDL = 64  # every kernel launched with programmatic dependent launch (its start overlaps the previous kernel)
-    PREFETCH_ACTIVATIONS = 128  # decode tiles on the cp.async ring: each activation piece loaded one piece ahead
 
 
 class Mode(enum.IntEnum):

@@ -218,12 +218,13 @@ if stage ab; then
     timeout $(left "$1") python3 benchmarks/moe_bench.py --backends ffi --no-baseline --chain 20 --repeats 20 \
       --shapes deepseek_v3_ep8,qwen3_30b_a3b "${@:2}" 2>&1 | grep -v "^wrote" | tail -90 | tee -a "$OUT/ffi_summary.txt"
   }
-  # ring, align, PDL, prefetched activations; the decode tiles' K split fixed (the CTA count:
-  # choose_k_split aims at ~1024)
-  ab 300 --modes w4a16 --tokens 1,4,64 --ffi-flags 1,32,64,96,128,224 --ffi-k-splits 1,2,4 \
+  # the other decode loop, align, PDL; the decode tiles' K split fixed (the CTA count:
+  # choose_k_split aims at ~1024). T = 1/4 (8-row tiles), 64 (DeepSeek-V3: 16-row, Qwen3: 8-row).
+  ab 240 --modes w4a16 --tokens 1,4,64 --ffi-flags 1,32,64,96 --ffi-k-splits 1,2,4 \
     --json "$OUT/ab_decode.json"
-  ab 120 --modes w4a4 --tokens 1,4,64 --ffi-flags 8,104 --json "$OUT/ab_w4a4.json"  # fused quantize (+align, PDL)
-  ab 200 --modes w4a16 --tokens 1024,4096 --ffi-flags 4,16,20 --json "$OUT/ab_prefill.json"  # wgmma grid, blocks
+  ab 180 --modes w4a4 --tokens 1,4,64 --ffi-flags 8,104 --json "$OUT/ab_w4a4.json"  # fused quantize (+align, PDL)
+  # wgmma: two blocks per warpgroup, row tiles first (the defaults before 2026-12-01), both
+  ab 180 --modes w4a16 --tokens 1024,4096 --ffi-flags 4,16,20 --json "$OUT/ab_prefill.json"
   log "A/B verdicts (variant time / default time, same run)"
   python3 benchmarks/ab_summary.py $(ls "$OUT"/ab_*.json 2>/dev/null) 2>&1 | tee -a "$OUT/ffi_summary.txt"
 fi
@@ -260,7 +261,7 @@ sys.path.insert(0, "tests")
 from test_ffi import make_experts, make_routing, make_x
 from jax_nvfp4 import _ffi_ops as ops
 ex = make_experts(1, 32, 512, 256)
-opt_in = sum(ops.KernelFlag) & ~(ops.KernelFlag.NO_ASYNC_RING | ops.KernelFlag.NO_WGMMA | ops.KernelFlag.WGMMA_ONE_BLOCK)
+opt_in = sum(ops.KernelFlag) & ~(ops.KernelFlag.OTHER_DECODE_LOOP | ops.KernelFlag.NO_WGMMA | ops.KernelFlag.WGMMA_TWO_BLOCKS)
 layers = [jax.jit(lambda x, i, w: nv.moe(x, ex, topk_ids=i, topk_weights=w, backend="ffi")),
           jax.jit(lambda x, i, w: ops.moe(x, ex, i, w, mode="w4a4", kernel_flags=opt_in)),  # PDL in graphs too
           jax.jit(lambda x, i, w: ops.moe(x, ex, i, w, kernel_flags=opt_in))]

@@ -231,7 +231,7 @@ def test_kernel_flags_reach_the_custom_call_and_keep_the_function():
     ex = make_experts(5, 4, 64, 32)
     x = make_x(1, 6, 64)
     ids, w = make_routing(2, 6, 2, 4)
-    flags = int(ops.KernelFlag.NO_ASYNC_RING | ops.KernelFlag.WGMMA_ONE_BLOCK)
+    flags = int(ops.KernelFlag.OTHER_DECODE_LOOP | ops.KernelFlag.WGMMA_TWO_BLOCKS)
     f = jax.jit(lambda x, i, w: ops.moe(x, ex, i, w, kernel_flags=flags))
     assert "kernel_flags = 5" in f.lower(x, ids, w).as_text()
     np.testing.assert_array_equal(f32(f(x, ids, w)), f32(ops.moe(x, ex, ids, w)))
@@ -592,15 +592,14 @@ def test_gpu_gemm_matches_twin(act, gather, mode, out_dtype, h, tile_m, k_split)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("flags", [int(ops.KernelFlag.NO_ASYNC_RING), int(ops.KernelFlag.NO_WGMMA),
-                                   int(ops.KernelFlag.WGMMA_ONE_BLOCK), int(ops.KernelFlag.SLABS_FIRST),
-                                   int(ops.KernelFlag.SLABS_FIRST | ops.KernelFlag.WGMMA_ONE_BLOCK),
-                                   int(ops.KernelFlag.PREFETCH_ACTIVATIONS)])
+@pytest.mark.parametrize("flags", [int(ops.KernelFlag.OTHER_DECODE_LOOP), int(ops.KernelFlag.NO_WGMMA),
+                                   int(ops.KernelFlag.WGMMA_TWO_BLOCKS), int(ops.KernelFlag.ROW_TILES_FIRST),
+                                   int(ops.KernelFlag.ROW_TILES_FIRST | ops.KernelFlag.WGMMA_TWO_BLOCKS)])
 @pytest.mark.parametrize("act,gather,mode,out_dtype", [GEMM_CASES[0], GEMM_CASES[-1]])
-@pytest.mark.parametrize("tile_m,h", [(8, 1152), (64, 320)])
+@pytest.mark.parametrize("tile_m,h", [(8, 1152), (16, 1152), (64, 320)])
 def test_gpu_kernel_variants_match_twin(act, gather, mode, out_dtype, h, tile_m, flags):
-    """Every KernelFlag variant of the GEMM (register-prefetch decode, mma.sync 64-row tiles,
-    one-block wgmma, the slabs-first wgmma grid, activations prefetched in decode tiles)."""
+    """Every KernelFlag variant of the GEMM (the other decode loop on 8- and 16-row tiles, mma.sync
+    64-row tiles, two-block wgmma, the row-tiles-first wgmma grid)."""
     if not has_gpu():
         pytest.skip("needs an NVIDIA GPU")
     a, w, sid, te, rs = _gemm_problem(act, gather, mode, t=37, k=4, e=6, h=h, n=80, tile_m=tile_m, seed=h)
@@ -613,8 +612,8 @@ def test_gpu_kernel_variants_match_twin(act, gather, mode, out_dtype, h, tile_m,
     assert relerr(f32(got)[used], f32(want)[used]) < 1e-2
 
 
-OPT_IN_FLAGS = (ops.KernelFlag.FUSED_QUANT, ops.KernelFlag.SLABS_FIRST, ops.KernelFlag.ALIGN_ONE_WARP,
-                ops.KernelFlag.PDL, ops.KernelFlag.PREFETCH_ACTIVATIONS)
+OPT_IN_FLAGS = (ops.KernelFlag.FUSED_QUANT, ops.KernelFlag.ROW_TILES_FIRST, ops.KernelFlag.ALIGN_ONE_WARP,
+                ops.KernelFlag.PDL)
 
 
 @pytest.mark.gpu
@@ -622,8 +621,8 @@ OPT_IN_FLAGS = (ops.KernelFlag.FUSED_QUANT, ops.KernelFlag.SLABS_FIRST, ops.Kern
 @pytest.mark.parametrize("t", [1, 4, 48, 2000])
 @pytest.mark.parametrize("flags", [int(f) for f in OPT_IN_FLAGS] + [int(sum(OPT_IN_FLAGS))])
 def test_gpu_opt_in_variants_are_bitwise_the_default(gpu_experts, t, mode, flags):
-    """Fused quantize, slabs-first wgmma grid, one-warp align, PDL launches and prefetched
-    activations change where and how the work runs, not a single output bit (t = 2000 x 8 pairs
+    """Fused quantize, the row-tiles-first wgmma grid, one-warp align and PDL launches change
+    where and how the work runs, not a single output bit (t = 2000 x 8 pairs
     over 32 experts: 64-row wgmma tiles; t = 48: 16-row decode tiles; t = 4: 32 pairs, the
     one-warp align; t = 1: 8-row tiles)."""
     ex = gpu_experts[(32, True)]

@@ -166,7 +166,7 @@ __device__ __forceinline__ void Epilogue(const GemmParams& p, int32_t e, int64_t
 }
 
 // The sm_90a wgmma kernel for 64-row tiles (moe_gemm_sm90.cu), with the variants of
-// `kernel_flags` (kWgmmaOneBlock, kSlabsFirst). Returns false when this build or device cannot
+// `kernel_flags` (kWgmmaTwoBlocks, kRowTilesFirst). Returns false when this build or device cannot
 // run it (the caller then launches the mma.sync kernel).
 bool LaunchWgmmaGemm(const GemmParams& p, bool gated, bool f32_out, int64_t kernel_flags, cudaStream_t stream);
 

@@ -129,10 +129,12 @@ __device__ __forceinline__ void MainLoop(const uint8_t* const (&wrow)[NF][2], co
 }
 
 // ---- decode tiles: a deeper pipeline through shared memory ---------------------------------
-// At decode a warp streams weights it uses once; registers hold one chunk in flight, too few
-// bytes to cover HBM latency. Here every thread keeps kStages - 1 chunks in flight with
-// cp.async into its own slots of a shared-memory ring (it reads back only what it copied
-// itself, so no barrier is needed: cp.async.wait_group orders its own copies).
+// At decode a warp streams weights it uses once; registers hold one chunk in flight, which
+// may be too few bytes to cover HBM latency. Here every thread keeps kStages - 1 chunks in
+// flight with cp.async into its own slots of a shared-memory ring (it reads back only what it
+// copied itself, so no barrier is needed: cp.async.wait_group orders its own copies). On the
+// H200 this wins on 16-row tiles only (8-row tiles have more CTAs in flight without the
+// ring's shared memory); Launch picks the loop by tile size.
 constexpr int kStages = 4;
 
 __device__ __forceinline__ void CpAsync16(void* smem, const void* gmem) {
@@ -168,10 +170,7 @@ __device__ __forceinline__ void IssueChunk(WarpRing<NF>& ring, int stage, const 
     }
 }
 
-// PREFETCH (KernelFlag::kPrefetchActivations): each activation piece is loaded while the one
-// before it multiplies (piece 0 of a chunk during the last piece of the chunk before), so an
-// L2 hit on the activation rows no longer stalls the warp right before its MMAs.
-template <int FM, int NF, bool PREFETCH>
+template <int FM, int NF>
 __device__ __forceinline__ void MainLoopAsync(WarpRing<NF>& ring, const uint8_t* const (&wrow)[NF][2],
                                               const uint8_t* const (&srow)[NF][2],
                                               const uint16_t* const (&arow)[FM], int64_t k0, int64_t k1,
@@ -182,8 +181,6 @@ __device__ __forceinline__ void MainLoopAsync(WarpRing<NF>& ring, const uint8_t*
     if (s < chunks) IssueChunk(ring, s, wrow, srow, k0 + 128 * s, t, lane);
     CpAsyncCommit();  // (empty groups keep the counting uniform)
   }
-  uint4 x[FM];  // PREFETCH: the activations of the next piece to multiply
-  if (PREFETCH && chunks > 0) LoadPiece<FM>(arow, k0 + 32 * t, x);
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t ahead = c + kStages - 1;  // refills the slot chunk c - 1 used (read already)
     if (ahead < chunks) IssueChunk(ring, int(ahead % kStages), wrow, srow, k0 + 128 * ahead, t, lane);
@@ -198,28 +195,13 @@ __device__ __forceinline__ void MainLoopAsync(WarpRing<NF>& ring, const uint8_t*
         w.SetCodes(j, h, ring.codes[stage][2 * j + h][lane]);
         w.s[j][h] = ring.scales[stage][2 * j + h][lane] >> (16 * (t & 1));
       }
-    const int64_t kc = k0 + 128 * c;
-    if constexpr (PREFETCH) {
-      uint32_t scale[NF][2][2];
-      w.BlockScales(scale);
-#pragma unroll
-      for (int p = 0; p < 4; ++p) {  // thread t's span of the chunk: K [kc + 32t, kc + 32t + 32)
-        uint4 next[FM] = {};  // (stays zero after the last piece of the last chunk)
-        if (p < 3) LoadPiece<FM>(arow, kc + 32 * t + 8 * (p + 1), next);
-        else if (c + 1 < chunks) LoadPiece<FM>(arow, kc + 128 + 32 * t, next);  // never past k1
-        ComputePiece<128, NF, FM>(w, scale, p, x, acc);
-#pragma unroll
-        for (int m = 0; m < FM; ++m) x[m] = next[m];
-      }
-    } else {
-      ComputeChunk<128, NF, FM>(w, arow, kc, t, acc);
-    }
+    ComputeChunk<128, NF, FM>(w, arow, k0 + 128 * c, t, acc);
   }
   TailChunk<FM, NF>(wrow, srow, arow, k0 + 128 * chunks, k1, t, acc);
 }
 
 // LOOP: how decode tiles (FM <= 2) stream weights; larger tiles always use MainLoop.
-enum DecodeLoop : int { kRegisterLoop = 0, kRingLoop = 1, kRingPrefetchLoop = 2 };
+enum DecodeLoop : int { kRegisterLoop = 0, kRingLoop = 1 };
 
 template <int FM, int KS, int LOOP, bool GATED, typename OutT>
 __global__ void __launch_bounds__(kThreads) W4A16GroupedGemmKernel(const GemmParams p) {
@@ -270,7 +252,7 @@ __global__ void __launch_bounds__(kThreads) W4A16GroupedGemmKernel(const GemmPar
     const int64_t units = K / 64;
     const int64_t k0 = 64 * (units * kw / KS), k1 = 64 * (units * (kw + 1) / KS);
     if constexpr (kAsync)
-      MainLoopAsync<FM, NF, LOOP == kRingPrefetchLoop>(rings[warp], wrow, srow, arow, k0, k1, t, lane, acc);
+      MainLoopAsync<FM, NF>(rings[warp], wrow, srow, arow, k0, k1, t, lane, acc);
     else MainLoop<FM, NF>(wrow, srow, arow, k0, k1, t, acc);
   }
 
@@ -304,7 +286,7 @@ __global__ void __launch_bounds__(kThreads) W4A16GroupedGemmKernel(const GemmPar
   Epilogue<FM, NF, GATED, OutT>(p, e, tile, feat0, acc);
 }
 
-// Instances: k_split 1, 2, 4 and the three DecodeLoops for 8- and 16-row tiles (decode);
+// Instances: k_split 1, 2, 4 and both DecodeLoops for 8- and 16-row tiles (decode);
 // k_split 1 and the register loop for 32 and 64 rows (CheckGemm).
 template <int KS, int LOOP, bool GATED, typename OutT>
 void LaunchSplit(const GemmParams& p, int64_t tile_m, int64_t slabs, bool pdl, cudaStream_t stream) {
@@ -335,10 +317,11 @@ template <bool GATED, typename OutT>
 void Launch(const GemmParams& p, int64_t tile_m, int64_t k_split, int64_t slabs, int64_t flags,
             cudaStream_t stream) {
   const bool pdl = flags & int64_t(KernelFlag::kPdl);
-  if (flags & int64_t(KernelFlag::kNoAsyncRing))
+  // Decode: register prefetch on 8-row tiles, the cp.async ring on 16-row tiles (H200 A/B,
+  // 2026-12-01: the ring lost 3-11% on every 8-row row measured and won 4% on the 16-row one);
+  // kOtherDecodeLoop swaps them. Larger tiles ignore the loop.
+  if ((tile_m == 8) != bool(flags & int64_t(KernelFlag::kOtherDecodeLoop)))
     LaunchLoop<kRegisterLoop, GATED, OutT>(p, tile_m, k_split, slabs, pdl, stream);
-  else if (flags & int64_t(KernelFlag::kPrefetchActivations))
-    LaunchLoop<kRingPrefetchLoop, GATED, OutT>(p, tile_m, k_split, slabs, pdl, stream);
   else
     LaunchLoop<kRingLoop, GATED, OutT>(p, tile_m, k_split, slabs, pdl, stream);
 }

@@ -3,8 +3,8 @@
 //
 // - A CTA is two warpgroups (8 warps) and owns one 64-row tile of one expert; each warpgroup
 //   multiplies two 64-row weight blocks: gated, the gate and the up rows of 64 features (128
-//   features per CTA); otherwise two blocks of 64 features (256 per CTA; KernelFlag
-//   kWgmmaOneBlock: one), so that every staged activation chunk feeds as many MMAs.
+//   features per CTA); otherwise one block of 64 features (KernelFlag kWgmmaTwoBlocks: two,
+//   so that every staged activation chunk feeds as many MMAs; slower on the H200, 2026-12-01).
 // - Weights (A) come from registers, as in the mma.sync kernel: each warp loads its 16 rows
 //   with 16-byte loads one 128-K chunk ahead and decodes FP4 -> bf16 in registers (the
 //   wgmma A-register fragment of a warp is the m16n8k16 A fragment). K is permuted the same
@@ -169,9 +169,10 @@ __global__ void __launch_bounds__(kWgThreadsPerCta, 1) W4A16WgmmaKernel(const Ge
   const uint32_t smem_addr = SmemU32(smem);
 
   GridDependencyWait();
-  // Default: x = row tile, y = feature slab (a wave of CTAs shares a slab of several experts'
-  // weights). slabs_first: a 1-D grid where consecutive CTAs take the slabs of one row tile (a
-  // wave shares its activation tiles in L2, and an expert's weights across its row tiles).
+  // slabs_first (the default): a 1-D grid where consecutive CTAs take the slabs of one row tile
+  // (a wave shares its activation tiles in L2, and an expert's weights across its row tiles).
+  // Otherwise (kRowTilesFirst, or a grid too large for 1-D): x = row tile, y = feature slab (a
+  // wave of CTAs shares a slab of several experts' weights).
   int64_t tile = blockIdx.x, slab = blockIdx.y;
   if (p.slabs_first) {
     const int64_t slabs = CeilDiv<int64_t>(p.n_out, CtaFeatures<GATED, NB>());
@@ -286,8 +287,8 @@ int DeviceMajor() {
 bool LaunchWgmmaGemm(const GemmParams& p, bool gated, bool f32_out, int64_t kernel_flags, cudaStream_t stream) {
 #ifdef JAX_NVFP4_HAS_SM90A
   if (DeviceMajor() != 9 || p.P % kTokens != 0) return false;
-  const bool one_block = kernel_flags & int64_t(KernelFlag::kWgmmaOneBlock);
-  const bool sf = kernel_flags & int64_t(KernelFlag::kSlabsFirst), pdl = kernel_flags & int64_t(KernelFlag::kPdl);
+  const bool one_block = !(kernel_flags & int64_t(KernelFlag::kWgmmaTwoBlocks));
+  const bool sf = !(kernel_flags & int64_t(KernelFlag::kRowTilesFirst)), pdl = kernel_flags & int64_t(KernelFlag::kPdl);
   if (gated) f32_out ? Launch<true, 2, float>(p, sf, pdl, stream) : Launch<true, 2, uint16_t>(p, sf, pdl, stream);
   else if (one_block) f32_out ? Launch<false, 1, float>(p, sf, pdl, stream) : Launch<false, 1, uint16_t>(p, sf, pdl, stream);
   else f32_out ? Launch<false, 2, float>(p, sf, pdl, stream) : Launch<false, 2, uint16_t>(p, sf, pdl, stream);
