@@ -219,8 +219,8 @@ if stage ab; then
       --shapes deepseek_v3_ep8,qwen3_30b_a3b "${@:2}" 2>&1 | grep -v "^wrote" | tail -90 | tee -a "$OUT/ffi_summary.txt"
   }
   # the other decode loop, align, PDL; the decode tiles' K split fixed (the CTA count:
-  # choose_k_split aims at ~1024). T = 1/4 (8-row tiles), 64 (DeepSeek-V3: 16-row, Qwen3: 8-row).
-  ab 240 --modes w4a16 --tokens 1,4,64 --ffi-flags 1,32,64,96 --ffi-k-splits 1,2,4 \
+  # choose_k_split aims at ~1024). T = 1/4/16 (8-row tiles), 64 (DeepSeek-V3: 16-row, Qwen3: 8-row).
+  ab 300 --modes w4a16 --tokens 1,4,16,64 --ffi-flags 1,32,64,96 --ffi-k-splits 1,2,4 \
     --json "$OUT/ab_decode.json"
   ab 180 --modes w4a4 --tokens 1,4,64 --ffi-flags 8,104 --json "$OUT/ab_w4a4.json"  # fused quantize (+align, PDL)
   # wgmma: two blocks per warpgroup, row tiles first (the defaults before 2026-12-01), both
