@@ -4,7 +4,8 @@
 
 For every variant (``ffi[flags=N]``, ``ffi[ks=N]``): its time / the default's time per shape, token
 count and mode, and how often it is faster or slower by more than the tolerance. A default should
-change only for a variant that wins everywhere it applies and loses nowhere.
+change only for a variant that wins everywhere it applies and loses nowhere. Then, per row, the
+fastest configuration (the material of a per-shape table, e.g. the K split per token count).
 """
 
 from __future__ import annotations
@@ -42,6 +43,28 @@ def summary_lines(results: list[dict], tolerance: float = 0.03) -> list[str]:
     return lines or ["no variant rows with a default row to compare"]
 
 
+def best_lines(results: list[dict], tolerance: float = 0.03) -> list[str]:
+    """Per (shape, tokens, mode) with a default row: the fastest row and its time / the default's
+    ("default" when no variant beats it by more than the tolerance)."""
+    default, best = {}, {}
+    for r in results:
+        b, us = r.get("backend", ""), r.get("median_us")
+        if us is None or not (b == "ffi" or b.startswith("ffi[")):
+            continue
+        key = (r.get("shape"), r.get("tokens"), r.get("mode"))
+        if b == "ffi":
+            default[key] = us
+        if key not in best or us < best[key][1]:
+            best[key] = (b, us)
+    lines = []
+    for key in sorted(default, key=lambda k: (str(k[0]), k[2] or "", k[1] or 0)):
+        b, us = best[key]
+        x = us / default[key]
+        name, x = (b, x) if x < 1 - tolerance else ("default", 1.0)
+        lines.append(f"    {key[0]:16s} T={key[1]:5d} {key[2]:6s} best {name:16s} x{x:.3f}")
+    return ["best per row (variant time / default time):"] + lines if lines else []
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("json", nargs="+")
@@ -51,7 +74,7 @@ def main(argv=None):
     for path in args.json:
         with open(path) as f:
             results += json.load(f)["results"]
-    print("\n".join(summary_lines(results, args.tolerance)))
+    print("\n".join(summary_lines(results, args.tolerance) + best_lines(results, args.tolerance)))
 
 
 if __name__ == "__main__":

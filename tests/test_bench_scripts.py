@@ -163,3 +163,10 @@ def test_ab_summary_verdicts():
     assert "slower  1" in head["ffi[ks=2]"] and "loses" in head["ffi[ks=2]"]
     assert "rows  1" in head["ffi[flags=8]"] and "no loss" in head["ffi[flags=8]"]
     assert ab_summary.summary_lines([row("ffi", 1, 1.0)]) == ["no variant rows with a default row to compare"]
+    best = ab_summary.best_lines(rows)
+    assert best[0].startswith("best per row")
+    assert "T=    1 w4a16  best ffi[flags=64]" in best[1] and "x0.900" in best[1]  # 90 < 99 < 100
+    assert "T=    4 w4a16  best ffi[flags=64]" in best[2]
+    assert "T=    4 w4a4   best default" in best[3] and "x1.000" in best[3]  # 295 is within 3% of 300
+    assert len(best) == 4  # T=64 w4a4 has no default row
+    assert ab_summary.best_lines([row("ffi[ks=2]", 1, 1.0)]) == []
