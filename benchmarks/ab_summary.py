@@ -2,7 +2,7 @@
 
     python3 benchmarks/ab_summary.py out/ab_decode.json [more.json ...] [--tolerance 0.03]
 
-For every variant (``ffi[flags=N]``, ``ffi[ks=N]``): its time / the default's time per shape, token
+For every variant (``ffi[flags=N]``, ``ffi[ks=N]``, ``ffi[tm=N]``): its time / the default's time per shape, token
 count and mode, and how often it is faster or slower by more than the tolerance. A default should
 change only for a variant that wins everywhere it applies and loses nowhere. Then, per row, the
 fastest configuration (the material of a per-shape table, e.g. the K split per token count).

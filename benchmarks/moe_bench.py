@@ -134,6 +134,7 @@ def bench_shape(shape, tokens, modes, backends, args, log):
             if mode != "bf16" and not FFIBackend().unavailable_reason():
                 variants += [(f"ffi[flags={f}]", FFIBackend(f)) for f in args.ffi_flags]
                 variants += [(f"ffi[ks={s}]", FFIBackend(k_split=s)) for s in args.ffi_k_splits]
+                variants += [(f"ffi[tm={m}]", FFIBackend(tile_m=m)) for m in args.ffi_tile_ms]
             for label, impl in variants:  # forced strategies / kernel variants, side by side
 
                 def fn(x, ids, w, ex, impl=impl, problem=problem):
@@ -195,10 +196,13 @@ def main(argv=None):
                         "gather/ragged,gather/tiled (to calibrate the automatic choice)")
     p.add_argument("--ffi-flags", default="",
                    help="comma-separated KernelFlag values to time as extra ffi rows 'ffi[flags=N]' (CUDA "
-                        "kernel variants, see KernelFlag: 1 the other decode loop, 2 no wgmma, 4 two-block wgmma, 8 fused w4a4 quantize, 16 row-tiles-first wgmma grid, 32 one-warp align, 64 PDL launches; combine by adding)")
+                        "kernel variants, see KernelFlag: 1 the other decode loop, 2 no wgmma, 4 two-block wgmma, 8 fused w4a4 quantize, 16 row-tiles-first wgmma grid, 32 one-warp align, 64 PDL launches, 128/256 two/three weight chunks in flight; combine by adding)")
     p.add_argument("--ffi-k-splits", default="",
                    help="comma-separated k_split values (1, 2, 4) to time as extra ffi rows 'ffi[ks=N]': the "
                         "decode tiles' K split fixed instead of chosen from the shape (more CTAs per GEMM)")
+    p.add_argument("--ffi-tile-ms", default="",
+                   help="comma-separated tile_m values (8, 16, 32, 64) to time as extra ffi rows 'ffi[tm=N]': the "
+                        "rows per GEMM tile fixed instead of chosen from the expected rows per expert")
     p.add_argument("--no-baseline", action="store_true", help=f"skip the {BASELINE} baseline")
     p.add_argument("--max-expanded-tflop", type=float, default=100.0,
                    help="skip the baseline when ragged_dot's dense expansion exceeds this many TFLOP")
@@ -247,6 +251,10 @@ def main(argv=None):
         args.ffi_k_splits = [FFIBackend(k_split=int(s)).k_split for s in args.ffi_k_splits.split(",") if s]
     except ValueError as err:
         p.error(f"--ffi-k-splits: {err}")
+    try:
+        args.ffi_tile_ms = [FFIBackend(tile_m=int(m)).tile_m for m in args.ffi_tile_ms.split(",") if m]
+    except ValueError as err:
+        p.error(f"--ffi-tile-ms: {err}")
     for v in args.xla_variants:
         d, _, g = v.partition("/")
         if d not in ("gather", "all") or g not in ("ragged", "tiled"):

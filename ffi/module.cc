@@ -129,6 +129,8 @@ NB_MODULE(_ffi, m) {
     kf["row_tiles_first"] = int64_t(KernelFlag::kRowTilesFirst);
     kf["align_one_warp"] = int64_t(KernelFlag::kAlignOneWarp);
     kf["pdl"] = int64_t(KernelFlag::kPdl);
+    kf["prefetch_two"] = int64_t(KernelFlag::kPrefetchTwo);
+    kf["prefetch_three"] = int64_t(KernelFlag::kPrefetchThree);
     c["KernelFlag"] = kf;
     nb::list tiles;
     for (int t : kTileMs) tiles.append(t);

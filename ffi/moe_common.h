@@ -49,8 +49,10 @@ enum class KernelFlag : int64_t {
                          // weights) instead of one row tile's slabs (L2 reuse of activations)
   kAlignOneWarp = 32,    // moe_align with <= 32 pairs: one warp, no block scan (the GEMMs ignore it)
   kPdl = 64,             // every kernel launched with programmatic dependent launch (overlaps launches)
+  kPrefetchTwo = 128,    // the register loop keeps two 128-K chunks of weights in flight (default one)
+  kPrefetchThree = 256,  // ... three (wins over kPrefetchTwo)
 };
-constexpr int64_t kAllKernelFlags = 127;
+constexpr int64_t kAllKernelFlags = 511;
 constexpr int64_t kAlignOneWarpPairs = 32;
 // MoE modes (spec section 5); the kernels themselves are mode-agnostic.
 enum class Mode : int64_t { kBf16 = 0, kW4A16 = 1, kW4A4 = 2 };

@@ -76,6 +76,8 @@ class KernelFlag(enum.IntFlag):
     ROW_TILES_FIRST = 16  # wgmma: consecutive CTAs take one feature slab's row tiles, not one row tile's slabs
     ALIGN_ONE_WARP = 32  # moe_align with <= ALIGN_ONE_WARP_PAIRS pairs: one warp, no block-wide scan
     PDL = 64  # every kernel launched with programmatic dependent launch (its start overlaps the previous kernel)
+    PREFETCH_TWO = 128  # the register weight loop keeps two 128-K chunks in flight instead of one
+    PREFETCH_THREE = 256  # ... three (wins over PREFETCH_TWO)
 
 
 class Mode(enum.IntEnum):

@@ -8,6 +8,7 @@
 #   FFI_BENCH_BACKENDS (default "ffi,xla"),
 #   NCU_CONFIGS / TIMELINE_CONFIGS (space-separated shape:tokens[:mode[:kernel_flags]]),
 #   FFI_BENCH_ARGS (more moe_bench.py arguments, e.g. "--tokens 1,64 --no-baseline"),
+#   AB_DECODE / AB_W4A4 / AB_PREFILL (moe_bench arguments of the ab stage's parts, or "skip"),
 #   TEST_NODES (pytest targets of the test and sanitize stages, in order; default
 #   "tests/test_ffi_quant.py tests/test_ffi.py"), TEST_S,
 #   SAN_K (pytest -k expression of the sanitize stage; default the stage argument), SAN_S,
@@ -218,13 +219,17 @@ if stage ab; then
     timeout $(left "$1") python3 benchmarks/moe_bench.py --backends ffi --no-baseline --chain 20 --repeats 20 \
       --shapes deepseek_v3_ep8,qwen3_30b_a3b "${@:2}" 2>&1 | grep -v "^wrote" | tail -90 | tee -a "$OUT/ffi_summary.txt"
   }
-  # the other decode loop, align, PDL; the decode tiles' K split fixed (the CTA count:
-  # choose_k_split aims at ~1024). T = 1/4/16 (8-row tiles), 64 (DeepSeek-V3: 16-row, Qwen3: 8-row).
-  ab 300 --modes w4a16 --tokens 1,4,16,64 --ffi-flags 1,32,64,96 --ffi-k-splits 1,2,4 \
-    --json "$OUT/ab_decode.json"
-  ab 180 --modes w4a4 --tokens 1,4,64 --ffi-flags 8,104 --json "$OUT/ab_w4a4.json"  # fused quantize (+align, PDL)
+  # Each part's moe_bench arguments can be replaced (AB_DECODE, AB_W4A4, AB_PREFILL; "skip" skips it).
+  # Decode: the other decode loop, deeper register prefetch, the K split and the tile rows fixed
+  # (choose_k_split aims at ~1024 CTAs). T = 1/4/16 (8-row tiles), 64 (DeepSeek-V3: 16-row, Qwen3: 8-row).
+  abpart() { local name=$1 s=$2 def=$3 var=$4; [[ $var == skip ]] && return
+    # shellcheck disable=SC2086
+    ab "$s" ${var:-$def} --json "$OUT/ab_$name.json"; }
+  abpart decode 300 "--modes w4a16 --tokens 1,4,16,64 --ffi-flags 1,128,256 --ffi-k-splits 1,2,4 --ffi-tile-ms 16,32" \
+    "${AB_DECODE:-}"
+  abpart w4a4 180 "--modes w4a4 --tokens 1,4,64 --ffi-flags 8,104" "${AB_W4A4:-}"  # fused quantize (+align, PDL)
   # wgmma: two blocks per warpgroup, row tiles first (the defaults before 2026-12-01), both
-  ab 180 --modes w4a16 --tokens 1024,4096 --ffi-flags 4,16,20 --json "$OUT/ab_prefill.json"
+  abpart prefill 180 "--modes w4a16 --tokens 1024,4096 --ffi-flags 4,16,20" "${AB_PREFILL:-}"
   log "A/B verdicts (variant time / default time, same run)"
   python3 benchmarks/ab_summary.py $(ls "$OUT"/ab_*.json 2>/dev/null) 2>&1 | tee -a "$OUT/ffi_summary.txt"
 fi

@@ -29,18 +29,18 @@ from jax_nvfp4 import _ffi_ops  # noqa: E402
 def test_moe_bench_quick_rows(tmp_path, clock):
     out = tmp_path / "bench.json"
     moe_bench.main(["--quick", "--shapes", "tiny", "--tokens", "1,5", "--modes", "w4a16", "--backends", "ffi,xla",
-                    "--chain", "2", "--clock", clock, "--ffi-flags", "1,6", "--ffi-k-splits", "4", "--sets", "1",
+                    "--chain", "2", "--clock", clock, "--ffi-flags", "1,6", "--ffi-k-splits", "4", "--ffi-tile-ms", "32", "--sets", "1",
                     "--json", str(out)])
     rows = json.loads(out.read_text())["results"]
     names = {(r["backend"], r["tokens"]) for r in rows}
-    for b in ("ffi", "xla", "ffi[flags=1]", "ffi[flags=6]", "ffi[ks=4]", moe_bench.BASELINE):
+    for b in ("ffi", "xla", "ffi[flags=1]", "ffi[flags=6]", "ffi[ks=4]", "ffi[tm=32]", moe_bench.BASELINE):
         assert {(b, 1), (b, 5)} <= names, b
     for r in rows:
         assert "error" not in r, r
         assert r["median_us"] > 0 and r["floor_us"] > 0
         assert r["timing"] == (f"chain2/{clock}" if r["backend"].startswith("ffi") else "median")
     summary = "\n".join(ab_summary.summary_lines(rows))
-    assert all(f"ffi[{v}]" in summary for v in ("flags=1", "flags=6", "ks=4")), summary
+    assert all(f"ffi[{v}]" in summary for v in ("flags=1", "flags=6", "ks=4", "tm=32")), summary
 
 
 def test_moe_bench_rejects_bad_kernel_flags(capsys):
@@ -50,6 +50,9 @@ def test_moe_bench_rejects_bad_kernel_flags(capsys):
     with pytest.raises(SystemExit) as e:
         moe_bench.main(["--quick", "--ffi-k-splits", "3"])
     assert e.value.code == 2 and "--ffi-k-splits" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        moe_bench.main(["--quick", "--ffi-tile-ms", "24"])
+    assert e.value.code == 2 and "--ffi-tile-ms" in capsys.readouterr().err
 
 
 def test_profile_kernels_runs(capsys):

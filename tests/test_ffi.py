@@ -612,8 +612,33 @@ def test_gpu_kernel_variants_match_twin(act, gather, mode, out_dtype, h, tile_m,
     assert relerr(f32(got)[used], f32(want)[used]) < 1e-2
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("depth", [ops.KernelFlag.PREFETCH_TWO, ops.KernelFlag.PREFETCH_THREE])
+@pytest.mark.parametrize("act,gather,mode,out_dtype", [GEMM_CASES[0], GEMM_CASES[-1]])
+@pytest.mark.parametrize("tile_m,loop,h,k_split", [(8, 0, 1152, 4), (8, 0, 1088, 1), (16, 1, 1152, 2), (32, 0, 1088, 1)])
+def test_gpu_prefetch_depth_is_bitwise_the_same(act, gather, mode, out_dtype, tile_m, loop, h, k_split, depth):
+    """Two or three weight chunks in flight instead of one change when the register loop's
+    loads are issued, not the K order: bitwise the default register loop (8-row tiles; 16-row
+    tiles with OTHER_DECODE_LOOP; 32-row tiles). K = 1152 / 1088 with k_split 1, 2, 4 leave
+    0, 1 or 2 chunks over a multiple of the depth, and 1088 a 64-K tail."""
+    if not has_gpu():
+        pytest.skip("needs an NVIDIA GPU")
+    a, w, sid, te, rs = _gemm_problem(act, gather, mode, t=37, k=4, e=6, h=h, n=80, tile_m=tile_m, seed=h)
+
+    def run(flags):
+        return f32(ops.grouped_gemm(a, w, sid, te, tile_m=tile_m, activation=act, top_k=4, gather=gather,
+                                    row_scale=rs if mode != ops.RowScale.NONE else None, row_scale_mode=mode,
+                                    out_dtype=out_dtype, k_split=k_split, kernel_flags=flags))
+
+    base = run(loop)
+    used = used_rows(sid, te, tile_m)
+    np.testing.assert_array_equal(run(loop | int(depth))[used], base[used])
+    want = f32(_run_gemm("jax", a, w, sid, te, rs, act, gather, mode, out_dtype, tile_m, 4, k_split))
+    assert relerr(base[used], want[used]) < 1e-2
+
+
 OPT_IN_FLAGS = (ops.KernelFlag.FUSED_QUANT, ops.KernelFlag.ROW_TILES_FIRST, ops.KernelFlag.ALIGN_ONE_WARP,
-                ops.KernelFlag.PDL)
+                ops.KernelFlag.PDL, ops.KernelFlag.PREFETCH_THREE)
 
 
 @pytest.mark.gpu
@@ -621,10 +646,10 @@ OPT_IN_FLAGS = (ops.KernelFlag.FUSED_QUANT, ops.KernelFlag.ROW_TILES_FIRST, ops.
 @pytest.mark.parametrize("t", [1, 4, 48, 2000])
 @pytest.mark.parametrize("flags", [int(f) for f in OPT_IN_FLAGS] + [int(sum(OPT_IN_FLAGS))])
 def test_gpu_opt_in_variants_are_bitwise_the_default(gpu_experts, t, mode, flags):
-    """Fused quantize, the row-tiles-first wgmma grid, one-warp align and PDL launches change
-    where and how the work runs, not a single output bit (t = 2000 x 8 pairs
-    over 32 experts: 64-row wgmma tiles; t = 48: 16-row decode tiles; t = 4: 32 pairs, the
-    one-warp align; t = 1: 8-row tiles)."""
+    """Fused quantize, the row-tiles-first wgmma grid, one-warp align, PDL launches and three weight
+    chunks in flight (8-row tiles) change where and how the work runs, not a single output bit
+    (t = 2000 x 8 pairs over 32 experts: 64-row wgmma tiles; t = 48: 16-row decode tiles; t = 4:
+    32 pairs, the one-warp align; t = 1: 8-row tiles)."""
     ex = gpu_experts[(32, True)]
     x = make_x(t, t, 320)
     ids, w = make_routing(t, t, 8, 32)

@@ -107,25 +107,30 @@ __device__ __forceinline__ void TailChunk(const uint8_t* const (&wrow)[NF][2], c
   }
 }
 
-// acc += this warp's rows x a over K [k0, k1) (multiples of 64): 128-K chunks, the next
-// chunk's weights in flight while this one multiplies, then a 64-K tail.
-template <int FM, int NF>
+// acc += this warp's rows x a over K [k0, k1) (multiples of 64): 128-K chunks, the next D - 1
+// chunks' weights in flight in registers while one multiplies, then a 64-K tail. The D buffers
+// rotate by unrolling (chunk c lives in buf[c % D]), so no register copy waits on a load.
+template <int FM, int NF, int D>
 __device__ __forceinline__ void MainLoop(const uint8_t* const (&wrow)[NF][2], const uint8_t* const (&srow)[NF][2],
                                          const uint16_t* const (&arow)[FM], int64_t k0, int64_t k1, int t,
                                          float (&acc)[NF][FM][4]) {
-  int64_t kc = k0;
-  if (k1 - k0 >= 128) {
-    WeightRegs<128, NF> cur;
-    cur.Load(wrow, srow, kc, t);
-    for (; kc + 128 <= k1; kc += 128) {
-      WeightRegs<128, NF> next;
-      const bool more = kc + 256 <= k1;
-      if (more) next.Load(wrow, srow, kc + 128, t);
-      ComputeChunk<128, NF, FM>(cur, arow, kc, t, acc);
-      if (more) cur = next;
+  static_assert(D >= 2, "at least one chunk in flight");
+  const int64_t chunks = (k1 - k0) / 128;
+  WeightRegs<128, NF> buf[D];
+#pragma unroll
+  for (int s = 0; s < D - 1; ++s)
+    if (s < chunks) buf[s].Load(wrow, srow, k0 + 128 * s, t);
+  for (int64_t c0 = 0; c0 < chunks; c0 += D) {
+#pragma unroll
+    for (int s = 0; s < D; ++s) {
+      const int64_t c = c0 + s;
+      if (c < chunks) {
+        if (c + D - 1 < chunks) buf[(s + D - 1) % D].Load(wrow, srow, k0 + 128 * (c + D - 1), t);
+        ComputeChunk<128, NF, FM>(buf[s], arow, k0 + 128 * c, t, acc);
+      }
     }
   }
-  TailChunk<FM, NF>(wrow, srow, arow, kc, k1, t, acc);
+  TailChunk<FM, NF>(wrow, srow, arow, k0 + 128 * chunks, k1, t, acc);
 }
 
 // ---- decode tiles: a deeper pipeline through shared memory ---------------------------------
@@ -200,8 +205,9 @@ __device__ __forceinline__ void MainLoopAsync(WarpRing<NF>& ring, const uint8_t*
   TailChunk<FM, NF>(wrow, srow, arow, k0 + 128 * chunks, k1, t, acc);
 }
 
-// LOOP: how decode tiles (FM <= 2) stream weights; larger tiles always use MainLoop.
-enum DecodeLoop : int { kRegisterLoop = 0, kRingLoop = 1 };
+// LOOP: how the weights stream: kRingLoop (the cp.async ring; decode tiles only, FM <= 2) or
+// the register loop with LOOP buffers (MainLoop's D: LOOP - 1 chunks in flight).
+constexpr int kRingLoop = 0;
 
 template <int FM, int KS, int LOOP, bool GATED, typename OutT>
 __global__ void __launch_bounds__(kThreads) W4A16GroupedGemmKernel(const GemmParams p) {
@@ -209,7 +215,7 @@ __global__ void __launch_bounds__(kThreads) W4A16GroupedGemmKernel(const GemmPar
   constexpr int NF = GATED ? 2 : 1;  // weight fragments per warp: [gate, up] or [h]
   constexpr int NS = kWarps / KS;    // warps along N; KS warps share each 16 features
   constexpr int kAcc = NF * FM * 4;  // fp32 accumulators per thread
-  constexpr bool kAsync = LOOP != kRegisterLoop && FM <= 2;  // decode tiles: weights through the cp.async ring
+  constexpr bool kAsync = LOOP == kRingLoop && FM <= 2;  // decode tiles: weights through the cp.async ring
   __shared__ float partial[KS > 1 ? (KS - 1) * NS * kAcc * 32 : 1];
   __shared__ WarpRing<NF> rings[kAsync ? kWarps : 1];
   GridDependencyWait();
@@ -253,7 +259,7 @@ __global__ void __launch_bounds__(kThreads) W4A16GroupedGemmKernel(const GemmPar
     const int64_t k0 = 64 * (units * kw / KS), k1 = 64 * (units * (kw + 1) / KS);
     if constexpr (kAsync)
       MainLoopAsync<FM, NF>(rings[warp], wrow, srow, arow, k0, k1, t, lane, acc);
-    else MainLoop<FM, NF>(wrow, srow, arow, k0, k1, t, acc);
+    else MainLoop<FM, NF, (LOOP == kRingLoop ? 2 : LOOP)>(wrow, srow, arow, k0, k1, t, acc);
   }
 
   if constexpr (KS > 1) {  // warps kw > 0 hand their sums to warp kw = 0, added in kw order
@@ -286,19 +292,21 @@ __global__ void __launch_bounds__(kThreads) W4A16GroupedGemmKernel(const GemmPar
   Epilogue<FM, NF, GATED, OutT>(p, e, tile, feat0, acc);
 }
 
-// Instances: k_split 1, 2, 4 and both DecodeLoops for 8- and 16-row tiles (decode);
-// k_split 1 and the register loop for 32 and 64 rows (CheckGemm).
+// Instances: k_split 1, 2, 4 and every LOOP for 8- and 16-row tiles (decode); k_split 1 (CheckGemm)
+// and the register loop for 32 rows (any depth) and 64 rows (the mma.sync fallback: depth 2).
 template <int KS, int LOOP, bool GATED, typename OutT>
 void LaunchSplit(const GemmParams& p, int64_t tile_m, int64_t slabs, bool pdl, cudaStream_t stream) {
   const dim3 grid(unsigned(p.P / tile_m), unsigned(slabs));
   switch (tile_m) {
     case 8: LaunchKernel(W4A16GroupedGemmKernel<1, KS, LOOP, GATED, OutT>, grid, kThreads, 0, stream, pdl, p); break;
     case 16: LaunchKernel(W4A16GroupedGemmKernel<2, KS, LOOP, GATED, OutT>, grid, kThreads, 0, stream, pdl, p); break;
-    case 32:
-      LaunchKernel(W4A16GroupedGemmKernel<4, 1, kRegisterLoop, GATED, OutT>, grid, kThreads, 0, stream, pdl, p);
+    case 32: {
+      constexpr int kDepth = LOOP == kRingLoop ? 2 : LOOP;
+      LaunchKernel(W4A16GroupedGemmKernel<4, 1, kDepth, GATED, OutT>, grid, kThreads, 0, stream, pdl, p);
       break;
+    }
     default:
-      LaunchKernel(W4A16GroupedGemmKernel<8, 1, kRegisterLoop, GATED, OutT>, grid, kThreads, 0, stream, pdl, p);
+      LaunchKernel(W4A16GroupedGemmKernel<8, 1, 2, GATED, OutT>, grid, kThreads, 0, stream, pdl, p);
       break;
   }
 }
@@ -319,11 +327,12 @@ void Launch(const GemmParams& p, int64_t tile_m, int64_t k_split, int64_t slabs,
   const bool pdl = flags & int64_t(KernelFlag::kPdl);
   // Decode: register prefetch on 8-row tiles, the cp.async ring on 16-row tiles (H200 A/B,
   // 2026-12-01: the ring lost 3-11% on every 8-row row measured and won 4% on the 16-row one);
-  // kOtherDecodeLoop swaps them. Larger tiles ignore the loop.
-  if ((tile_m == 8) != bool(flags & int64_t(KernelFlag::kOtherDecodeLoop)))
-    LaunchLoop<kRegisterLoop, GATED, OutT>(p, tile_m, k_split, slabs, pdl, stream);
-  else
-    LaunchLoop<kRingLoop, GATED, OutT>(p, tile_m, k_split, slabs, pdl, stream);
+  // kOtherDecodeLoop swaps them. 64-row tiles ignore the loop.
+  const bool ring = tile_m <= 16 && (tile_m == 16) != bool(flags & int64_t(KernelFlag::kOtherDecodeLoop));
+  if (ring) LaunchLoop<kRingLoop, GATED, OutT>(p, tile_m, k_split, slabs, pdl, stream);
+  else if (flags & int64_t(KernelFlag::kPrefetchThree)) LaunchLoop<4, GATED, OutT>(p, tile_m, k_split, slabs, pdl, stream);
+  else if (flags & int64_t(KernelFlag::kPrefetchTwo)) LaunchLoop<3, GATED, OutT>(p, tile_m, k_split, slabs, pdl, stream);
+  else LaunchLoop<2, GATED, OutT>(p, tile_m, k_split, slabs, pdl, stream);
 }
 
 ffi::Error GroupedGemmCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> a, ffi::Buffer<ffi::U8> w_data,

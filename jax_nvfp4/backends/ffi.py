@@ -42,19 +42,22 @@ def _gpu_arch(dev) -> str | None:
 class FFIBackend:
     """MoE expert backend on the jax_nvfp4 XLA FFI kernels (see :mod:`jax_nvfp4._ffi_ops`).
 
-    ``kernel_flags`` (:class:`jax_nvfp4._ffi_ops.KernelFlag` bits) picks CUDA kernel variants and
+    ``kernel_flags`` (:class:`jax_nvfp4._ffi_ops.KernelFlag` bits) picks CUDA kernel variants,
     ``k_split`` (1, 2 or 4) fixes the warps that split K in decode tiles (tiles of at most
-    ``MAX_SPLIT_TILE_M`` rows; larger tiles never split), for benchmarks that compare them; the
-    registered instance uses the defaults (0 and :func:`jax_nvfp4._ffi_ops.choose_k_split`).
+    ``MAX_SPLIT_TILE_M`` rows; larger tiles never split) and ``tile_m`` (one of ``TILE_MS``) fixes
+    the rows per GEMM tile, for benchmarks that compare them; the registered instance uses the
+    defaults (0, :func:`jax_nvfp4._ffi_ops.choose_k_split` and :func:`jax_nvfp4._ffi_ops.choose_tile_m`).
     """
 
     name = "ffi"
 
-    def __init__(self, kernel_flags: int = 0, k_split: int | None = None):
+    def __init__(self, kernel_flags: int = 0, k_split: int | None = None, tile_m: int | None = None):
         self.kernel_flags = ops._check_kernel_flags(kernel_flags)
         if k_split is not None and k_split not in ops.K_SPLITS:
             raise ValueError(f"k_split must be None or one of {ops.K_SPLITS}, got {k_split!r}")
-        self.k_split = k_split
+        if tile_m is not None and tile_m not in ops.TILE_MS:
+            raise ValueError(f"tile_m must be None or one of {ops.TILE_MS}, got {tile_m!r}")
+        self.k_split, self.tile_m = k_split, tile_m
 
     def unavailable_reason(self) -> str | None:
         if ops.extension_error() is not None:
@@ -104,7 +107,7 @@ class FFIBackend:
         # Rows per expert tile from the expected rows per local expert: T*k spread over the
         # global experts when routing over them is known (expert parallelism), else the local ones.
         spread = getattr(problem, "global_experts", None) or problem.num_experts
-        tile_m = ops.choose_tile_m(problem.tokens * problem.top_k, spread)
+        tile_m = self.tile_m or ops.choose_tile_m(problem.tokens * problem.top_k, spread)
         k_split = self.k_split if tile_m <= ops.MAX_SPLIT_TILE_M else None
         return ops.moe(x, experts, topk_ids, topk_weights, mode=problem.mode, activation=problem.activation,
                        local_expert_offset=local_expert_offset, tile_m=tile_m, kernel_flags=self.kernel_flags,
