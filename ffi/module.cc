@@ -122,15 +122,13 @@ NB_MODULE(_ffi, m) {
     c["Activation"] = act;
     c["RowScale"] = rs;
     c["Mode"] = mode;
-    kf["other_decode_loop"] = int64_t(KernelFlag::kOtherDecodeLoop);
+    kf["ring_decode_loop"] = int64_t(KernelFlag::kRingDecodeLoop);
     kf["no_wgmma"] = int64_t(KernelFlag::kNoWgmma);
     kf["wgmma_two_blocks"] = int64_t(KernelFlag::kWgmmaTwoBlocks);
     kf["fused_quant"] = int64_t(KernelFlag::kFusedQuant);
     kf["row_tiles_first"] = int64_t(KernelFlag::kRowTilesFirst);
     kf["align_one_warp"] = int64_t(KernelFlag::kAlignOneWarp);
     kf["pdl"] = int64_t(KernelFlag::kPdl);
-    kf["prefetch_two"] = int64_t(KernelFlag::kPrefetchTwo);
-    kf["prefetch_three"] = int64_t(KernelFlag::kPrefetchThree);
     c["KernelFlag"] = kf;
     nb::list tiles;
     for (int t : kTileMs) tiles.append(t);

@@ -40,8 +40,8 @@ enum class RowScale : int64_t {
 // The defaults are the winners of the H200 A/B of 2026-12-01 (BENCHMARKS.md); each flag names
 // the alternative, so the same A/B can be run again.
 enum class KernelFlag : int64_t {
-  kOtherDecodeLoop = 1,  // decode tiles: the other weight loop (default: register prefetch on
-                         // 8-row tiles, the cp.async ring on 16-row tiles)
+  kRingDecodeLoop = 1,   // decode tiles (8/16 rows): weights through the cp.async ring instead of
+                         // register prefetch
   kNoWgmma = 2,          // 64-row tiles: the mma.sync kernel instead of the sm_90a wgmma kernel
   kWgmmaTwoBlocks = 4,   // wgmma, non-gated: two 64-feature blocks per warpgroup instead of one
   kFusedQuant = 8,       // w4a4: per-token quantization by quant_dequant_rows (the GEMMs ignore it)
@@ -49,10 +49,8 @@ enum class KernelFlag : int64_t {
                          // weights) instead of one row tile's slabs (L2 reuse of activations)
   kAlignOneWarp = 32,    // moe_align with <= 32 pairs: one warp, no block scan (the GEMMs ignore it)
   kPdl = 64,             // every kernel launched with programmatic dependent launch (overlaps launches)
-  kPrefetchTwo = 128,    // the register loop keeps two 128-K chunks of weights in flight (default one)
-  kPrefetchThree = 256,  // ... three (wins over kPrefetchTwo)
 };
-constexpr int64_t kAllKernelFlags = 511;
+constexpr int64_t kAllKernelFlags = 127;
 constexpr int64_t kAlignOneWarpPairs = 32;
 // MoE modes (spec section 5); the kernels themselves are mode-agnostic.
 enum class Mode : int64_t { kBf16 = 0, kW4A16 = 1, kW4A4 = 2 };

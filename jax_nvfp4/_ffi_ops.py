@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import math
 import threading
 
 import jax
@@ -69,15 +70,13 @@ class KernelFlag(enum.IntFlag):
     (for the GEMM loops, the winners of the H200 A/B of 2026-12-01; each flag names the other
     choice, so that A/B can be run again)."""
 
-    OTHER_DECODE_LOOP = 1  # decode tiles: swap the weight loops (default: register prefetch on 8-row tiles, cp.async ring on 16-row)
+    RING_DECODE_LOOP = 1  # decode tiles (8/16 rows): weights through a cp.async ring in shared memory, not registers
     NO_WGMMA = 2  # 64-row tiles: the mma.sync kernel instead of the sm_90a wgmma kernel
     WGMMA_TWO_BLOCKS = 4  # wgmma, non-gated: two 64-feature blocks per warpgroup instead of one
     FUSED_QUANT = 8  # w4a4: per-token quantization by the quant_dequant_rows kernel, not pure JAX
     ROW_TILES_FIRST = 16  # wgmma: consecutive CTAs take one feature slab's row tiles, not one row tile's slabs
     ALIGN_ONE_WARP = 32  # moe_align with <= ALIGN_ONE_WARP_PAIRS pairs: one warp, no block-wide scan
     PDL = 64  # every kernel launched with programmatic dependent launch (its start overlaps the previous kernel)
-    PREFETCH_TWO = 128  # the register weight loop keeps two 128-K chunks in flight instead of one
-    PREFETCH_THREE = 256  # ... three (wins over PREFETCH_TWO)
 
 
 class Mode(enum.IntEnum):
@@ -167,10 +166,31 @@ _TARGET_CTAS = 1024  # ~8 CTAs per SM on 132 SMs: enough weight bytes in flight 
 _MIN_SPLIT_K = 256  # each warp keeps at least two 128-K chunks
 
 
-def choose_k_split(tiles: int, n_out: int, k: int, tile_m: int) -> int:
+def expected_tiles(n_pairs: int, num_experts: int, tile_m: int) -> float:
+    """Row tiles that ``n_pairs`` pairs routed uniformly over ``num_experts`` experts fill on
+    average: ``E * sum_j P(N > j * tile_m)`` for an expert's rows ``N ~ Poisson(n_pairs / E)``,
+    capped by the grid's ``P // tile_m`` tiles (the unused ones exit at once)."""
+    e = max(int(num_experts), 1)
+    if n_pairs <= 0 or e == 1:
+        return float(-(-max(n_pairs, 0) // tile_m))
+    lam = n_pairs / e
+    top = lam + 12 * math.sqrt(lam) + 12  # P(N > top) is negligible
+    total, cdf, i, m = 0.0, 0.0, 0, 0
+    while m <= top:
+        for i in range(i, m + 1):
+            cdf += math.exp(i * math.log(lam) - lam - math.lgamma(i + 1))
+        i = m + 1
+        total += max(1.0 - cdf, 0.0)
+        m += tile_m
+    return min(e * total, float(padded_rows(n_pairs, e, tile_m) // tile_m))
+
+
+def choose_k_split(tiles: float, n_out: int, k: int, tile_m: int) -> int:
     """Warps per CTA that split K: the smallest split giving about ``_TARGET_CTAS`` CTAs.
 
-    ``tiles`` is the number of row tiles (``P // tile_m``, an upper bound on the tiles in use).
+    ``tiles``: the row tiles in use, e.g. :func:`expected_tiles` (``moe``), or ``P // tile_m``,
+    their upper bound (``grouped_gemm`` alone). Counting the upper bound under-splits: on the
+    H200 (2026-12-01) DeepSeek-V3 at T = 4 (32 tiles, ~21 used) ran 10% faster with k_split 2.
     Large tiles (prefill) have CTAs enough and never split.
     """
     if tile_m > MAX_SPLIT_TILE_M:
@@ -563,26 +583,32 @@ def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str =
     sorted_ids, tile_expert, pair_to_row = moe_align(topk_ids, e, tile_m=tile_m, expert_offset=offset, impl=impl,
                                                      kernel_flags=kernel_flags)
     w_flat = jnp.asarray(topk_weights, jnp.float32).reshape(t * k)
-    common = dict(tile_m=tile_m, top_k=k, impl=impl, kernel_flags=kernel_flags, k_split=k_split)
+    common = dict(tile_m=tile_m, top_k=k, impl=impl, kernel_flags=kernel_flags)
+    # K splits from the tiles the routing is expected to use (the pairs are taken as all local).
+    tiles = expected_tiles(t * k, e, tile_m)
+    inter = experts.intermediate_size
+    ks1 = k_split or choose_k_split(tiles, inter, h, tile_m)
+    ks2 = k_split or choose_k_split(tiles, h, inter, tile_m)
 
     if MODES[mode] == Mode.W4A16:
         h1 = grouped_gemm(x.astype(jnp.bfloat16), experts.gate_up, sorted_ids, tile_expert, activation=act,
-                          gather=True, **common)
+                          gather=True, k_split=ks1, **common)
         y = grouped_gemm(h1, experts.down, sorted_ids, tile_expert, activation=Activation.IDENTITY,
-                         row_scale=w_flat, row_scale_mode=RowScale.PAIR, **common)
+                         row_scale=w_flat, row_scale_mode=RowScale.PAIR, k_split=ks2, **common)
     else:  # w4a4: per-token NVFP4 activations, decoded exactly to bf16, scales in the epilogues
         # The fused kernel or the pure-JAX quantizer: the same bytes (opt-in until timed on the GPU).
         q_impl = impl if kernel_flags & KernelFlag.FUSED_QUANT else "jax"
         xq, x_scale = quant_dequant_rows(x.astype(jnp.bfloat16), impl=q_impl, kernel_flags=kernel_flags)
         # fp32 intermediate: it is quantized from its unrounded values (spec section 5).
         h1 = grouped_gemm(xq, experts.gate_up, sorted_ids, tile_expert, activation=act, gather=True,
-                          row_scale=x_scale, row_scale_mode=RowScale.TOKEN, out_dtype=jnp.float32, **common)
+                          row_scale=x_scale, row_scale_mode=RowScale.TOKEN, out_dtype=jnp.float32, k_split=ks1,
+                          **common)
         # Rows of unused tiles are never written by the GPU: row_ids makes them zeros.
         aq, a_scale = quant_dequant_rows(h1, sorted_ids, impl=q_impl, kernel_flags=kernel_flags)
         used = sorted_ids >= 0
         rs = jnp.where(used, w_flat[jnp.clip(sorted_ids, 0, t * k - 1)], 0.0) * a_scale
         y = grouped_gemm(aq, experts.down, sorted_ids, tile_expert, activation=Activation.IDENTITY,
-                         row_scale=rs, row_scale_mode=RowScale.ROW, **common)
+                         row_scale=rs, row_scale_mode=RowScale.ROW, k_split=ks2, **common)
     return moe_finalize(y, pair_to_row, impl=impl, kernel_flags=kernel_flags)
 
 

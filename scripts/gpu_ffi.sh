@@ -220,12 +220,12 @@ if stage ab; then
       --shapes deepseek_v3_ep8,qwen3_30b_a3b "${@:2}" 2>&1 | grep -v "^wrote" | tail -90 | tee -a "$OUT/ffi_summary.txt"
   }
   # Each part's moe_bench arguments can be replaced (AB_DECODE, AB_W4A4, AB_PREFILL; "skip" skips it).
-  # Decode: the other decode loop, deeper register prefetch, the K split and the tile rows fixed
-  # (choose_k_split aims at ~1024 CTAs). T = 1/4/16 (8-row tiles), 64 (DeepSeek-V3: 16-row, Qwen3: 8-row).
+  # Decode: the cp.async ring decode loop, the K split and the tile rows fixed (choose_k_split
+  # aims at ~1024 CTAs). T = 1/4/16 (8-row tiles), 64 (DeepSeek-V3: 16-row, Qwen3: 8-row).
   abpart() { local name=$1 s=$2 def=$3 var=$4; [[ $var == skip ]] && return
     # shellcheck disable=SC2086
     ab "$s" ${var:-$def} --json "$OUT/ab_$name.json"; }
-  abpart decode 300 "--modes w4a16 --tokens 1,4,16,64 --ffi-flags 1,128,256 --ffi-k-splits 1,2,4 --ffi-tile-ms 16,32" \
+  abpart decode 300 "--modes w4a16 --tokens 1,4,16,64 --ffi-flags 1 --ffi-k-splits 1,2,4 --ffi-tile-ms 16,32" \
     "${AB_DECODE:-}"
   abpart w4a4 180 "--modes w4a4 --tokens 1,4,64 --ffi-flags 8,104" "${AB_W4A4:-}"  # fused quantize (+align, PDL)
   # wgmma: two blocks per warpgroup, row tiles first (the defaults before 2026-12-01), both
@@ -266,7 +266,7 @@ sys.path.insert(0, "tests")
 from test_ffi import make_experts, make_routing, make_x
 from jax_nvfp4 import _ffi_ops as ops
 ex = make_experts(1, 32, 512, 256)
-opt_in = sum(ops.KernelFlag) & ~(ops.KernelFlag.OTHER_DECODE_LOOP | ops.KernelFlag.NO_WGMMA | ops.KernelFlag.WGMMA_TWO_BLOCKS)
+opt_in = sum(ops.KernelFlag) & ~(ops.KernelFlag.RING_DECODE_LOOP | ops.KernelFlag.NO_WGMMA | ops.KernelFlag.WGMMA_TWO_BLOCKS)
 layers = [jax.jit(lambda x, i, w: nv.moe(x, ex, topk_ids=i, topk_weights=w, backend="ffi")),
           jax.jit(lambda x, i, w: ops.moe(x, ex, i, w, mode="w4a4", kernel_flags=opt_in)),  # PDL in graphs too
           jax.jit(lambda x, i, w: ops.moe(x, ex, i, w, kernel_flags=opt_in))]

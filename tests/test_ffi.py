@@ -231,7 +231,7 @@ def test_kernel_flags_reach_the_custom_call_and_keep_the_function():
     ex = make_experts(5, 4, 64, 32)
     x = make_x(1, 6, 64)
     ids, w = make_routing(2, 6, 2, 4)
-    flags = int(ops.KernelFlag.OTHER_DECODE_LOOP | ops.KernelFlag.WGMMA_TWO_BLOCKS)
+    flags = int(ops.KernelFlag.RING_DECODE_LOOP | ops.KernelFlag.WGMMA_TWO_BLOCKS)
     f = jax.jit(lambda x, i, w: ops.moe(x, ex, i, w, kernel_flags=flags))
     assert "kernel_flags = 5" in f.lower(x, ids, w).as_text()
     np.testing.assert_array_equal(f32(f(x, ids, w)), f32(ops.moe(x, ex, ids, w)))
@@ -276,6 +276,22 @@ def test_choose_k_split_on_the_benchmark_shapes():
     assert ops.choose_k_split(8, 2048, 768, 8) == 2  # ... GEMM2: 384 K per warp, not 192
     assert ops.choose_k_split(512, 2048, 7168, 8) == 1  # CTAs enough without splitting
     assert ops.choose_k_split(8, 2048, 7168, 64) == 1  # prefill tiles never split
+    # moe counts the tiles the routing is expected to fill, not the grid's upper bound: DeepSeek-V3
+    # at T = 4 (32 pairs over 32 experts: 32 tiles, ~20 used) splits GEMM1 in two.
+    assert ops.choose_k_split(ops.expected_tiles(32, 32, 8), 2048, 7168, 8) == 2
+    assert ops.choose_k_split(ops.padded_rows(32, 32, 8) // 8, 2048, 7168, 8) == 1
+
+
+@pytest.mark.parametrize("n,e,tile_m", [(1, 8, 8), (32, 32, 8), (512, 32, 16), (512, 128, 8), (40, 1, 16), (0, 4, 8)])
+def test_expected_tiles_matches_a_sampled_routing(n, e, tile_m):
+    """The Poisson estimate of the row tiles a uniform routing fills, against sampled routings
+    (and the grid's upper bound P // tile_m, which it never exceeds)."""
+    rng = np.random.default_rng(n + e)
+    counts = np.stack([np.bincount(rng.integers(0, e, n), minlength=e) for _ in range(2000)])
+    sampled = (-(-counts // tile_m)).sum(1).mean()
+    est = ops.expected_tiles(n, e, tile_m)
+    assert est <= ops.padded_rows(n, e, tile_m) // tile_m
+    assert abs(est - sampled) <= 0.05 * sampled + 0.1, (est, sampled)
 
 
 # ------------------------------------------------------------------------------------------
@@ -592,13 +608,13 @@ def test_gpu_gemm_matches_twin(act, gather, mode, out_dtype, h, tile_m, k_split)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("flags", [int(ops.KernelFlag.OTHER_DECODE_LOOP), int(ops.KernelFlag.NO_WGMMA),
+@pytest.mark.parametrize("flags", [int(ops.KernelFlag.RING_DECODE_LOOP), int(ops.KernelFlag.NO_WGMMA),
                                    int(ops.KernelFlag.WGMMA_TWO_BLOCKS), int(ops.KernelFlag.ROW_TILES_FIRST),
                                    int(ops.KernelFlag.ROW_TILES_FIRST | ops.KernelFlag.WGMMA_TWO_BLOCKS)])
 @pytest.mark.parametrize("act,gather,mode,out_dtype", [GEMM_CASES[0], GEMM_CASES[-1]])
 @pytest.mark.parametrize("tile_m,h", [(8, 1152), (16, 1152), (64, 320)])
 def test_gpu_kernel_variants_match_twin(act, gather, mode, out_dtype, h, tile_m, flags):
-    """Every KernelFlag variant of the GEMM (the other decode loop on 8- and 16-row tiles, mma.sync
+    """Every KernelFlag variant of the GEMM (the cp.async ring on 8- and 16-row tiles, mma.sync
     64-row tiles, two-block wgmma, the row-tiles-first wgmma grid)."""
     if not has_gpu():
         pytest.skip("needs an NVIDIA GPU")
@@ -612,33 +628,8 @@ def test_gpu_kernel_variants_match_twin(act, gather, mode, out_dtype, h, tile_m,
     assert relerr(f32(got)[used], f32(want)[used]) < 1e-2
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("depth", [ops.KernelFlag.PREFETCH_TWO, ops.KernelFlag.PREFETCH_THREE])
-@pytest.mark.parametrize("act,gather,mode,out_dtype", [GEMM_CASES[0], GEMM_CASES[-1]])
-@pytest.mark.parametrize("tile_m,loop,h,k_split", [(8, 0, 1152, 4), (8, 0, 1088, 1), (16, 1, 1152, 2), (32, 0, 1088, 1)])
-def test_gpu_prefetch_depth_is_bitwise_the_same(act, gather, mode, out_dtype, tile_m, loop, h, k_split, depth):
-    """Two or three weight chunks in flight instead of one change when the register loop's
-    loads are issued, not the K order: bitwise the default register loop (8-row tiles; 16-row
-    tiles with OTHER_DECODE_LOOP; 32-row tiles). K = 1152 / 1088 with k_split 1, 2, 4 leave
-    0, 1 or 2 chunks over a multiple of the depth, and 1088 a 64-K tail."""
-    if not has_gpu():
-        pytest.skip("needs an NVIDIA GPU")
-    a, w, sid, te, rs = _gemm_problem(act, gather, mode, t=37, k=4, e=6, h=h, n=80, tile_m=tile_m, seed=h)
-
-    def run(flags):
-        return f32(ops.grouped_gemm(a, w, sid, te, tile_m=tile_m, activation=act, top_k=4, gather=gather,
-                                    row_scale=rs if mode != ops.RowScale.NONE else None, row_scale_mode=mode,
-                                    out_dtype=out_dtype, k_split=k_split, kernel_flags=flags))
-
-    base = run(loop)
-    used = used_rows(sid, te, tile_m)
-    np.testing.assert_array_equal(run(loop | int(depth))[used], base[used])
-    want = f32(_run_gemm("jax", a, w, sid, te, rs, act, gather, mode, out_dtype, tile_m, 4, k_split))
-    assert relerr(base[used], want[used]) < 1e-2
-
-
 OPT_IN_FLAGS = (ops.KernelFlag.FUSED_QUANT, ops.KernelFlag.ROW_TILES_FIRST, ops.KernelFlag.ALIGN_ONE_WARP,
-                ops.KernelFlag.PDL, ops.KernelFlag.PREFETCH_THREE)
+                ops.KernelFlag.PDL, ops.KernelFlag.RING_DECODE_LOOP)
 
 
 @pytest.mark.gpu
@@ -646,10 +637,10 @@ OPT_IN_FLAGS = (ops.KernelFlag.FUSED_QUANT, ops.KernelFlag.ROW_TILES_FIRST, ops.
 @pytest.mark.parametrize("t", [1, 4, 48, 2000])
 @pytest.mark.parametrize("flags", [int(f) for f in OPT_IN_FLAGS] + [int(sum(OPT_IN_FLAGS))])
 def test_gpu_opt_in_variants_are_bitwise_the_default(gpu_experts, t, mode, flags):
-    """Fused quantize, the row-tiles-first wgmma grid, one-warp align, PDL launches and three weight
-    chunks in flight (8-row tiles) change where and how the work runs, not a single output bit
-    (t = 2000 x 8 pairs over 32 experts: 64-row wgmma tiles; t = 48: 16-row decode tiles; t = 4:
-    32 pairs, the one-warp align; t = 1: 8-row tiles)."""
+    """Fused quantize, the row-tiles-first wgmma grid, one-warp align, PDL launches and the cp.async
+    ring decode loop (the same K order per thread) change where and how the work runs, not a
+    single output bit (t = 2000 x 8 pairs over 32 experts: 64-row wgmma tiles; t = 48: 16-row
+    decode tiles; t = 4: 32 pairs, the one-warp align; t = 1: 8-row tiles)."""
     ex = gpu_experts[(32, True)]
     x = make_x(t, t, 320)
     ids, w = make_routing(t, t, 8, 32)

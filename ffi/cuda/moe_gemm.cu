@@ -107,25 +107,26 @@ __device__ __forceinline__ void TailChunk(const uint8_t* const (&wrow)[NF][2], c
   }
 }
 
-// acc += this warp's rows x a over K [k0, k1) (multiples of 64): 128-K chunks, the next D - 1
-// chunks' weights in flight in registers while one multiplies, then a 64-K tail. The D buffers
-// rotate by unrolling (chunk c lives in buf[c % D]), so no register copy waits on a load.
-template <int FM, int NF, int D>
+// acc += this warp's rows x a over K [k0, k1) (multiples of 64): 128-K chunks, the next chunk's
+// weights in flight in registers while one multiplies, then a 64-K tail. The two buffers rotate
+// by unrolling (chunk c lives in buf[c % 2]), so no register copy waits on a load: 121-128
+// registers instead of 124-162 with a copy (H200, 2026-12-01: 4% faster on 16-row tiles, where
+// it beat the cp.async ring). Two or three chunks in flight (three or four buffers) were 3-14%
+// slower in 10 of 12 rows of the same A/B: fewer CTAs fit per SM.
+template <int FM, int NF>
 __device__ __forceinline__ void MainLoop(const uint8_t* const (&wrow)[NF][2], const uint8_t* const (&srow)[NF][2],
                                          const uint16_t* const (&arow)[FM], int64_t k0, int64_t k1, int t,
                                          float (&acc)[NF][FM][4]) {
-  static_assert(D >= 2, "at least one chunk in flight");
+  constexpr int D = 2;
   const int64_t chunks = (k1 - k0) / 128;
   WeightRegs<128, NF> buf[D];
-#pragma unroll
-  for (int s = 0; s < D - 1; ++s)
-    if (s < chunks) buf[s].Load(wrow, srow, k0 + 128 * s, t);
+  if (chunks > 0) buf[0].Load(wrow, srow, k0, t);
   for (int64_t c0 = 0; c0 < chunks; c0 += D) {
 #pragma unroll
     for (int s = 0; s < D; ++s) {
       const int64_t c = c0 + s;
       if (c < chunks) {
-        if (c + D - 1 < chunks) buf[(s + D - 1) % D].Load(wrow, srow, k0 + 128 * (c + D - 1), t);
+        if (c + 1 < chunks) buf[(s + 1) % D].Load(wrow, srow, k0 + 128 * (c + 1), t);
         ComputeChunk<128, NF, FM>(buf[s], arow, k0 + 128 * c, t, acc);
       }
     }
@@ -138,8 +139,8 @@ __device__ __forceinline__ void MainLoop(const uint8_t* const (&wrow)[NF][2], co
 // may be too few bytes to cover HBM latency. Here every thread keeps kStages - 1 chunks in
 // flight with cp.async into its own slots of a shared-memory ring (it reads back only what it
 // copied itself, so no barrier is needed: cp.async.wait_group orders its own copies). On the
-// H200 this wins on 16-row tiles only (8-row tiles have more CTAs in flight without the
-// ring's shared memory); Launch picks the loop by tile size.
+// H200 (2026-12-01) it lost to MainLoop on 8- and 16-row tiles (its 40-47 KB of shared memory
+// per CTA and the copies' extra instructions): the opt-in kRingDecodeLoop, kept for the A/B.
 constexpr int kStages = 4;
 
 __device__ __forceinline__ void CpAsync16(void* smem, const void* gmem) {
@@ -205,9 +206,8 @@ __device__ __forceinline__ void MainLoopAsync(WarpRing<NF>& ring, const uint8_t*
   TailChunk<FM, NF>(wrow, srow, arow, k0 + 128 * chunks, k1, t, acc);
 }
 
-// LOOP: how the weights stream: kRingLoop (the cp.async ring; decode tiles only, FM <= 2) or
-// the register loop with LOOP buffers (MainLoop's D: LOOP - 1 chunks in flight).
-constexpr int kRingLoop = 0;
+// LOOP: how decode tiles (FM <= 2) stream weights; larger tiles always use MainLoop.
+enum DecodeLoop : int { kRegisterLoop = 0, kRingLoop = 1 };
 
 template <int FM, int KS, int LOOP, bool GATED, typename OutT>
 __global__ void __launch_bounds__(kThreads) W4A16GroupedGemmKernel(const GemmParams p) {
@@ -259,7 +259,7 @@ __global__ void __launch_bounds__(kThreads) W4A16GroupedGemmKernel(const GemmPar
     const int64_t k0 = 64 * (units * kw / KS), k1 = 64 * (units * (kw + 1) / KS);
     if constexpr (kAsync)
       MainLoopAsync<FM, NF>(rings[warp], wrow, srow, arow, k0, k1, t, lane, acc);
-    else MainLoop<FM, NF, (LOOP == kRingLoop ? 2 : LOOP)>(wrow, srow, arow, k0, k1, t, acc);
+    else MainLoop<FM, NF>(wrow, srow, arow, k0, k1, t, acc);
   }
 
   if constexpr (KS > 1) {  // warps kw > 0 hand their sums to warp kw = 0, added in kw order
@@ -292,21 +292,19 @@ __global__ void __launch_bounds__(kThreads) W4A16GroupedGemmKernel(const GemmPar
   Epilogue<FM, NF, GATED, OutT>(p, e, tile, feat0, acc);
 }
 
-// Instances: k_split 1, 2, 4 and every LOOP for 8- and 16-row tiles (decode); k_split 1 (CheckGemm)
-// and the register loop for 32 rows (any depth) and 64 rows (the mma.sync fallback: depth 2).
+// Instances: k_split 1, 2, 4 and both DecodeLoops for 8- and 16-row tiles (decode);
+// k_split 1 and the register loop for 32 and 64 rows (CheckGemm).
 template <int KS, int LOOP, bool GATED, typename OutT>
 void LaunchSplit(const GemmParams& p, int64_t tile_m, int64_t slabs, bool pdl, cudaStream_t stream) {
   const dim3 grid(unsigned(p.P / tile_m), unsigned(slabs));
   switch (tile_m) {
     case 8: LaunchKernel(W4A16GroupedGemmKernel<1, KS, LOOP, GATED, OutT>, grid, kThreads, 0, stream, pdl, p); break;
     case 16: LaunchKernel(W4A16GroupedGemmKernel<2, KS, LOOP, GATED, OutT>, grid, kThreads, 0, stream, pdl, p); break;
-    case 32: {
-      constexpr int kDepth = LOOP == kRingLoop ? 2 : LOOP;
-      LaunchKernel(W4A16GroupedGemmKernel<4, 1, kDepth, GATED, OutT>, grid, kThreads, 0, stream, pdl, p);
+    case 32:
+      LaunchKernel(W4A16GroupedGemmKernel<4, 1, kRegisterLoop, GATED, OutT>, grid, kThreads, 0, stream, pdl, p);
       break;
-    }
     default:
-      LaunchKernel(W4A16GroupedGemmKernel<8, 1, 2, GATED, OutT>, grid, kThreads, 0, stream, pdl, p);
+      LaunchKernel(W4A16GroupedGemmKernel<8, 1, kRegisterLoop, GATED, OutT>, grid, kThreads, 0, stream, pdl, p);
       break;
   }
 }
@@ -325,14 +323,13 @@ template <bool GATED, typename OutT>
 void Launch(const GemmParams& p, int64_t tile_m, int64_t k_split, int64_t slabs, int64_t flags,
             cudaStream_t stream) {
   const bool pdl = flags & int64_t(KernelFlag::kPdl);
-  // Decode: register prefetch on 8-row tiles, the cp.async ring on 16-row tiles (H200 A/B,
-  // 2026-12-01: the ring lost 3-11% on every 8-row row measured and won 4% on the 16-row one);
-  // kOtherDecodeLoop swaps them. 64-row tiles ignore the loop.
-  const bool ring = tile_m <= 16 && (tile_m == 16) != bool(flags & int64_t(KernelFlag::kOtherDecodeLoop));
-  if (ring) LaunchLoop<kRingLoop, GATED, OutT>(p, tile_m, k_split, slabs, pdl, stream);
-  else if (flags & int64_t(KernelFlag::kPrefetchThree)) LaunchLoop<4, GATED, OutT>(p, tile_m, k_split, slabs, pdl, stream);
-  else if (flags & int64_t(KernelFlag::kPrefetchTwo)) LaunchLoop<3, GATED, OutT>(p, tile_m, k_split, slabs, pdl, stream);
-  else LaunchLoop<2, GATED, OutT>(p, tile_m, k_split, slabs, pdl, stream);
+  // Decode tiles: register prefetch; kRingDecodeLoop: the cp.async ring (H200 A/B, 2026-12-01:
+  // the ring was 3-13% slower on 8-row tiles and, since MainLoop's rotating buffers, 4% slower on
+  // 16-row tiles too). Larger tiles ignore the flag.
+  if (flags & int64_t(KernelFlag::kRingDecodeLoop))
+    LaunchLoop<kRingLoop, GATED, OutT>(p, tile_m, k_split, slabs, pdl, stream);
+  else
+    LaunchLoop<kRegisterLoop, GATED, OutT>(p, tile_m, k_split, slabs, pdl, stream);
 }
 
 ffi::Error GroupedGemmCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> a, ffi::Buffer<ffi::U8> w_data,
