@@ -282,6 +282,25 @@ def test_choose_k_split_on_the_benchmark_shapes():
     assert ops.choose_k_split(ops.padded_rows(32, 32, 8) // 8, 2048, 7168, 8) == 1
 
 
+def test_moe_splits_each_gemm_from_the_expected_tiles(monkeypatch):
+    """moe asks choose_k_split once per GEMM with the expected tiles and that GEMM's (n_out, K):
+    GEMM1 (I, H), GEMM2 (H, I); the answers reach the lowered calls."""
+    calls = []
+
+    def fake(tiles, n_out, k, tile_m):
+        calls.append((tiles, n_out, k, tile_m))
+        return 2 if n_out == 64 else 4
+
+    monkeypatch.setattr(ops, "choose_k_split", fake)
+    ex = make_experts(5, 16, 512, 64)
+    x = make_x(1, 3, 512)
+    ids, w = make_routing(2, 3, 4, 16)
+    text = jax.jit(lambda x, i, w: ops.moe(x, ex, i, w)).lower(x, ids, w).as_text()
+    tiles = ops.expected_tiles(12, 16, 8)
+    assert calls == [(tiles, 64, 512, 8), (tiles, 512, 64, 8)]
+    assert text.count("k_split = 2") == 1 and text.count("k_split = 4") == 1
+
+
 @pytest.mark.parametrize("n,e,tile_m", [(1, 8, 8), (32, 32, 8), (512, 32, 16), (512, 128, 8), (40, 1, 16), (0, 4, 8)])
 def test_expected_tiles_matches_a_sampled_routing(n, e, tile_m):
     """The Poisson estimate of the row tiles a uniform routing fills, against sampled routings

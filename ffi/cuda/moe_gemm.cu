@@ -111,8 +111,8 @@ __device__ __forceinline__ void TailChunk(const uint8_t* const (&wrow)[NF][2], c
 // weights in flight in registers while one multiplies, then a 64-K tail. The two buffers rotate
 // by unrolling (chunk c lives in buf[c % 2]), so no register copy waits on a load: 121-128
 // registers instead of 124-162 with a copy (H200, 2026-12-01: 4% faster on 16-row tiles, where
-// it beat the cp.async ring). Two or three chunks in flight (three or four buffers) were 3-14%
-// slower in 10 of 12 rows of the same A/B: fewer CTAs fit per SM.
+// it beat the cp.async ring). Two or three chunks in flight (three or four buffers) were 4-14%
+// slower in 8 of 12 rows of the same A/B and 3-5% faster in 2 (fewer CTAs fit per SM).
 template <int FM, int NF>
 __device__ __forceinline__ void MainLoop(const uint8_t* const (&wrow)[NF][2], const uint8_t* const (&srow)[NF][2],
                                          const uint16_t* const (&arow)[FM], int64_t k0, int64_t k1, int t,
