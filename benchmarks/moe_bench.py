@@ -72,7 +72,8 @@ def floors(shape, rows, hit):
             "floor_flops_us": 1e6 * flop}
 
 
-def bench_shape(shape, tokens, modes, backends, args, log):
+def bench_shape(shape, tokens, modes, backends, args, log, on_tokens=None):
+    """The rows of one shape; ``on_tokens(rows_so_far)`` after each token count (partial saves)."""
     key = jax.random.key(args.seed)
     q = specs.random_nvfp4_experts(key, shape)
     need_bf16 = "bf16" in modes or not args.no_baseline
@@ -153,7 +154,17 @@ def bench_shape(shape, tokens, modes, backends, args, log):
                 off = shape.local_expert_offset
                 record(BASELINE, "bf16", lambda x, ids, w, a, c: ragged_dot_moe(x, a, c, ids, w, off),
                        [s + (w13t, w2t) for s in sets])
+        if on_tokens:
+            on_tokens(results)
     return results
+
+
+def write_json(path, data):
+    """Write ``data`` to ``path`` whole or not at all (a temp file renamed over it)."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, path)
 
 
 def plot(results, path, log):
@@ -266,14 +277,19 @@ def main(argv=None):
     log = lambda s: print(s, flush=True)  # noqa: E731
     log(f"device: {device_name()}  jax {jax.__version__}  registered backends: {', '.join(base.names())}")
     results = []
+    head = dict(device=device_name(), jax=jax.__version__, quick=args.quick,
+                hbm_bytes_per_s=specs.H200_HBM_BYTES_PER_S, bf16_flop_per_s=specs.H200_BF16_FLOP_PER_S,
+                warmup=args.warmup, repeats=args.repeats, sets=args.sets)
+
+    def save_partial(rows):  # a run cut short by a time limit still leaves the rows it finished
+        if args.json:
+            write_json(args.json, dict(head, complete=False, results=results + rows))
+
     for n in names:
-        results += bench_shape(known[n], tokens, modes, backends, args, log)
-    out = dict(device=device_name(), jax=jax.__version__, quick=args.quick,
-               hbm_bytes_per_s=specs.H200_HBM_BYTES_PER_S, bf16_flop_per_s=specs.H200_BF16_FLOP_PER_S,
-               warmup=args.warmup, repeats=args.repeats, sets=args.sets, results=results)
+        results += bench_shape(known[n], tokens, modes, backends, args, log, save_partial)
+    out = dict(head, complete=True, results=results)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+        write_json(args.json, out)
         log(f"wrote {args.json}")
     if args.plot:
         plot(results, args.plot, log)

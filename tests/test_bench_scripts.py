@@ -43,6 +43,24 @@ def test_moe_bench_quick_rows(tmp_path, clock):
     assert all(f"ffi[{v}]" in summary for v in ("flags=1", "flags=6", "ks=4", "tm=32")), summary
 
 
+def test_moe_bench_saves_each_finished_token_count(tmp_path, monkeypatch):
+    """A run stopped by a time limit leaves the rows it finished (complete=False); a finished run
+    writes complete=True; no temp file is left."""
+    out = tmp_path / "bench.json"
+    real, seen = moe_bench.write_json, []
+
+    def spy(path, data):
+        real(path, data)
+        seen.append((data["complete"], sorted({r["tokens"] for r in data["results"]})))
+
+    monkeypatch.setattr(moe_bench, "write_json", spy)
+    moe_bench.main(["--quick", "--shapes", "tiny", "--tokens", "1,3", "--modes", "w4a16", "--backends", "xla",
+                    "--no-baseline", "--sets", "1", "--json", str(out)])
+    assert seen == [(False, [1]), (False, [1, 3]), (True, [1, 3])]
+    assert json.loads(out.read_text())["complete"] is True
+    assert [p.name for p in tmp_path.iterdir()] == ["bench.json"]
+
+
 def test_moe_bench_rejects_bad_kernel_flags(capsys):
     with pytest.raises(SystemExit) as e:
         moe_bench.main(["--quick", "--ffi-flags", str(2 * max(_ffi_ops.KernelFlag))])
