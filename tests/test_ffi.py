@@ -626,6 +626,23 @@ def test_gpu_gemm_matches_twin(act, gather, mode, out_dtype, h, tile_m, k_split)
     assert (f32(got)[used & (np.asarray(sid) < 0)] == 0).all()
 
 
+@pytest.mark.parametrize("on_gpu", [False, pytest.param(True, marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("tile_m", [8, 16, 64])
+def test_gemm_without_activation_rows_writes_zeros(on_gpu, tile_m):
+    """``a`` with no rows: every used row is padding and comes out zero (the CUDA kernels read row 0
+    of ``a`` for padding rows, so this case zeroes the output without launching them)."""
+    if on_gpu and not has_gpu():
+        pytest.skip("needs an NVIDIA GPU")
+    dev = jax.devices()[0] if on_gpu else jax.devices("cpu")[0]
+    act, gather, mode, out_dtype = GEMM_CASES[0]
+    a, w, sid, te, _ = _gemm_problem(act, gather, mode, h=128, tile_m=tile_m)
+    with jax.default_device(dev):
+        out = ops.grouped_gemm(a[:0], w, sid, te, tile_m=tile_m, activation=act, top_k=3, gather=True,
+                               out_dtype=out_dtype)
+    used = used_rows(sid, te, tile_m)
+    assert used.any() and (f32(out)[used] == 0).all()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("flags", [int(ops.KernelFlag.RING_DECODE_LOOP), int(ops.KernelFlag.NO_WGMMA),
                                    int(ops.KernelFlag.WGMMA_TWO_BLOCKS), int(ops.KernelFlag.ROW_TILES_FIRST),

@@ -45,12 +45,13 @@ __device__ __forceinline__ void Mma16816(float (&c)[4], const uint32_t (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// The 16 bytes of activations (8 k) at k of each of the thread's rows (zeros where it has none).
+// The 16 bytes of activations (8 k) at k of each of the thread's rows. A padding row reads row 0
+// of a instead (no branch, no zeroing): MMA columns are independent and the epilogue stores zeros
+// for padding rows, so what it reads never reaches an output.
 template <int FM>
 __device__ __forceinline__ void LoadPiece(const uint16_t* const (&arow)[FM], int64_t k, uint4 (&x)[FM]) {
 #pragma unroll
-  for (int m = 0; m < FM; ++m)
-    x[m] = arow[m] ? __ldg(reinterpret_cast<const uint4*>(arow[m] + k)) : make_uint4(0, 0, 0, 0);
+  for (int m = 0; m < FM; ++m) x[m] = __ldg(reinterpret_cast<const uint4*>(arow[m] + k));
 }
 
 // Piece p of a chunk (one 32-bit word of codes per weight row, the activations x = 8 k) feeds
@@ -252,7 +253,7 @@ __global__ void __launch_bounds__(kThreads) W4A16GroupedGemmKernel(const GemmPar
 #pragma unroll
     for (int m = 0; m < FM; ++m) {
       const int64_t src = SourceRow(p, tile * BM + 8 * m + g);
-      arow[m] = src >= 0 ? p.a + src * K : nullptr;
+      arow[m] = p.a + (src >= 0 ? src : 0) * K;  // a_rows >= 1 here (GroupedGemmCudaImpl)
     }
     // This warp's share of K, in 64-K units (a warp may get none when K is small).
     const int64_t units = K / 64;
@@ -345,6 +346,14 @@ ffi::Error GroupedGemmCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> a, ff
       err.failure())
     return err;
   if (d.tiles == 0 || d.n_out == 0) return ffi::Error::Success();
+  if (d.a_rows == 0) {  // every row is padding: zeros (the kernels read row 0 of a for padding rows)
+    const size_t bytes = size_t(d.P) * size_t(d.n_out) * ffi::ByteWidth(out->element_type());
+    const cudaError_t err = cudaMemsetAsync(out->untyped_data(), 0, bytes, stream);
+    if (err != cudaSuccess)
+      return ffi::Error::Internal(std::string("jax_nvfp4 grouped_gemm: zeroing the output failed: ") +
+                                  cudaGetErrorString(err));
+    return ffi::Error::Success();
+  }
   const int64_t slabs = CeilDiv<int64_t>(d.n_out, kWarpFeatures * (kWarps / k_split));
   if (d.tiles > 0x7FFFFFFF || slabs > 65535)
     return Invalid("grouped_gemm", "too many row tiles or output features for the grid");
