@@ -29,8 +29,8 @@ from jax_nvfp4 import _ffi_ops  # noqa: E402
 def test_moe_bench_quick_rows(tmp_path, clock):
     out = tmp_path / "bench.json"
     moe_bench.main(["--quick", "--shapes", "tiny", "--tokens", "1,5", "--modes", "w4a16", "--backends", "ffi,xla",
-                    "--chain", "2", "--clock", clock, "--ffi-flags", "1,6", "--ffi-k-splits", "4", "--ffi-tile-ms", "32", "--sets", "1",
-                    "--json", str(out)])
+                    "--chain", "2", "--clock", clock, "--ffi-flags", "1,6", "--ffi-k-splits", "4",
+                    "--ffi-tile-ms", "32", "--sets", "1", "--json", str(out)])
     rows = json.loads(out.read_text())["results"]
     names = {(r["backend"], r["tokens"]) for r in rows}
     for b in ("ffi", "xla", "ffi[flags=1]", "ffi[flags=6]", "ffi[ks=4]", "ffi[tm=32]", moe_bench.BASELINE):
