@@ -106,7 +106,7 @@ NB_MODULE(_ffi, m) {
   m.def("constants", []() {
     using namespace jax_nvfp4;
     nb::dict c;
-    nb::dict act, rs, mode, kf;
+    nb::dict act, rs, mode, kf;  // (and pairing, below)
     act["identity"] = int64_t(Activation::kIdentity);
     act["swiglu"] = int64_t(Activation::kSwiglu);
     act["geglu"] = int64_t(Activation::kGeglu);
@@ -129,7 +129,13 @@ NB_MODULE(_ffi, m) {
     kf["row_tiles_first"] = int64_t(KernelFlag::kRowTilesFirst);
     kf["align_one_warp"] = int64_t(KernelFlag::kAlignOneWarp);
     kf["pdl"] = int64_t(KernelFlag::kPdl);
+    kf["paired_intermediate"] = int64_t(KernelFlag::kPairedIntermediate);
     c["KernelFlag"] = kf;
+    nb::dict pairing;
+    pairing["none"] = int64_t(Pairing::kNone);
+    pairing["a"] = int64_t(Pairing::kA);
+    pairing["out"] = int64_t(Pairing::kOut);
+    c["Pairing"] = pairing;
     nb::list tiles;
     for (int t : kTileMs) tiles.append(t);
     c["tile_ms"] = tiles;

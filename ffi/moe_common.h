@@ -49,8 +49,13 @@ enum class KernelFlag : int64_t {
                          // weights) instead of one row tile's slabs (L2 reuse of activations)
   kAlignOneWarp = 32,    // moe_align with <= 32 pairs: one warp, no block scan (the GEMMs ignore it)
   kPdl = 64,             // every kernel launched with programmatic dependent launch (overlaps launches)
+  kPairedIntermediate = 128,  // moe: the GEMM1 -> GEMM2 intermediate in the paired order (Pairing)
 };
-constexpr int64_t kAllKernelFlags = 127;
+constexpr int64_t kAllKernelFlags = 255;
+// grouped_gemm's `pairing` bits: which of a's K axis and out's feature axis hold the paired
+// order (PairedPos) instead of the natural one. moe's intermediate uses it (KernelFlag kPairedIntermediate):
+// GEMM1 writes it paired, GEMM2 reads it paired and skips its activation byte permutes.
+enum class Pairing : int64_t { kNone = 0, kA = 1, kOut = 2 };
 constexpr int64_t kAlignOneWarpPairs = 32;
 // MoE modes (spec section 5); the kernels themselves are mode-agnostic.
 enum class Mode : int64_t { kBf16 = 0, kW4A16 = 1, kW4A4 = 2 };
@@ -79,6 +84,13 @@ NVFP4_HD float RowScaled(float alpha, int64_t mode, const float* row_scale, int6
   if (mode == int64_t(RowScale::kNone)) return alpha;
   const int64_t idx = mode == int64_t(RowScale::kToken) ? pair / top_k : mode == int64_t(RowScale::kPair) ? pair : r;
   return alpha * (idx < row_scale_n ? row_scale[idx] : 0.0f);
+}
+
+// Position of natural index k in the paired order: within each group of 8, [x0, x4, x1, x5, x2, x6,
+// x3, x7], so that one 16-byte load holds the MMA's k pairs as PairActivations would make them.
+NVFP4_HD int64_t PairedPos(int64_t k) {
+  const int64_t i = k & 7;
+  return (k - i) + (i < 4 ? 2 * i : 2 * (i - 4) + 1);
 }
 
 NVFP4_HD float Sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
@@ -201,8 +213,8 @@ template <typename A, typename W, typename WS, typename AL, typename SI, typenam
 ffi::Error CheckGemm(const char* op, const A& a, const W& w, const WS& ws, const AL& alpha,
                      const SI& sorted_ids, const TE& tile_expert, const RS& row_scale, const O& out,
                      int64_t activation, int64_t row_scale_mode, int64_t top_k, int64_t gather,
-                     int64_t tile_m, int64_t k_split, int64_t kernel_flags, int64_t k_multiple,
-                     int64_t n_multiple, GemmDims* d) {
+                     int64_t tile_m, int64_t k_split, int64_t pairing, int64_t kernel_flags,
+                     int64_t k_multiple, int64_t n_multiple, GemmDims* d) {
   auto ad = a.dimensions(), wd = w.dimensions(), sd = ws.dimensions(), od = out.dimensions();
   if (ad.size() != 2) return Invalid(op, "a must be 2-D [rows, K], got " + ShapeStr(ad));
   if (wd.size() != 3) return Invalid(op, "w_data must be 3-D [E, N, K/2], got " + ShapeStr(wd));
@@ -239,6 +251,8 @@ ffi::Error CheckGemm(const char* op, const A& a, const W& w, const WS& ws, const
                            std::to_string(n_multiple) + " on this platform");
   if (!ValidTileM(tile_m)) return Invalid(op, "tile_m must be 8, 16, 32 or 64, got " + std::to_string(tile_m));
   if (auto err = CheckKernelFlags(op, kernel_flags); err.failure()) return err;
+  if (pairing < 0 || pairing > int64_t(Pairing::kA) + int64_t(Pairing::kOut))
+    return Invalid(op, "pairing must combine the Pairing bits (0..3), got " + std::to_string(pairing));
   bool split_ok = false;
   for (int s : kKSplits) split_ok |= s == k_split;
   if (!split_ok)

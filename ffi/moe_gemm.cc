@@ -58,11 +58,13 @@ struct CpuGemm {
   const uint8_t *w, *ws;
   const float *alpha, *rs;
   const int32_t *sid, *te;
-  int64_t activation, row_scale_mode, top_k, gather, tile_m;
+  int64_t activation, row_scale_mode, top_k, gather, tile_m, pairing;
   uint16_t* out_bf16;
   float* out_f32;
 
-  void Store(int64_t i, float v) const {
+  // Output row r, feature n (at its paired position when out is paired).
+  void Store(int64_t r, int64_t n, float v) const {
+    const int64_t i = r * d.n_out + (pairing & int64_t(Pairing::kOut) ? PairedPos(n) : n);
     if (out_f32) out_f32[i] = v; else out_bf16[i] = FloatToBf16(v);
   }
 
@@ -81,7 +83,7 @@ struct CpuGemm {
       const int64_t pair = sid[r];
       const int64_t src = gather ? (pair >= 0 ? pair / top_k : -1) : r;
       if (e < 0 || e >= d.E || pair < 0 || src >= d.a_rows) {  // padding: zeros
-        for (int64_t n = n0; n < n0 + nb; ++n) Store(r * d.n_out + n, 0.0f);
+        for (int64_t n = n0; n < n0 + nb; ++n) Store(r, n, 0.0f);
         continue;
       }
       src_of[used] = src, row_of[used] = r;
@@ -89,15 +91,17 @@ struct CpuGemm {
       ++used;
     }
     if (used == 0) return;
+    const bool a_paired = pairing & int64_t(Pairing::kA);
     for (int64_t i = 0; i < used; ++i)
-      for (int64_t k = 0; k < K; ++k) arows[i * K + k] = Bf16ToFloat(a[src_of[i] * K + k]);
+      for (int64_t k = 0; k < K; ++k)
+        arows[i * K + k] = Bf16ToFloat(a[src_of[i] * K + (a_paired ? PairedPos(k) : k)]);
     DecodeRows(w, ws, e, d.N, K, n0, nb, wdec.data());
     if (gated) DecodeRows(w, ws, e, d.N, K, d.n_out + n0, nb, wdec.data() + nb * K);
     for (int64_t n = 0; n < nb; ++n) {
       for (int64_t i = 0; i < used; ++i) {
         const float g = Dot(&arows[i * K], &wdec[n * K], K) * scale_of[i];
         const float u = gated ? Dot(&arows[i * K], &wdec[(nb + n) * K], K) * scale_of[i] : 0.0f;
-        Store(row_of[i] * d.n_out + n0 + n, ApplyActivation(activation, g, u));
+        Store(row_of[i], n0 + n, ApplyActivation(activation, g, u));
       }
     }
   }
@@ -135,12 +139,12 @@ ffi::Error GroupedGemmCpuImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> a, ff
                               ffi::Buffer<ffi::S32> sorted_ids, ffi::Buffer<ffi::S32> tile_expert,
                               ffi::Buffer<ffi::F32> row_scale, ffi::Result<ffi::AnyBuffer> out,
                               int64_t activation, int64_t row_scale_mode, int64_t top_k, int64_t gather,
-                              int64_t tile_m, int64_t k_split, int64_t kernel_flags) {
+                              int64_t tile_m, int64_t k_split, int64_t pairing, int64_t kernel_flags) {
   // k_split and kernel_flags choose GPU kernels; validated here so both platforms accept the same calls.
   GemmDims d;
   if (auto err = CheckGemm("grouped_gemm", a, w_data, w_scales, alpha, sorted_ids, tile_expert, row_scale,
-                           *out, activation, row_scale_mode, top_k, gather, tile_m, k_split, kernel_flags, 16,
-                           1, &d);
+                           *out, activation, row_scale_mode, top_k, gather, tile_m, k_split, pairing, kernel_flags,
+                           16, 1, &d);
       err.failure())
     return err;
   // bf16 output (the default), or fp32 (w4a4 quantizes the unrounded intermediate).
@@ -148,7 +152,7 @@ ffi::Error GroupedGemmCpuImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> a, ff
   const CpuGemm g{d, a.typed_data(), w_data.typed_data(), static_cast<const uint8_t*>(w_scales.untyped_data()),
                   alpha.typed_data(),
                   row_scale.typed_data(), sorted_ids.typed_data(), tile_expert.typed_data(), activation,
-                  row_scale_mode, top_k, gather, tile_m,
+                  row_scale_mode, top_k, gather, tile_m, pairing,
                   f32_out ? nullptr : static_cast<uint16_t*>(out->untyped_data()),
                   f32_out ? static_cast<float*>(out->untyped_data()) : nullptr};
   const int64_t items = d.tiles * ((d.n_out + kFeatureBlock - 1) / kFeatureBlock);

@@ -77,6 +77,29 @@ class KernelFlag(enum.IntFlag):
     ROW_TILES_FIRST = 16  # wgmma: consecutive CTAs take one feature slab's row tiles, not one row tile's slabs
     ALIGN_ONE_WARP = 32  # moe_align with <= ALIGN_ONE_WARP_PAIRS pairs: one warp, no block-wide scan
     PDL = 64  # every kernel launched with programmatic dependent launch (its start overlaps the previous kernel)
+    PAIRED_INTERMEDIATE = 128  # moe: GEMM1 writes its output in the paired order and GEMM2 reads it so (Pairing)
+
+
+class Pairing(enum.IntFlag):
+    """grouped_gemm's ``pairing`` bits (values shared with ``ffi/moe_common.h``): which axes hold
+    the paired order (:func:`to_paired`) instead of the natural one."""
+
+    NONE = 0
+    A = 1  # a's K axis (the CUDA kernels skip their activation byte permutes)
+    OUT = 2  # out's feature axis
+
+
+def to_paired(v):
+    """The last axis in the paired order: within each group of 8, ``[x0, x4, x1, x5, x2, x6, x3, x7]``
+    (the k pairs of the GPU GEMM's MMA operands, so one 16-byte load holds them as they are)."""
+    n = v.shape[-1]
+    return jnp.swapaxes(v.reshape(v.shape[:-1] + (n // 8, 2, 4)), -1, -2).reshape(v.shape)
+
+
+def from_paired(v):
+    """Inverse of :func:`to_paired`."""
+    n = v.shape[-1]
+    return jnp.swapaxes(v.reshape(v.shape[:-1] + (n // 8, 4, 2)), -1, -2).reshape(v.shape)
 
 
 class Mode(enum.IntEnum):
@@ -119,8 +142,8 @@ def build_info() -> dict:
 def check_constants() -> None:
     """Raise if the Python enums and limits disagree with the compiled extension."""
     c = _ffi.constants()
-    for cls in (Activation, RowScale, Mode, KernelFlag):
-        want = {m.name.lower(): int(m) for m in cls}
+    for cls in (Activation, RowScale, Mode, KernelFlag, Pairing):
+        want = {name.lower(): int(m) for name, m in cls.__members__.items()}  # (with flags' NONE = 0)
         if dict(c[cls.__name__]) != want:
             raise RuntimeError(f"{cls.__name__} differs between Python {want} and C++ {dict(c[cls.__name__])}")
     got = (tuple(c["tile_ms"]), tuple(c["k_splits"]), c["max_split_tile_m"], c["max_align_experts"],
@@ -301,7 +324,8 @@ def _moe_align_jax(topk_ids, num_experts, tile_m, expert_offset, p):
 def grouped_gemm(a, w: NVFP4Array, sorted_ids, tile_expert, *, tile_m: int,
                  activation: Activation = Activation.IDENTITY, top_k: int = 1, gather: bool = False,
                  row_scale=None, row_scale_mode: RowScale = RowScale.NONE, out_dtype=jnp.bfloat16,
-                 k_split: int | None = None, kernel_flags: int = 0, impl: str = "ffi"):
+                 k_split: int | None = None, pairing: Pairing = Pairing.NONE, kernel_flags: int = 0,
+                 impl: str = "ffi"):
     """Grouped W4A16 GEMM over tile-padded row groups, with the MoE epilogue.
 
     For each sorted row ``r`` of a tile owned by expert ``e`` (pair ``p = sorted_ids[r] >= 0``)::
@@ -331,6 +355,9 @@ def grouped_gemm(a, w: NVFP4Array, sorted_ids, tile_expert, *, tile_m: int,
     k_split : 1, 2, 4 or None
         Warps of a CUDA CTA that split K (a tiling choice: the same function, summed in a
         different fixed order); None: :func:`choose_k_split`. Must be 1 for ``tile_m > 16``.
+    pairing : :class:`Pairing` bits
+        ``A``: ``a``'s K axis is in the paired order (:func:`to_paired`; on the GPU only for a
+        non-gated activation with bfloat16 output); ``OUT``: write ``out``'s features in it.
     kernel_flags : :class:`KernelFlag` bits
         CUDA kernel variant (0: the default); ignored by the CPU handler and the twin.
     impl : ``"ffi"`` or ``"jax"``
@@ -364,9 +391,16 @@ def grouped_gemm(a, w: NVFP4Array, sorted_ids, tile_expert, *, tile_m: int,
         raise ValueError(f"grouped_gemm: k_split must be one of {K_SPLITS} (1 when tile_m > "
                          f"{MAX_SPLIT_TILE_M}), got k_split={k_split} with tile_m={tile_m}")
     kernel_flags = _check_kernel_flags(kernel_flags)
+    if int(pairing) < 0 or int(pairing) & ~int(Pairing.A | Pairing.OUT):
+        raise ValueError(f"grouped_gemm: pairing must combine the Pairing bits (0..3), got {pairing!r}")
+    pairing = Pairing(int(pairing))
+    if pairing and (kk % 8 or n_out % 8):
+        raise ValueError(f"grouped_gemm: pairing needs K and the output features to be multiples of 8, "
+                         f"got K={kk}, n_out={n_out}")
     if impl == "jax":
-        return _grouped_gemm_jax(a, w, sorted_ids, tile_expert, tile_m, activation, top_k, gather,
-                                 row_scale, row_scale_mode).astype(out_dtype)
+        out = _grouped_gemm_jax(from_paired(a) if pairing & Pairing.A else a, w, sorted_ids, tile_expert, tile_m,
+                                activation, top_k, gather, row_scale, row_scale_mode).astype(out_dtype)
+        return to_paired(out) if pairing & Pairing.OUT else out
     ensure_registered()
     p = sorted_ids.shape[0]
     alpha = jnp.asarray(w.global_scale, jnp.float32).reshape(e)
@@ -375,7 +409,7 @@ def grouped_gemm(a, w: NVFP4Array, sorted_ids, tile_expert, *, tile_m: int,
         a, w.data, w.scales, alpha, sorted_ids, tile_expert, row_scale,  # scales as float8_e4m3fn: no copy
         activation=np.int64(activation), row_scale_mode=np.int64(row_scale_mode), top_k=np.int64(top_k),
         gather=np.int64(bool(gather)), tile_m=np.int64(tile_m), k_split=np.int64(k_split),
-        kernel_flags=np.int64(kernel_flags))
+        pairing=np.int64(pairing), kernel_flags=np.int64(kernel_flags))
 
 
 def apply_activation(activation: Activation, gate, up=None):
@@ -589,12 +623,15 @@ def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str =
     inter = experts.intermediate_size
     ks1 = k_split or choose_k_split(tiles, inter, h, tile_m)
     ks2 = k_split or choose_k_split(tiles, h, inter, tile_m)
+    # The intermediate in the paired order: GEMM2 then loads its activation pairs as they are.
+    paired = bool(kernel_flags & KernelFlag.PAIRED_INTERMEDIATE)
+    p1, p2 = (Pairing.OUT, Pairing.A) if paired else (Pairing.NONE, Pairing.NONE)
 
     if MODES[mode] == Mode.W4A16:
         h1 = grouped_gemm(x.astype(jnp.bfloat16), experts.gate_up, sorted_ids, tile_expert, activation=act,
-                          gather=True, k_split=ks1, **common)
+                          gather=True, k_split=ks1, pairing=p1, **common)
         y = grouped_gemm(h1, experts.down, sorted_ids, tile_expert, activation=Activation.IDENTITY,
-                         row_scale=w_flat, row_scale_mode=RowScale.PAIR, k_split=ks2, **common)
+                         row_scale=w_flat, row_scale_mode=RowScale.PAIR, k_split=ks2, pairing=p2, **common)
     else:  # w4a4: per-token NVFP4 activations, decoded exactly to bf16, scales in the epilogues
         # The fused kernel or the pure-JAX quantizer: the same bytes (opt-in until timed on the GPU).
         q_impl = impl if kernel_flags & KernelFlag.FUSED_QUANT else "jax"
@@ -602,13 +639,14 @@ def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str =
         # fp32 intermediate: it is quantized from its unrounded values (spec section 5).
         h1 = grouped_gemm(xq, experts.gate_up, sorted_ids, tile_expert, activation=act, gather=True,
                           row_scale=x_scale, row_scale_mode=RowScale.TOKEN, out_dtype=jnp.float32, k_split=ks1,
-                          **common)
-        # Rows of unused tiles are never written by the GPU: row_ids makes them zeros.
+                          pairing=p1, **common)
+        # Rows of unused tiles are never written by the GPU: row_ids makes them zeros. The paired
+        # order keeps every 16-value block whole, so the quantization is the same per value.
         aq, a_scale = quant_dequant_rows(h1, sorted_ids, impl=q_impl, kernel_flags=kernel_flags)
         used = sorted_ids >= 0
         rs = jnp.where(used, w_flat[jnp.clip(sorted_ids, 0, t * k - 1)], 0.0) * a_scale
         y = grouped_gemm(aq, experts.down, sorted_ids, tile_expert, activation=Activation.IDENTITY,
-                         row_scale=rs, row_scale_mode=RowScale.ROW, k_split=ks2, **common)
+                         row_scale=rs, row_scale_mode=RowScale.ROW, k_split=ks2, pairing=p2, **common)
     return moe_finalize(y, pair_to_row, impl=impl, kernel_flags=kernel_flags)
 
 

@@ -181,7 +181,8 @@ def test_gemm_rejects_bad_shapes_with_named_arguments():
         kw.get("a", a), w.data, kw.get("scales", w.scales), kw.get("alpha", w.global_scale),
         kw.get("sid", sid), te, rs, activation=np.int64(kw.get("act", 1)), row_scale_mode=np.int64(0),
         top_k=np.int64(3), gather=np.int64(1), tile_m=np.int64(kw.get("tile_m", 8)),
-        k_split=np.int64(kw.get("k_split", 1)), kernel_flags=np.int64(kw.get("kernel_flags", 0)))
+        k_split=np.int64(kw.get("k_split", 1)), pairing=np.int64(kw.get("pairing", 0)),
+        kernel_flags=np.int64(kw.get("kernel_flags", 0)))
     ops.ensure_registered()
     with pytest.raises(Exception, match="does not match K"):
         call(a=a[:, :32])
@@ -193,6 +194,8 @@ def test_gemm_rejects_bad_shapes_with_named_arguments():
                                   f32(call()))  # the scale bits as uint8 are accepted too
     with pytest.raises(Exception, match="tile_m must be"):
         call(tile_m=12)
+    with pytest.raises(Exception, match="pairing must combine"):
+        call(pairing=4)
     with pytest.raises(Exception, match="unknown activation"):
         call(act=9)
     with pytest.raises(Exception, match="must be a multiple of tile_m = 16"):
@@ -224,6 +227,20 @@ def test_align_takes_kernel_flags_and_checks_them():
     with pytest.raises(Exception, match="kernel_flags must be a combination"):
         jax.ffi.ffi_call(ops.TARGET_ALIGN, out)(ids, num_experts=np.int64(4), expert_offset=np.int64(0),
                                                  tile_m=np.int64(8), kernel_flags=np.int64(UNKNOWN_FLAG))
+
+
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
+def test_paired_intermediate_is_bitwise_the_default_on_the_cpu(mode):
+    """KernelFlag.PAIRED_INTERMEDIATE: GEMM1 writes the paired order, GEMM2 reads it (pairing
+    attributes on the two calls); the layer's output does not change by a bit."""
+    ex = make_experts(5, 8, 128, 64)
+    x = make_x(1, 7, 128)
+    ids, w = make_routing(2, 7, 3, 8)
+    flag = int(ops.KernelFlag.PAIRED_INTERMEDIATE)
+    f = jax.jit(lambda x, i, w, flags: ops.moe(x, ex, i, w, mode=mode, kernel_flags=flags), static_argnums=3)
+    text = f.lower(x, ids, w, flag).as_text()
+    assert text.count("pairing = 2") == 1 and text.count("pairing = 1") == 1
+    np.testing.assert_array_equal(f32(f(x, ids, w, flag)), f32(f(x, ids, w, 0)))
 
 
 def test_kernel_flags_reach_the_custom_call_and_keep_the_function():
@@ -627,6 +644,42 @@ def test_gpu_gemm_matches_twin(act, gather, mode, out_dtype, h, tile_m, k_split)
 
 
 @pytest.mark.parametrize("on_gpu", [False, pytest.param(True, marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("tile_m,k_split", [(8, 1), (8, 4), (16, 2), (32, 1), (64, 1)])
+@pytest.mark.parametrize("case", [0, 4, 5])
+def test_gemm_pairing_is_the_same_function(on_gpu, tile_m, k_split, case):
+    """``pairing``: a paired ``a`` (Pairing.A) gives bitwise the output of the natural one, and a
+    paired ``out`` (Pairing.OUT) is the natural output in the paired order, on the handler of the
+    platform and in the twin (tile_m 64: the wgmma kernel on sm_90a)."""
+    if on_gpu and not has_gpu():
+        pytest.skip("needs an NVIDIA GPU")
+    act, gather, mode, out_dtype = GEMM_CASES[case]
+    a, w, sid, te, rs = _gemm_problem(act, gather, mode, t=37, k=4, e=6, h=320, n=80, tile_m=tile_m, seed=case)
+    used = used_rows(sid, te, tile_m)
+    dev = jax.devices()[0] if on_gpu else jax.devices("cpu")[0]
+    for impl in ("ffi", "jax"):
+        def run(a, pairing):
+            with jax.default_device(dev):
+                return f32(ops.grouped_gemm(a, w, sid, te, tile_m=tile_m, activation=act, top_k=4, gather=gather,
+                                            row_scale=rs if mode != ops.RowScale.NONE else None,
+                                            row_scale_mode=mode, out_dtype=out_dtype, k_split=k_split,
+                                            pairing=pairing, impl=impl))[used]
+        base = run(a, ops.Pairing.NONE)
+        np.testing.assert_array_equal(run(a, ops.Pairing.OUT), np.asarray(ops.to_paired(base)))
+        if act == ops.Activation.IDENTITY and out_dtype == BF16:  # GEMM2: the GPU's paired-input case
+            np.testing.assert_array_equal(run(ops.to_paired(a), ops.Pairing.A), base)
+
+
+def test_gemm_pairing_checks():
+    act, gather, mode, out_dtype = GEMM_CASES[0]
+    a, w, sid, te, _ = _gemm_problem(act, gather, mode, h=64, tile_m=8)
+    with pytest.raises(ValueError, match="Pairing"):
+        ops.grouped_gemm(a, w, sid, te, tile_m=8, activation=act, top_k=3, gather=True, pairing=4)
+    w12 = random_nvfp4(np.random.default_rng(0), (5, 24, 64), np.ones(5, np.float32))  # 12 features
+    with pytest.raises(ValueError, match="multiples of 8"):
+        ops.grouped_gemm(a, w12, sid, te, tile_m=8, activation=act, top_k=3, gather=True, pairing=ops.Pairing.OUT)
+
+
+@pytest.mark.parametrize("on_gpu", [False, pytest.param(True, marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("tile_m", [8, 16, 64])
 def test_gemm_without_activation_rows_writes_zeros(on_gpu, tile_m):
     """``a`` with no rows: every used row is padding and comes out zero (the CUDA kernels read row 0
@@ -665,7 +718,7 @@ def test_gpu_kernel_variants_match_twin(act, gather, mode, out_dtype, h, tile_m,
 
 
 OPT_IN_FLAGS = (ops.KernelFlag.FUSED_QUANT, ops.KernelFlag.ROW_TILES_FIRST, ops.KernelFlag.ALIGN_ONE_WARP,
-                ops.KernelFlag.PDL, ops.KernelFlag.RING_DECODE_LOOP)
+                ops.KernelFlag.PDL, ops.KernelFlag.RING_DECODE_LOOP, ops.KernelFlag.PAIRED_INTERMEDIATE)
 
 
 @pytest.mark.gpu
@@ -673,9 +726,9 @@ OPT_IN_FLAGS = (ops.KernelFlag.FUSED_QUANT, ops.KernelFlag.ROW_TILES_FIRST, ops.
 @pytest.mark.parametrize("t", [1, 4, 48, 2000])
 @pytest.mark.parametrize("flags", [int(f) for f in OPT_IN_FLAGS] + [int(sum(OPT_IN_FLAGS))])
 def test_gpu_opt_in_variants_are_bitwise_the_default(gpu_experts, t, mode, flags):
-    """Fused quantize, the row-tiles-first wgmma grid, one-warp align, PDL launches and the cp.async
-    ring decode loop (the same K order per thread) change where and how the work runs, not a
-    single output bit (t = 2000 x 8 pairs over 32 experts: 64-row wgmma tiles; t = 48: 16-row
+    """Fused quantize, the row-tiles-first wgmma grid, one-warp align, PDL launches, the cp.async
+    ring decode loop (the same K order per thread) and the paired intermediate (the same MMA
+    operands) change where and how the work runs, not a single output bit (t = 2000 x 8 pairs over 32 experts: 64-row wgmma tiles; t = 48: 16-row
     decode tiles; t = 4: 32 pairs, the one-warp align; t = 1: 8-row tiles)."""
     ex = gpu_experts[(32, True)]
     x = make_x(t, t, 320)

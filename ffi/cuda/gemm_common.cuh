@@ -25,6 +25,7 @@ struct GemmParams {
   int64_t a_rows, K, N, n_out, E, P, row_scale_n;
   int32_t top_k, gather, activation, row_scale_mode;
   int32_t slabs_first;  // wgmma kernel: 1-D grid walking a row tile's feature slabs first
+  int32_t pairing;      // Pairing bits (a's K / out's features in the paired order)
 };
 
 __device__ __forceinline__ uint32_t SmemU32(const void* p) {
@@ -54,7 +55,8 @@ __device__ __forceinline__ void BlockScalesBf16x2(uint32_t two, uint32_t& s0, ui
 }
 
 // The B-operand words of one 16-byte activation piece (8 actual k: x0..x7), in the order the
-// decoded weight words pair them ({c0, c4}, {c1, c5}, {c2, c6}, {c3, c7}: DecodeE2M1x8).
+// decoded weight words pair them ({c0, c4}, {c1, c5}, {c2, c6}, {c3, c7}: DecodeE2M1x8). A piece
+// stored in the paired order (PairedPos) already is these words.
 __device__ __forceinline__ void PairActivations(const uint4& x, uint32_t (&b)[4]) {
   b[0] = __byte_perm(x.x, x.z, 0x5410);
   b[1] = __byte_perm(x.x, x.z, 0x7632);
@@ -159,7 +161,8 @@ __device__ __forceinline__ void Epilogue(const GemmParams& p, int32_t e, int64_t
           const float up = GATED ? acc[NF - 1][m][i] * scale : 0.0f;
           v = ApplyActivation(p.activation, gate, up);
         }
-        Store(static_cast<OutT*>(p.out), r * p.n_out + feat0 + g + 8 * h, v);
+        const int64_t n = feat0 + g + 8 * h;
+        Store(static_cast<OutT*>(p.out), r * p.n_out + (p.pairing & int32_t(Pairing::kOut) ? PairedPos(n) : n), v);
       }
     }
   }

@@ -55,13 +55,20 @@ __device__ __forceinline__ void LoadPiece(const uint16_t* const (&arow)[FM], int
 }
 
 // Piece p of a chunk (one 32-bit word of codes per weight row, the activations x = 8 k) feeds
-// two MMA steps per weight fragment and row block.
-template <int CH, int NF, int FM>
+// two MMA steps per weight fragment and row block. PA: the activations are stored paired
+// (Pairing::kA), so the 16 bytes already are the B words.
+template <int CH, int NF, int FM, bool PA>
 __device__ __forceinline__ void ComputePiece(const WeightRegs<CH, NF>& w, const uint32_t (&scale)[NF][2][2], int p,
                                              const uint4 (&x)[FM], float (&acc)[NF][FM][4]) {
   uint32_t b[FM][4];
 #pragma unroll
-  for (int m = 0; m < FM; ++m) PairActivations(x[m], b[m]);
+  for (int m = 0; m < FM; ++m) {
+    if constexpr (PA) {
+      b[m][0] = x[m].x, b[m][1] = x[m].y, b[m][2] = x[m].z, b[m][3] = x[m].w;
+    } else {
+      PairActivations(x[m], b[m]);
+    }
+  }
   uint32_t wd[NF][2][4];  // decoded words of rows g and g + 8
 #pragma unroll
   for (int j = 0; j < NF; ++j)
@@ -82,7 +89,7 @@ __device__ __forceinline__ void ComputePiece(const WeightRegs<CH, NF>& w, const 
 }
 
 // Multiply one chunk: thread t's span is K [kc + t*CH/4, kc + (t+1)*CH/4), CH/32 pieces.
-template <int CH, int NF, int FM>
+template <int CH, int NF, int FM, bool PA>
 __device__ __forceinline__ void ComputeChunk(const WeightRegs<CH, NF>& w, const uint16_t* const (&arow)[FM],
                                              int64_t kc, int t, float (&acc)[NF][FM][4]) {
   constexpr int kSpan = CH / 4;
@@ -92,19 +99,19 @@ __device__ __forceinline__ void ComputeChunk(const WeightRegs<CH, NF>& w, const 
   for (int p = 0; p < kSpan / 8; ++p) {
     uint4 x[FM];
     LoadPiece<FM>(arow, kc + kSpan * t + 8 * p, x);
-    ComputePiece<CH, NF, FM>(w, scale, p, x, acc);
+    ComputePiece<CH, NF, FM, PA>(w, scale, p, x, acc);
   }
 }
 
 // The 64-K tail at kc when kc < k1 ((k1 - k0) % 128 == 64), loaded straight into registers.
-template <int FM, int NF>
+template <int FM, int NF, bool PA>
 __device__ __forceinline__ void TailChunk(const uint8_t* const (&wrow)[NF][2], const uint8_t* const (&srow)[NF][2],
                                           const uint16_t* const (&arow)[FM], int64_t kc, int64_t k1, int t,
                                           float (&acc)[NF][FM][4]) {
   if (kc < k1) {
     WeightRegs<64, NF> tail;
     tail.Load(wrow, srow, kc, t);
-    ComputeChunk<64, NF, FM>(tail, arow, kc, t, acc);
+    ComputeChunk<64, NF, FM, PA>(tail, arow, kc, t, acc);
   }
 }
 
@@ -114,7 +121,7 @@ __device__ __forceinline__ void TailChunk(const uint8_t* const (&wrow)[NF][2], c
 // registers instead of 124-162 with a copy (H200, 2026-12-01: 4% faster on 16-row tiles, where
 // it beat the cp.async ring). Two or three chunks in flight (three or four buffers) were 4-14%
 // slower in 8 of 12 rows of the same A/B and 3-5% faster in 2 (fewer CTAs fit per SM).
-template <int FM, int NF>
+template <int FM, int NF, bool PA>
 __device__ __forceinline__ void MainLoop(const uint8_t* const (&wrow)[NF][2], const uint8_t* const (&srow)[NF][2],
                                          const uint16_t* const (&arow)[FM], int64_t k0, int64_t k1, int t,
                                          float (&acc)[NF][FM][4]) {
@@ -128,11 +135,11 @@ __device__ __forceinline__ void MainLoop(const uint8_t* const (&wrow)[NF][2], co
       const int64_t c = c0 + s;
       if (c < chunks) {
         if (c + 1 < chunks) buf[(s + 1) % D].Load(wrow, srow, k0 + 128 * (c + 1), t);
-        ComputeChunk<128, NF, FM>(buf[s], arow, k0 + 128 * c, t, acc);
+        ComputeChunk<128, NF, FM, PA>(buf[s], arow, k0 + 128 * c, t, acc);
       }
     }
   }
-  TailChunk<FM, NF>(wrow, srow, arow, k0 + 128 * chunks, k1, t, acc);
+  TailChunk<FM, NF, PA>(wrow, srow, arow, k0 + 128 * chunks, k1, t, acc);
 }
 
 // ---- decode tiles: a deeper pipeline through shared memory ---------------------------------
@@ -177,7 +184,7 @@ __device__ __forceinline__ void IssueChunk(WarpRing<NF>& ring, int stage, const 
     }
 }
 
-template <int FM, int NF>
+template <int FM, int NF, bool PA>
 __device__ __forceinline__ void MainLoopAsync(WarpRing<NF>& ring, const uint8_t* const (&wrow)[NF][2],
                                               const uint8_t* const (&srow)[NF][2],
                                               const uint16_t* const (&arow)[FM], int64_t k0, int64_t k1,
@@ -202,15 +209,15 @@ __device__ __forceinline__ void MainLoopAsync(WarpRing<NF>& ring, const uint8_t*
         w.SetCodes(j, h, ring.codes[stage][2 * j + h][lane]);
         w.s[j][h] = ring.scales[stage][2 * j + h][lane] >> (16 * (t & 1));
       }
-    ComputeChunk<128, NF, FM>(w, arow, k0 + 128 * c, t, acc);
+    ComputeChunk<128, NF, FM, PA>(w, arow, k0 + 128 * c, t, acc);
   }
-  TailChunk<FM, NF>(wrow, srow, arow, k0 + 128 * chunks, k1, t, acc);
+  TailChunk<FM, NF, PA>(wrow, srow, arow, k0 + 128 * chunks, k1, t, acc);
 }
 
 // LOOP: how decode tiles (FM <= 2) stream weights; larger tiles always use MainLoop.
 enum DecodeLoop : int { kRegisterLoop = 0, kRingLoop = 1 };
 
-template <int FM, int KS, int LOOP, bool GATED, typename OutT>
+template <int FM, int KS, int LOOP, bool GATED, typename OutT, bool PA>
 __global__ void __launch_bounds__(kThreads) W4A16GroupedGemmKernel(const GemmParams p) {
   constexpr int BM = FM * 8;
   constexpr int NF = GATED ? 2 : 1;  // weight fragments per warp: [gate, up] or [h]
@@ -259,8 +266,8 @@ __global__ void __launch_bounds__(kThreads) W4A16GroupedGemmKernel(const GemmPar
     const int64_t units = K / 64;
     const int64_t k0 = 64 * (units * kw / KS), k1 = 64 * (units * (kw + 1) / KS);
     if constexpr (kAsync)
-      MainLoopAsync<FM, NF>(rings[warp], wrow, srow, arow, k0, k1, t, lane, acc);
-    else MainLoop<FM, NF>(wrow, srow, arow, k0, k1, t, acc);
+      MainLoopAsync<FM, NF, PA>(rings[warp], wrow, srow, arow, k0, k1, t, lane, acc);
+    else MainLoop<FM, NF, PA>(wrow, srow, arow, k0, k1, t, acc);
   }
 
   if constexpr (KS > 1) {  // warps kw > 0 hand their sums to warp kw = 0, added in kw order
@@ -295,32 +302,32 @@ __global__ void __launch_bounds__(kThreads) W4A16GroupedGemmKernel(const GemmPar
 
 // Instances: k_split 1, 2, 4 and both DecodeLoops for 8- and 16-row tiles (decode);
 // k_split 1 and the register loop for 32 and 64 rows (CheckGemm).
-template <int KS, int LOOP, bool GATED, typename OutT>
+template <int KS, int LOOP, bool GATED, typename OutT, bool PA>
 void LaunchSplit(const GemmParams& p, int64_t tile_m, int64_t slabs, bool pdl, cudaStream_t stream) {
   const dim3 grid(unsigned(p.P / tile_m), unsigned(slabs));
   switch (tile_m) {
-    case 8: LaunchKernel(W4A16GroupedGemmKernel<1, KS, LOOP, GATED, OutT>, grid, kThreads, 0, stream, pdl, p); break;
-    case 16: LaunchKernel(W4A16GroupedGemmKernel<2, KS, LOOP, GATED, OutT>, grid, kThreads, 0, stream, pdl, p); break;
+    case 8: LaunchKernel(W4A16GroupedGemmKernel<1, KS, LOOP, GATED, OutT, PA>, grid, kThreads, 0, stream, pdl, p); break;
+    case 16: LaunchKernel(W4A16GroupedGemmKernel<2, KS, LOOP, GATED, OutT, PA>, grid, kThreads, 0, stream, pdl, p); break;
     case 32:
-      LaunchKernel(W4A16GroupedGemmKernel<4, 1, kRegisterLoop, GATED, OutT>, grid, kThreads, 0, stream, pdl, p);
+      LaunchKernel(W4A16GroupedGemmKernel<4, 1, kRegisterLoop, GATED, OutT, PA>, grid, kThreads, 0, stream, pdl, p);
       break;
     default:
-      LaunchKernel(W4A16GroupedGemmKernel<8, 1, kRegisterLoop, GATED, OutT>, grid, kThreads, 0, stream, pdl, p);
+      LaunchKernel(W4A16GroupedGemmKernel<8, 1, kRegisterLoop, GATED, OutT, PA>, grid, kThreads, 0, stream, pdl, p);
       break;
   }
 }
 
-template <int LOOP, bool GATED, typename OutT>
+template <int LOOP, bool GATED, typename OutT, bool PA>
 void LaunchLoop(const GemmParams& p, int64_t tile_m, int64_t k_split, int64_t slabs, bool pdl,
                 cudaStream_t stream) {
   switch (k_split) {
-    case 2: LaunchSplit<2, LOOP, GATED, OutT>(p, tile_m, slabs, pdl, stream); break;
-    case 4: LaunchSplit<4, LOOP, GATED, OutT>(p, tile_m, slabs, pdl, stream); break;
-    default: LaunchSplit<1, LOOP, GATED, OutT>(p, tile_m, slabs, pdl, stream); break;
+    case 2: LaunchSplit<2, LOOP, GATED, OutT, PA>(p, tile_m, slabs, pdl, stream); break;
+    case 4: LaunchSplit<4, LOOP, GATED, OutT, PA>(p, tile_m, slabs, pdl, stream); break;
+    default: LaunchSplit<1, LOOP, GATED, OutT, PA>(p, tile_m, slabs, pdl, stream); break;
   }
 }
 
-template <bool GATED, typename OutT>
+template <bool GATED, typename OutT, bool PA = false>
 void Launch(const GemmParams& p, int64_t tile_m, int64_t k_split, int64_t slabs, int64_t flags,
             cudaStream_t stream) {
   const bool pdl = flags & int64_t(KernelFlag::kPdl);
@@ -328,9 +335,9 @@ void Launch(const GemmParams& p, int64_t tile_m, int64_t k_split, int64_t slabs,
   // the ring was 3-13% slower on 8-row tiles and, since MainLoop's rotating buffers, 4% slower on
   // 16-row tiles too). Larger tiles ignore the flag.
   if (flags & int64_t(KernelFlag::kRingDecodeLoop))
-    LaunchLoop<kRingLoop, GATED, OutT>(p, tile_m, k_split, slabs, pdl, stream);
+    LaunchLoop<kRingLoop, GATED, OutT, PA>(p, tile_m, k_split, slabs, pdl, stream);
   else
-    LaunchLoop<kRegisterLoop, GATED, OutT>(p, tile_m, k_split, slabs, pdl, stream);
+    LaunchLoop<kRegisterLoop, GATED, OutT, PA>(p, tile_m, k_split, slabs, pdl, stream);
 }
 
 ffi::Error GroupedGemmCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> a, ffi::Buffer<ffi::U8> w_data,
@@ -338,13 +345,20 @@ ffi::Error GroupedGemmCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> a, ff
                                ffi::Buffer<ffi::S32> sorted_ids, ffi::Buffer<ffi::S32> tile_expert,
                                ffi::Buffer<ffi::F32> row_scale, ffi::Result<ffi::AnyBuffer> out,
                                int64_t activation, int64_t row_scale_mode, int64_t top_k, int64_t gather,
-                               int64_t tile_m, int64_t k_split, int64_t kernel_flags) {
+                               int64_t tile_m, int64_t k_split, int64_t pairing, int64_t kernel_flags) {
   GemmDims d;
   if (auto err = CheckGemm("grouped_gemm", a, w_data, w_scales, alpha, sorted_ids, tile_expert, row_scale,
-                           *out, activation, row_scale_mode, top_k, gather, tile_m, k_split, kernel_flags,
-                           kCudaKMultiple, kCudaNMultiple, &d);
+                           *out, activation, row_scale_mode, top_k, gather, tile_m, k_split, pairing,
+                           kernel_flags, kCudaKMultiple, kCudaNMultiple, &d);
       err.failure())
     return err;
+  const bool f32_out = out->element_type() == ffi::DataType::F32;
+  const bool gated = IsGated(activation);
+  const bool a_paired = pairing & int64_t(Pairing::kA);
+  // Paired activations are moe's GEMM2 input (only that combination has mma.sync instances).
+  if (a_paired && (gated || f32_out))
+    return Invalid("grouped_gemm", "paired activations (pairing & 1) need a non-gated activation and "
+                                   "bfloat16 output on the GPU");
   if (d.tiles == 0 || d.n_out == 0) return ffi::Error::Success();
   if (d.a_rows == 0) {  // every row is padding: zeros (the kernels read row 0 of a for padding rows)
     const size_t bytes = size_t(d.P) * size_t(d.n_out) * ffi::ByteWidth(out->element_type());
@@ -377,8 +391,7 @@ ffi::Error GroupedGemmCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> a, ff
   p.gather = int32_t(gather != 0);
   p.activation = int32_t(activation);
   p.row_scale_mode = int32_t(row_scale_mode);
-  const bool f32_out = out->element_type() == ffi::DataType::F32;
-  const bool gated = IsGated(activation);
+  p.pairing = int32_t(pairing);
   if (tile_m == 64 && !(kernel_flags & int64_t(KernelFlag::kNoWgmma)) &&  // sm_90a prefill
       LaunchWgmmaGemm(p, gated, f32_out, kernel_flags, stream))
     return LaunchError("grouped_gemm");
@@ -386,6 +399,8 @@ ffi::Error GroupedGemmCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> a, ff
   if (gated) {
     f32_out ? Launch<true, float>(p, tile_m, k_split, slabs, f, stream)
             : Launch<true, uint16_t>(p, tile_m, k_split, slabs, f, stream);
+  } else if (a_paired) {
+    Launch<false, uint16_t, true>(p, tile_m, k_split, slabs, f, stream);
   } else {
     f32_out ? Launch<false, float>(p, tile_m, k_split, slabs, f, stream)
             : Launch<false, uint16_t>(p, tile_m, k_split, slabs, f, stream);

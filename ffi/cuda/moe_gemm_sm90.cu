@@ -96,12 +96,12 @@ struct ActivationRegs {
   // Piece pp's k pairs i = 0..3 ({x0, x4}, {x1, x5}, {x2, x6}, {x3, x7}: PairActivations) go
   // to logical k L = 32pp + 2t + 8i: panel L / 64, 16-byte chunk (L % 64) / 8 swizzled with the
   // row (^ n % 8), byte 4t inside it.
-  __device__ __forceinline__ void Store(uint8_t* buf, int ch, int n, int t) const {
+  __device__ __forceinline__ void Store(uint8_t* buf, int ch, int n, int t, bool paired) const {
 #pragma unroll
     for (int pp = 0; pp < 4; ++pp) {
       if (pp < ch / 32) {
-        uint32_t w[4];
-        PairActivations(v[pp], w);
+        uint32_t w[4] = {v[pp].x, v[pp].y, v[pp].z, v[pp].w};  // a paired piece as it is
+        if (!paired) PairActivations(v[pp], w);
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const int c = 4 * pp + i;  // logical 16-byte chunk index within the 128-K chunk
@@ -207,6 +207,7 @@ __global__ void __launch_bounds__(kWgThreadsPerCta, 1) W4A16WgmmaKernel(const Ge
   const int n = 8 * warp + g;  // this thread's activation row in the tile
   const int64_t src = SourceRow(p, tile * kTokens + n);
   const uint16_t* xrow = src >= 0 ? p.a + src * K : nullptr;
+  const bool paired = p.pairing & int32_t(Pairing::kA);
 
   float acc[NF][8][4];
 #pragma unroll
@@ -221,7 +222,7 @@ __global__ void __launch_bounds__(kWgThreadsPerCta, 1) W4A16WgmmaKernel(const Ge
   const int64_t chunks = full + (tail ? 1 : 0);
   ActivationRegs x;
   x.Load(xrow, 0, full ? 128 : 64, t);
-  x.Store(smem, full ? 128 : 64, n, t);
+  x.Store(smem, full ? 128 : 64, n, t, paired);
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // generic stores -> wgmma reads
   WeightRegs<128, NF> cur;
   if (full) cur.Load(wrow, srow, 0, t);
@@ -236,7 +237,7 @@ __global__ void __launch_bounds__(kWgThreadsPerCta, 1) W4A16WgmmaKernel(const Ge
     if (wmore) next.Load(wrow, srow, kc + 128, t);
     ChunkMma<128, NF>(cur, smem_addr + uint32_t(c & 1) * kChunkBytes, acc);
     if (more) {  // the other buffer was last read by chunk c - 1, complete before the last barrier
-      x.Store(smem + (~c & 1) * kChunkBytes, next_ch, n, t);
+      x.Store(smem + (~c & 1) * kChunkBytes, next_ch, n, t, paired);
       asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     }
     __syncthreads();
