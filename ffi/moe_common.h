@@ -253,6 +253,9 @@ ffi::Error CheckGemm(const char* op, const A& a, const W& w, const WS& ws, const
   if (auto err = CheckKernelFlags(op, kernel_flags); err.failure()) return err;
   if (pairing < 0 || pairing > int64_t(Pairing::kA) + int64_t(Pairing::kOut))
     return Invalid(op, "pairing must combine the Pairing bits (0..3), got " + std::to_string(pairing));
+  if (pairing != 0 && (d->K % 8 != 0 || d->n_out % 8 != 0))  // the paired order permutes groups of 8
+    return Invalid(op, "pairing needs K and the output features to be multiples of 8, got K = " +
+                           std::to_string(d->K) + ", " + std::to_string(d->n_out) + " features");
   bool split_ok = false;
   for (int s : kKSplits) split_ok |= s == k_split;
   if (!split_ok)

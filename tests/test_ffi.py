@@ -677,6 +677,12 @@ def test_gemm_pairing_checks():
     w12 = random_nvfp4(np.random.default_rng(0), (5, 24, 64), np.ones(5, np.float32))  # 12 features
     with pytest.raises(ValueError, match="multiples of 8"):
         ops.grouped_gemm(a, w12, sid, te, tile_m=8, activation=act, top_k=3, gather=True, pairing=ops.Pairing.OUT)
+    ops.ensure_registered()  # the handler checks it too (a direct call must not write out of bounds)
+    with pytest.raises(Exception, match="pairing needs K and the output features to be multiples of 8"):
+        jax.ffi.ffi_call(ops.TARGET_GEMM, jax.ShapeDtypeStruct((sid.shape[0], 12), BF16), vmap_method="sequential")(
+            a, w12.data, w12.scales, w12.global_scale, sid, te, jnp.zeros((1,), jnp.float32),
+            activation=np.int64(act), row_scale_mode=np.int64(0), top_k=np.int64(3), gather=np.int64(1),
+            tile_m=np.int64(8), k_split=np.int64(1), pairing=np.int64(2), kernel_flags=np.int64(0))
 
 
 @pytest.mark.parametrize("on_gpu", [False, pytest.param(True, marks=pytest.mark.gpu)])
