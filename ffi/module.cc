@@ -106,7 +106,7 @@ NB_MODULE(_ffi, m) {
   m.def("constants", []() {
     using namespace jax_nvfp4;
     nb::dict c;
-    nb::dict act, rs, mode, kf;  // (and pairing, below)
+    nb::dict act, rs, mode, kf;
     act["identity"] = int64_t(Activation::kIdentity);
     act["swiglu"] = int64_t(Activation::kSwiglu);
     act["geglu"] = int64_t(Activation::kGeglu);

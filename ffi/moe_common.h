@@ -92,6 +92,10 @@ NVFP4_HD int64_t PairedPos(int64_t k) {
   const int64_t i = k & 7;
   return (k - i) + (i < 4 ? 2 * i : 2 * (i - 4) + 1);
 }
+// Position of index k along `axis` (Pairing::kA: a's K, kOut: out's features) under `pairing`.
+NVFP4_HD int64_t PairingPos(int64_t pairing, Pairing axis, int64_t k) {
+  return pairing & int64_t(axis) ? PairedPos(k) : k;
+}
 
 NVFP4_HD float Sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 

@@ -64,7 +64,7 @@ struct CpuGemm {
 
   // Output row r, feature n (at its paired position when out is paired).
   void Store(int64_t r, int64_t n, float v) const {
-    const int64_t i = r * d.n_out + (pairing & int64_t(Pairing::kOut) ? PairedPos(n) : n);
+    const int64_t i = r * d.n_out + PairingPos(pairing, Pairing::kOut, n);
     if (out_f32) out_f32[i] = v; else out_bf16[i] = FloatToBf16(v);
   }
 
@@ -91,10 +91,9 @@ struct CpuGemm {
       ++used;
     }
     if (used == 0) return;
-    const bool a_paired = pairing & int64_t(Pairing::kA);
     for (int64_t i = 0; i < used; ++i)
       for (int64_t k = 0; k < K; ++k)
-        arows[i * K + k] = Bf16ToFloat(a[src_of[i] * K + (a_paired ? PairedPos(k) : k)]);
+        arows[i * K + k] = Bf16ToFloat(a[src_of[i] * K + PairingPos(pairing, Pairing::kA, k)]);
     DecodeRows(w, ws, e, d.N, K, n0, nb, wdec.data());
     if (gated) DecodeRows(w, ws, e, d.N, K, d.n_out + n0, nb, wdec.data() + nb * K);
     for (int64_t n = 0; n < nb; ++n) {

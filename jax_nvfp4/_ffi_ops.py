@@ -89,17 +89,20 @@ class Pairing(enum.IntFlag):
     OUT = 2  # out's feature axis
 
 
+def _transpose_groups_of_8(v, rows: int):
+    """Each group of 8 along the last axis read as a ``rows x (8 // rows)`` matrix, transposed."""
+    return jnp.swapaxes(v.reshape(v.shape[:-1] + (v.shape[-1] // 8, rows, 8 // rows)), -1, -2).reshape(v.shape)
+
+
 def to_paired(v):
     """The last axis in the paired order: within each group of 8, ``[x0, x4, x1, x5, x2, x6, x3, x7]``
     (the k pairs of the GPU GEMM's MMA operands, so one 16-byte load holds them as they are)."""
-    n = v.shape[-1]
-    return jnp.swapaxes(v.reshape(v.shape[:-1] + (n // 8, 2, 4)), -1, -2).reshape(v.shape)
+    return _transpose_groups_of_8(v, 2)
 
 
 def from_paired(v):
     """Inverse of :func:`to_paired`."""
-    n = v.shape[-1]
-    return jnp.swapaxes(v.reshape(v.shape[:-1] + (n // 8, 4, 2)), -1, -2).reshape(v.shape)
+    return _transpose_groups_of_8(v, 4)
 
 
 class Mode(enum.IntEnum):
@@ -198,13 +201,11 @@ def expected_tiles(n_pairs: int, num_experts: int, tile_m: int) -> float:
         return float(-(-max(n_pairs, 0) // tile_m))
     lam = n_pairs / e
     top = lam + 12 * math.sqrt(lam) + 12  # P(N > top) is negligible
-    total, cdf, i, m = 0.0, 0.0, 0, 0
-    while m <= top:
-        for i in range(i, m + 1):
-            cdf += math.exp(i * math.log(lam) - lam - math.lgamma(i + 1))
-        i = m + 1
-        total += max(1.0 - cdf, 0.0)
-        m += tile_m
+    total, cdf = 0.0, 0.0
+    for i in range(int(top) + 1):
+        cdf += math.exp(i * math.log(lam) - lam - math.lgamma(i + 1))  # P(N <= i)
+        if i % tile_m == 0:
+            total += max(1.0 - cdf, 0.0)
     return min(e * total, float(padded_rows(n_pairs, e, tile_m) // tile_m))
 
 

@@ -161,8 +161,7 @@ __device__ __forceinline__ void Epilogue(const GemmParams& p, int32_t e, int64_t
           const float up = GATED ? acc[NF - 1][m][i] * scale : 0.0f;
           v = ApplyActivation(p.activation, gate, up);
         }
-        const int64_t n = feat0 + g + 8 * h;
-        Store(static_cast<OutT*>(p.out), r * p.n_out + (p.pairing & int32_t(Pairing::kOut) ? PairedPos(n) : n), v);
+        Store(static_cast<OutT*>(p.out), r * p.n_out + PairingPos(p.pairing, Pairing::kOut, feat0 + g + 8 * h), v);
       }
     }
   }
