@@ -130,6 +130,7 @@ NB_MODULE(_ffi, m) {
     kf["align_one_warp"] = int64_t(KernelFlag::kAlignOneWarp);
     kf["pdl"] = int64_t(KernelFlag::kPdl);
     kf["paired_intermediate"] = int64_t(KernelFlag::kPairedIntermediate);
+    kf["paired_input"] = int64_t(KernelFlag::kPairedInput);
     c["KernelFlag"] = kf;
     nb::dict pairing;
     pairing["none"] = int64_t(Pairing::kNone);

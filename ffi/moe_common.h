@@ -50,11 +50,13 @@ enum class KernelFlag : int64_t {
   kAlignOneWarp = 32,    // moe_align with <= 32 pairs: one warp, no block scan (the GEMMs ignore it)
   kPdl = 64,             // every kernel launched with programmatic dependent launch (overlaps launches)
   kPairedIntermediate = 128,  // moe: the GEMM1 -> GEMM2 intermediate in the paired order (Pairing)
+  kPairedInput = 256,         // moe: GEMM1's input rows in the paired order (Pairing)
 };
-constexpr int64_t kAllKernelFlags = 255;
+constexpr int64_t kAllKernelFlags = 511;
 // grouped_gemm's `pairing` bits: which of a's K axis and out's feature axis hold the paired
 // order (PairedPos) instead of the natural one. moe's intermediate uses it (KernelFlag kPairedIntermediate):
-// GEMM1 writes it paired, GEMM2 reads it paired and skips its activation byte permutes.
+// GEMM1 writes it paired, GEMM2 reads it paired and skips its activation byte permutes; so can
+// GEMM1 read its input (kPairedInput).
 enum class Pairing : int64_t { kNone = 0, kA = 1, kOut = 2 };
 constexpr int64_t kAlignOneWarpPairs = 32;
 // MoE modes (spec section 5); the kernels themselves are mode-agnostic.

@@ -220,18 +220,18 @@ if stage ab; then
       --shapes deepseek_v3_ep8,qwen3_30b_a3b "${@:2}" 2>&1 | grep -v "^wrote" | tail -90 | tee -a "$OUT/ffi_summary.txt"
   }
   # Each part's moe_bench arguments can be replaced (AB_DECODE, AB_W4A4, AB_PREFILL; "skip" skips it).
-  # Decode: the cp.async ring decode loop, the paired intermediate (128) and the K split fixed (choose_k_split aims at ~1024 CTAs
-  # of the tiles expected in use; --ffi-tile-ms fixes the tile rows too). T = 1/4/16 (8-row
-  # tiles), 64 (DeepSeek-V3: 16-row, Qwen3: 8-row).
+  # Decode: the paired intermediate (128), the paired GEMM1 input (256) and both (384); the cp.async
+  # ring (1) and the K split (--ffi-k-splits; choose_k_split aims at ~1024 CTAs of the tiles
+  # expected in use) were settled on 2026-12-01. T = 1/4/16 (8-row tiles), 64 (DeepSeek-V3:
+  # 16-row, Qwen3: 8-row).
   abpart() { local name=$1 s=$2 def=$3 var=$4; [[ $var == skip ]] && return
     # shellcheck disable=SC2086
     ab "$s" ${var:-$def} --json "$OUT/ab_$name.json"; }
-  abpart decode 300 "--modes w4a16 --tokens 1,4,16,64 --ffi-flags 1,128 --ffi-k-splits 1,2,4" \
-    "${AB_DECODE:-}"
-  abpart w4a4 180 "--modes w4a4 --tokens 1,4,64 --ffi-flags 8,104" "${AB_W4A4:-}"  # fused quantize (+align, PDL)
-  # Prefill: the paired intermediate (128) on the wgmma tiles; 4/16/20 (two-block wgmma, row tiles
-  # first: the defaults before 2026-12-01) settled on 2026-12-01.
-  abpart prefill 180 "--modes w4a16 --tokens 1024,4096 --ffi-flags 128" "${AB_PREFILL:-}"
+  abpart decode 300 "--modes w4a16 --tokens 1,4,16,64 --ffi-flags 128,256,384" "${AB_DECODE:-}"
+  abpart w4a4 180 "--modes w4a4 --tokens 1,4,64 --ffi-flags 8,104,392" "${AB_W4A4:-}"  # fused quantize (+align, PDL; +paired)
+  # Prefill: the paired intermediate and input (128, 256, 384) on the wgmma tiles; 4/16/20
+  # (two-block wgmma, row tiles first: the defaults before 2026-12-01) settled on 2026-12-01.
+  abpart prefill 180 "--modes w4a16 --tokens 1024,4096 --ffi-flags 128,256,384" "${AB_PREFILL:-}"
   log "A/B verdicts (variant time / default time, same run)"
   python3 benchmarks/ab_summary.py $(ls "$OUT"/ab_*.json 2>/dev/null) 2>&1 | tee -a "$OUT/ffi_summary.txt"
 fi

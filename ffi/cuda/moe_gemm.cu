@@ -333,11 +333,13 @@ void Launch(const GemmParams& p, int64_t tile_m, int64_t k_split, int64_t slabs,
   const bool pdl = flags & int64_t(KernelFlag::kPdl);
   // Decode tiles: register prefetch; kRingDecodeLoop: the cp.async ring (H200 A/B, 2026-12-01:
   // the ring was 3-13% slower on 8-row tiles and, since MainLoop's rotating buffers, 4% slower on
-  // 16-row tiles too). Larger tiles ignore the flag.
-  if (flags & int64_t(KernelFlag::kRingDecodeLoop))
-    LaunchLoop<kRingLoop, GATED, OutT, PA>(p, tile_m, k_split, slabs, pdl, stream);
-  else
-    LaunchLoop<kRegisterLoop, GATED, OutT, PA>(p, tile_m, k_split, slabs, pdl, stream);
+  // 16-row tiles too). Larger tiles and paired activations (no ring instances: compile time)
+  // ignore the flag; both loops give the same bits.
+  if constexpr (!PA) {
+    if (flags & int64_t(KernelFlag::kRingDecodeLoop))
+      return LaunchLoop<kRingLoop, GATED, OutT, PA>(p, tile_m, k_split, slabs, pdl, stream);
+  }
+  LaunchLoop<kRegisterLoop, GATED, OutT, PA>(p, tile_m, k_split, slabs, pdl, stream);
 }
 
 ffi::Error GroupedGemmCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> a, ffi::Buffer<ffi::U8> w_data,
@@ -355,9 +357,10 @@ ffi::Error GroupedGemmCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> a, ff
   const bool f32_out = out->element_type() == ffi::DataType::F32;
   const bool gated = IsGated(activation);
   const bool a_paired = pairing & int64_t(Pairing::kA);
-  // Paired activations are moe's GEMM2 input (only that combination has mma.sync instances).
-  if (a_paired && (gated || f32_out))
-    return Invalid("grouped_gemm", "paired activations (pairing & 1) need a non-gated activation and "
+  // Paired activations are moe's GEMM1 input (gated, bf16 or fp32 out) and GEMM2 input (bf16
+  // out); the remaining combination has no mma.sync instances.
+  if (a_paired && !gated && f32_out)
+    return Invalid("grouped_gemm", "paired activations (pairing & 1) with a non-gated activation need "
                                    "bfloat16 output on the GPU");
   if (d.tiles == 0 || d.n_out == 0) return ffi::Error::Success();
   if (d.a_rows == 0) {  // every row is padding: zeros (the kernels read row 0 of a for padding rows)
@@ -396,7 +399,10 @@ ffi::Error GroupedGemmCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> a, ff
       LaunchWgmmaGemm(p, gated, f32_out, kernel_flags, stream))
     return LaunchError("grouped_gemm");
   const int64_t f = kernel_flags;
-  if (gated) {
+  if (gated && a_paired) {
+    f32_out ? Launch<true, float, true>(p, tile_m, k_split, slabs, f, stream)
+            : Launch<true, uint16_t, true>(p, tile_m, k_split, slabs, f, stream);
+  } else if (gated) {
     f32_out ? Launch<true, float>(p, tile_m, k_split, slabs, f, stream)
             : Launch<true, uint16_t>(p, tile_m, k_split, slabs, f, stream);
   } else if (a_paired) {
