@@ -45,13 +45,15 @@ __device__ __forceinline__ void Mma16816(float (&c)[4], const uint32_t (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// The 16 bytes of activations (8 k) at k of each of the thread's rows. A padding row reads row 0
-// of a instead (no branch, no zeroing): MMA columns are independent and the epilogue stores zeros
-// for padding rows, so what it reads never reaches an output.
+// The 16 bytes of activations (8 k) at k of each of the thread's rows (zeros where it has none).
+// Padding rows once read row 0 of a instead (no predicate; 11-18% fewer loop instructions on
+// 16-row tiles), but that raised the 16-row kernels with k_split 2/4 from 128 to 156-158
+// registers (3 CTAs per SM instead of 4): 4-13% slower decode layers on the H200 (2026-12-01).
 template <int FM>
 __device__ __forceinline__ void LoadPiece(const uint16_t* const (&arow)[FM], int64_t k, uint4 (&x)[FM]) {
 #pragma unroll
-  for (int m = 0; m < FM; ++m) x[m] = __ldg(reinterpret_cast<const uint4*>(arow[m] + k));
+  for (int m = 0; m < FM; ++m)
+    x[m] = arow[m] ? __ldg(reinterpret_cast<const uint4*>(arow[m] + k)) : make_uint4(0, 0, 0, 0);
 }
 
 // Piece p of a chunk (one 32-bit word of codes per weight row, the activations x = 8 k) feeds
@@ -260,7 +262,7 @@ __global__ void __launch_bounds__(kThreads) W4A16GroupedGemmKernel(const GemmPar
 #pragma unroll
     for (int m = 0; m < FM; ++m) {
       const int64_t src = SourceRow(p, tile * BM + 8 * m + g);
-      arow[m] = p.a + (src >= 0 ? src : 0) * K;  // a_rows >= 1 here (GroupedGemmCudaImpl)
+      arow[m] = src >= 0 ? p.a + src * K : nullptr;
     }
     // This warp's share of K, in 64-K units (a warp may get none when K is small).
     const int64_t units = K / 64;
@@ -363,7 +365,7 @@ ffi::Error GroupedGemmCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> a, ff
     return Invalid("grouped_gemm", "paired activations (pairing & 1) with a non-gated activation need "
                                    "bfloat16 output on the GPU");
   if (d.tiles == 0 || d.n_out == 0) return ffi::Error::Success();
-  if (d.a_rows == 0) {  // every row is padding: zeros (the kernels read row 0 of a for padding rows)
+  if (d.a_rows == 0) {  // every row is padding: zeros, without a launch
     const size_t bytes = size_t(d.P) * size_t(d.n_out) * ffi::ByteWidth(out->element_type());
     const cudaError_t err = cudaMemsetAsync(out->untyped_data(), 0, bytes, stream);
     if (err != cudaSuccess)
