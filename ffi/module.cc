@@ -131,6 +131,7 @@ NB_MODULE(_ffi, m) {
     kf["pdl"] = int64_t(KernelFlag::kPdl);
     kf["paired_intermediate"] = int64_t(KernelFlag::kPairedIntermediate);
     kf["paired_input"] = int64_t(KernelFlag::kPairedInput);
+    kf["stream_hints"] = int64_t(KernelFlag::kStreamHints);
     c["KernelFlag"] = kf;
     nb::dict pairing;
     pairing["none"] = int64_t(Pairing::kNone);

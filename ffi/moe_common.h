@@ -51,8 +51,10 @@ enum class KernelFlag : int64_t {
   kPdl = 64,             // every kernel launched with programmatic dependent launch (overlaps launches)
   kPairedIntermediate = 128,  // moe: the GEMM1 -> GEMM2 intermediate in the paired order (Pairing)
   kPairedInput = 256,         // moe: GEMM1's input rows in the paired order (Pairing)
+  kStreamHints = 512,         // decode tiles (register loop): weight loads skip L1 and prefetch
+                              // 256 bytes into L2
 };
-constexpr int64_t kAllKernelFlags = 511;
+constexpr int64_t kAllKernelFlags = 1023;
 // grouped_gemm's `pairing` bits: which of a's K axis and out's feature axis hold the paired
 // order (PairedPos) instead of the natural one. moe's intermediate uses it (KernelFlag kPairedIntermediate):
 // GEMM1 writes it paired, GEMM2 reads it paired and skips its activation byte permutes; so can

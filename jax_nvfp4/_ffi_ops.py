@@ -79,6 +79,7 @@ class KernelFlag(enum.IntFlag):
     PDL = 64  # every kernel launched with programmatic dependent launch (its start overlaps the previous kernel)
     PAIRED_INTERMEDIATE = 128  # moe: GEMM1 writes its output in the paired order and GEMM2 reads it so (Pairing)
     PAIRED_INPUT = 256  # moe: GEMM1 reads its input rows in the paired order (one XLA transpose of x first)
+    STREAM_HINTS = 512  # decode tiles (register loop): weight loads skip L1 and prefetch 256 bytes into L2
 
 
 class Pairing(enum.IntFlag):

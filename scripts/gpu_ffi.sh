@@ -2,13 +2,15 @@
 # Build the FFI extension on a GPU machine, run the ffi GPU tests, a CUDA-graph check and a short
 # benchmark; logs and JSON go to $OUT (default ./out).
 # Usage: scripts/gpu_ffi.sh [stages] [pytest -k expression]
-#   stages: comma-separated test, graph, bench, ab, ncu, timeline, sanitize, invariance, rollout;
+#   stages: comma-separated test, graph, bench, ab, abtree, ncu, timeline, sanitize, invariance, rollout;
 #   "all" = test,graph,bench
 # Env: BUDGET (seconds in all, default 400), GPU_ARCHS (CUDA archs built, default 90a),
 #   FFI_BENCH_BACKENDS (default "ffi,xla"),
 #   NCU_CONFIGS / TIMELINE_CONFIGS (space-separated shape:tokens[:mode[:kernel_flags]]),
 #   FFI_BENCH_ARGS (more moe_bench.py arguments, e.g. "--tokens 1,64 --no-baseline"),
 #   AB_DECODE / AB_W4A4 / AB_PREFILL (moe_bench arguments of the ab stage's parts, or "skip"),
+#   AB_TREE (abtree stage: another source tree, e.g. `git archive C | tar -x -C .ab_old`, carried),
+#   AB_TREE_ARGS (its moe_bench arguments),
 #   TEST_NODES (pytest targets of the test and sanitize stages, in order; default
 #   "tests/test_ffi_quant.py tests/test_ffi.py"), TEST_S,
 #   SAN_K (pytest -k expression of the sanitize stage; default the stage argument), SAN_S,
@@ -220,20 +222,36 @@ if stage ab; then
       --shapes deepseek_v3_ep8,qwen3_30b_a3b "${@:2}" 2>&1 | grep -v "^wrote" | tail -90 | tee -a "$OUT/ffi_summary.txt"
   }
   # Each part's moe_bench arguments can be replaced (AB_DECODE, AB_W4A4, AB_PREFILL; "skip" skips it).
-  # Decode: the paired intermediate (128), the paired GEMM1 input (256) and both (384); the cp.async
-  # ring (1) and the K split (--ffi-k-splits; choose_k_split aims at ~1024 CTAs of the tiles
-  # expected in use) were settled on 2026-12-01. T = 1/4/16 (8-row tiles), 64 (DeepSeek-V3:
-  # 16-row, Qwen3: 8-row).
+  # Decode: the paired intermediate (128; 0.7-1.3% faster on DeepSeek-V3, mixed on Qwen3 on
+  # 2026-12-01), the streaming cache hints (512) and both; the cp.async ring (1), the K split
+  # (--ffi-k-splits) and the paired GEMM1 input (256: no gain) were settled on 2026-12-01.
+  # T = 1/4/16 (8-row tiles), 64 (DeepSeek-V3: 16-row, Qwen3: 8-row).
   abpart() { local name=$1 s=$2 def=$3 var=$4; [[ $var == skip ]] && return
     # shellcheck disable=SC2086
     ab "$s" ${var:-$def} --json "$OUT/ab_$name.json"; }
-  abpart decode 300 "--modes w4a16 --tokens 1,4,16,64 --ffi-flags 128,256,384" "${AB_DECODE:-}"
-  abpart w4a4 180 "--modes w4a4 --tokens 1,4,64 --ffi-flags 8,104,392" "${AB_W4A4:-}"  # fused quantize (+align, PDL; +paired)
-  # Prefill: the paired intermediate and input (128, 256, 384) on the wgmma tiles; 4/16/20
-  # (two-block wgmma, row tiles first: the defaults before 2026-12-01) settled on 2026-12-01.
-  abpart prefill 180 "--modes w4a16 --tokens 1024,4096 --ffi-flags 128,256,384" "${AB_PREFILL:-}"
+  abpart decode 300 "--modes w4a16 --tokens 1,4,16,64 --ffi-flags 128,512,640" "${AB_DECODE:-}"
+  abpart w4a4 180 "--modes w4a4 --tokens 1,4,64 --ffi-flags 8,104,520" "${AB_W4A4:-}"  # fused quantize (+align, PDL; +streaming)
+  # Prefill: the paired intermediate (128) on the wgmma tiles (0.3-1.3% slower on 2026-12-01);
+  # 4/16/20 (two-block wgmma, row tiles first) and 256 settled on 2026-12-01.
+  abpart prefill 180 "--modes w4a16 --tokens 1024,4096 --ffi-flags 128" "${AB_PREFILL:-}"
   log "A/B verdicts (variant time / default time, same run)"
   python3 benchmarks/ab_summary.py $(ls "$OUT"/ab_*.json 2>/dev/null) 2>&1 | tee -a "$OUT/ffi_summary.txt"
+fi
+
+if stage abtree; then
+  # A change without a KernelFlag (e.g. launch bounds) against another commit: the same rows on
+  # the build of AB_TREE, then on this tree's, in one call on one machine (2026-12-01: how the
+  # padding-row regression was found; runs on different machines differed by ~4%).
+  log "A/B against the tree $AB_TREE (moe_bench on its build, then on this one)"
+  b=(--backends ffi --no-baseline --chain 20 --repeats 20)
+  # shellcheck disable=SC2206
+  b+=(${AB_TREE_ARGS:---shapes deepseek_v3_ep8,qwen3_30b_a3b --modes w4a16 --tokens 1,4,16,64})
+  for tree in "$AB_TREE" .; do
+    (cd "$tree" && python3 -m pip install -q --no-build-isolation --no-deps -e . \
+       --config-settings=cmake.define.JAX_NVFP4_CUDA_ARCHS="${GPU_ARCHS:-90a}" >"$OUT/abtree_build.log" 2>&1 \
+     && echo "# build of $tree" && timeout $(left 200) python3 benchmarks/moe_bench.py "${b[@]}" 2>&1 | grep "T=") \
+      | tee -a "$OUT/ffi_summary.txt"
+  done
 fi
 
 if stage bench; then

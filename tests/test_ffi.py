@@ -709,14 +709,15 @@ def test_gemm_without_activation_rows_writes_zeros(on_gpu, tile_m):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("flags", [int(ops.KernelFlag.RING_DECODE_LOOP), int(ops.KernelFlag.NO_WGMMA),
+@pytest.mark.parametrize("flags", [int(ops.KernelFlag.RING_DECODE_LOOP), int(ops.KernelFlag.STREAM_HINTS),
+                                   int(ops.KernelFlag.NO_WGMMA),
                                    int(ops.KernelFlag.WGMMA_TWO_BLOCKS), int(ops.KernelFlag.ROW_TILES_FIRST),
                                    int(ops.KernelFlag.ROW_TILES_FIRST | ops.KernelFlag.WGMMA_TWO_BLOCKS)])
 @pytest.mark.parametrize("act,gather,mode,out_dtype", [GEMM_CASES[0], GEMM_CASES[-1]])
 @pytest.mark.parametrize("tile_m,h", [(8, 1152), (16, 1152), (64, 320)])
 def test_gpu_kernel_variants_match_twin(act, gather, mode, out_dtype, h, tile_m, flags):
-    """Every KernelFlag variant of the GEMM (the cp.async ring on 8- and 16-row tiles, mma.sync
-    64-row tiles, two-block wgmma, the row-tiles-first wgmma grid)."""
+    """Every KernelFlag variant of the GEMM (the cp.async ring and the streaming hints on 8- and
+    16-row tiles, mma.sync 64-row tiles, two-block wgmma, the row-tiles-first wgmma grid)."""
     if not has_gpu():
         pytest.skip("needs an NVIDIA GPU")
     a, w, sid, te, rs = _gemm_problem(act, gather, mode, t=37, k=4, e=6, h=h, n=80, tile_m=tile_m, seed=h)
@@ -731,7 +732,7 @@ def test_gpu_kernel_variants_match_twin(act, gather, mode, out_dtype, h, tile_m,
 
 OPT_IN_FLAGS = (ops.KernelFlag.FUSED_QUANT, ops.KernelFlag.ROW_TILES_FIRST, ops.KernelFlag.ALIGN_ONE_WARP,
                 ops.KernelFlag.PDL, ops.KernelFlag.RING_DECODE_LOOP, ops.KernelFlag.PAIRED_INTERMEDIATE,
-                ops.KernelFlag.PAIRED_INPUT)
+                ops.KernelFlag.PAIRED_INPUT, ops.KernelFlag.STREAM_HINTS)
 
 
 @pytest.mark.gpu

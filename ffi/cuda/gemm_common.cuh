@@ -72,6 +72,32 @@ __device__ __forceinline__ void DecodeScaled(uint32_t q, uint32_t s, uint32_t (&
   for (int i = 0; i < 4; ++i) a[i] = MulBf16x2(a[i], s);
 }
 
+// 16 bytes / 2 bytes of weights through the read-only path. STREAM: not kept in L1 (weights are
+// read once; L1 keeps the activations) and the L2 fetches the 256 aligned bytes around them (the
+// row's next chunks), so more bytes are in flight per register than the loads themselves hold.
+template <bool STREAM>
+__device__ __forceinline__ uint4 LoadWeights16(const uint8_t* ptr) {
+  if constexpr (STREAM) {
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(ptr));
+    return v;
+  } else {
+    return __ldg(reinterpret_cast<const uint4*>(ptr));
+  }
+}
+template <bool STREAM>
+__device__ __forceinline__ uint32_t LoadScales2(const uint8_t* ptr) {
+  unsigned short v;
+  if constexpr (STREAM) {
+    asm("ld.global.nc.L1::no_allocate.L2::256B.u16 %0, [%1];" : "=h"(v) : "l"(ptr));
+  } else {
+    v = __ldg(reinterpret_cast<const unsigned short*>(ptr));
+  }
+  return v;
+}
+
 // One chunk of CH = 128 (or 64 for the K tail) along K for this thread's weight rows:
 // CH/8 bytes of codes and CH/64 scale bytes per row.
 template <int CH, int NF>
@@ -86,6 +112,7 @@ struct WeightRegs {
     q[j][h][3] = v.w;
   }
 
+  template <bool STREAM = false>
   __device__ __forceinline__ void Load(const uint8_t* const (&wrow)[NF][2], const uint8_t* const (&srow)[NF][2],
                                        int64_t kc, int t) {
 #pragma unroll
@@ -93,8 +120,8 @@ struct WeightRegs {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         if constexpr (CH == 128) {
-          SetCodes(j, h, __ldg(reinterpret_cast<const uint4*>(wrow[j][h] + kc / 2 + 16 * t)));
-          s[j][h] = __ldg(reinterpret_cast<const unsigned short*>(srow[j][h] + kc / 16 + 2 * t));
+          SetCodes(j, h, LoadWeights16<STREAM>(wrow[j][h] + kc / 2 + 16 * t));
+          s[j][h] = LoadScales2<STREAM>(srow[j][h] + kc / 16 + 2 * t);
         } else {
           const uint2 v = __ldg(reinterpret_cast<const uint2*>(wrow[j][h] + kc / 2 + 8 * t));
           SetCodes(j, h, make_uint4(v.x, v.y, 0, 0));

@@ -123,20 +123,20 @@ __device__ __forceinline__ void TailChunk(const uint8_t* const (&wrow)[NF][2], c
 // registers instead of 124-162 with a copy (H200, 2026-12-01: 4% faster on 16-row tiles, where
 // it beat the cp.async ring). Two or three chunks in flight (three or four buffers) were 4-14%
 // slower in 8 of 12 rows of the same A/B and 3-5% faster in 2 (fewer CTAs fit per SM).
-template <int FM, int NF, bool PA>
+template <int FM, int NF, bool PA, bool STREAM>
 __device__ __forceinline__ void MainLoop(const uint8_t* const (&wrow)[NF][2], const uint8_t* const (&srow)[NF][2],
                                          const uint16_t* const (&arow)[FM], int64_t k0, int64_t k1, int t,
                                          float (&acc)[NF][FM][4]) {
   constexpr int D = 2;
   const int64_t chunks = (k1 - k0) / 128;
   WeightRegs<128, NF> buf[D];
-  if (chunks > 0) buf[0].Load(wrow, srow, k0, t);
+  if (chunks > 0) buf[0].template Load<STREAM>(wrow, srow, k0, t);
   for (int64_t c0 = 0; c0 < chunks; c0 += D) {
 #pragma unroll
     for (int s = 0; s < D; ++s) {
       const int64_t c = c0 + s;
       if (c < chunks) {
-        if (c + 1 < chunks) buf[(s + 1) % D].Load(wrow, srow, k0 + 128 * (c + 1), t);
+        if (c + 1 < chunks) buf[(s + 1) % D].template Load<STREAM>(wrow, srow, k0 + 128 * (c + 1), t);
         ComputeChunk<128, NF, FM, PA>(buf[s], arow, k0 + 128 * c, t, acc);
       }
     }
@@ -216,8 +216,10 @@ __device__ __forceinline__ void MainLoopAsync(WarpRing<NF>& ring, const uint8_t*
   TailChunk<FM, NF, PA>(wrow, srow, arow, k0 + 128 * chunks, k1, t, acc);
 }
 
-// LOOP: how decode tiles (FM <= 2) stream weights; larger tiles always use MainLoop.
-enum DecodeLoop : int { kRegisterLoop = 0, kRingLoop = 1 };
+// LOOP: how decode tiles (FM <= 2) stream weights; larger tiles always use MainLoop without
+// streaming hints. kStreamLoop: MainLoop whose weight loads skip L1 and prefetch 256 bytes into
+// L2 (KernelFlag kStreamHints).
+enum DecodeLoop : int { kRegisterLoop = 0, kRingLoop = 1, kStreamLoop = 2 };
 
 template <int FM, int KS, int LOOP, bool GATED, typename OutT, bool PA>
 __global__ void __launch_bounds__(kThreads) W4A16GroupedGemmKernel(const GemmParams p) {
@@ -226,6 +228,7 @@ __global__ void __launch_bounds__(kThreads) W4A16GroupedGemmKernel(const GemmPar
   constexpr int NS = kWarps / KS;    // warps along N; KS warps share each 16 features
   constexpr int kAcc = NF * FM * 4;  // fp32 accumulators per thread
   constexpr bool kAsync = LOOP == kRingLoop && FM <= 2;  // decode tiles: weights through the cp.async ring
+  constexpr bool kStream = LOOP == kStreamLoop && FM <= 2;
   __shared__ float partial[KS > 1 ? (KS - 1) * NS * kAcc * 32 : 1];
   __shared__ WarpRing<NF> rings[kAsync ? kWarps : 1];
   GridDependencyWait();
@@ -269,7 +272,7 @@ __global__ void __launch_bounds__(kThreads) W4A16GroupedGemmKernel(const GemmPar
     const int64_t k0 = 64 * (units * kw / KS), k1 = 64 * (units * (kw + 1) / KS);
     if constexpr (kAsync)
       MainLoopAsync<FM, NF, PA>(rings[warp], wrow, srow, arow, k0, k1, t, lane, acc);
-    else MainLoop<FM, NF, PA>(wrow, srow, arow, k0, k1, t, acc);
+    else MainLoop<FM, NF, PA, kStream>(wrow, srow, arow, k0, k1, t, acc);
   }
 
   if constexpr (KS > 1) {  // warps kw > 0 hand their sums to warp kw = 0, added in kw order
@@ -335,11 +338,14 @@ void Launch(const GemmParams& p, int64_t tile_m, int64_t k_split, int64_t slabs,
   const bool pdl = flags & int64_t(KernelFlag::kPdl);
   // Decode tiles: register prefetch; kRingDecodeLoop: the cp.async ring (H200 A/B, 2026-12-01:
   // the ring was 3-13% slower on 8-row tiles and, since MainLoop's rotating buffers, 4% slower on
-  // 16-row tiles too). Larger tiles and paired activations (no ring instances: compile time)
-  // ignore the flag; both loops give the same bits.
+  // 16-row tiles too); kStreamHints: register prefetch with streaming cache hints. Larger tiles
+  // and paired activations (no such instances: compile time) ignore both flags; every loop
+  // gives the same bits.
   if constexpr (!PA) {
     if (flags & int64_t(KernelFlag::kRingDecodeLoop))
       return LaunchLoop<kRingLoop, GATED, OutT, PA>(p, tile_m, k_split, slabs, pdl, stream);
+    if (flags & int64_t(KernelFlag::kStreamHints))
+      return LaunchLoop<kStreamLoop, GATED, OutT, PA>(p, tile_m, k_split, slabs, pdl, stream);
   }
   LaunchLoop<kRegisterLoop, GATED, OutT, PA>(p, tile_m, k_split, slabs, pdl, stream);
 }
