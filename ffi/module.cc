@@ -130,7 +130,6 @@ NB_MODULE(_ffi, m) {
     kf["align_one_warp"] = int64_t(KernelFlag::kAlignOneWarp);
     kf["pdl"] = int64_t(KernelFlag::kPdl);
     kf["paired_intermediate"] = int64_t(KernelFlag::kPairedIntermediate);
-    kf["paired_input"] = int64_t(KernelFlag::kPairedInput);
     kf["stream_hints"] = int64_t(KernelFlag::kStreamHints);
     c["KernelFlag"] = kf;
     nb::dict pairing;

@@ -50,15 +50,14 @@ enum class KernelFlag : int64_t {
   kAlignOneWarp = 32,    // moe_align with <= 32 pairs: one warp, no block scan (the GEMMs ignore it)
   kPdl = 64,             // every kernel launched with programmatic dependent launch (overlaps launches)
   kPairedIntermediate = 128,  // moe: the GEMM1 -> GEMM2 intermediate in the paired order (Pairing)
-  kPairedInput = 256,         // moe: GEMM1's input rows in the paired order (Pairing)
+  // 256: kPairedInput (GEMM1's input paired) until 2026-12-01, removed: no gain on the H200.
   kStreamHints = 512,         // decode tiles (register loop): weight loads skip L1 and prefetch
                               // 256 bytes into L2
 };
-constexpr int64_t kAllKernelFlags = 1023;
+constexpr int64_t kAllKernelFlags = 767;
 // grouped_gemm's `pairing` bits: which of a's K axis and out's feature axis hold the paired
 // order (PairedPos) instead of the natural one. moe's intermediate uses it (KernelFlag kPairedIntermediate):
-// GEMM1 writes it paired, GEMM2 reads it paired and skips its activation byte permutes; so can
-// GEMM1 read its input (kPairedInput).
+// GEMM1 writes it paired, GEMM2 reads it paired and skips its activation byte permutes.
 enum class Pairing : int64_t { kNone = 0, kA = 1, kOut = 2 };
 constexpr int64_t kAlignOneWarpPairs = 32;
 // MoE modes (spec section 5); the kernels themselves are mode-agnostic.

@@ -78,7 +78,7 @@ class KernelFlag(enum.IntFlag):
     ALIGN_ONE_WARP = 32  # moe_align with <= ALIGN_ONE_WARP_PAIRS pairs: one warp, no block-wide scan
     PDL = 64  # every kernel launched with programmatic dependent launch (its start overlaps the previous kernel)
     PAIRED_INTERMEDIATE = 128  # moe: GEMM1 writes its output in the paired order and GEMM2 reads it so (Pairing)
-    PAIRED_INPUT = 256  # moe: GEMM1 reads its input rows in the paired order (one XLA transpose of x first)
+    # 256: PAIRED_INPUT (GEMM1's input paired by a transpose of x) until 2026-12-01, removed: no gain on the H200
     STREAM_HINTS = 512  # decode tiles (register loop): weight loads skip L1 and prefetch 256 bytes into L2
 
 
@@ -359,8 +359,8 @@ def grouped_gemm(a, w: NVFP4Array, sorted_ids, tile_expert, *, tile_m: int,
         Warps of a CUDA CTA that split K (a tiling choice: the same function, summed in a
         different fixed order); None: :func:`choose_k_split`. Must be 1 for ``tile_m > 16``.
     pairing : :class:`Pairing` bits
-        ``A``: ``a``'s K axis is in the paired order (:func:`to_paired`; on the GPU not for a
-        non-gated activation with float32 output); ``OUT``: write ``out``'s features in it.
+        ``A``: ``a``'s K axis is in the paired order (:func:`to_paired`; on the GPU only for a
+        non-gated activation with bfloat16 output); ``OUT``: write ``out``'s features in it.
     kernel_flags : :class:`KernelFlag` bits
         CUDA kernel variant (0: the default); ignored by the CPU handler and the twin.
     impl : ``"ffi"`` or ``"jax"``
@@ -629,14 +629,10 @@ def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str =
     # The intermediate in the paired order: GEMM2 then loads its activation pairs as they are.
     paired = bool(kernel_flags & KernelFlag.PAIRED_INTERMEDIATE)
     p1, p2 = (Pairing.OUT, Pairing.A) if paired else (Pairing.NONE, Pairing.NONE)
-    # GEMM1's input paired by one transpose of [T, H] (cheap next to the weights it saves permutes for).
-    paired_in = bool(kernel_flags & KernelFlag.PAIRED_INPUT)
-    p1 |= Pairing.A if paired_in else Pairing.NONE
-    gemm1_input = to_paired if paired_in else (lambda v: v)
 
     if MODES[mode] == Mode.W4A16:
-        h1 = grouped_gemm(gemm1_input(x.astype(jnp.bfloat16)), experts.gate_up, sorted_ids, tile_expert,
-                          activation=act, gather=True, k_split=ks1, pairing=p1, **common)
+        h1 = grouped_gemm(x.astype(jnp.bfloat16), experts.gate_up, sorted_ids, tile_expert, activation=act,
+                          gather=True, k_split=ks1, pairing=p1, **common)
         y = grouped_gemm(h1, experts.down, sorted_ids, tile_expert, activation=Activation.IDENTITY,
                          row_scale=w_flat, row_scale_mode=RowScale.PAIR, k_split=ks2, pairing=p2, **common)
     else:  # w4a4: per-token NVFP4 activations, decoded exactly to bf16, scales in the epilogues
@@ -644,7 +640,7 @@ def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str =
         q_impl = impl if kernel_flags & KernelFlag.FUSED_QUANT else "jax"
         xq, x_scale = quant_dequant_rows(x.astype(jnp.bfloat16), impl=q_impl, kernel_flags=kernel_flags)
         # fp32 intermediate: it is quantized from its unrounded values (spec section 5).
-        h1 = grouped_gemm(gemm1_input(xq), experts.gate_up, sorted_ids, tile_expert, activation=act, gather=True,
+        h1 = grouped_gemm(xq, experts.gate_up, sorted_ids, tile_expert, activation=act, gather=True,
                           row_scale=x_scale, row_scale_mode=RowScale.TOKEN, out_dtype=jnp.float32, k_split=ks1,
                           pairing=p1, **common)
         # Rows of unused tiles are never written by the GPU: row_ids makes them zeros. The paired
