@@ -238,7 +238,9 @@ if stage ab; then
   python3 benchmarks/ab_summary.py $(ls "$OUT"/ab_*.json 2>/dev/null) 2>&1 | tee -a "$OUT/ffi_summary.txt"
 fi
 
-if stage abtree; then
+if stage abtree && [[ ! -f ${AB_TREE:-}/pyproject.toml ]]; then
+  log "abtree: AB_TREE (${AB_TREE:-unset}) is not a source tree of this package: skipped"
+elif stage abtree; then
   # A change without a KernelFlag (e.g. launch bounds) against another commit: the same rows on
   # the build of AB_TREE, then on this tree's, in one call on one machine (2026-12-01: how the
   # padding-row regression was found; runs on different machines differed by ~4%).
