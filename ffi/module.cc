@@ -148,6 +148,7 @@ NB_MODULE(_ffi, m) {
     c["align_one_warp_pairs"] = kAlignOneWarpPairs;
     c["cuda_k_multiple"] = kCudaKMultiple;
     c["cuda_n_multiple"] = kCudaNMultiple;
+    c["all_kernel_flags"] = kAllKernelFlags;
     return c;
   }, "Enum values and tiling limits shared with the kernels (jax_nvfp4._ffi_ops checks its mirror).");
 

@@ -51,8 +51,8 @@ enum class KernelFlag : int64_t {
   kPdl = 64,             // every kernel launched with programmatic dependent launch (overlaps launches)
   kPairedIntermediate = 128,  // moe: the GEMM1 -> GEMM2 intermediate in the paired order (Pairing)
   // 256: kPairedInput (GEMM1's input paired) until 2026-12-01, removed: no gain on the H200.
-  kStreamHints = 512,         // decode tiles (register loop): weight loads skip L1 and prefetch
-                              // 256 bytes into L2
+  kStreamHints = 512,         // decode tiles (register loop, 128-K chunks): weight loads skip L1
+                              // and prefetch 256 bytes into L2 (kRingDecodeLoop wins if both are set)
 };
 constexpr int64_t kAllKernelFlags = 767;
 // grouped_gemm's `pairing` bits: which of a's K axis and out's feature axis hold the paired
@@ -198,7 +198,7 @@ inline ffi::Error Invalid(const char* op, const std::string& msg) {
 
 inline ffi::Error CheckKernelFlags(const char* op, int64_t kernel_flags) {
   if (kernel_flags < 0 || (kernel_flags & ~kAllKernelFlags) != 0)
-    return Invalid(op, "kernel_flags must be a combination of the KernelFlag bits (0.." +
+    return Invalid(op, "kernel_flags must be a combination of the KernelFlag bits (mask " +
                            std::to_string(kAllKernelFlags) + "), got " + std::to_string(kernel_flags));
   return ffi::Error::Success();
 }

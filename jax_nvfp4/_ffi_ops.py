@@ -79,7 +79,7 @@ class KernelFlag(enum.IntFlag):
     PDL = 64  # every kernel launched with programmatic dependent launch (its start overlaps the previous kernel)
     PAIRED_INTERMEDIATE = 128  # moe: GEMM1 writes its output in the paired order and GEMM2 reads it so (Pairing)
     # 256: PAIRED_INPUT (GEMM1's input paired by a transpose of x) until 2026-12-01, removed: no gain on the H200
-    STREAM_HINTS = 512  # decode tiles (register loop): weight loads skip L1 and prefetch 256 bytes into L2
+    STREAM_HINTS = 512  # decode tiles (register loop): weight loads skip L1 and prefetch 256 B into L2 (RING wins)
 
 
 class Pairing(enum.IntFlag):
@@ -151,6 +151,8 @@ def check_constants() -> None:
         want = {name.lower(): int(m) for name, m in cls.__members__.items()}  # (with flags' NONE = 0)
         if dict(c[cls.__name__]) != want:
             raise RuntimeError(f"{cls.__name__} differs between Python {want} and C++ {dict(c[cls.__name__])}")
+    if c["all_kernel_flags"] != int(sum(KernelFlag)):  # the handlers' mask of valid bits
+        raise RuntimeError(f"the C++ kernel-flag mask {c['all_kernel_flags']} is not the sum of KernelFlag")
     got = (tuple(c["tile_ms"]), tuple(c["k_splits"]), c["max_split_tile_m"], c["max_align_experts"],
            c["align_one_warp_pairs"], c["cuda_k_multiple"], c["cuda_n_multiple"])
     if got != (TILE_MS, K_SPLITS, MAX_SPLIT_TILE_M, MAX_ALIGN_EXPERTS, ALIGN_ONE_WARP_PAIRS, CUDA_K_MULTIPLE,
@@ -241,7 +243,7 @@ def _check_kernel_flags(flags) -> int:
     flags = int(flags)
     if flags < 0 or flags & ~int(sum(KernelFlag)):
         raise ValueError(f"kernel_flags must combine KernelFlag bits {[f.name for f in KernelFlag]} "
-                         f"(0..{int(sum(KernelFlag))}), got {flags}")
+                         f"(mask {int(sum(KernelFlag))}), got {flags}")
     return flags
 
 

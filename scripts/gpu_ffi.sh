@@ -9,7 +9,8 @@
 #   NCU_CONFIGS / TIMELINE_CONFIGS (space-separated shape:tokens[:mode[:kernel_flags]]),
 #   FFI_BENCH_ARGS (more moe_bench.py arguments, e.g. "--tokens 1,64 --no-baseline"),
 #   AB_DECODE / AB_W4A4 / AB_PREFILL (moe_bench arguments of the ab stage's parts, or "skip"),
-#   AB_TREE (abtree stage: another source tree, e.g. `git archive C | tar -x -C .ab_old`, carried),
+#   AB_TREE (abtree stage: another source tree, e.g. `mkdir .ab_old && git archive C | tar -x -C .ab_old`,
+#   ignored by git and named in the device call's carry),
 #   AB_TREE_ARGS (its moe_bench arguments),
 #   TEST_NODES (pytest targets of the test and sanitize stages, in order; default
 #   "tests/test_ffi_quant.py tests/test_ffi.py"), TEST_S,
@@ -231,7 +232,7 @@ if stage ab; then
     ab "$s" ${var:-$def} --json "$OUT/ab_$name.json"; }
   abpart decode 300 "--modes w4a16 --tokens 1,4,16,64 --ffi-flags 128,512,640" "${AB_DECODE:-}"
   abpart w4a4 180 "--modes w4a4 --tokens 1,4,64 --ffi-flags 8,104,520" "${AB_W4A4:-}"  # fused quantize (+align, PDL; +streaming)
-  # Prefill: the paired intermediate (128) on the wgmma tiles (0.3-1.3% slower on 2026-12-01);
+  # Prefill: the paired intermediate (128) on the wgmma tiles (0.3-1.0% slower on 2026-12-01);
   # 4/16/20 (two-block wgmma, row tiles first) and 256 settled on 2026-12-01.
   abpart prefill 180 "--modes w4a16 --tokens 1024,4096 --ffi-flags 128" "${AB_PREFILL:-}"
   log "A/B verdicts (variant time / default time, same run)"
@@ -249,10 +250,17 @@ elif stage abtree; then
   # shellcheck disable=SC2206
   b+=(${AB_TREE_ARGS:---shapes deepseek_v3_ep8,qwen3_30b_a3b --modes w4a16 --tokens 1,4,16,64})
   for tree in "$AB_TREE" .; do
-    (cd "$tree" && python3 -m pip install -q --no-build-isolation --no-deps -e . \
-       --config-settings=cmake.define.JAX_NVFP4_CUDA_ARCHS="${GPU_ARCHS:-90a}" >"$OUT/abtree_build.log" 2>&1 \
-     && echo "# build of $tree" && timeout $(left 200) python3 benchmarks/moe_bench.py "${b[@]}" 2>&1 | grep "T=") \
-      | tee -a "$OUT/ffi_summary.txt"
+    name=$( [[ $tree == . ]] && echo this || echo other )
+    if ! (cd "$tree" && timeout $(left 240) python3 -m pip install -q --no-build-isolation --no-deps -e . \
+          --config-settings=cmake.define.JAX_NVFP4_CUDA_ARCHS="${GPU_ARCHS:-90a}") >"$OUT/abtree_build_$name.log" 2>&1; then
+      log "abtree: the build of $tree failed (abtree_build_$name.log)"
+      # Later stages must not measure the other tree: stop when this tree is not installed.
+      [[ $name == this ]] && exit 1
+      continue
+    fi
+    echo "# build of $tree" | tee -a "$OUT/ffi_summary.txt"
+    (cd "$tree" && timeout $(left 200) python3 benchmarks/moe_bench.py "${b[@]}" >"$OUT/abtree_$name.log" 2>&1)
+    grep "T=" "$OUT/abtree_$name.log" | tee -a "$OUT/ffi_summary.txt" || tail -5 "$OUT/abtree_$name.log"
   done
 fi
 

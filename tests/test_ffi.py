@@ -207,6 +207,8 @@ def test_gemm_rejects_bad_shapes_with_named_arguments():
         call(tile_m=32, k_split=2)
     with pytest.raises(Exception, match="kernel_flags must be a combination"):
         call(kernel_flags=UNKNOWN_FLAG)
+    with pytest.raises(Exception, match="kernel_flags must be a combination"):
+        call(kernel_flags=256)  # a retired bit (PAIRED_INPUT) inside the range of the others
     with pytest.raises(ValueError, match="kernel_flags must combine KernelFlag bits"):
         ops.grouped_gemm(a, w, sid, te, tile_m=8, activation=ops.Activation.SWIGLU, top_k=3, gather=True,
                          kernel_flags=-1)
@@ -691,8 +693,8 @@ def test_gemm_pairing_checks():
 @pytest.mark.parametrize("on_gpu", [False, pytest.param(True, marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("tile_m", [8, 16, 64])
 def test_gemm_without_activation_rows_writes_zeros(on_gpu, tile_m):
-    """``a`` with no rows: every used row is padding and comes out zero (the CUDA kernels read row 0
-    of ``a`` for padding rows, so this case zeroes the output without launching them)."""
+    """``a`` with no rows: every used row is padding and comes out zero (the CUDA handler zeroes
+    the output without launching a kernel)."""
     if on_gpu and not has_gpu():
         pytest.skip("needs an NVIDIA GPU")
     dev = jax.devices()[0] if on_gpu else jax.devices("cpu")[0]
@@ -735,7 +737,8 @@ OPT_IN_FLAGS = (ops.KernelFlag.FUSED_QUANT, ops.KernelFlag.ROW_TILES_FIRST, ops.
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("t", [1, 4, 48, 2000])
-@pytest.mark.parametrize("flags", [int(f) for f in OPT_IN_FLAGS] + [int(sum(OPT_IN_FLAGS))])
+@pytest.mark.parametrize("flags", [int(f) for f in OPT_IN_FLAGS] + [int(sum(OPT_IN_FLAGS)),  # (the ring wins)
+                                   int(sum(OPT_IN_FLAGS) & ~ops.KernelFlag.RING_DECODE_LOOP)])
 def test_gpu_opt_in_variants_are_bitwise_the_default(gpu_experts, t, mode, flags):
     """Fused quantize, the row-tiles-first wgmma grid, one-warp align, PDL launches, the cp.async
     ring decode loop and the streaming hints (the same K order per thread) and the paired

@@ -47,8 +47,8 @@ __device__ __forceinline__ void Mma16816(float (&c)[4], const uint32_t (&a)[4], 
 
 // The 16 bytes of activations (8 k) at k of each of the thread's rows (zeros where it has none).
 // Padding rows once read row 0 of a instead (no predicate; 11-18% fewer loop instructions on
-// 16-row tiles), but that raised the 16-row kernels with k_split 2/4 from 128 to 156-158
-// registers (3 CTAs per SM instead of 4): 4-13% slower decode layers on the H200 (2026-12-01).
+// 16-row tiles), but DeepSeek-V3 decode layers were 3-13% slower with it on the H200 (2026-12-01;
+// the kernels those rows ran kept their register counts: cause not established).
 template <int FM>
 __device__ __forceinline__ void LoadPiece(const uint16_t* const (&arow)[FM], int64_t k, uint4 (&x)[FM]) {
 #pragma unroll
@@ -305,8 +305,9 @@ __global__ void __launch_bounds__(kThreads) W4A16GroupedGemmKernel(const GemmPar
   Epilogue<FM, NF, GATED, OutT>(p, e, tile, feat0, acc);
 }
 
-// Instances: k_split 1, 2, 4 and both DecodeLoops for 8- and 16-row tiles (decode);
-// k_split 1 and the register loop for 32 and 64 rows (CheckGemm).
+// Instances: k_split 1, 2, 4 and every DecodeLoop for 8- and 16-row tiles (decode; paired
+// activations: the register loop only); k_split 1 and the register loop for 32 and 64 rows
+// (CheckGemm).
 template <int KS, int LOOP, bool GATED, typename OutT, bool PA>
 void LaunchSplit(const GemmParams& p, int64_t tile_m, int64_t slabs, bool pdl, cudaStream_t stream) {
   const dim3 grid(unsigned(p.P / tile_m), unsigned(slabs));
