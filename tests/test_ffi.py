@@ -690,6 +690,21 @@ def test_gemm_pairing_checks():
             tile_m=np.int64(8), k_split=np.int64(1), pairing=np.int64(2), kernel_flags=np.int64(0))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [0, 2, 3])
+def test_gpu_gemm_rejects_paired_activations_it_has_no_kernel_for(case):
+    """The CUDA handler has paired-activation kernels only for GEMM2's case (non-gated, bf16 out):
+    a gated or float32-out call with Pairing.A is an error, not a silent wrong result."""
+    if not has_gpu():
+        pytest.skip("needs an NVIDIA GPU")
+    act, gather, mode, out_dtype = GEMM_CASES[case]
+    a, w, sid, te, rs = _gemm_problem(act, gather, mode, h=128, tile_m=8)
+    with pytest.raises(Exception, match="paired activations"):
+        ops.grouped_gemm(ops.to_paired(a), w, sid, te, tile_m=8, activation=act, top_k=3, gather=gather,
+                         row_scale=rs if mode != ops.RowScale.NONE else None, row_scale_mode=mode,
+                         out_dtype=out_dtype, pairing=ops.Pairing.A).block_until_ready()
+
+
 @pytest.mark.parametrize("on_gpu", [False, pytest.param(True, marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("tile_m", [8, 16, 64])
 def test_gemm_without_activation_rows_writes_zeros(on_gpu, tile_m):
