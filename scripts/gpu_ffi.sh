@@ -40,10 +40,13 @@ left() { local l=$(( BUDGET - ($(date +%s) - start) - 5 )); (( l < $1 )) && echo
 
 log "$(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null)"
 t0=$(date +%s)
+# install_tree DIR: the editable install of the source tree DIR (this one, or abtree's other).
 # Only the H200's architecture (GPU_ARCHS, default 90a): CI compiles sm_100a; half the build time here.
-python3 -m pip install -q --no-build-isolation --no-deps -e . \
-  --config-settings=cmake.define.JAX_NVFP4_CUDA_ARCHS="${GPU_ARCHS:-90a}" >"$OUT/ffi_build.log" 2>&1 \
-  || { log "BUILD FAILED"; tail -60 "$OUT/ffi_build.log"; exit 1; }
+install_tree() {
+  (cd "$1" && python3 -m pip install -q --no-build-isolation --no-deps -e . \
+     --config-settings=cmake.define.JAX_NVFP4_CUDA_ARCHS="${GPU_ARCHS:-90a}")
+}
+install_tree . >"$OUT/ffi_build.log" 2>&1 || { log "BUILD FAILED"; tail -60 "$OUT/ffi_build.log"; exit 1; }
 log "build $(( $(date +%s) - t0 )) s"
 python3 - <<'PY' 2>&1 | tee -a "$OUT/ffi_summary.txt"
 import jax, jax_nvfp4._ffi as f
@@ -244,15 +247,15 @@ if stage abtree && [[ ! -f ${AB_TREE:-}/pyproject.toml ]]; then
 elif stage abtree; then
   # A change without a KernelFlag (e.g. launch bounds) against another commit: the same rows on
   # the build of AB_TREE, then on this tree's, in one call on one machine (2026-12-01: how the
-  # padding-row regression was found; runs on different machines differed by ~4%).
+  # padding-row regression was found; runs on different machines differed by 4-5%).
   log "A/B against the tree $AB_TREE (moe_bench on its build, then on this one)"
   b=(--backends ffi --no-baseline --chain 20 --repeats 20)
   # shellcheck disable=SC2206
   b+=(${AB_TREE_ARGS:---shapes deepseek_v3_ep8,qwen3_30b_a3b --modes w4a16 --tokens 1,4,16,64})
   for tree in "$AB_TREE" .; do
     name=$( [[ $tree == . ]] && echo this || echo other )
-    if ! (cd "$tree" && timeout $(left 240) python3 -m pip install -q --no-build-isolation --no-deps -e . \
-          --config-settings=cmake.define.JAX_NVFP4_CUDA_ARCHS="${GPU_ARCHS:-90a}") >"$OUT/abtree_build_$name.log" 2>&1; then
+    if ! timeout $(left 240) bash -c "$(declare -f install_tree); install_tree \"\$1\"" _ "$tree" \
+         >"$OUT/abtree_build_$name.log" 2>&1; then
       log "abtree: the build of $tree failed (abtree_build_$name.log)"
       # Later stages must not measure the other tree: stop when this tree is not installed.
       [[ $name == this ]] && exit 1
