@@ -48,7 +48,7 @@ __device__ __forceinline__ void Mma16816(float (&c)[4], const uint32_t (&a)[4], 
 // The 16 bytes of activations (8 k) at k of each of the thread's rows (zeros where it has none).
 // Padding rows once read row 0 of a instead (no predicate; 11-18% fewer loop instructions on
 // 16-row tiles), but DeepSeek-V3 decode layers were 3-13% slower with it on the H200 (2026-12-01;
-// the kernels those rows ran kept their register counts: cause not established).
+// cause not established: BENCHMARKS.md, session 8).
 template <int FM>
 __device__ __forceinline__ void LoadPiece(const uint16_t* const (&arow)[FM], int64_t k, uint4 (&x)[FM]) {
 #pragma unroll
