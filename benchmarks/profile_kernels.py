@@ -39,6 +39,7 @@ def main(argv=None):
                    help="trace N single calls (jax.profiler) and print the median one's kernel timeline")
     p.add_argument("--kernel-flags", type=int, default=0,
                    help="KernelFlag bits of the ffi backend (as moe_bench.py --ffi-flags)")
+    p.add_argument("--tile-m", type=int, default=None, help="rows per GEMM tile of the ffi backend (as --ffi-tile-ms)")
     args = p.parse_args(argv)
     shape = {**specs.SHAPES, **specs.QUICK_SHAPES}[args.shape]
     key = jax.random.key(0)
@@ -46,10 +47,10 @@ def main(argv=None):
     kx, kr = jax.random.split(jax.random.fold_in(key, args.tokens))
     x = specs.random_hidden(kx, args.tokens, shape)
     ids, w = specs.random_routing(kr, args.tokens, shape)
-    if args.kernel_flags:  # a kernel variant: the backend object, as moe_bench.py times it
+    if args.kernel_flags or args.tile_m:  # a kernel variant: the backend object, as moe_bench.py times it
         if args.backend != "ffi":
-            p.error("--kernel-flags needs --backend ffi")
-        impl = FFIBackend(args.kernel_flags)
+            p.error("--kernel-flags and --tile-m need --backend ffi")
+        impl = FFIBackend(args.kernel_flags, tile_m=args.tile_m)
         problem = shape.problem(args.tokens, args.mode)
         f = jax.jit(lambda x, i, w, ex: impl(x, ex, i, w, problem=problem,
                                              local_expert_offset=shape.local_expert_offset))
@@ -58,7 +59,7 @@ def main(argv=None):
                                                backend=args.backend, local_expert_offset=shape.local_expert_offset))
     for _ in range(1 + args.calls):
         jax.block_until_ready(f(x, ids, w, experts))
-    flags = f"[flags={args.kernel_flags}]" if args.kernel_flags else ""
+    flags = (f"[flags={args.kernel_flags}]" if args.kernel_flags else "") + (f"[tm={args.tile_m}]" if args.tile_m else "")
     print(f"ran {args.shape} T={args.tokens} {args.mode} on {args.backend}{flags}: {1 + args.calls} calls")
     if args.timeline:
         events = kernel_timeline(f, (x, ids, w, experts), traces=args.timeline)

@@ -125,12 +125,12 @@ NB_MODULE(_ffi, m) {
     kf["ring_decode_loop"] = int64_t(KernelFlag::kRingDecodeLoop);
     kf["no_wgmma"] = int64_t(KernelFlag::kNoWgmma);
     kf["wgmma_two_blocks"] = int64_t(KernelFlag::kWgmmaTwoBlocks);
-    kf["fused_quant"] = int64_t(KernelFlag::kFusedQuant);
+    kf["jax_quant"] = int64_t(KernelFlag::kJaxQuant);
     kf["row_tiles_first"] = int64_t(KernelFlag::kRowTilesFirst);
     kf["align_one_warp"] = int64_t(KernelFlag::kAlignOneWarp);
     kf["pdl"] = int64_t(KernelFlag::kPdl);
     kf["paired_intermediate"] = int64_t(KernelFlag::kPairedIntermediate);
-    kf["stream_hints"] = int64_t(KernelFlag::kStreamHints);
+    kf["plain_weight_loads"] = int64_t(KernelFlag::kPlainWeightLoads);
     c["KernelFlag"] = kf;
     nb::dict pairing;
     pairing["none"] = int64_t(Pairing::kNone);

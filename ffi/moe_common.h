@@ -44,15 +44,17 @@ enum class KernelFlag : int64_t {
                          // register prefetch
   kNoWgmma = 2,          // 64-row tiles: the mma.sync kernel instead of the sm_90a wgmma kernel
   kWgmmaTwoBlocks = 4,   // wgmma, non-gated: two 64-feature blocks per warpgroup instead of one
-  kFusedQuant = 8,       // w4a4: per-token quantization by quant_dequant_rows (the GEMMs ignore it)
+  kJaxQuant = 8,         // w4a4: per-token quantization in pure JAX instead of the quant_dequant_rows
+                         // kernel (the GEMMs ignore it)
   kRowTilesFirst = 16,   // wgmma: consecutive CTAs take one feature slab's row tiles (L2 reuse of
                          // weights) instead of one row tile's slabs (L2 reuse of activations)
   kAlignOneWarp = 32,    // moe_align with <= 32 pairs: one warp, no block scan (the GEMMs ignore it)
   kPdl = 64,             // every kernel launched with programmatic dependent launch (overlaps launches)
   kPairedIntermediate = 128,  // moe: the GEMM1 -> GEMM2 intermediate in the paired order (Pairing)
   // 256: kPairedInput (GEMM1's input paired) until 2026-12-01, removed: no gain on the H200.
-  kStreamHints = 512,         // decode tiles (register loop, 128-K chunks): weight loads skip L1
-                              // and prefetch 256 bytes into L2 (kRingDecodeLoop wins if both are set)
+  kPlainWeightLoads = 512,    // decode tiles (register loop): plain read-only weight loads everywhere,
+                              // not the streaming hints (skip L1, prefetch 256 bytes into L2) where
+                              // a warp's K span is >= 768
 };
 constexpr int64_t kAllKernelFlags = 767;
 // grouped_gemm's `pairing` bits: which of a's K axis and out's feature axis hold the paired

@@ -5,8 +5,8 @@
 #   stages: comma-separated test, graph, bench, ab, abtree, ncu, timeline, sanitize, invariance, rollout;
 #   "all" = test,graph,bench
 # Env: BUDGET (seconds in all, default 400), GPU_ARCHS (CUDA archs built, default 90a),
-#   FFI_BENCH_BACKENDS (default "ffi,xla"),
-#   NCU_CONFIGS / TIMELINE_CONFIGS (space-separated shape:tokens[:mode[:kernel_flags]]),
+#   FFI_BENCH_BACKENDS (default "ffi,xla"), BENCH_S (seconds of the bench stage, default 400),
+#   NCU_CONFIGS / TIMELINE_CONFIGS (space-separated shape:tokens[:mode[:kernel_flags[:tile_m]]]; tile_m: ncu only),
 #   FFI_BENCH_ARGS (more moe_bench.py arguments, e.g. "--tokens 1,64 --no-baseline"),
 #   AB_DECODE / AB_W4A4 / AB_PREFILL (moe_bench arguments of the ab stage's parts, or "skip"),
 #   AB_TREE (abtree stage: another source tree, e.g. `mkdir .ab_old && git archive C | tar -x -C .ab_old`,
@@ -93,15 +93,16 @@ if stage ncu; then
   kbase=(); ncu --help 2>/dev/null | grep -q -- --print-kernel-base && kbase=(--print-kernel-base demangled)
   # The GEMM kernels' loop instruction mix (static), to set against the issue figures ncu reports.
   python3 scripts/sass_loops.py >"$OUT/sass_loops.txt" 2>&1 || log "sass_loops failed: $(tail -1 "$OUT/sass_loops.txt")"
-  # A config is shape:tokens, optionally :mode:kernel_flags (e.g. qwen3_30b_a3b:1:w4a4:8).
+  # A config is shape:tokens, optionally :mode:kernel_flags:tile_m (e.g. qwen3_30b_a3b:1:w4a4:8).
   for cfg in ${NCU_CONFIGS:-deepseek_v3_ep8:1 qwen3_30b_a3b:1 deepseek_v3_ep8:64 qwen3_30b_a3b:4096 deepseek_v3_ep8:4096}; do
-    IFS=: read -r c_shape c_tokens c_mode c_flags <<<"$cfg"
-    n=4; [[ ${c_mode:-} == w4a4 ]] && (( ${c_flags:-0} & 8 )) && n=6  # kernels per call (+2 quantize)
+    IFS=: read -r c_shape c_tokens c_mode c_flags c_tile <<<"$cfg"
+    n=4; [[ ${c_mode:-} == w4a4 ]] && ! (( ${c_flags:-0} & 8 )) && n=6  # kernels per call (+2 quantize)
+    tm=(); [[ -n ${c_tile:-} ]] && tm=(--tile-m "$c_tile")
     timeout $(left 120) ncu --clock-control none --kernel-name regex:"Moe|W4A16|Quant" "${kbase[@]}" --launch-skip $n \
       --launch-count $n --csv --print-units base --section SpeedOfLight --section Occupancy --section LaunchStats \
       --section SchedulerStats --section WarpStateStats --metrics "$metrics" \
       python3 benchmarks/profile_kernels.py --shape "$c_shape" --tokens "$c_tokens" --mode "${c_mode:-w4a16}" \
-      --kernel-flags "${c_flags:-0}" >"$OUT/ncu_one.csv" 2>&1
+      --kernel-flags "${c_flags:-0}" "${tm[@]}" >"$OUT/ncu_one.csv" 2>&1
     echo "# $cfg" >>"$OUT/ncu.csv"; grep '^"' "$OUT/ncu_one.csv" >>"$OUT/ncu.csv" || tail -5 "$OUT/ncu_one.csv" >>"$OUT/ncu.csv"
     python3 scripts/ncu_summary.py "$OUT/ncu_one.csv" "$cfg" 2>&1 | tee -a "$OUT/ffi_summary.txt"
   done
@@ -227,16 +228,15 @@ if stage ab; then
   }
   # Each part's moe_bench arguments can be replaced (AB_DECODE, AB_W4A4, AB_PREFILL; "skip" skips it).
   # Decode: the paired intermediate (128; 0.7-1.3% faster on DeepSeek-V3, mixed on Qwen3 on
-  # 2026-12-01), the streaming cache hints (512) and both; the cp.async ring (1), the K split
-  # (--ffi-k-splits) and the paired GEMM1 input (256: no gain) were settled on 2026-12-01.
+  # 2026-12-01) and plain weight loads (512: the streaming hints became the default on 2026-12-01);
+  # the cp.async ring (1), the K split (--ffi-k-splits) and the paired GEMM1 input were settled then.
   # T = 1/4/16 (8-row tiles), 64 (DeepSeek-V3: 16-row, Qwen3: 8-row).
   abpart() { local name=$1 s=$2 def=$3 var=$4; [[ $var == skip ]] && return
     # shellcheck disable=SC2086
     ab "$s" ${var:-$def} --json "$OUT/ab_$name.json"; }
-  abpart decode 300 "--modes w4a16 --tokens 1,4,16,64 --ffi-flags 128,512,640" "${AB_DECODE:-}"
-  abpart w4a4 180 "--modes w4a4 --tokens 1,4,64 --ffi-flags 8,104,520" "${AB_W4A4:-}"  # fused quantize (+align, PDL; +streaming)
-  # Prefill: the paired intermediate (128) on the wgmma tiles (0.3-1.0% slower on 2026-12-01);
-  # 4/16/20 (two-block wgmma, row tiles first) and 256 settled on 2026-12-01.
+  abpart decode 300 "--modes w4a16 --tokens 1,4,16,64 --ffi-flags 128,512" "${AB_DECODE:-}"
+  # w4a4: the pure-JAX quantizer (8; the kernel became the default on 2026-12-01) and PDL launches (64).
+  abpart w4a4 180 "--modes w4a4 --tokens 1,4,64 --ffi-flags 8,64" "${AB_W4A4:-}"
   abpart prefill 180 "--modes w4a16 --tokens 1024,4096 --ffi-flags 128" "${AB_PREFILL:-}"
   log "A/B verdicts (variant time / default time, same run)"
   python3 benchmarks/ab_summary.py $(ls "$OUT"/ab_*.json 2>/dev/null) 2>&1 | tee -a "$OUT/ffi_summary.txt"
@@ -270,7 +270,7 @@ fi
 if stage bench; then
   log "benchmark: benchmarks/moe_bench.py, layers chained in one jit (no dispatch overhead), ffi vs xla vs ragged_dot"
   # shellcheck disable=SC2086
-  timeout $(left 400) python3 benchmarks/moe_bench.py --backends "${FFI_BENCH_BACKENDS:-ffi,xla}" --modes w4a16,w4a4 \
+  timeout $(left ${BENCH_S:-400}) python3 benchmarks/moe_bench.py --backends "${FFI_BENCH_BACKENDS:-ffi,xla}" --modes w4a16,w4a4 \
     --chain 20 --json "$OUT/moe_ffi.json" ${FFI_BENCH_ARGS:-} 2>&1 | tail -80 | tee -a "$OUT/ffi_summary.txt"
 fi
 

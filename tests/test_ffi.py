@@ -598,7 +598,7 @@ def test_gpu_backend_available():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("t,k,e,offset,tile_m", [c + (ops.TILE_MS[n % 4],) for n, c in enumerate(ALIGN_CASES)] + [
+@pytest.mark.parametrize("t,k,e,offset,tile_m", [c + (ops.TILE_MS[n % len(ops.TILE_MS)],) for n, c in enumerate(ALIGN_CASES)] + [
     (64, 2, 16, 4, 64), (4096, 8, 256, 0, 8), (4096, 8, 256, 0, 64), (20000, 8, 512, 0, 32)])
 def test_gpu_align_matches_twin(t, k, e, offset, tile_m):
     rng = np.random.default_rng(t + k)
@@ -634,7 +634,7 @@ def test_gpu_gemm_matches_twin(act, gather, mode, out_dtype, h, tile_m, k_split)
     """Every kernel instance (tile_m = 8..64 tokens, k_split 1/2/4, gated or not, bf16/fp32 out);
     K = 320 runs two 128-K chunks and the 64 tail, K = 128 one chunk (k_split 4: two warps get
     no K at all), K = 1152 / 1088 wrap the decode kernel's cp.async ring (more chunks than
-    stages), and n = 80 leaves the last slab of a CTA partly empty (tile_m 64: a warpgroup
+    stages; K = 1152 with k_split 1 takes the streaming weight loads: K per warp >= 768), and n = 80 leaves the last slab of a CTA partly empty (tile_m 64: a warpgroup
     whose second weight block is past n_out)."""
     if not has_gpu():
         pytest.skip("needs an NVIDIA GPU")
@@ -723,14 +723,14 @@ def test_gemm_without_activation_rows_writes_zeros(on_gpu, tile_m):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("flags", [int(ops.KernelFlag.RING_DECODE_LOOP), int(ops.KernelFlag.STREAM_HINTS),
+@pytest.mark.parametrize("flags", [int(ops.KernelFlag.RING_DECODE_LOOP), int(ops.KernelFlag.PLAIN_WEIGHT_LOADS),
                                    int(ops.KernelFlag.NO_WGMMA),
                                    int(ops.KernelFlag.WGMMA_TWO_BLOCKS), int(ops.KernelFlag.ROW_TILES_FIRST),
                                    int(ops.KernelFlag.ROW_TILES_FIRST | ops.KernelFlag.WGMMA_TWO_BLOCKS)])
 @pytest.mark.parametrize("act,gather,mode,out_dtype", [GEMM_CASES[0], GEMM_CASES[-1]])
 @pytest.mark.parametrize("tile_m,h", [(8, 1152), (16, 1152), (64, 320)])
 def test_gpu_kernel_variants_match_twin(act, gather, mode, out_dtype, h, tile_m, flags):
-    """Every KernelFlag variant of the GEMM (the cp.async ring and the streaming hints on 8- and
+    """Every KernelFlag variant of the GEMM (the cp.async ring and plain weight loads on 8- and
     16-row tiles, mma.sync 64-row tiles, two-block wgmma, the row-tiles-first wgmma grid)."""
     if not has_gpu():
         pytest.skip("needs an NVIDIA GPU")
@@ -747,9 +747,9 @@ def test_gpu_kernel_variants_match_twin(act, gather, mode, out_dtype, h, tile_m,
 _MOE_JIT = jax.jit(ops.moe, static_argnames=("mode", "kernel_flags"))  # one jit cache for the tests below
 _OPT_IN_DEFAULTS = {}  # (t, mode) -> the default kernels' output
 
-OPT_IN_FLAGS = (ops.KernelFlag.FUSED_QUANT, ops.KernelFlag.ROW_TILES_FIRST, ops.KernelFlag.ALIGN_ONE_WARP,
+OPT_IN_FLAGS = (ops.KernelFlag.JAX_QUANT, ops.KernelFlag.ROW_TILES_FIRST, ops.KernelFlag.ALIGN_ONE_WARP,
                 ops.KernelFlag.PDL, ops.KernelFlag.RING_DECODE_LOOP, ops.KernelFlag.PAIRED_INTERMEDIATE,
-                ops.KernelFlag.STREAM_HINTS)
+                ops.KernelFlag.PLAIN_WEIGHT_LOADS)
 
 
 @pytest.mark.gpu
@@ -758,8 +758,8 @@ OPT_IN_FLAGS = (ops.KernelFlag.FUSED_QUANT, ops.KernelFlag.ROW_TILES_FIRST, ops.
 @pytest.mark.parametrize("flags", [int(f) for f in OPT_IN_FLAGS] + [int(sum(OPT_IN_FLAGS)),  # (the ring wins)
                                    int(sum(OPT_IN_FLAGS) & ~ops.KernelFlag.RING_DECODE_LOOP)])
 def test_gpu_opt_in_variants_are_bitwise_the_default(gpu_experts, t, mode, flags):
-    """Fused quantize, the row-tiles-first wgmma grid, one-warp align, PDL launches, the cp.async
-    ring decode loop and the streaming hints (the same K order per thread) and the paired
+    """The pure-JAX quantizer, the row-tiles-first wgmma grid, one-warp align, PDL launches, the
+    cp.async ring decode loop and plain weight loads (the same K order per thread) and the paired
     intermediate (the same MMA operands) change where and how the work runs, not a single output
     bit (t = 2000 x 8 pairs over 32 experts: 64-row wgmma tiles; t = 48: 16-row decode tiles;
     t = 4: 32 pairs, the one-warp align; t = 1: 8-row tiles)."""

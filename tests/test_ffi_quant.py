@@ -1,6 +1,6 @@
 """``quant_dequant_rows``: the fused per-token NVFP4 quantize-and-decode custom call (w4a4
 activations) against the pure-JAX quantizer, byte for byte, on the CPU handler and (``gpu``
-marked) on the CUDA kernel; and the w4a4 MoE with ``KernelFlag.FUSED_QUANT`` against the default.
+marked) on the CUDA kernel; and the w4a4 MoE with ``KernelFlag.JAX_QUANT`` (the pure-JAX quantizer) against the default.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from test_ffi import UNKNOWN_FLAG, make_experts, make_routing, make_x
 pytestmark = pytest.mark.skipif(ops.extension_error() is not None,
                                 reason=f"FFI extension not built: {ops.extension_error()}")
 
-FUSED = int(ops.KernelFlag.FUSED_QUANT)
+JAX_QUANT = int(ops.KernelFlag.JAX_QUANT)
 
 
 def bits(a):
@@ -146,7 +146,7 @@ def test_handler_rejects_bad_shapes_with_named_arguments():
 
 def test_kernel_flag_mirrors_cpp():
     ops.check_constants()
-    assert ops._ffi.constants()["KernelFlag"]["fused_quant"] == FUSED
+    assert ops._ffi.constants()["KernelFlag"]["jax_quant"] == JAX_QUANT
 
 
 def _moe_case(seed, t, e, k, h=64, i=32, gated=True):
@@ -155,10 +155,10 @@ def _moe_case(seed, t, e, k, h=64, i=32, gated=True):
 
 
 @pytest.mark.parametrize("act", ["swiglu", "relu2"])
-def test_moe_w4a4_fused_quant_is_the_same_function(act):
+def test_moe_w4a4_kernel_quant_is_the_jax_quantizer(act):
     x, experts, ids, w = _moe_case(4, 13, 8, 3, gated=act != "relu2")
     run = lambda flags: ops.moe(x, experts, ids, w, mode="w4a4", activation=act, kernel_flags=flags)  # noqa: E731
-    np.testing.assert_array_equal(bits(run(FUSED)), bits(run(0)))
+    np.testing.assert_array_equal(bits(run(0)), bits(run(JAX_QUANT)))
 
 
 # ---- the CUDA kernel -------------------------------------------------------------------------
@@ -188,7 +188,7 @@ def test_gpu_subnormals_and_extremes():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", [1, 64, 1000])
-def test_gpu_moe_w4a4_fused_quant_is_the_same_function(t):
+def test_gpu_moe_w4a4_kernel_quant_is_the_jax_quantizer(t):
     x, experts, ids, w = _moe_case(5, t, 32, 4, h=256, i=128)
     run = lambda flags: ops.moe(x, experts, ids, w, mode="w4a4", kernel_flags=flags)  # noqa: E731
-    np.testing.assert_array_equal(bits(run(FUSED)), bits(run(0)))
+    np.testing.assert_array_equal(bits(run(0)), bits(run(JAX_QUANT)))

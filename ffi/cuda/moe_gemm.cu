@@ -218,8 +218,9 @@ __device__ __forceinline__ void MainLoopAsync(WarpRing<NF>& ring, const uint8_t*
 
 // LOOP: how decode tiles (FM <= 2) stream weights; larger tiles always use MainLoop without
 // streaming hints. kStreamLoop: MainLoop whose weight loads skip L1 and prefetch 256 bytes into
-// L2 (KernelFlag kStreamHints).
+// L2; kRegisterLoop: the same with plain loads (Launch picks one from the K per warp).
 enum DecodeLoop : int { kRegisterLoop = 0, kRingLoop = 1, kStreamLoop = 2 };
+constexpr int64_t kStreamMinSpan = 768;  // K per warp from which decode tiles stream (Launch)
 
 template <int FM, int KS, int LOOP, bool GATED, typename OutT, bool PA>
 __global__ void __launch_bounds__(kThreads) W4A16GroupedGemmKernel(const GemmParams p) {
@@ -306,7 +307,7 @@ __global__ void __launch_bounds__(kThreads) W4A16GroupedGemmKernel(const GemmPar
 }
 
 // Instances: k_split 1, 2, 4 and every DecodeLoop for 8- and 16-row tiles (decode; paired
-// activations: the register loop only); k_split 1 and the register loop for 32 and 64 rows
+// activations: the streaming loop only); k_split 1 and the register loop for 32 and 64 rows
 // (CheckGemm).
 template <int KS, int LOOP, bool GATED, typename OutT, bool PA>
 void LaunchSplit(const GemmParams& p, int64_t tile_m, int64_t slabs, bool pdl, cudaStream_t stream) {
@@ -337,18 +338,20 @@ template <bool GATED, typename OutT, bool PA = false>
 void Launch(const GemmParams& p, int64_t tile_m, int64_t k_split, int64_t slabs, int64_t flags,
             cudaStream_t stream) {
   const bool pdl = flags & int64_t(KernelFlag::kPdl);
-  // Decode tiles: register prefetch; kRingDecodeLoop: the cp.async ring (H200 A/B, 2026-12-01:
-  // the ring was 3-13% slower on 8-row tiles and, since MainLoop's rotating buffers, 4% slower on
-  // 16-row tiles too); kStreamHints: register prefetch with streaming cache hints. Larger tiles
-  // and paired activations (no such instances: compile time) ignore both flags; every loop
-  // gives the same bits.
+  // Decode tiles: register prefetch, with streaming cache hints where each warp's share of K is at
+  // least kStreamMinSpan (H200 A/B, 2026-12-01: the hints made DeepSeek-V3 decode layers 5-22%
+  // faster and Qwen3 T = 16, 64 9-11%, but Qwen3 T = 1 8% slower, whose warps span 384-512 K: the
+  // 256-byte prefetch then mostly fetches other warps' bytes). kPlainWeightLoads: plain loads
+  // everywhere; kRingDecodeLoop: the cp.async ring (3-13% slower than plain loads on 8-row tiles,
+  // 4% on 16-row tiles). Larger tiles and paired activations (no such instances: compile time)
+  // ignore both flags; every loop gives the same bits.
   if constexpr (!PA) {
     if (flags & int64_t(KernelFlag::kRingDecodeLoop))
       return LaunchLoop<kRingLoop, GATED, OutT, PA>(p, tile_m, k_split, slabs, pdl, stream);
-    if (flags & int64_t(KernelFlag::kStreamHints))
-      return LaunchLoop<kStreamLoop, GATED, OutT, PA>(p, tile_m, k_split, slabs, pdl, stream);
+    if ((flags & int64_t(KernelFlag::kPlainWeightLoads)) || p.K / k_split < kStreamMinSpan)
+      return LaunchLoop<kRegisterLoop, GATED, OutT, PA>(p, tile_m, k_split, slabs, pdl, stream);
   }
-  LaunchLoop<kRegisterLoop, GATED, OutT, PA>(p, tile_m, k_split, slabs, pdl, stream);
+  LaunchLoop<kStreamLoop, GATED, OutT, PA>(p, tile_m, k_split, slabs, pdl, stream);
 }
 
 ffi::Error GroupedGemmCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> a, ffi::Buffer<ffi::U8> w_data,
