@@ -66,9 +66,9 @@ constexpr int64_t kAlignOneWarpPairs = 32;
 enum class Mode : int64_t { kBf16 = 0, kW4A16 = 1, kW4A4 = 2 };
 
 // Token tile sizes (rows of the sorted, tile-padded layout a GEMM CTA works on).
-constexpr int kTileMs[] = {8, 16, 32, 64, 128};
-constexpr int kMaxTileM = 128;
-static_assert(kTileMs[4] == kMaxTileM, "kMaxTileM is the largest tile");
+constexpr int kTileMs[] = {8, 16, 32, 64};
+constexpr int kMaxTileM = 64;
+static_assert(kTileMs[3] == kMaxTileM, "kMaxTileM is the largest tile");
 // Warps of a GEMM CTA that split K (decode: more CTAs streaming weights); 1 for tiles > 16 rows.
 constexpr int kKSplits[] = {1, 2, 4};
 constexpr int64_t kMaxSplitTileM = 16;
@@ -258,7 +258,7 @@ ffi::Error CheckGemm(const char* op, const A& a, const W& w, const WS& ws, const
   if (d->n_out % n_multiple != 0)
     return Invalid(op, "output features " + std::to_string(d->n_out) + " must be a multiple of " +
                            std::to_string(n_multiple) + " on this platform");
-  if (!ValidTileM(tile_m)) return Invalid(op, "tile_m must be 8, 16, 32, 64 or 128, got " + std::to_string(tile_m));
+  if (!ValidTileM(tile_m)) return Invalid(op, "tile_m must be 8, 16, 32 or 64, got " + std::to_string(tile_m));
   if (auto err = CheckKernelFlags(op, kernel_flags); err.failure()) return err;
   if (pairing < 0 || pairing > int64_t(Pairing::kA) + int64_t(Pairing::kOut))
     return Invalid(op, "pairing must combine the Pairing bits (0..3), got " + std::to_string(pairing));
@@ -309,7 +309,7 @@ ffi::Error CheckAlign(const char* op, const I& topk_ids, int64_t num_experts, in
   if (num_experts < 1 || num_experts > max_experts)
     return Invalid(op, "num_experts must be in [1, " + std::to_string(max_experts) + "], got " +
                            std::to_string(num_experts));
-  if (!ValidTileM(tile_m)) return Invalid(op, "tile_m must be 8, 16, 32, 64 or 128, got " + std::to_string(tile_m));
+  if (!ValidTileM(tile_m)) return Invalid(op, "tile_m must be 8, 16, 32 or 64, got " + std::to_string(tile_m));
   if (sorted_ids.dimensions().size() != 1)
     return Invalid(op, "sorted_ids must be 1-D [P], got " + ShapeStr(sorted_ids.dimensions()));
   *P = sorted_ids.dimensions()[0];

@@ -115,12 +115,11 @@ class Mode(enum.IntEnum):
     W4A4 = 2
 
 
-TILE_MS = (8, 16, 32, 64, 128)
+TILE_MS = (8, 16, 32, 64)
 K_SPLITS = (1, 2, 4)  # warps of a GEMM CTA that split K (GPU tiling; the result is the same function)
 MAX_SPLIT_TILE_M = 16  # K splitting is for decode-sized tiles
 MAX_ALIGN_EXPERTS = 512  # local experts the GPU align kernel handles (one CTA, shared memory)
 ALIGN_ONE_WARP_PAIRS = 32  # pairs the one-warp align path (KernelFlag.ALIGN_ONE_WARP) handles
-PREFILL_TILE_M = 64  # the largest tile choose_tile_m picks
 CUDA_K_MULTIPLE = 64  # the CUDA GEMM's K chunk: H and I must be multiples of it on the GPU
 CUDA_N_MULTIPLE = 16  # output features per MMA fragment
 
@@ -183,11 +182,10 @@ def ensure_registered() -> None:
 # ---- static tiling decisions ---------------------------------------------------------------
 
 def choose_tile_m(n_pairs: int, num_experts: int) -> int:
-    """Rows per GEMM tile from the expected rows per expert (decode: 8, prefill: up to
-    ``PREFILL_TILE_M``)."""
+    """Rows per GEMM tile from the expected rows per expert (decode: 8, prefill: 64)."""
     avg = n_pairs / max(num_experts, 1)
-    for t in TILE_MS:
-        if avg <= t or t == PREFILL_TILE_M:
+    for t in TILE_MS[:-1]:
+        if avg <= t:
             return t
     return TILE_MS[-1]
 

@@ -24,7 +24,6 @@ struct GemmParams {
   void* out;                  // [P, n_out] bf16 or fp32
   int64_t a_rows, K, N, n_out, E, P, row_scale_n;
   int32_t top_k, gather, activation, row_scale_mode;
-  int32_t tile_m;       // rows per tile_expert entry (a kernel's row tile may be a part of one)
   int32_t slabs_first;  // wgmma kernel: 1-D grid walking a row tile's feature slabs first
   int32_t pairing;      // Pairing bits (a's K / out's features in the paired order)
 };
@@ -150,12 +149,6 @@ __device__ __forceinline__ void AFragment(const uint32_t (&rows)[2][4], int half
   a[3] = rows[1][2 * half + 1];
 }
 
-// The expert of row tile `tile` of a kernel whose tiles have `rows` rows (<= p.tile_m, dividing
-// it): kernels may cut an aligned tile into parts (64-row mma.sync CTAs on 128-row tiles).
-__device__ __forceinline__ int32_t TileExpert(const GemmParams& p, int64_t tile, int rows) {
-  return p.tile_expert[tile * rows / p.tile_m];
-}
-
 // Source row of a for sorted row r, or -1 (padding / out of range).
 __device__ __forceinline__ int64_t SourceRow(const GemmParams& p, int64_t r) {
   const int32_t pair = p.sorted_ids[r];
@@ -172,12 +165,9 @@ __device__ __forceinline__ void Store(float* out, int64_t i, float v) { out[i] =
 // Epilogue of both kernels: thread (g, t) of a warp holds, for its 16 features feat0..+15,
 // acc[j][m][2h + c] = feature feat0 + g + 8h of weight block j (gate / up), sorted row
 // tile * 8FM + 8m + 2t + c (the m16n8 C layout, and the wgmma m64nN D layout per warp).
-// GU (gated, NF = 1): the warp's weight rows g are the gate rows and g + 8 the up rows of its 8
-// features feat0..+7: acc[0][m][c] is the gate and acc[0][m][2 + c] the up value of feat0 + g.
-template <int FM, int NF, bool GATED, typename OutT, bool GU = false>
+template <int FM, int NF, bool GATED, typename OutT>
 __device__ __forceinline__ void Epilogue(const GemmParams& p, int32_t e, int64_t tile, int64_t feat0,
                                          const float (&acc)[NF][FM][4]) {
-  static_assert(!GU || (GATED && NF == 1), "gate/up rows: one gated weight block");
   constexpr int BM = FM * 8;
   const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
   const float alpha = p.alpha[e] * kDecodeBias;  // the 2^-8 left in the decoded weights
@@ -190,12 +180,12 @@ __device__ __forceinline__ void Epilogue(const GemmParams& p, int32_t e, int64_t
       const float scale =
           valid ? RowScaled(alpha, p.row_scale_mode, p.row_scale, p.row_scale_n, p.sorted_ids[r], p.top_k, r) : alpha;
 #pragma unroll
-      for (int h = 0; h < (GU ? 1 : 2); ++h) {
+      for (int h = 0; h < 2; ++h) {
         const int i = 2 * h + c;
         float v = 0.0f;
         if (valid) {
           const float gate = acc[0][m][i] * scale;
-          const float up = GATED ? acc[NF - 1][m][GU ? 2 + c : i] * scale : 0.0f;
+          const float up = GATED ? acc[NF - 1][m][i] * scale : 0.0f;
           v = ApplyActivation(p.activation, gate, up);
         }
         Store(static_cast<OutT*>(p.out), r * p.n_out + PairingPos(p.pairing, Pairing::kOut, feat0 + g + 8 * h), v);
@@ -204,7 +194,7 @@ __device__ __forceinline__ void Epilogue(const GemmParams& p, int32_t e, int64_t
   }
 }
 
-// The sm_90a wgmma kernel for 64- and 128-row tiles (moe_gemm_sm90.cu), with the variants of
+// The sm_90a wgmma kernel for 64-row tiles (moe_gemm_sm90.cu), with the variants of
 // `kernel_flags` (kWgmmaTwoBlocks, kRowTilesFirst). Returns false when this build or device cannot
 // run it (the caller then launches the mma.sync kernel).
 bool LaunchWgmmaGemm(const GemmParams& p, bool gated, bool f32_out, int64_t kernel_flags, cudaStream_t stream);

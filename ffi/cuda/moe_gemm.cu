@@ -27,8 +27,6 @@
 // - Deterministic: fixed K order per output element, no atomics. The split across warps
 //   depends on k_split (chosen from the problem shape), so results are bitwise reproducible
 //   for a given configuration but not across k_split values.
-#include <algorithm>
-
 #include "cuda/cuda_util.h"
 #include "cuda/gemm_common.cuh"
 #include "moe_handlers.h"
@@ -236,7 +234,7 @@ __global__ void __launch_bounds__(kThreads) W4A16GroupedGemmKernel(const GemmPar
   __shared__ WarpRing<NF> rings[kAsync ? kWarps : 1];
   GridDependencyWait();
   const int64_t tile = blockIdx.x;
-  const int32_t e = TileExpert(p, tile, BM);
+  const int32_t e = p.tile_expert[tile];
   if (e < 0 || e >= p.E) return;  // unused tile (uniform over the CTA)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
@@ -310,11 +308,10 @@ __global__ void __launch_bounds__(kThreads) W4A16GroupedGemmKernel(const GemmPar
 
 // Instances: k_split 1, 2, 4 and every DecodeLoop for 8- and 16-row tiles (decode; paired
 // activations: the streaming loop only); k_split 1 and the register loop for 32 and 64 rows
-// (also the halves of 128-row tiles; CheckGemm).
+// (CheckGemm).
 template <int KS, int LOOP, bool GATED, typename OutT, bool PA>
 void LaunchSplit(const GemmParams& p, int64_t tile_m, int64_t slabs, bool pdl, cudaStream_t stream) {
-  // 128-row tiles run as two 64-row CTAs each (the sm_90a wgmma kernel takes them whole).
-  const dim3 grid(unsigned(p.P / std::min<int64_t>(tile_m, 64)), unsigned(slabs));
+  const dim3 grid(unsigned(p.P / tile_m), unsigned(slabs));
   switch (tile_m) {
     case 8: LaunchKernel(W4A16GroupedGemmKernel<1, KS, LOOP, GATED, OutT, PA>, grid, kThreads, 0, stream, pdl, p); break;
     case 16: LaunchKernel(W4A16GroupedGemmKernel<2, KS, LOOP, GATED, OutT, PA>, grid, kThreads, 0, stream, pdl, p); break;
@@ -410,8 +407,7 @@ ffi::Error GroupedGemmCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> a, ff
   p.activation = int32_t(activation);
   p.row_scale_mode = int32_t(row_scale_mode);
   p.pairing = int32_t(pairing);
-  p.tile_m = int32_t(tile_m);
-  if (tile_m >= 64 && !(kernel_flags & int64_t(KernelFlag::kNoWgmma)) &&  // sm_90a prefill
+  if (tile_m == 64 && !(kernel_flags & int64_t(KernelFlag::kNoWgmma)) &&  // sm_90a prefill
       LaunchWgmmaGemm(p, gated, f32_out, kernel_flags, stream))
     return LaunchError("grouped_gemm");
   const int64_t f = kernel_flags;
