@@ -131,6 +131,7 @@ NB_MODULE(_ffi, m) {
     kf["pdl"] = int64_t(KernelFlag::kPdl);
     kf["paired_intermediate"] = int64_t(KernelFlag::kPairedIntermediate);
     kf["plain_weight_loads"] = int64_t(KernelFlag::kPlainWeightLoads);
+    kf["l2_prefetch"] = int64_t(KernelFlag::kL2Prefetch);
     c["KernelFlag"] = kf;
     nb::dict pairing;
     pairing["none"] = int64_t(Pairing::kNone);

@@ -55,8 +55,10 @@ enum class KernelFlag : int64_t {
   kPlainWeightLoads = 512,    // decode tiles (register loop): plain read-only weight loads everywhere,
                               // not the streaming hints (skip L1, prefetch 256 bytes into L2) where
                               // a warp's K span is >= 768
+  kL2Prefetch = 1024,         // decode tiles: the streaming loads plus L2 prefetches of each
+                              // warp's rows 8-11 chunks ahead, at any K span (kRingDecodeLoop wins)
 };
-constexpr int64_t kAllKernelFlags = 767;
+constexpr int64_t kAllKernelFlags = 1791;
 // grouped_gemm's `pairing` bits: which of a's K axis and out's feature axis hold the paired
 // order (PairedPos) instead of the natural one. moe's intermediate uses it (KernelFlag kPairedIntermediate):
 // GEMM1 writes it paired, GEMM2 reads it paired and skips its activation byte permutes.

@@ -724,14 +724,14 @@ def test_gemm_without_activation_rows_writes_zeros(on_gpu, tile_m):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("flags", [int(ops.KernelFlag.RING_DECODE_LOOP), int(ops.KernelFlag.PLAIN_WEIGHT_LOADS),
-                                   int(ops.KernelFlag.NO_WGMMA),
+                                   int(ops.KernelFlag.L2_PREFETCH), int(ops.KernelFlag.NO_WGMMA),
                                    int(ops.KernelFlag.WGMMA_TWO_BLOCKS), int(ops.KernelFlag.ROW_TILES_FIRST),
                                    int(ops.KernelFlag.ROW_TILES_FIRST | ops.KernelFlag.WGMMA_TWO_BLOCKS)])
 @pytest.mark.parametrize("act,gather,mode,out_dtype", [GEMM_CASES[0], GEMM_CASES[-1]])
 @pytest.mark.parametrize("tile_m,h", [(8, 1152), (16, 1152), (64, 320)])
 def test_gpu_kernel_variants_match_twin(act, gather, mode, out_dtype, h, tile_m, flags):
-    """Every KernelFlag variant of the GEMM (the cp.async ring and plain weight loads on 8- and
-    16-row tiles, mma.sync 64-row tiles, two-block wgmma, the row-tiles-first wgmma grid)."""
+    """Every KernelFlag variant of the GEMM (the cp.async ring, plain weight loads and the L2
+    prefetch on 8- and 16-row tiles, mma.sync 64-row tiles, two-block wgmma, the row-tiles-first wgmma grid)."""
     if not has_gpu():
         pytest.skip("needs an NVIDIA GPU")
     a, w, sid, te, rs = _gemm_problem(act, gather, mode, t=37, k=4, e=6, h=h, n=80, tile_m=tile_m, seed=h)
@@ -749,7 +749,7 @@ _OPT_IN_DEFAULTS = {}  # (t, mode) -> the default kernels' output
 
 OPT_IN_FLAGS = (ops.KernelFlag.JAX_QUANT, ops.KernelFlag.ROW_TILES_FIRST, ops.KernelFlag.ALIGN_ONE_WARP,
                 ops.KernelFlag.PDL, ops.KernelFlag.RING_DECODE_LOOP, ops.KernelFlag.PAIRED_INTERMEDIATE,
-                ops.KernelFlag.PLAIN_WEIGHT_LOADS)
+                ops.KernelFlag.PLAIN_WEIGHT_LOADS, ops.KernelFlag.L2_PREFETCH)
 
 
 @pytest.mark.gpu
@@ -759,9 +759,9 @@ OPT_IN_FLAGS = (ops.KernelFlag.JAX_QUANT, ops.KernelFlag.ROW_TILES_FIRST, ops.Ke
                                    int(sum(OPT_IN_FLAGS) & ~ops.KernelFlag.RING_DECODE_LOOP)])
 def test_gpu_opt_in_variants_are_bitwise_the_default(gpu_experts, t, mode, flags):
     """The pure-JAX quantizer, the row-tiles-first wgmma grid, one-warp align, PDL launches, the
-    cp.async ring decode loop and plain weight loads (the same K order per thread) and the paired
-    intermediate (the same MMA operands) change where and how the work runs, not a single output
-    bit (t = 2000 x 8 pairs over 32 experts: 64-row wgmma tiles; t = 48: 16-row decode tiles;
+    cp.async ring decode loop, plain weight loads and the L2 prefetch (the same K order per
+    thread) and the paired intermediate (the same MMA operands) change where and how the work
+    runs, not a single output bit (t = 2000 x 8 pairs over 32 experts: 64-row wgmma tiles; t = 48: 16-row decode tiles;
     t = 4: 32 pairs, the one-warp align; t = 1: 8-row tiles)."""
     ex = gpu_experts[(32, True)]
     x = make_x(t, t, 320)

@@ -123,7 +123,31 @@ __device__ __forceinline__ void TailChunk(const uint8_t* const (&wrow)[NF][2], c
 // registers instead of 124-162 with a copy (H200, 2026-12-01: 4% faster on 16-row tiles, where
 // it beat the cp.async ring). Two or three chunks in flight (three or four buffers) were 4-14%
 // slower in 8 of 12 rows of the same A/B and 3-5% faster in 2 (fewer CTAs fit per SM).
-template <int FM, int NF, bool PA, bool STREAM>
+// PREFETCH (KernelFlag kL2Prefetch): every kPrefetchEvery chunks, each warp also asks the L2 for
+// its rows' codes kPrefetchAhead .. kPrefetchAhead + kPrefetchEvery - 1 chunks ahead (256 bytes
+// a row, no registers held), so that more weight bytes are in flight than one chunk of
+// registers per thread (PrefetchRows).
+constexpr int kPrefetchEvery = 4, kPrefetchAhead = 8;
+
+// L2 prefetch of chunks [cc, cc + kPrefetchEvery) of the warp's weight-code rows over K [k0, k1)
+// (nothing at or past k1): per-lane prefetch instructions of one 128-byte line each (the bulk
+// prefetch takes one uniform address: a 32-iteration loop over the lanes' rows). Lane t of row
+// group g takes row (j, h) = (t / 2, t % 2) and both of its lines (NF = 2), or row h = t % 2 and
+// line t / 2 (NF = 1).
+template <int NF>
+__device__ __forceinline__ void PrefetchRows(const uint8_t* const (&wrow)[NF][2], int64_t k0, int64_t k1, int64_t cc,
+                                             int t) {
+  const uint8_t* row = (t & 1) ? wrow[0][1] : wrow[0][0];
+  if constexpr (NF == 2) row = t == 0 ? wrow[0][0] : t == 1 ? wrow[0][1] : t == 2 ? wrow[1][0] : wrow[1][1];
+  const int64_t begin = (k0 + 128 * cc) / 2, end = k1 / 2;
+#pragma unroll
+  for (int line = 0; line < 2; ++line) {
+    const int64_t at = begin + 128 * (NF == 1 ? t >> 1 : line);
+    if ((NF == 2 || line == 0) && at < end) asm volatile("prefetch.global.L2 [%0];" ::"l"(row + at));
+  }
+}
+
+template <int FM, int NF, bool PA, bool STREAM, bool PREFETCH = false>
 __device__ __forceinline__ void MainLoop(const uint8_t* const (&wrow)[NF][2], const uint8_t* const (&srow)[NF][2],
                                          const uint16_t* const (&arow)[FM], int64_t k0, int64_t k1, int t,
                                          float (&acc)[NF][FM][4]) {
@@ -131,11 +155,14 @@ __device__ __forceinline__ void MainLoop(const uint8_t* const (&wrow)[NF][2], co
   const int64_t chunks = (k1 - k0) / 128;
   WeightRegs<128, NF> buf[D];
   if (chunks > 0) buf[0].template Load<STREAM>(wrow, srow, k0, t);
+  if constexpr (PREFETCH) PrefetchRows<NF>(wrow, k0, k1, kPrefetchAhead - kPrefetchEvery, t);
   for (int64_t c0 = 0; c0 < chunks; c0 += D) {
 #pragma unroll
     for (int s = 0; s < D; ++s) {
       const int64_t c = c0 + s;
       if (c < chunks) {
+        if constexpr (PREFETCH)
+          if (c % kPrefetchEvery == 0) PrefetchRows<NF>(wrow, k0, k1, c + kPrefetchAhead, t);
         if (c + 1 < chunks) buf[(s + 1) % D].template Load<STREAM>(wrow, srow, k0 + 128 * (c + 1), t);
         ComputeChunk<128, NF, FM, PA>(buf[s], arow, k0 + 128 * c, t, acc);
       }
@@ -218,8 +245,9 @@ __device__ __forceinline__ void MainLoopAsync(WarpRing<NF>& ring, const uint8_t*
 
 // LOOP: how decode tiles (FM <= 2) stream weights; larger tiles always use MainLoop without
 // streaming hints. kStreamLoop: MainLoop whose weight loads skip L1 and prefetch 256 bytes into
-// L2; kRegisterLoop: the same with plain loads (Launch picks one from the K per warp).
-enum DecodeLoop : int { kRegisterLoop = 0, kRingLoop = 1, kStreamLoop = 2 };
+// L2; kRegisterLoop: the same with plain loads (Launch picks one from the K per warp);
+// kPrefetchLoop: kStreamLoop plus L2 prefetches 8-11 chunks ahead (KernelFlag kL2Prefetch).
+enum DecodeLoop : int { kRegisterLoop = 0, kRingLoop = 1, kStreamLoop = 2, kPrefetchLoop = 3 };
 constexpr int64_t kStreamMinSpan = 768;  // K per warp from which decode tiles stream (Launch)
 
 template <int FM, int KS, int LOOP, bool GATED, typename OutT, bool PA>
@@ -229,7 +257,8 @@ __global__ void __launch_bounds__(kThreads) W4A16GroupedGemmKernel(const GemmPar
   constexpr int NS = kWarps / KS;    // warps along N; KS warps share each 16 features
   constexpr int kAcc = NF * FM * 4;  // fp32 accumulators per thread
   constexpr bool kAsync = LOOP == kRingLoop && FM <= 2;  // decode tiles: weights through the cp.async ring
-  constexpr bool kStream = LOOP == kStreamLoop && FM <= 2;
+  constexpr bool kStream = (LOOP == kStreamLoop || LOOP == kPrefetchLoop) && FM <= 2;
+  constexpr bool kPrefetch = LOOP == kPrefetchLoop && FM <= 2;
   __shared__ float partial[KS > 1 ? (KS - 1) * NS * kAcc * 32 : 1];
   __shared__ WarpRing<NF> rings[kAsync ? kWarps : 1];
   GridDependencyWait();
@@ -273,7 +302,7 @@ __global__ void __launch_bounds__(kThreads) W4A16GroupedGemmKernel(const GemmPar
     const int64_t k0 = 64 * (units * kw / KS), k1 = 64 * (units * (kw + 1) / KS);
     if constexpr (kAsync)
       MainLoopAsync<FM, NF, PA>(rings[warp], wrow, srow, arow, k0, k1, t, lane, acc);
-    else MainLoop<FM, NF, PA, kStream>(wrow, srow, arow, k0, k1, t, acc);
+    else MainLoop<FM, NF, PA, kStream, kPrefetch>(wrow, srow, arow, k0, k1, t, acc);
   }
 
   if constexpr (KS > 1) {  // warps kw > 0 hand their sums to warp kw = 0, added in kw order
@@ -343,11 +372,14 @@ void Launch(const GemmParams& p, int64_t tile_m, int64_t k_split, int64_t slabs,
   // faster and Qwen3 T = 16, 64 9-11%, but Qwen3 T = 1 8% slower, whose warps span 384-512 K: the
   // 256-byte prefetch then mostly fetches other warps' bytes). kPlainWeightLoads: plain loads
   // everywhere; kRingDecodeLoop: the cp.async ring (3-13% slower than plain loads on 8-row tiles,
-  // 4% on 16-row tiles). Larger tiles and paired activations (no such instances: compile time)
-  // ignore both flags; every loop gives the same bits.
+  // 4% on 16-row tiles); kL2Prefetch: the streaming loads plus L2 prefetches, at any span (not
+  // yet run on a GPU). Larger tiles and paired activations (no such instances: compile time)
+  // ignore these flags (the ring wins over the others); every loop gives the same bits.
   if constexpr (!PA) {
     if (flags & int64_t(KernelFlag::kRingDecodeLoop))
       return LaunchLoop<kRingLoop, GATED, OutT, PA>(p, tile_m, k_split, slabs, pdl, stream);
+    if (flags & int64_t(KernelFlag::kL2Prefetch))
+      return LaunchLoop<kPrefetchLoop, GATED, OutT, PA>(p, tile_m, k_split, slabs, pdl, stream);
     if ((flags & int64_t(KernelFlag::kPlainWeightLoads)) || p.K / k_split < kStreamMinSpan)
       return LaunchLoop<kRegisterLoop, GATED, OutT, PA>(p, tile_m, k_split, slabs, pdl, stream);
   }
