@@ -79,7 +79,7 @@ class KernelFlag(enum.IntFlag):
     PDL = 64  # every kernel launched with programmatic dependent launch (its start overlaps the previous kernel)
     PAIRED_INTERMEDIATE = 128  # moe: GEMM1 writes its output in the paired order and GEMM2 reads it so (Pairing)
     # 256: PAIRED_INPUT (GEMM1's input paired by a transpose of x) until 2026-12-01, removed: no gain on the H200
-    PLAIN_WEIGHT_LOADS = 512  # decode tiles: no streaming hints (skip L1, prefetch 256 B into L2; default where K per warp >= 768)
+    PLAIN_WEIGHT_LOADS = 512  # decode tiles: never the streaming hints (the default where K per warp >= 768)
     L2_PREFETCH = 1024  # decode tiles: streaming loads plus L2 prefetches 8-11 chunks ahead, any K span (RING wins)
 
 

@@ -238,6 +238,9 @@ if stage ab; then
   abpart decode 300 "--modes w4a16 --tokens 1,4,16,64 --ffi-flags 128,512,1024" "${AB_DECODE:-}"
   # w4a4: the pure-JAX quantizer (8; the kernel became the default on 2026-12-01) and PDL launches (64).
   abpart w4a4 180 "--modes w4a4 --tokens 1,4,64 --ffi-flags 8,64" "${AB_W4A4:-}"
+  # Prefill: the paired intermediate (128) on the wgmma tiles (0.3-1.0% slower on 2026-12-01);
+  # 4/16/20 (two-block wgmma, row tiles first) and 256 settled, 128-row wgmma tiles tried (1.4-1.9x
+  # slower; commit 1a86d3f, reverted) on 2026-12-01.
   abpart prefill 180 "--modes w4a16 --tokens 1024,4096 --ffi-flags 128" "${AB_PREFILL:-}"
   log "A/B verdicts (variant time / default time, same run)"
   python3 benchmarks/ab_summary.py $(ls "$OUT"/ab_*.json 2>/dev/null) 2>&1 | tee -a "$OUT/ffi_summary.txt"

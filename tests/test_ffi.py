@@ -598,7 +598,8 @@ def test_gpu_backend_available():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("t,k,e,offset,tile_m", [c + (ops.TILE_MS[n % len(ops.TILE_MS)],) for n, c in enumerate(ALIGN_CASES)] + [
+@pytest.mark.parametrize("t,k,e,offset,tile_m", [c + (ops.TILE_MS[n % len(ops.TILE_MS)],)
+                                                  for n, c in enumerate(ALIGN_CASES)] + [
     (64, 2, 16, 4, 64), (4096, 8, 256, 0, 8), (4096, 8, 256, 0, 64), (20000, 8, 512, 0, 32)])
 def test_gpu_align_matches_twin(t, k, e, offset, tile_m):
     rng = np.random.default_rng(t + k)
@@ -634,7 +635,8 @@ def test_gpu_gemm_matches_twin(act, gather, mode, out_dtype, h, tile_m, k_split)
     """Every kernel instance (tile_m = 8..64 tokens, k_split 1/2/4, gated or not, bf16/fp32 out);
     K = 320 runs two 128-K chunks and the 64 tail, K = 128 one chunk (k_split 4: two warps get
     no K at all), K = 1152 / 1088 wrap the decode kernel's cp.async ring (more chunks than
-    stages; K = 1152 with k_split 1 takes the streaming weight loads: K per warp >= 768), and n = 80 leaves the last slab of a CTA partly empty (tile_m 64: a warpgroup
+    stages; K = 1152 with k_split 1 takes the streaming weight loads: K per warp >= 768), and
+    n = 80 leaves the last slab of a CTA partly empty (tile_m 64: a warpgroup
     whose second weight block is past n_out)."""
     if not has_gpu():
         pytest.skip("needs an NVIDIA GPU")

@@ -336,8 +336,8 @@ __global__ void __launch_bounds__(kThreads) W4A16GroupedGemmKernel(const GemmPar
 }
 
 // Instances: k_split 1, 2, 4 and every DecodeLoop for 8- and 16-row tiles (decode; paired
-// activations: the streaming loop only); k_split 1 and the register loop for 32 and 64 rows
-// (CheckGemm).
+// activations: the streaming loop only, at any K span); k_split 1 and the register loop for 32
+// and 64 rows (CheckGemm).
 template <int KS, int LOOP, bool GATED, typename OutT, bool PA>
 void LaunchSplit(const GemmParams& p, int64_t tile_m, int64_t slabs, bool pdl, cudaStream_t stream) {
   const dim3 grid(unsigned(p.P / tile_m), unsigned(slabs));
