@@ -132,6 +132,7 @@ NB_MODULE(_ffi, m) {
     kf["paired_intermediate"] = int64_t(KernelFlag::kPairedIntermediate);
     kf["plain_weight_loads"] = int64_t(KernelFlag::kPlainWeightLoads);
     kf["l2_prefetch"] = int64_t(KernelFlag::kL2Prefetch);
+    kf["split_gate_up"] = int64_t(KernelFlag::kSplitGateUp);
     c["KernelFlag"] = kf;
     nb::dict pairing;
     pairing["none"] = int64_t(Pairing::kNone);

@@ -229,13 +229,14 @@ if stage ab; then
   # Each part's moe_bench arguments can be replaced (AB_DECODE, AB_W4A4, AB_PREFILL; "skip" skips it).
   # Decode: the paired intermediate (128; 0.7-1.3% faster on DeepSeek-V3, mixed on Qwen3 on
   # 2026-12-01), plain weight loads (512: the streaming hints became the default on 2026-12-01)
-  # and L2 prefetches 8-11 chunks ahead (1024, not yet timed);
+  # L2 prefetches 8-11 chunks ahead (1024) and gate / up rows in separate warps (2048), the last two
+  # not yet timed;
   # the cp.async ring (1), the K split (--ffi-k-splits) and the paired GEMM1 input were settled then.
   # T = 1/4/16 (8-row tiles), 64 (DeepSeek-V3: 16-row, Qwen3: 8-row).
   abpart() { local name=$1 s=$2 def=$3 var=$4; [[ $var == skip ]] && return
     # shellcheck disable=SC2086
     ab "$s" ${var:-$def} --json "$OUT/ab_$name.json"; }
-  abpart decode 300 "--modes w4a16 --tokens 1,4,16,64 --ffi-flags 128,512,1024" "${AB_DECODE:-}"
+  abpart decode 300 "--modes w4a16 --tokens 1,4,16,64 --ffi-flags 128,512,1024,2048" "${AB_DECODE:-}"
   # w4a4: the pure-JAX quantizer (8; the kernel became the default on 2026-12-01) and PDL launches (64).
   abpart w4a4 180 "--modes w4a4 --tokens 1,4,64 --ffi-flags 8,64" "${AB_W4A4:-}"
   # Prefill: the paired intermediate (128) on the wgmma tiles (0.3-1.0% slower on 2026-12-01);

@@ -746,12 +746,33 @@ def test_gpu_kernel_variants_match_twin(act, gather, mode, out_dtype, h, tile_m,
     assert relerr(f32(got)[used], f32(want)[used]) < 1e-2
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [0, 1, 2])
+@pytest.mark.parametrize("tile_m,h,k_split", [(8, 320, 1), (8, 1152, 2), (16, 1152, 1), (16, 320, 2), (8, 128, 2)])
+def test_gpu_split_gate_up_is_bitwise_the_default(case, tile_m, h, k_split):
+    """KernelFlag.SPLIT_GATE_UP (gate and up rows in separate warps, the up sums handed over in
+    shared memory): bitwise the default kernel's output for every gated case, k_split 1 and 2
+    (K = 128 with k_split 2: one chunk each), both weight loads (K per warp >= 768 streams), and
+    n = 80 (the last CTA's second feature group past n_out)."""
+    if not has_gpu():
+        pytest.skip("needs an NVIDIA GPU")
+    act, gather, mode, out_dtype = GEMM_CASES[case]
+    a, w, sid, te, rs = _gemm_problem(act, gather, mode, t=37, k=4, e=6, h=h, n=80, tile_m=tile_m, seed=h + case)
+
+    def run(flags):
+        return f32(ops.grouped_gemm(a, w, sid, te, tile_m=tile_m, activation=act, top_k=4, gather=gather,
+                                    row_scale=rs if mode != ops.RowScale.NONE else None, row_scale_mode=mode,
+                                    out_dtype=out_dtype, k_split=k_split, kernel_flags=flags))
+    used = used_rows(sid, te, tile_m)
+    np.testing.assert_array_equal(run(int(ops.KernelFlag.SPLIT_GATE_UP))[used], run(0)[used])
+
+
 _MOE_JIT = jax.jit(ops.moe, static_argnames=("mode", "kernel_flags"))  # one jit cache for the tests below
 _OPT_IN_DEFAULTS = {}  # (t, mode) -> the default kernels' output
 
 OPT_IN_FLAGS = (ops.KernelFlag.JAX_QUANT, ops.KernelFlag.ROW_TILES_FIRST, ops.KernelFlag.ALIGN_ONE_WARP,
                 ops.KernelFlag.PDL, ops.KernelFlag.RING_DECODE_LOOP, ops.KernelFlag.PAIRED_INTERMEDIATE,
-                ops.KernelFlag.PLAIN_WEIGHT_LOADS, ops.KernelFlag.L2_PREFETCH)
+                ops.KernelFlag.PLAIN_WEIGHT_LOADS, ops.KernelFlag.L2_PREFETCH, ops.KernelFlag.SPLIT_GATE_UP)
 
 
 @pytest.mark.gpu
@@ -761,9 +782,9 @@ OPT_IN_FLAGS = (ops.KernelFlag.JAX_QUANT, ops.KernelFlag.ROW_TILES_FIRST, ops.Ke
                                    int(sum(OPT_IN_FLAGS) & ~ops.KernelFlag.RING_DECODE_LOOP)])
 def test_gpu_opt_in_variants_are_bitwise_the_default(gpu_experts, t, mode, flags):
     """The pure-JAX quantizer, the row-tiles-first wgmma grid, one-warp align, PDL launches, the
-    cp.async ring decode loop, plain weight loads and the L2 prefetch (the same K order per
-    thread) and the paired intermediate (the same MMA operands) change where and how the work
-    runs, not a single output bit (t = 2000 x 8 pairs over 32 experts: 64-row wgmma tiles; t = 48: 16-row decode tiles;
+    cp.async ring decode loop, plain weight loads, the L2 prefetch and gate/up rows in separate
+    warps (the same K order per thread) and the paired intermediate (the same MMA operands) change
+    where and how the work runs, not a single output bit (t = 2000 x 8 pairs over 32 experts: 64-row wgmma tiles; t = 48: 16-row decode tiles;
     t = 4: 32 pairs, the one-warp align; t = 1: 8-row tiles)."""
     ex = gpu_experts[(32, True)]
     x = make_x(t, t, 320)

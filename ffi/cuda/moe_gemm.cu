@@ -250,16 +250,23 @@ __device__ __forceinline__ void MainLoopAsync(WarpRing<NF>& ring, const uint8_t*
 enum DecodeLoop : int { kRegisterLoop = 0, kRingLoop = 1, kStreamLoop = 2, kPrefetchLoop = 3 };
 constexpr int64_t kStreamMinSpan = 768;  // K per warp from which decode tiles stream (Launch)
 
-template <int FM, int KS, int LOOP, bool GATED, typename OutT, bool PA>
+// SG (KernelFlag kSplitGateUp; gated decode tiles, k_split 1 or 2): a warp loads either the gate
+// or the up rows of its 16 features (one weight fragment: the non-gated kernel's registers, so
+// more CTAs fit per SM); the up warps hand their sums to the gate warps through shared memory
+// for the fused epilogue. A CTA then covers half the features.
+template <int FM, int KS, int LOOP, bool GATED, typename OutT, bool PA, bool SG = false>
 __global__ void __launch_bounds__(kThreads) W4A16GroupedGemmKernel(const GemmParams p) {
+  static_assert(!SG || (GATED && KS <= 2), "split gate/up: gated, k_split 1 or 2");
   constexpr int BM = FM * 8;
-  constexpr int NF = GATED ? 2 : 1;  // weight fragments per warp: [gate, up] or [h]
-  constexpr int NS = kWarps / KS;    // warps along N; KS warps share each 16 features
-  constexpr int kAcc = NF * FM * 4;  // fp32 accumulators per thread
+  constexpr int NF = GATED && !SG ? 2 : 1;  // weight fragments per warp: [gate, up] or [h] (SG: gate or up)
+  constexpr int kRoles = SG ? 2 : 1;        // SG: warps of role 0 load gate rows, role 1 up rows
+  constexpr int NS = kWarps / (KS * kRoles);  // warps along N; KS x kRoles warps share each 16 features
+  constexpr int kAcc = NF * FM * 4;         // fp32 accumulators per thread
   constexpr bool kAsync = LOOP == kRingLoop && FM <= 2;  // decode tiles: weights through the cp.async ring
   constexpr bool kStream = (LOOP == kStreamLoop || LOOP == kPrefetchLoop) && FM <= 2;
   constexpr bool kPrefetch = LOOP == kPrefetchLoop && FM <= 2;
-  __shared__ float partial[KS > 1 ? (KS - 1) * NS * kAcc * 32 : 1];
+  __shared__ float partial[KS > 1 ? (KS - 1) * kRoles * NS * kAcc * 32 : 1];
+  __shared__ float up_sums[SG ? NS * kAcc * 32 : 1];
   __shared__ WarpRing<NF> rings[kAsync ? kWarps : 1];
   GridDependencyWait();
   const int64_t tile = blockIdx.x;
@@ -267,7 +274,7 @@ __global__ void __launch_bounds__(kThreads) W4A16GroupedGemmKernel(const GemmPar
   if (e < 0 || e >= p.E) return;  // unused tile (uniform over the CTA)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
-  const int ns = warp % NS, kw = warp / NS;
+  const int ns = warp % NS, role = (warp / NS) % kRoles, kw = warp / (NS * kRoles);
   const int64_t feat0 = (int64_t(blockIdx.y) * NS + ns) * kWarpFeatures;
   const bool active = feat0 < p.n_out;  // the last slab may be partly past n_out
   const int64_t K = p.K;
@@ -287,7 +294,8 @@ __global__ void __launch_bounds__(kThreads) W4A16GroupedGemmKernel(const GemmPar
     for (int j = 0; j < NF; ++j)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int64_t row = int64_t(e) * p.N + feat0 + g + 8 * h + (j == 1 ? p.n_out : 0);
+        const bool up = SG ? role == 1 : j == 1;
+        const int64_t row = int64_t(e) * p.N + feat0 + g + 8 * h + (up ? p.n_out : 0);
         wrow[j][h] = p.w + row * (K / 2);
         srow[j][h] = p.ws + row * (K / 16);
       }
@@ -305,22 +313,23 @@ __global__ void __launch_bounds__(kThreads) W4A16GroupedGemmKernel(const GemmPar
     else MainLoop<FM, NF, PA, kStream, kPrefetch>(wrow, srow, arow, k0, k1, t, acc);
   }
 
+  // The sums of a warp's accumulators at `buf` (kAcc x 32 floats, lane-interleaved).
+  auto store = [&](float* buf) {
+#pragma unroll
+    for (int j = 0; j < NF; ++j)
+#pragma unroll
+      for (int m = 0; m < FM; ++m)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) buf[((j * FM + m) * 4 + i) * 32 + lane] = acc[j][m][i];
+  };
   if constexpr (KS > 1) {  // warps kw > 0 hand their sums to warp kw = 0, added in kw order
-    if (kw > 0 && active) {
-      float* dst = partial + ((kw - 1) * NS + ns) * kAcc * 32 + lane;
-#pragma unroll
-      for (int j = 0; j < NF; ++j)
-#pragma unroll
-        for (int m = 0; m < FM; ++m)
-#pragma unroll
-          for (int i = 0; i < 4; ++i) dst[((j * FM + m) * 4 + i) * 32] = acc[j][m][i];
-    }
+    const auto slot = [&](int w) { return partial + (((w - 1) * kRoles + role) * NS + ns) * kAcc * 32; };
+    if (kw > 0 && active) store(slot(kw));
     __syncthreads();
-    if (kw > 0) return;
-    if (active) {
+    if (kw == 0 && active) {
 #pragma unroll
       for (int w = 1; w < KS; ++w) {
-        const float* src = partial + ((w - 1) * NS + ns) * kAcc * 32 + lane;
+        const float* src = slot(w) + lane;
 #pragma unroll
         for (int j = 0; j < NF; ++j)
 #pragma unroll
@@ -330,9 +339,23 @@ __global__ void __launch_bounds__(kThreads) W4A16GroupedGemmKernel(const GemmPar
       }
     }
   }
-  if (!active) return;
+  if constexpr (SG) {  // the up warps (kw = 0) hand their sums to the gate warps
+    if (kw == 0 && role == 1 && active) store(up_sums + ns * kAcc * 32);
+    __syncthreads();
+  }
+  if (kw > 0 || role > 0 || !active) return;
 
-  Epilogue<FM, NF, GATED, OutT>(p, e, tile, feat0, acc);
+  if constexpr (SG) {
+    float both[2][FM][4];  // [gate, up], as the two-fragment kernel holds them
+    const float* src = up_sums + ns * kAcc * 32 + lane;
+#pragma unroll
+    for (int m = 0; m < FM; ++m)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) both[0][m][i] = acc[0][m][i], both[1][m][i] = src[(m * 4 + i) * 32];
+    Epilogue<FM, 2, true, OutT>(p, e, tile, feat0, both);
+  } else {
+    Epilogue<FM, NF, GATED, OutT>(p, e, tile, feat0, acc);
+  }
 }
 
 // Instances: k_split 1, 2, 4 and every DecodeLoop for 8- and 16-row tiles (decode; paired
@@ -363,6 +386,33 @@ void LaunchLoop(const GemmParams& p, int64_t tile_m, int64_t k_split, int64_t sl
   }
 }
 
+// KernelFlag kSplitGateUp: the gated decode kernels with gate and up rows in separate warps (SG),
+// for 8- and 16-row tiles with k_split 1 or 2 (false otherwise: the caller launches the others).
+template <int FM, int KS, int LOOP, typename OutT>
+void LaunchSplitGateUpKernel(const GemmParams& p, dim3 grid, bool pdl, cudaStream_t stream) {
+  LaunchKernel(W4A16GroupedGemmKernel<FM, KS, LOOP, true, OutT, false, true>, grid, kThreads, 0, stream, pdl, p);
+}
+template <typename OutT>
+bool LaunchSplitGateUp(const GemmParams& p, int64_t tile_m, int64_t k_split, bool stream_loads, bool pdl,
+                       cudaStream_t stream) {
+  if (tile_m > 16 || k_split > 2) return false;
+  const int64_t slabs = CeilDiv<int64_t>(p.n_out, kWarpFeatures * (kWarps / (2 * k_split)));
+  if (slabs > 65535) return false;
+  const dim3 grid(unsigned(p.P / tile_m), unsigned(slabs));
+  if (stream_loads) {
+    if (tile_m == 8) k_split == 2 ? LaunchSplitGateUpKernel<1, 2, kStreamLoop, OutT>(p, grid, pdl, stream)
+                                  : LaunchSplitGateUpKernel<1, 1, kStreamLoop, OutT>(p, grid, pdl, stream);
+    else k_split == 2 ? LaunchSplitGateUpKernel<2, 2, kStreamLoop, OutT>(p, grid, pdl, stream)
+                      : LaunchSplitGateUpKernel<2, 1, kStreamLoop, OutT>(p, grid, pdl, stream);
+  } else {
+    if (tile_m == 8) k_split == 2 ? LaunchSplitGateUpKernel<1, 2, kRegisterLoop, OutT>(p, grid, pdl, stream)
+                                  : LaunchSplitGateUpKernel<1, 1, kRegisterLoop, OutT>(p, grid, pdl, stream);
+    else k_split == 2 ? LaunchSplitGateUpKernel<2, 2, kRegisterLoop, OutT>(p, grid, pdl, stream)
+                      : LaunchSplitGateUpKernel<2, 1, kRegisterLoop, OutT>(p, grid, pdl, stream);
+  }
+  return true;
+}
+
 template <bool GATED, typename OutT, bool PA = false>
 void Launch(const GemmParams& p, int64_t tile_m, int64_t k_split, int64_t slabs, int64_t flags,
             cudaStream_t stream) {
@@ -372,16 +422,21 @@ void Launch(const GemmParams& p, int64_t tile_m, int64_t k_split, int64_t slabs,
   // faster and Qwen3 T = 16, 64 9-11%, but Qwen3 T = 1 8% slower, whose warps span 384-512 K: the
   // 256-byte prefetch then mostly fetches other warps' bytes). kPlainWeightLoads: plain loads
   // everywhere; kRingDecodeLoop: the cp.async ring (3-13% slower than plain loads on 8-row tiles,
-  // 4% on 16-row tiles); kL2Prefetch: the streaming loads plus L2 prefetches, at any span (not
-  // yet run on a GPU). Larger tiles and paired activations (no such instances: compile time)
-  // ignore these flags (the ring wins over the others); every loop gives the same bits.
+  // 4% on 16-row tiles); kL2Prefetch: the streaming loads plus L2 prefetches, at any span;
+  // kSplitGateUp: gate and up rows in separate warps (gated, k_split <= 2; the last two not yet
+  // run on a GPU). Larger tiles and paired activations (no such instances: compile time) ignore
+  // these flags (the ring wins over the others); every variant gives the same bits.
   if constexpr (!PA) {
     if (flags & int64_t(KernelFlag::kRingDecodeLoop))
       return LaunchLoop<kRingLoop, GATED, OutT, PA>(p, tile_m, k_split, slabs, pdl, stream);
     if (flags & int64_t(KernelFlag::kL2Prefetch))
       return LaunchLoop<kPrefetchLoop, GATED, OutT, PA>(p, tile_m, k_split, slabs, pdl, stream);
-    if ((flags & int64_t(KernelFlag::kPlainWeightLoads)) || p.K / k_split < kStreamMinSpan)
-      return LaunchLoop<kRegisterLoop, GATED, OutT, PA>(p, tile_m, k_split, slabs, pdl, stream);
+    const bool stream_loads = !(flags & int64_t(KernelFlag::kPlainWeightLoads)) && p.K / k_split >= kStreamMinSpan;
+    if constexpr (GATED)
+      if ((flags & int64_t(KernelFlag::kSplitGateUp)) &&
+          LaunchSplitGateUp<OutT>(p, tile_m, k_split, stream_loads, pdl, stream))
+        return;
+    if (!stream_loads) return LaunchLoop<kRegisterLoop, GATED, OutT, PA>(p, tile_m, k_split, slabs, pdl, stream);
   }
   LaunchLoop<kStreamLoop, GATED, OutT, PA>(p, tile_m, k_split, slabs, pdl, stream);
 }
