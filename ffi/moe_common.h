@@ -58,7 +58,7 @@ enum class KernelFlag : int64_t {
   kL2Prefetch = 1024,         // decode tiles: the streaming loads plus L2 prefetches of each
                               // warp's rows 8-11 chunks ahead, at any K span (kRingDecodeLoop wins)
   kSplitGateUp = 2048,        // gated decode tiles (k_split 1, 2): gate and up rows in separate warps
-                              // (fewer registers, more CTAs per SM); ignored with the two above
+                              // (fewer registers, more CTAs per SM; not with kRingDecodeLoop)
 };
 constexpr int64_t kAllKernelFlags = 3839;
 // grouped_gemm's `pairing` bits: which of a's K axis and out's feature axis hold the paired

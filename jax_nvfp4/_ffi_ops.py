@@ -81,7 +81,7 @@ class KernelFlag(enum.IntFlag):
     # 256: PAIRED_INPUT (GEMM1's input paired by a transpose of x) until 2026-12-01, removed: no gain on the H200
     PLAIN_WEIGHT_LOADS = 512  # decode tiles: never the streaming hints (the default where K per warp >= 768)
     L2_PREFETCH = 1024  # decode tiles: streaming loads plus L2 prefetches 8-11 chunks ahead, any K span (RING wins)
-    SPLIT_GATE_UP = 2048  # gated decode tiles, k_split <= 2: gate and up rows in separate warps (not with 1, 1024)
+    SPLIT_GATE_UP = 2048  # gated decode tiles, k_split <= 2: gate and up rows in separate warps (not with RING)
 
 
 class Pairing(enum.IntFlag):

@@ -236,7 +236,7 @@ if stage ab; then
   abpart() { local name=$1 s=$2 def=$3 var=$4; [[ $var == skip ]] && return
     # shellcheck disable=SC2086
     ab "$s" ${var:-$def} --json "$OUT/ab_$name.json"; }
-  abpart decode 300 "--modes w4a16 --tokens 1,4,16,64 --ffi-flags 128,512,1024,2048" "${AB_DECODE:-}"
+  abpart decode 300 "--modes w4a16 --tokens 1,4,16,64 --ffi-flags 128,512,1024,2048,3072" "${AB_DECODE:-}"
   # w4a4: the pure-JAX quantizer (8; the kernel became the default on 2026-12-01) and PDL launches (64).
   abpart w4a4 180 "--modes w4a4 --tokens 1,4,64 --ffi-flags 8,64" "${AB_W4A4:-}"
   # Prefill: the paired intermediate (128) on the wgmma tiles (0.3-1.0% slower on 2026-12-01);

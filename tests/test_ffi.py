@@ -747,13 +747,14 @@ def test_gpu_kernel_variants_match_twin(act, gather, mode, out_dtype, h, tile_m,
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("loads", [0, int(ops.KernelFlag.PLAIN_WEIGHT_LOADS), int(ops.KernelFlag.L2_PREFETCH)])
 @pytest.mark.parametrize("case", [0, 1, 2])
 @pytest.mark.parametrize("tile_m,h,k_split", [(8, 320, 1), (8, 1152, 2), (16, 1152, 1), (16, 320, 2), (8, 128, 2)])
-def test_gpu_split_gate_up_is_bitwise_the_default(case, tile_m, h, k_split):
+def test_gpu_split_gate_up_is_bitwise_the_default(case, tile_m, h, k_split, loads):
     """KernelFlag.SPLIT_GATE_UP (gate and up rows in separate warps, the up sums handed over in
     shared memory): bitwise the default kernel's output for every gated case, k_split 1 and 2
-    (K = 128 with k_split 2: one chunk each), both weight loads (K per warp >= 768 streams), and
-    n = 80 (the last CTA's second feature group past n_out)."""
+    (K = 128 with k_split 2: one chunk each), every weight-load variant (by default K per warp
+    >= 768 streams), and n = 80 (the last CTA's second feature group past n_out)."""
     if not has_gpu():
         pytest.skip("needs an NVIDIA GPU")
     act, gather, mode, out_dtype = GEMM_CASES[case]
@@ -764,7 +765,7 @@ def test_gpu_split_gate_up_is_bitwise_the_default(case, tile_m, h, k_split):
                                     row_scale=rs if mode != ops.RowScale.NONE else None, row_scale_mode=mode,
                                     out_dtype=out_dtype, k_split=k_split, kernel_flags=flags))
     used = used_rows(sid, te, tile_m)
-    np.testing.assert_array_equal(run(int(ops.KernelFlag.SPLIT_GATE_UP))[used], run(0)[used])
+    np.testing.assert_array_equal(run(int(ops.KernelFlag.SPLIT_GATE_UP) | loads)[used], run(0)[used])
 
 
 _MOE_JIT = jax.jit(ops.moe, static_argnames=("mode", "kernel_flags"))  # one jit cache for the tests below

@@ -387,28 +387,31 @@ void LaunchLoop(const GemmParams& p, int64_t tile_m, int64_t k_split, int64_t sl
 }
 
 // KernelFlag kSplitGateUp: the gated decode kernels with gate and up rows in separate warps (SG),
-// for 8- and 16-row tiles with k_split 1 or 2 (false otherwise: the caller launches the others).
+// for 8- and 16-row tiles with k_split 1 or 2 (false otherwise: the caller launches the others),
+// with the plain, streaming or prefetching loads (LOOP).
 template <int FM, int KS, int LOOP, typename OutT>
 void LaunchSplitGateUpKernel(const GemmParams& p, dim3 grid, bool pdl, cudaStream_t stream) {
   LaunchKernel(W4A16GroupedGemmKernel<FM, KS, LOOP, true, OutT, false, true>, grid, kThreads, 0, stream, pdl, p);
 }
+template <int LOOP, typename OutT>
+void LaunchSplitGateUpLoop(const GemmParams& p, int64_t tile_m, int64_t k_split, dim3 grid, bool pdl,
+                           cudaStream_t stream) {
+  if (tile_m == 8) k_split == 2 ? LaunchSplitGateUpKernel<1, 2, LOOP, OutT>(p, grid, pdl, stream)
+                                : LaunchSplitGateUpKernel<1, 1, LOOP, OutT>(p, grid, pdl, stream);
+  else k_split == 2 ? LaunchSplitGateUpKernel<2, 2, LOOP, OutT>(p, grid, pdl, stream)
+                    : LaunchSplitGateUpKernel<2, 1, LOOP, OutT>(p, grid, pdl, stream);
+}
 template <typename OutT>
-bool LaunchSplitGateUp(const GemmParams& p, int64_t tile_m, int64_t k_split, bool stream_loads, bool pdl,
+bool LaunchSplitGateUp(const GemmParams& p, int64_t tile_m, int64_t k_split, int loop, bool pdl,
                        cudaStream_t stream) {
   if (tile_m > 16 || k_split > 2) return false;
   const int64_t slabs = CeilDiv<int64_t>(p.n_out, kWarpFeatures * (kWarps / (2 * k_split)));
   if (slabs > 65535) return false;
   const dim3 grid(unsigned(p.P / tile_m), unsigned(slabs));
-  if (stream_loads) {
-    if (tile_m == 8) k_split == 2 ? LaunchSplitGateUpKernel<1, 2, kStreamLoop, OutT>(p, grid, pdl, stream)
-                                  : LaunchSplitGateUpKernel<1, 1, kStreamLoop, OutT>(p, grid, pdl, stream);
-    else k_split == 2 ? LaunchSplitGateUpKernel<2, 2, kStreamLoop, OutT>(p, grid, pdl, stream)
-                      : LaunchSplitGateUpKernel<2, 1, kStreamLoop, OutT>(p, grid, pdl, stream);
-  } else {
-    if (tile_m == 8) k_split == 2 ? LaunchSplitGateUpKernel<1, 2, kRegisterLoop, OutT>(p, grid, pdl, stream)
-                                  : LaunchSplitGateUpKernel<1, 1, kRegisterLoop, OutT>(p, grid, pdl, stream);
-    else k_split == 2 ? LaunchSplitGateUpKernel<2, 2, kRegisterLoop, OutT>(p, grid, pdl, stream)
-                      : LaunchSplitGateUpKernel<2, 1, kRegisterLoop, OutT>(p, grid, pdl, stream);
+  switch (loop) {
+    case kStreamLoop: LaunchSplitGateUpLoop<kStreamLoop, OutT>(p, tile_m, k_split, grid, pdl, stream); break;
+    case kPrefetchLoop: LaunchSplitGateUpLoop<kPrefetchLoop, OutT>(p, tile_m, k_split, grid, pdl, stream); break;
+    default: LaunchSplitGateUpLoop<kRegisterLoop, OutT>(p, tile_m, k_split, grid, pdl, stream); break;
   }
   return true;
 }
@@ -429,13 +432,14 @@ void Launch(const GemmParams& p, int64_t tile_m, int64_t k_split, int64_t slabs,
   if constexpr (!PA) {
     if (flags & int64_t(KernelFlag::kRingDecodeLoop))
       return LaunchLoop<kRingLoop, GATED, OutT, PA>(p, tile_m, k_split, slabs, pdl, stream);
-    if (flags & int64_t(KernelFlag::kL2Prefetch))
-      return LaunchLoop<kPrefetchLoop, GATED, OutT, PA>(p, tile_m, k_split, slabs, pdl, stream);
+    const bool prefetch = flags & int64_t(KernelFlag::kL2Prefetch);
     const bool stream_loads = !(flags & int64_t(KernelFlag::kPlainWeightLoads)) && p.K / k_split >= kStreamMinSpan;
     if constexpr (GATED)
       if ((flags & int64_t(KernelFlag::kSplitGateUp)) &&
-          LaunchSplitGateUp<OutT>(p, tile_m, k_split, stream_loads, pdl, stream))
+          LaunchSplitGateUp<OutT>(p, tile_m, k_split, prefetch ? kPrefetchLoop : stream_loads ? kStreamLoop : kRegisterLoop,
+                                  pdl, stream))
         return;
+    if (prefetch) return LaunchLoop<kPrefetchLoop, GATED, OutT, PA>(p, tile_m, k_split, slabs, pdl, stream);
     if (!stream_loads) return LaunchLoop<kRegisterLoop, GATED, OutT, PA>(p, tile_m, k_split, slabs, pdl, stream);
   }
   LaunchLoop<kStreamLoop, GATED, OutT, PA>(p, tile_m, k_split, slabs, pdl, stream);
