@@ -326,7 +326,10 @@ __global__ void __launch_bounds__(kThreads) W4A16GroupedGemmKernel(const GemmPar
     const auto slot = [&](int w) { return partial + (((w - 1) * kRoles + role) * NS + ns) * kAcc * 32; };
     if (kw > 0 && active) store(slot(kw));
     __syncthreads();
-    if (kw == 0 && active) {
+    if constexpr (!SG) {
+      if (kw > 0) return;
+    }
+    if ((!SG || kw == 0) && active) {
 #pragma unroll
       for (int w = 1; w < KS; ++w) {
         const float* src = slot(w) + lane;
@@ -342,8 +345,9 @@ __global__ void __launch_bounds__(kThreads) W4A16GroupedGemmKernel(const GemmPar
   if constexpr (SG) {  // the up warps (kw = 0) hand their sums to the gate warps
     if (kw == 0 && role == 1 && active) store(up_sums + ns * kAcc * 32);
     __syncthreads();
+    if (kw > 0 || role > 0) return;
   }
-  if (kw > 0 || role > 0 || !active) return;
+  if (!active) return;
 
   if constexpr (SG) {
     float both[2][FM][4];  // [gate, up], as the two-fragment kernel holds them
