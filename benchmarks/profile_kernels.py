@@ -59,7 +59,8 @@ def main(argv=None):
                                                backend=args.backend, local_expert_offset=shape.local_expert_offset))
     for _ in range(1 + args.calls):
         jax.block_until_ready(f(x, ids, w, experts))
-    flags = (f"[flags={args.kernel_flags}]" if args.kernel_flags else "") + (f"[tm={args.tile_m}]" if args.tile_m else "")
+    flags = f"[flags={args.kernel_flags}]" if args.kernel_flags else ""
+    flags += f"[tm={args.tile_m}]" if args.tile_m else ""
     print(f"ran {args.shape} T={args.tokens} {args.mode} on {args.backend}{flags}: {1 + args.calls} calls")
     if args.timeline:
         events = kernel_timeline(f, (x, ids, w, experts), traces=args.timeline)

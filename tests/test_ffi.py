@@ -733,7 +733,8 @@ def test_gemm_without_activation_rows_writes_zeros(on_gpu, tile_m):
 @pytest.mark.parametrize("tile_m,h", [(8, 1152), (16, 1152), (64, 320)])
 def test_gpu_kernel_variants_match_twin(act, gather, mode, out_dtype, h, tile_m, flags):
     """Every KernelFlag variant of the GEMM (the cp.async ring, plain weight loads and the L2
-    prefetch on 8- and 16-row tiles, mma.sync 64-row tiles, two-block wgmma, the row-tiles-first wgmma grid)."""
+    prefetch on 8- and 16-row tiles, mma.sync 64-row tiles, two-block wgmma, the row-tiles-first
+    wgmma grid)."""
     if not has_gpu():
         pytest.skip("needs an NVIDIA GPU")
     a, w, sid, te, rs = _gemm_problem(act, gather, mode, t=37, k=4, e=6, h=h, n=80, tile_m=tile_m, seed=h)
@@ -785,8 +786,9 @@ def test_gpu_opt_in_variants_are_bitwise_the_default(gpu_experts, t, mode, flags
     """The pure-JAX quantizer, the row-tiles-first wgmma grid, one-warp align, PDL launches, the
     cp.async ring decode loop, plain weight loads, the L2 prefetch and gate/up rows in separate
     warps (the same K order per thread) and the paired intermediate (the same MMA operands) change
-    where and how the work runs, not a single output bit (t = 2000 x 8 pairs over 32 experts: 64-row wgmma tiles; t = 48: 16-row decode tiles;
-    t = 4: 32 pairs, the one-warp align; t = 1: 8-row tiles)."""
+    where and how the work runs, not a single output bit (t = 2000 x 8 pairs over 32 experts:
+    64-row wgmma tiles; t = 48: 16-row decode tiles; t = 4: 32 pairs, the one-warp align; t = 1:
+    8-row tiles)."""
     ex = gpu_experts[(32, True)]
     x = make_x(t, t, 320)
     ids, w = make_routing(t, t, 8, 32)

@@ -1,6 +1,7 @@
 """``quant_dequant_rows``: the fused per-token NVFP4 quantize-and-decode custom call (w4a4
 activations) against the pure-JAX quantizer, byte for byte, on the CPU handler and (``gpu``
-marked) on the CUDA kernel; and the w4a4 MoE with ``KernelFlag.JAX_QUANT`` (the pure-JAX quantizer) against the default.
+marked) on the CUDA kernel; and the w4a4 MoE with ``KernelFlag.JAX_QUANT`` (the pure-JAX
+quantizer) against the default.
 """
 
 from __future__ import annotations

@@ -438,10 +438,9 @@ void Launch(const GemmParams& p, int64_t tile_m, int64_t k_split, int64_t slabs,
       return LaunchLoop<kRingLoop, GATED, OutT, PA>(p, tile_m, k_split, slabs, pdl, stream);
     const bool prefetch = flags & int64_t(KernelFlag::kL2Prefetch);
     const bool stream_loads = !(flags & int64_t(KernelFlag::kPlainWeightLoads)) && p.K / k_split >= kStreamMinSpan;
+    const int loop = prefetch ? kPrefetchLoop : stream_loads ? kStreamLoop : kRegisterLoop;
     if constexpr (GATED)
-      if ((flags & int64_t(KernelFlag::kSplitGateUp)) &&
-          LaunchSplitGateUp<OutT>(p, tile_m, k_split, prefetch ? kPrefetchLoop : stream_loads ? kStreamLoop : kRegisterLoop,
-                                  pdl, stream))
+      if ((flags & int64_t(KernelFlag::kSplitGateUp)) && LaunchSplitGateUp<OutT>(p, tile_m, k_split, loop, pdl, stream))
         return;
     if (prefetch) return LaunchLoop<kPrefetchLoop, GATED, OutT, PA>(p, tile_m, k_split, slabs, pdl, stream);
     if (!stream_loads) return LaunchLoop<kRegisterLoop, GATED, OutT, PA>(p, tile_m, k_split, slabs, pdl, stream);
