@@ -228,10 +228,10 @@ if stage ab; then
   }
   # Each part's moe_bench arguments can be replaced (AB_DECODE, AB_W4A4, AB_PREFILL; "skip" skips it).
   # Decode: the paired intermediate (128; 0.7-1.3% faster on DeepSeek-V3, mixed on Qwen3 on
-  # 2026-12-01), plain weight loads (512: the streaming hints became the default on 2026-12-01)
-  # L2 prefetches 8-11 chunks ahead (1024) and gate / up rows in separate warps (2048), the last two
-  # not yet timed;
-  # the cp.async ring (1), the K split (--ffi-k-splits) and the paired GEMM1 input were settled then.
+  # 2026-12-01), plain weight loads (512: the streaming hints became the default on 2026-12-01), L2
+  # prefetches 8-11 chunks ahead (1024), gate / up rows in separate warps (2048) and both (3072),
+  # the last three not yet timed; the cp.async ring (1), the K split (--ffi-k-splits) and the
+  # paired GEMM1 input were settled on 2026-12-01.
   # T = 1/4/16 (8-row tiles), 64 (DeepSeek-V3: 16-row, Qwen3: 8-row).
   abpart() { local name=$1 s=$2 def=$3 var=$4; [[ $var == skip ]] && return
     # shellcheck disable=SC2086
@@ -304,7 +304,10 @@ sys.path.insert(0, "tests")
 from test_ffi import make_experts, make_routing, make_x
 from jax_nvfp4 import _ffi_ops as ops
 ex = make_experts(1, 32, 512, 256)
-opt_in = sum(ops.KernelFlag) & ~(ops.KernelFlag.RING_DECODE_LOOP | ops.KernelFlag.NO_WGMMA | ops.KernelFlag.WGMMA_TWO_BLOCKS)
+# Every opt-in variant but the alternatives of the defaults it would replace (JAX_QUANT: the w4a4
+# layer keeps the quant_dequant_rows kernel in the graph).
+opt_in = sum(ops.KernelFlag) & ~(ops.KernelFlag.RING_DECODE_LOOP | ops.KernelFlag.NO_WGMMA
+                                 | ops.KernelFlag.WGMMA_TWO_BLOCKS | ops.KernelFlag.JAX_QUANT)
 layers = [jax.jit(lambda x, i, w: nv.moe(x, ex, topk_ids=i, topk_weights=w, backend="ffi")),
           jax.jit(lambda x, i, w: ops.moe(x, ex, i, w, mode="w4a4", kernel_flags=opt_in)),  # PDL in graphs too
           jax.jit(lambda x, i, w: ops.moe(x, ex, i, w, kernel_flags=opt_in))]

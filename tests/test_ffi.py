@@ -159,10 +159,10 @@ def _gemm_problem(act, gather, mode, t=23, k=3, e=5, h=64, n=48, tile_m=8, seed=
 
 
 def _run_gemm(impl, a, w, sorted_ids, tile_expert, row_scale, act, gather, mode, out_dtype, tile_m, k,
-              k_split=None):
+              k_split=None, kernel_flags=0):
     return ops.grouped_gemm(a, w, sorted_ids, tile_expert, tile_m=tile_m, activation=act, top_k=k, gather=gather,
                             row_scale=row_scale if mode != ops.RowScale.NONE else None, row_scale_mode=mode,
-                            out_dtype=out_dtype, k_split=k_split, impl=impl)
+                            out_dtype=out_dtype, k_split=k_split, kernel_flags=kernel_flags, impl=impl)
 
 
 @pytest.mark.parametrize("act,gather,mode,out_dtype", GEMM_CASES)
@@ -739,9 +739,7 @@ def test_gpu_kernel_variants_match_twin(act, gather, mode, out_dtype, h, tile_m,
         pytest.skip("needs an NVIDIA GPU")
     a, w, sid, te, rs = _gemm_problem(act, gather, mode, t=37, k=4, e=6, h=h, n=80, tile_m=tile_m, seed=h)
     args = (a, w, sid, te, rs, act, gather, mode, out_dtype, tile_m, 4)
-    got = ops.grouped_gemm(a, w, sid, te, tile_m=tile_m, activation=act, top_k=4, gather=gather,
-                           row_scale=rs if mode != ops.RowScale.NONE else None, row_scale_mode=mode,
-                           out_dtype=out_dtype, kernel_flags=flags)
+    got = _run_gemm("ffi", *args, kernel_flags=flags)
     want = _run_gemm("jax", *args)
     used = used_rows(sid, te, tile_m)
     assert relerr(f32(got)[used], f32(want)[used]) < 1e-2
@@ -760,13 +758,11 @@ def test_gpu_split_gate_up_is_bitwise_the_default(case, tile_m, h, k_split, load
         pytest.skip("needs an NVIDIA GPU")
     act, gather, mode, out_dtype = GEMM_CASES[case]
     a, w, sid, te, rs = _gemm_problem(act, gather, mode, t=37, k=4, e=6, h=h, n=80, tile_m=tile_m, seed=h + case)
-
-    def run(flags):
-        return f32(ops.grouped_gemm(a, w, sid, te, tile_m=tile_m, activation=act, top_k=4, gather=gather,
-                                    row_scale=rs if mode != ops.RowScale.NONE else None, row_scale_mode=mode,
-                                    out_dtype=out_dtype, k_split=k_split, kernel_flags=flags))
+    args = (a, w, sid, te, rs, act, gather, mode, out_dtype, tile_m, 4, k_split)
+    flags = int(ops.KernelFlag.SPLIT_GATE_UP) | loads
     used = used_rows(sid, te, tile_m)
-    np.testing.assert_array_equal(run(int(ops.KernelFlag.SPLIT_GATE_UP) | loads)[used], run(0)[used])
+    np.testing.assert_array_equal(f32(_run_gemm("ffi", *args, kernel_flags=flags))[used],
+                                  f32(_run_gemm("ffi", *args))[used])
 
 
 _MOE_JIT = jax.jit(ops.moe, static_argnames=("mode", "kernel_flags"))  # one jit cache for the tests below
