@@ -129,10 +129,8 @@ NB_MODULE(_ffi, m) {
     kf["row_tiles_first"] = int64_t(KernelFlag::kRowTilesFirst);
     kf["align_one_warp"] = int64_t(KernelFlag::kAlignOneWarp);
     kf["pdl"] = int64_t(KernelFlag::kPdl);
-    kf["paired_intermediate"] = int64_t(KernelFlag::kPairedIntermediate);
+    kf["natural_intermediate"] = int64_t(KernelFlag::kNaturalIntermediate);
     kf["plain_weight_loads"] = int64_t(KernelFlag::kPlainWeightLoads);
-    kf["l2_prefetch"] = int64_t(KernelFlag::kL2Prefetch);
-    kf["split_gate_up"] = int64_t(KernelFlag::kSplitGateUp);
     c["KernelFlag"] = kf;
     nb::dict pairing;
     pairing["none"] = int64_t(Pairing::kNone);

@@ -50,19 +50,18 @@ enum class KernelFlag : int64_t {
                          // weights) instead of one row tile's slabs (L2 reuse of activations)
   kAlignOneWarp = 32,    // moe_align with <= 32 pairs: one warp, no block scan (the GEMMs ignore it)
   kPdl = 64,             // every kernel launched with programmatic dependent launch (overlaps launches)
-  kPairedIntermediate = 128,  // moe: the GEMM1 -> GEMM2 intermediate in the paired order (Pairing)
+  kNaturalIntermediate = 128,  // moe: the GEMM1 -> GEMM2 intermediate in the natural order; the
+                               // default on mma.sync tiles (8-32 rows) is the paired order (Pairing)
   // 256: kPairedInput (GEMM1's input paired) until 2026-12-01, removed: no gain on the H200.
-  kPlainWeightLoads = 512,    // decode tiles (register loop): plain read-only weight loads everywhere,
-                              // not the streaming hints (skip L1, prefetch 256 bytes into L2) where
-                              // a warp's K span is >= 768
-  kL2Prefetch = 1024,         // decode tiles: the streaming loads plus L2 prefetches of each
-                              // warp's rows 8-11 chunks ahead, at any K span (kRingDecodeLoop wins)
-  kSplitGateUp = 2048,        // gated decode tiles (k_split 1, 2): gate and up rows in separate warps
-                              // (fewer registers, more CTAs per SM; not with kRingDecodeLoop)
+  kPlainWeightLoads = 512,     // decode tiles (register loop): plain read-only weight loads everywhere,
+                               // not the streaming hints (skip L1, prefetch 256 bytes into L2) where
+                               // a warp's K span is >= 768
+  // 1024 / 2048: kL2Prefetch / kSplitGateUp (decode tiles) for one H200 A/B on 2026-12-01, removed:
+  // 2-76% and up to 17% slower.
 };
-constexpr int64_t kAllKernelFlags = 3839;
+constexpr int64_t kAllKernelFlags = 767;
 // grouped_gemm's `pairing` bits: which of a's K axis and out's feature axis hold the paired
-// order (PairedPos) instead of the natural one. moe's intermediate uses it (KernelFlag kPairedIntermediate):
+// order (PairedPos) instead of the natural one. moe's intermediate uses it (but with KernelFlag kNaturalIntermediate):
 // GEMM1 writes it paired, GEMM2 reads it paired and skips its activation byte permutes.
 enum class Pairing : int64_t { kNone = 0, kA = 1, kOut = 2 };
 constexpr int64_t kAlignOneWarpPairs = 32;

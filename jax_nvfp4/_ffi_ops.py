@@ -77,11 +77,10 @@ class KernelFlag(enum.IntFlag):
     ROW_TILES_FIRST = 16  # wgmma: consecutive CTAs take one feature slab's row tiles, not one row tile's slabs
     ALIGN_ONE_WARP = 32  # moe_align with <= ALIGN_ONE_WARP_PAIRS pairs: one warp, no block-wide scan
     PDL = 64  # every kernel launched with programmatic dependent launch (its start overlaps the previous kernel)
-    PAIRED_INTERMEDIATE = 128  # moe: GEMM1 writes its output in the paired order and GEMM2 reads it so (Pairing)
+    NATURAL_INTERMEDIATE = 128  # moe: the intermediate in the natural order (default on 8-32-row tiles: paired)
     # 256: PAIRED_INPUT (GEMM1's input paired by a transpose of x) until 2026-12-01, removed: no gain on the H200
     PLAIN_WEIGHT_LOADS = 512  # decode tiles: never the streaming hints (the default where K per warp >= 768)
-    L2_PREFETCH = 1024  # decode tiles: streaming loads plus L2 prefetches 8-11 chunks ahead, any K span (RING wins)
-    SPLIT_GATE_UP = 2048  # gated decode tiles, k_split <= 2: gate and up rows in separate warps (not with RING)
+    # 1024 / 2048: L2_PREFETCH / SPLIT_GATE_UP (decode tiles) for one A/B on 2026-12-01, removed: slower on the H200
 
 
 class Pairing(enum.IntFlag):
@@ -120,6 +119,7 @@ class Mode(enum.IntEnum):
 TILE_MS = (8, 16, 32, 64)
 K_SPLITS = (1, 2, 4)  # warps of a GEMM CTA that split K (GPU tiling; the result is the same function)
 MAX_SPLIT_TILE_M = 16  # K splitting is for decode-sized tiles
+PAIRED_MAX_TILE_M = 32  # moe's intermediate is paired on tiles up to this size (KernelFlag.NATURAL_INTERMEDIATE)
 MAX_ALIGN_EXPERTS = 512  # local experts the GPU align kernel handles (one CTA, shared memory)
 ALIGN_ONE_WARP_PAIRS = 32  # pairs the one-warp align path (KernelFlag.ALIGN_ONE_WARP) handles
 CUDA_K_MULTIPLE = 64  # the CUDA GEMM's K chunk: H and I must be multiples of it on the GPU
@@ -630,8 +630,9 @@ def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str =
     inter = experts.intermediate_size
     ks1 = k_split or choose_k_split(tiles, inter, h, tile_m)
     ks2 = k_split or choose_k_split(tiles, h, inter, tile_m)
-    # The intermediate in the paired order: GEMM2 then loads its activation pairs as they are.
-    paired = bool(kernel_flags & KernelFlag.PAIRED_INTERMEDIATE)
+    # The intermediate in the paired order on the mma.sync tiles: GEMM2 then loads its activation
+    # pairs as they are (H200, 2026-12-01: decode layers 1-2% faster; wgmma prefill 0.3-1% slower).
+    paired = tile_m <= PAIRED_MAX_TILE_M and not kernel_flags & KernelFlag.NATURAL_INTERMEDIATE
     p1, p2 = (Pairing.OUT, Pairing.A) if paired else (Pairing.NONE, Pairing.NONE)
 
     if MODES[mode] == Mode.W4A16:

@@ -227,22 +227,23 @@ if stage ab; then
       --shapes deepseek_v3_ep8,qwen3_30b_a3b "${@:2}" 2>&1 | grep -v "^wrote" | tail -90 | tee -a "$OUT/ffi_summary.txt"
   }
   # Each part's moe_bench arguments can be replaced (AB_DECODE, AB_W4A4, AB_PREFILL; "skip" skips it).
-  # Decode: the paired intermediate (128; 0.7-1.3% faster on DeepSeek-V3, mixed on Qwen3 on
-  # 2026-12-01), plain weight loads (512: the streaming hints became the default on 2026-12-01), L2
-  # prefetches 8-11 chunks ahead (1024), gate / up rows in separate warps (2048) and both (3072),
-  # the last three not yet timed; the cp.async ring (1), the K split (--ffi-k-splits) and the
-  # paired GEMM1 input were settled on 2026-12-01.
-  # T = 1/4/16 (8-row tiles), 64 (DeepSeek-V3: 16-row, Qwen3: 8-row).
+  # Decode: the natural-order intermediate (128; the paired order became the default of 8-32-row
+  # tiles on 2026-12-01: 1-2% faster DeepSeek-V3 layers) and plain weight loads (512; the streaming
+  # hints became the default on 2026-12-01). Settled on 2026-12-01: the cp.async ring (1), the K
+  # split (--ffi-k-splits), the paired GEMM1 input, L2 prefetches and gate / up rows in separate
+  # warps (both removed). T = 1/4/16 (8-row tiles), 64 (DeepSeek-V3: 16-row, Qwen3: 8-row), 128
+  # (DeepSeek-V3: 32-row, Qwen3: 8-row).
   abpart() { local name=$1 s=$2 def=$3 var=$4; [[ $var == skip ]] && return
     # shellcheck disable=SC2086
     ab "$s" ${var:-$def} --json "$OUT/ab_$name.json"; }
-  abpart decode 300 "--modes w4a16 --tokens 1,4,16,64 --ffi-flags 128,512,1024,2048,3072" "${AB_DECODE:-}"
-  # w4a4: the pure-JAX quantizer (8; the kernel became the default on 2026-12-01) and PDL launches (64).
-  abpart w4a4 180 "--modes w4a4 --tokens 1,4,64 --ffi-flags 8,64" "${AB_W4A4:-}"
-  # Prefill: the paired intermediate (128) on the wgmma tiles (0.3-1.0% slower on 2026-12-01);
-  # 4/16/20 (two-block wgmma, row tiles first) and 256 settled, 128-row wgmma tiles tried (1.4-1.9x
-  # slower; commit 1a86d3f, reverted) on 2026-12-01.
-  abpart prefill 180 "--modes w4a16 --tokens 1024,4096 --ffi-flags 128" "${AB_PREFILL:-}"
+  abpart decode 300 "--modes w4a16 --tokens 1,4,16,64,128 --ffi-flags 128,512" "${AB_DECODE:-}"
+  # w4a4: the pure-JAX quantizer (8; the kernel became the default on 2026-12-01), PDL launches (64)
+  # and the natural-order intermediate (128).
+  abpart w4a4 180 "--modes w4a4 --tokens 1,4,64 --ffi-flags 8,64,128" "${AB_W4A4:-}"
+  # Prefill: PDL (64; the paired intermediate was 0.3-1.0% slower on the wgmma tiles, which keep
+  # the natural order); 4/16/20 (two-block wgmma, row tiles first) and 256 settled, 128-row wgmma
+  # tiles tried (1.4-1.9x slower; commit 1a86d3f, reverted) on 2026-12-01.
+  abpart prefill 180 "--modes w4a16 --tokens 1024,4096 --ffi-flags 64" "${AB_PREFILL:-}"
   log "A/B verdicts (variant time / default time, same run)"
   python3 benchmarks/ab_summary.py $(ls "$OUT"/ab_*.json 2>/dev/null) 2>&1 | tee -a "$OUT/ffi_summary.txt"
 fi

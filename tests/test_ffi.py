@@ -233,17 +233,21 @@ def test_align_takes_kernel_flags_and_checks_them():
 
 
 @pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
-def test_paired_intermediate_is_bitwise_the_default_on_the_cpu(mode):
-    """KernelFlag.PAIRED_INTERMEDIATE: GEMM1 writes the paired order, GEMM2 reads it (pairing
-    attributes of the two calls, in order); the layer's output does not change by a bit."""
+def test_paired_intermediate_is_bitwise_the_natural_order_on_the_cpu(mode):
+    """On mma.sync tiles (8-32 rows) moe's GEMM1 writes the paired order and GEMM2 reads it
+    (pairing attributes of the two calls, in order); KernelFlag.NATURAL_INTERMEDIATE and 64-row
+    tiles keep the natural order. The layer's output does not change by a bit."""
     ex = make_experts(5, 8, 128, 64)
     x = make_x(1, 7, 128)
     ids, w = make_routing(2, 7, 3, 8)
-    f = jax.jit(lambda x, i, w, flags: ops.moe(x, ex, i, w, mode=mode, kernel_flags=flags), static_argnums=3)
-    flag = int(ops.KernelFlag.PAIRED_INTERMEDIATE)
-    text = f.lower(x, ids, w, flag).as_text()
-    assert re.findall(r"pairing = (\d)", text) == ["2", "1"]
-    np.testing.assert_array_equal(f32(f(x, ids, w, flag)), f32(f(x, ids, w, 0)))
+    f = jax.jit(lambda x, i, w, flags, tm: ops.moe_forward(x, ex, i, w, mode=mode, kernel_flags=flags, tile_m=tm),
+                static_argnums=(3, 4))
+    natural = int(ops.KernelFlag.NATURAL_INTERMEDIATE)
+    want = f32(f(x, ids, w, natural, None))
+    for flags, tm, pairing in [(0, None, ["2", "1"]), (0, 32, ["2", "1"]), (natural, None, ["0", "0"]),
+                               (0, 64, ["0", "0"])]:
+        assert re.findall(r"pairing = (\d)", f.lower(x, ids, w, flags, tm).as_text()) == pairing, (flags, tm)
+        np.testing.assert_array_equal(f32(f(x, ids, w, flags, tm)), want)
 
 
 def test_kernel_flags_reach_the_custom_call_and_keep_the_function():
@@ -726,15 +730,14 @@ def test_gemm_without_activation_rows_writes_zeros(on_gpu, tile_m):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("flags", [int(ops.KernelFlag.RING_DECODE_LOOP), int(ops.KernelFlag.PLAIN_WEIGHT_LOADS),
-                                   int(ops.KernelFlag.L2_PREFETCH), int(ops.KernelFlag.NO_WGMMA),
+                                   int(ops.KernelFlag.NO_WGMMA),
                                    int(ops.KernelFlag.WGMMA_TWO_BLOCKS), int(ops.KernelFlag.ROW_TILES_FIRST),
                                    int(ops.KernelFlag.ROW_TILES_FIRST | ops.KernelFlag.WGMMA_TWO_BLOCKS)])
 @pytest.mark.parametrize("act,gather,mode,out_dtype", [GEMM_CASES[0], GEMM_CASES[-1]])
 @pytest.mark.parametrize("tile_m,h", [(8, 1152), (16, 1152), (64, 320)])
 def test_gpu_kernel_variants_match_twin(act, gather, mode, out_dtype, h, tile_m, flags):
-    """Every KernelFlag variant of the GEMM (the cp.async ring, plain weight loads and the L2
-    prefetch on 8- and 16-row tiles, mma.sync 64-row tiles, two-block wgmma, the row-tiles-first
-    wgmma grid)."""
+    """Every KernelFlag variant of the GEMM (the cp.async ring and plain weight loads on 8- and
+    16-row tiles, mma.sync 64-row tiles, two-block wgmma, the row-tiles-first wgmma grid)."""
     if not has_gpu():
         pytest.skip("needs an NVIDIA GPU")
     a, w, sid, te, rs = _gemm_problem(act, gather, mode, t=37, k=4, e=6, h=h, n=80, tile_m=tile_m, seed=h)
@@ -745,32 +748,12 @@ def test_gpu_kernel_variants_match_twin(act, gather, mode, out_dtype, h, tile_m,
     assert relerr(f32(got)[used], f32(want)[used]) < 1e-2
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("loads", [0, int(ops.KernelFlag.PLAIN_WEIGHT_LOADS), int(ops.KernelFlag.L2_PREFETCH)])
-@pytest.mark.parametrize("case", [0, 1, 2])
-@pytest.mark.parametrize("tile_m,h,k_split", [(8, 320, 1), (8, 1152, 2), (16, 1152, 1), (16, 320, 2), (8, 128, 2)])
-def test_gpu_split_gate_up_is_bitwise_the_default(case, tile_m, h, k_split, loads):
-    """KernelFlag.SPLIT_GATE_UP (gate and up rows in separate warps, the up sums handed over in
-    shared memory): bitwise the default kernel's output for every gated case, k_split 1 and 2
-    (K = 128 with k_split 2: one chunk each), every weight-load variant (by default K per warp
-    >= 768 streams), and n = 80 (the last CTA's second feature group past n_out)."""
-    if not has_gpu():
-        pytest.skip("needs an NVIDIA GPU")
-    act, gather, mode, out_dtype = GEMM_CASES[case]
-    a, w, sid, te, rs = _gemm_problem(act, gather, mode, t=37, k=4, e=6, h=h, n=80, tile_m=tile_m, seed=h + case)
-    args = (a, w, sid, te, rs, act, gather, mode, out_dtype, tile_m, 4, k_split)
-    flags = int(ops.KernelFlag.SPLIT_GATE_UP) | loads
-    used = used_rows(sid, te, tile_m)
-    np.testing.assert_array_equal(f32(_run_gemm("ffi", *args, kernel_flags=flags))[used],
-                                  f32(_run_gemm("ffi", *args))[used])
-
-
 _MOE_JIT = jax.jit(ops.moe, static_argnames=("mode", "kernel_flags"))  # one jit cache for the tests below
 _OPT_IN_DEFAULTS = {}  # (t, mode) -> the default kernels' output
 
 OPT_IN_FLAGS = (ops.KernelFlag.JAX_QUANT, ops.KernelFlag.ROW_TILES_FIRST, ops.KernelFlag.ALIGN_ONE_WARP,
-                ops.KernelFlag.PDL, ops.KernelFlag.RING_DECODE_LOOP, ops.KernelFlag.PAIRED_INTERMEDIATE,
-                ops.KernelFlag.PLAIN_WEIGHT_LOADS, ops.KernelFlag.L2_PREFETCH, ops.KernelFlag.SPLIT_GATE_UP)
+                ops.KernelFlag.PDL, ops.KernelFlag.RING_DECODE_LOOP, ops.KernelFlag.NATURAL_INTERMEDIATE,
+                ops.KernelFlag.PLAIN_WEIGHT_LOADS)
 
 
 @pytest.mark.gpu
@@ -780,8 +763,8 @@ OPT_IN_FLAGS = (ops.KernelFlag.JAX_QUANT, ops.KernelFlag.ROW_TILES_FIRST, ops.Ke
                                    int(sum(OPT_IN_FLAGS) & ~ops.KernelFlag.RING_DECODE_LOOP)])
 def test_gpu_opt_in_variants_are_bitwise_the_default(gpu_experts, t, mode, flags):
     """The pure-JAX quantizer, the row-tiles-first wgmma grid, one-warp align, PDL launches, the
-    cp.async ring decode loop, plain weight loads, the L2 prefetch and gate/up rows in separate
-    warps (the same K order per thread) and the paired intermediate (the same MMA operands) change
+    cp.async ring decode loop and plain weight loads (the same K order per thread) and the natural
+    intermediate (the same MMA operands as the paired one) change
     where and how the work runs, not a single output bit (t = 2000 x 8 pairs over 32 experts:
     64-row wgmma tiles; t = 48: 16-row decode tiles; t = 4: 32 pairs, the one-warp align; t = 1:
     8-row tiles)."""

@@ -123,31 +123,9 @@ __device__ __forceinline__ void TailChunk(const uint8_t* const (&wrow)[NF][2], c
 // registers instead of 124-162 with a copy (H200, 2026-12-01: 4% faster on 16-row tiles, where
 // it beat the cp.async ring). Two or three chunks in flight (three or four buffers) were 4-14%
 // slower in 8 of 12 rows of the same A/B and 3-5% faster in 2 (fewer CTAs fit per SM).
-// PREFETCH (KernelFlag kL2Prefetch): every kPrefetchEvery chunks, each warp also asks the L2 for
-// its rows' codes kPrefetchAhead .. kPrefetchAhead + kPrefetchEvery - 1 chunks ahead (256 bytes
-// a row, no registers held), so that more weight bytes are in flight than one chunk of
-// registers per thread (PrefetchRows).
-constexpr int kPrefetchEvery = 4, kPrefetchAhead = 8;
-
-// L2 prefetch of chunks [cc, cc + kPrefetchEvery) of the warp's weight-code rows over K [k0, k1)
-// (nothing at or past k1): per-lane prefetch instructions of one 128-byte line each (the bulk
-// prefetch takes one uniform address: a 32-iteration loop over the lanes' rows). Lane t of row
-// group g takes row (j, h) = (t / 2, t % 2) and both of its lines (NF = 2), or row h = t % 2 and
-// line t / 2 (NF = 1).
-template <int NF>
-__device__ __forceinline__ void PrefetchRows(const uint8_t* const (&wrow)[NF][2], int64_t k0, int64_t k1, int64_t cc,
-                                             int t) {
-  const uint8_t* row = (t & 1) ? wrow[0][1] : wrow[0][0];
-  if constexpr (NF == 2) row = t == 0 ? wrow[0][0] : t == 1 ? wrow[0][1] : t == 2 ? wrow[1][0] : wrow[1][1];
-  const int64_t begin = (k0 + 128 * cc) / 2, end = k1 / 2;
-#pragma unroll
-  for (int line = 0; line < 2; ++line) {
-    const int64_t at = begin + 128 * (NF == 1 ? t >> 1 : line);
-    if ((NF == 2 || line == 0) && at < end) asm volatile("prefetch.global.L2 [%0];" ::"l"(row + at));
-  }
-}
-
-template <int FM, int NF, bool PA, bool STREAM, bool PREFETCH = false>
+// (2026-12-01: per-lane L2 prefetches of each warp's rows 8-11 chunks ahead, opt-in for one A/B, were
+// 2-76% slower; removed.)
+template <int FM, int NF, bool PA, bool STREAM>
 __device__ __forceinline__ void MainLoop(const uint8_t* const (&wrow)[NF][2], const uint8_t* const (&srow)[NF][2],
                                          const uint16_t* const (&arow)[FM], int64_t k0, int64_t k1, int t,
                                          float (&acc)[NF][FM][4]) {
@@ -155,14 +133,11 @@ __device__ __forceinline__ void MainLoop(const uint8_t* const (&wrow)[NF][2], co
   const int64_t chunks = (k1 - k0) / 128;
   WeightRegs<128, NF> buf[D];
   if (chunks > 0) buf[0].template Load<STREAM>(wrow, srow, k0, t);
-  if constexpr (PREFETCH) PrefetchRows<NF>(wrow, k0, k1, kPrefetchAhead - kPrefetchEvery, t);
   for (int64_t c0 = 0; c0 < chunks; c0 += D) {
 #pragma unroll
     for (int s = 0; s < D; ++s) {
       const int64_t c = c0 + s;
       if (c < chunks) {
-        if constexpr (PREFETCH)
-          if (c % kPrefetchEvery == 0) PrefetchRows<NF>(wrow, k0, k1, c + kPrefetchAhead, t);
         if (c + 1 < chunks) buf[(s + 1) % D].template Load<STREAM>(wrow, srow, k0 + 128 * (c + 1), t);
         ComputeChunk<128, NF, FM, PA>(buf[s], arow, k0 + 128 * c, t, acc);
       }
@@ -245,28 +220,19 @@ __device__ __forceinline__ void MainLoopAsync(WarpRing<NF>& ring, const uint8_t*
 
 // LOOP: how decode tiles (FM <= 2) stream weights; larger tiles always use MainLoop without
 // streaming hints. kStreamLoop: MainLoop whose weight loads skip L1 and prefetch 256 bytes into
-// L2; kRegisterLoop: the same with plain loads (Launch picks one from the K per warp);
-// kPrefetchLoop: kStreamLoop plus L2 prefetches 8-11 chunks ahead (KernelFlag kL2Prefetch).
-enum DecodeLoop : int { kRegisterLoop = 0, kRingLoop = 1, kStreamLoop = 2, kPrefetchLoop = 3 };
+// L2; kRegisterLoop: the same with plain loads (Launch picks one from the K per warp).
+enum DecodeLoop : int { kRegisterLoop = 0, kRingLoop = 1, kStreamLoop = 2 };
 constexpr int64_t kStreamMinSpan = 768;  // K per warp from which decode tiles stream (Launch)
 
-// SG (KernelFlag kSplitGateUp; gated decode tiles, k_split 1 or 2): a warp loads either the gate
-// or the up rows of its 16 features (one weight fragment: the non-gated kernel's registers, so
-// more CTAs fit per SM); the up warps hand their sums to the gate warps through shared memory
-// for the fused epilogue. A CTA then covers half the features.
-template <int FM, int KS, int LOOP, bool GATED, typename OutT, bool PA, bool SG = false>
+template <int FM, int KS, int LOOP, bool GATED, typename OutT, bool PA>
 __global__ void __launch_bounds__(kThreads) W4A16GroupedGemmKernel(const GemmParams p) {
-  static_assert(!SG || (GATED && KS <= 2), "split gate/up: gated, k_split 1 or 2");
   constexpr int BM = FM * 8;
-  constexpr int NF = GATED && !SG ? 2 : 1;  // weight fragments per warp: [gate, up] or [h] (SG: gate or up)
-  constexpr int kRoles = SG ? 2 : 1;        // SG: warps of role 0 load gate rows, role 1 up rows
-  constexpr int NS = kWarps / (KS * kRoles);  // warps along N; KS x kRoles warps share each 16 features
-  constexpr int kAcc = NF * FM * 4;         // fp32 accumulators per thread
+  constexpr int NF = GATED ? 2 : 1;  // weight fragments per warp: [gate, up] or [h]
+  constexpr int NS = kWarps / KS;    // warps along N; KS warps share each 16 features
+  constexpr int kAcc = NF * FM * 4;  // fp32 accumulators per thread
   constexpr bool kAsync = LOOP == kRingLoop && FM <= 2;  // decode tiles: weights through the cp.async ring
-  constexpr bool kStream = (LOOP == kStreamLoop || LOOP == kPrefetchLoop) && FM <= 2;
-  constexpr bool kPrefetch = LOOP == kPrefetchLoop && FM <= 2;
-  __shared__ float partial[KS > 1 ? (KS - 1) * kRoles * NS * kAcc * 32 : 1];
-  __shared__ float up_sums[SG ? NS * kAcc * 32 : 1];
+  constexpr bool kStream = LOOP == kStreamLoop && FM <= 2;
+  __shared__ float partial[KS > 1 ? (KS - 1) * NS * kAcc * 32 : 1];
   __shared__ WarpRing<NF> rings[kAsync ? kWarps : 1];
   GridDependencyWait();
   const int64_t tile = blockIdx.x;
@@ -274,7 +240,7 @@ __global__ void __launch_bounds__(kThreads) W4A16GroupedGemmKernel(const GemmPar
   if (e < 0 || e >= p.E) return;  // unused tile (uniform over the CTA)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
-  const int ns = warp % NS, role = (warp / NS) % kRoles, kw = warp / (NS * kRoles);
+  const int ns = warp % NS, kw = warp / NS;
   const int64_t feat0 = (int64_t(blockIdx.y) * NS + ns) * kWarpFeatures;
   const bool active = feat0 < p.n_out;  // the last slab may be partly past n_out
   const int64_t K = p.K;
@@ -294,8 +260,7 @@ __global__ void __launch_bounds__(kThreads) W4A16GroupedGemmKernel(const GemmPar
     for (int j = 0; j < NF; ++j)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const bool up = SG ? role == 1 : j == 1;
-        const int64_t row = int64_t(e) * p.N + feat0 + g + 8 * h + (up ? p.n_out : 0);
+        const int64_t row = int64_t(e) * p.N + feat0 + g + 8 * h + (j == 1 ? p.n_out : 0);
         wrow[j][h] = p.w + row * (K / 2);
         srow[j][h] = p.ws + row * (K / 16);
       }
@@ -310,29 +275,25 @@ __global__ void __launch_bounds__(kThreads) W4A16GroupedGemmKernel(const GemmPar
     const int64_t k0 = 64 * (units * kw / KS), k1 = 64 * (units * (kw + 1) / KS);
     if constexpr (kAsync)
       MainLoopAsync<FM, NF, PA>(rings[warp], wrow, srow, arow, k0, k1, t, lane, acc);
-    else MainLoop<FM, NF, PA, kStream, kPrefetch>(wrow, srow, arow, k0, k1, t, acc);
+    else MainLoop<FM, NF, PA, kStream>(wrow, srow, arow, k0, k1, t, acc);
   }
 
-  // The sums of a warp's accumulators at `buf` (kAcc x 32 floats, lane-interleaved).
-  auto store = [&](float* buf) {
-#pragma unroll
-    for (int j = 0; j < NF; ++j)
-#pragma unroll
-      for (int m = 0; m < FM; ++m)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) buf[((j * FM + m) * 4 + i) * 32 + lane] = acc[j][m][i];
-  };
   if constexpr (KS > 1) {  // warps kw > 0 hand their sums to warp kw = 0, added in kw order
-    const auto slot = [&](int w) { return partial + (((w - 1) * kRoles + role) * NS + ns) * kAcc * 32; };
-    if (kw > 0 && active) store(slot(kw));
-    __syncthreads();
-    if constexpr (!SG) {
-      if (kw > 0) return;
+    if (kw > 0 && active) {
+      float* dst = partial + ((kw - 1) * NS + ns) * kAcc * 32 + lane;
+#pragma unroll
+      for (int j = 0; j < NF; ++j)
+#pragma unroll
+        for (int m = 0; m < FM; ++m)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) dst[((j * FM + m) * 4 + i) * 32] = acc[j][m][i];
     }
-    if ((!SG || kw == 0) && active) {
+    __syncthreads();
+    if (kw > 0) return;
+    if (active) {
 #pragma unroll
       for (int w = 1; w < KS; ++w) {
-        const float* src = slot(w) + lane;
+        const float* src = partial + ((w - 1) * NS + ns) * kAcc * 32 + lane;
 #pragma unroll
         for (int j = 0; j < NF; ++j)
 #pragma unroll
@@ -342,24 +303,9 @@ __global__ void __launch_bounds__(kThreads) W4A16GroupedGemmKernel(const GemmPar
       }
     }
   }
-  if constexpr (SG) {  // the up warps (kw = 0) hand their sums to the gate warps
-    if (kw == 0 && role == 1 && active) store(up_sums + ns * kAcc * 32);
-    __syncthreads();
-    if (kw > 0 || role > 0) return;
-  }
   if (!active) return;
 
-  if constexpr (SG) {
-    float both[2][FM][4];  // [gate, up], as the two-fragment kernel holds them
-    const float* src = up_sums + ns * kAcc * 32 + lane;
-#pragma unroll
-    for (int m = 0; m < FM; ++m)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) both[0][m][i] = acc[0][m][i], both[1][m][i] = src[(m * 4 + i) * 32];
-    Epilogue<FM, 2, true, OutT>(p, e, tile, feat0, both);
-  } else {
-    Epilogue<FM, NF, GATED, OutT>(p, e, tile, feat0, acc);
-  }
+  Epilogue<FM, NF, GATED, OutT>(p, e, tile, feat0, acc);
 }
 
 // Instances: k_split 1, 2, 4 and every DecodeLoop for 8- and 16-row tiles (decode; paired
@@ -390,36 +336,6 @@ void LaunchLoop(const GemmParams& p, int64_t tile_m, int64_t k_split, int64_t sl
   }
 }
 
-// KernelFlag kSplitGateUp: the gated decode kernels with gate and up rows in separate warps (SG),
-// for 8- and 16-row tiles with k_split 1 or 2 (false otherwise: the caller launches the others),
-// with the plain, streaming or prefetching loads (LOOP).
-template <int FM, int KS, int LOOP, typename OutT>
-void LaunchSplitGateUpKernel(const GemmParams& p, dim3 grid, bool pdl, cudaStream_t stream) {
-  LaunchKernel(W4A16GroupedGemmKernel<FM, KS, LOOP, true, OutT, false, true>, grid, kThreads, 0, stream, pdl, p);
-}
-template <int LOOP, typename OutT>
-void LaunchSplitGateUpLoop(const GemmParams& p, int64_t tile_m, int64_t k_split, dim3 grid, bool pdl,
-                           cudaStream_t stream) {
-  if (tile_m == 8) k_split == 2 ? LaunchSplitGateUpKernel<1, 2, LOOP, OutT>(p, grid, pdl, stream)
-                                : LaunchSplitGateUpKernel<1, 1, LOOP, OutT>(p, grid, pdl, stream);
-  else k_split == 2 ? LaunchSplitGateUpKernel<2, 2, LOOP, OutT>(p, grid, pdl, stream)
-                    : LaunchSplitGateUpKernel<2, 1, LOOP, OutT>(p, grid, pdl, stream);
-}
-template <typename OutT>
-bool LaunchSplitGateUp(const GemmParams& p, int64_t tile_m, int64_t k_split, int loop, bool pdl,
-                       cudaStream_t stream) {
-  if (tile_m > 16 || k_split > 2) return false;
-  const int64_t slabs = CeilDiv<int64_t>(p.n_out, kWarpFeatures * (kWarps / (2 * k_split)));
-  if (slabs > 65535) return false;
-  const dim3 grid(unsigned(p.P / tile_m), unsigned(slabs));
-  switch (loop) {
-    case kStreamLoop: LaunchSplitGateUpLoop<kStreamLoop, OutT>(p, tile_m, k_split, grid, pdl, stream); break;
-    case kPrefetchLoop: LaunchSplitGateUpLoop<kPrefetchLoop, OutT>(p, tile_m, k_split, grid, pdl, stream); break;
-    default: LaunchSplitGateUpLoop<kRegisterLoop, OutT>(p, tile_m, k_split, grid, pdl, stream); break;
-  }
-  return true;
-}
-
 template <bool GATED, typename OutT, bool PA = false>
 void Launch(const GemmParams& p, int64_t tile_m, int64_t k_split, int64_t slabs, int64_t flags,
             cudaStream_t stream) {
@@ -429,21 +345,15 @@ void Launch(const GemmParams& p, int64_t tile_m, int64_t k_split, int64_t slabs,
   // faster and Qwen3 T = 16, 64 9-11%, but Qwen3 T = 1 8% slower, whose warps span 384-512 K: the
   // 256-byte prefetch then mostly fetches other warps' bytes). kPlainWeightLoads: plain loads
   // everywhere; kRingDecodeLoop: the cp.async ring (3-13% slower than plain loads on 8-row tiles,
-  // 4% on 16-row tiles); kL2Prefetch: the streaming loads plus L2 prefetches, at any span;
-  // kSplitGateUp: gate and up rows in separate warps (gated, k_split <= 2; the last two not yet
-  // run on a GPU). Larger tiles and paired activations (no such instances: compile time) ignore
-  // these flags (the ring wins over the others); every variant gives the same bits.
+  // 4% on 16-row tiles). Larger tiles and paired activations (no such instances: compile time)
+  // ignore these flags; every variant gives the same bits. (L2 prefetches 8-11 chunks ahead and
+  // gate / up rows in separate warps, 70-96 registers, were 2-76% and up to 17% slower on the H200,
+  // 2026-12-01: removed.)
   if constexpr (!PA) {
     if (flags & int64_t(KernelFlag::kRingDecodeLoop))
       return LaunchLoop<kRingLoop, GATED, OutT, PA>(p, tile_m, k_split, slabs, pdl, stream);
-    const bool prefetch = flags & int64_t(KernelFlag::kL2Prefetch);
-    const bool stream_loads = !(flags & int64_t(KernelFlag::kPlainWeightLoads)) && p.K / k_split >= kStreamMinSpan;
-    const int loop = prefetch ? kPrefetchLoop : stream_loads ? kStreamLoop : kRegisterLoop;
-    if constexpr (GATED)
-      if ((flags & int64_t(KernelFlag::kSplitGateUp)) && LaunchSplitGateUp<OutT>(p, tile_m, k_split, loop, pdl, stream))
-        return;
-    if (prefetch) return LaunchLoop<kPrefetchLoop, GATED, OutT, PA>(p, tile_m, k_split, slabs, pdl, stream);
-    if (!stream_loads) return LaunchLoop<kRegisterLoop, GATED, OutT, PA>(p, tile_m, k_split, slabs, pdl, stream);
+    if ((flags & int64_t(KernelFlag::kPlainWeightLoads)) || p.K / k_split < kStreamMinSpan)
+      return LaunchLoop<kRegisterLoop, GATED, OutT, PA>(p, tile_m, k_split, slabs, pdl, stream);
   }
   LaunchLoop<kStreamLoop, GATED, OutT, PA>(p, tile_m, k_split, slabs, pdl, stream);
 }
