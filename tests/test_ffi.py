@@ -98,6 +98,14 @@ def test_padded_rows_bound(n, e, tile):
     assert ops.choose_tile_m(1 * 8, 256) == 8 and ops.choose_tile_m(4096 * 8, 256) == 64
 
 
+@pytest.mark.parametrize("rows_per_expert,tile", [(0.25, 8), (4, 8), (5, 16), (8, 16), (16, 16), (32, 16),
+                                                  (33, 64), (128, 64)])
+def test_choose_tile_m_fits_most_experts_in_one_tile(rows_per_expert, tile):
+    """8-row tiles while they hold the mean plus two standard deviations of an expert's rows,
+    then 16-row tiles; past 32 rows on average, the 64-row prefill tiles."""
+    assert ops.choose_tile_m(int(rows_per_expert * 32), 32) == tile
+
+
 # ------------------------------------------------------------------------------------------
 # Op 1: align
 
@@ -746,6 +754,34 @@ def test_gpu_kernel_variants_match_twin(act, gather, mode, out_dtype, h, tile_m,
     want = _run_gemm("jax", *args)
     used = used_rows(sid, te, tile_m)
     assert relerr(f32(got)[used], f32(want)[used]) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("gated", [True, False])
+def test_gpu_tile_sizes_are_bitwise_equal(gpu_experts, mode, gated):
+    """A pair's output does not depend on the tile that holds it (the same K order per row with
+    k_split 1): 8-, 16- and 32-row tiles give the same bits, so the 16- and 32-row kernels'
+    skipped blocks (the 8-row blocks after a tile's last row, UsedBlocks) lose nothing. The
+    routing gives the 8 experts 1 to 40 rows, so every count of used blocks occurs."""
+    ex = gpu_experts[(8, gated)]
+    t = 80
+    rng = np.random.default_rng(7)
+    ids = np.full((t, 2), -1, np.int32)
+    for e, rows in enumerate([1, 7, 9, 16, 17, 25, 33, 40]):  # 148 pairs in 80 tokens x 2 slots
+        for r in range(rows):
+            p = rng.integers(0, 2 * t)
+            while ids.flat[p] >= 0 or (ids[p // 2] == e).any():
+                p = rng.integers(0, 2 * t)
+            ids.flat[p] = e
+    w = jnp.asarray(rng.random((t, 2)), jnp.float32)
+    x = make_x(3, t, 320)
+    act = "swiglu" if gated else "relu2"
+    f = jax.jit(lambda x, i, w, tm: ops.moe(x, ex, i, w, mode=mode, activation=act, tile_m=tm, k_split=1),
+                static_argnums=3)
+    want = f32(f(x, jnp.asarray(ids), w, 8))
+    for tm in (16, 32):
+        np.testing.assert_array_equal(f32(f(x, jnp.asarray(ids), w, tm)), want, err_msg=f"tile_m={tm}")
 
 
 _MOE_JIT = jax.jit(ops.moe, static_argnames=("mode", "kernel_flags"))  # one jit cache for the tests below

@@ -49,22 +49,23 @@ __device__ __forceinline__ void Mma16816(float (&c)[4], const uint32_t (&a)[4], 
 // Padding rows once read row 0 of a instead (no predicate; 11-18% fewer loop instructions on
 // 16-row tiles), but DeepSeek-V3 decode layers were 3-13% slower with it on the H200 (2026-12-01;
 // cause not established: BENCHMARKS.md, session 8).
-template <int FM>
+template <int FMU, int FM>
 __device__ __forceinline__ void LoadPiece(const uint16_t* const (&arow)[FM], int64_t k, uint4 (&x)[FM]) {
 #pragma unroll
-  for (int m = 0; m < FM; ++m)
+  for (int m = 0; m < FMU; ++m)
     x[m] = arow[m] ? __ldg(reinterpret_cast<const uint4*>(arow[m] + k)) : make_uint4(0, 0, 0, 0);
 }
 
 // Piece p of a chunk (one 32-bit word of codes per weight row, the activations x = 8 k) feeds
 // two MMA steps per weight fragment and row block. PA: the activations are stored paired
-// (Pairing::kA), so the 16 bytes already are the B words.
-template <int CH, int NF, int FM, bool PA>
+// (Pairing::kA), so the 16 bytes already are the B words. Only the first FMU of the tile's FM
+// row blocks are multiplied (the others hold no row: UsedBlocks).
+template <int CH, int NF, int FMU, int FM, bool PA>
 __device__ __forceinline__ void ComputePiece(const WeightRegs<CH, NF>& w, const uint32_t (&scale)[NF][2][2], int p,
                                              const uint4 (&x)[FM], float (&acc)[NF][FM][4]) {
   uint32_t b[FM][4];
 #pragma unroll
-  for (int m = 0; m < FM; ++m) {
+  for (int m = 0; m < FMU; ++m) {
     if constexpr (PA) {
       b[m][0] = x[m].x, b[m][1] = x[m].y, b[m][2] = x[m].z, b[m][3] = x[m].w;
     } else {
@@ -79,7 +80,7 @@ __device__ __forceinline__ void ComputePiece(const WeightRegs<CH, NF>& w, const 
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
 #pragma unroll
-    for (int m = 0; m < FM; ++m) {
+    for (int m = 0; m < FMU; ++m) {
 #pragma unroll
       for (int j = 0; j < NF; ++j) {
         uint32_t a[4];
@@ -91,7 +92,7 @@ __device__ __forceinline__ void ComputePiece(const WeightRegs<CH, NF>& w, const 
 }
 
 // Multiply one chunk: thread t's span is K [kc + t*CH/4, kc + (t+1)*CH/4), CH/32 pieces.
-template <int CH, int NF, int FM, bool PA>
+template <int CH, int NF, int FMU, int FM, bool PA>
 __device__ __forceinline__ void ComputeChunk(const WeightRegs<CH, NF>& w, const uint16_t* const (&arow)[FM],
                                              int64_t kc, int t, float (&acc)[NF][FM][4]) {
   constexpr int kSpan = CH / 4;
@@ -100,20 +101,20 @@ __device__ __forceinline__ void ComputeChunk(const WeightRegs<CH, NF>& w, const 
 #pragma unroll
   for (int p = 0; p < kSpan / 8; ++p) {
     uint4 x[FM];
-    LoadPiece<FM>(arow, kc + kSpan * t + 8 * p, x);
-    ComputePiece<CH, NF, FM, PA>(w, scale, p, x, acc);
+    LoadPiece<FMU, FM>(arow, kc + kSpan * t + 8 * p, x);
+    ComputePiece<CH, NF, FMU, FM, PA>(w, scale, p, x, acc);
   }
 }
 
 // The 64-K tail at kc when kc < k1 ((k1 - k0) % 128 == 64), loaded straight into registers.
-template <int FM, int NF, bool PA>
+template <int FMU, int FM, int NF, bool PA>
 __device__ __forceinline__ void TailChunk(const uint8_t* const (&wrow)[NF][2], const uint8_t* const (&srow)[NF][2],
                                           const uint16_t* const (&arow)[FM], int64_t kc, int64_t k1, int t,
                                           float (&acc)[NF][FM][4]) {
   if (kc < k1) {
     WeightRegs<64, NF> tail;
     tail.Load(wrow, srow, kc, t);
-    ComputeChunk<64, NF, FM, PA>(tail, arow, kc, t, acc);
+    ComputeChunk<64, NF, FMU, FM, PA>(tail, arow, kc, t, acc);
   }
 }
 
@@ -125,7 +126,7 @@ __device__ __forceinline__ void TailChunk(const uint8_t* const (&wrow)[NF][2], c
 // slower in 8 of 12 rows of the same A/B and 3-5% faster in 2 (fewer CTAs fit per SM).
 // (2026-12-01: per-lane L2 prefetches of each warp's rows 8-11 chunks ahead, opt-in for one A/B, were
 // 2-76% slower; removed.)
-template <int FM, int NF, bool PA, bool STREAM>
+template <int FMU, int FM, int NF, bool PA, bool STREAM>
 __device__ __forceinline__ void MainLoop(const uint8_t* const (&wrow)[NF][2], const uint8_t* const (&srow)[NF][2],
                                          const uint16_t* const (&arow)[FM], int64_t k0, int64_t k1, int t,
                                          float (&acc)[NF][FM][4]) {
@@ -139,11 +140,39 @@ __device__ __forceinline__ void MainLoop(const uint8_t* const (&wrow)[NF][2], co
       const int64_t c = c0 + s;
       if (c < chunks) {
         if (c + 1 < chunks) buf[(s + 1) % D].template Load<STREAM>(wrow, srow, k0 + 128 * (c + 1), t);
-        ComputeChunk<128, NF, FM, PA>(buf[s], arow, k0 + 128 * c, t, acc);
+        ComputeChunk<128, NF, FMU, FM, PA>(buf[s], arow, k0 + 128 * c, t, acc);
       }
     }
   }
-  TailChunk<FM, NF, PA>(wrow, srow, arow, k0 + 128 * chunks, k1, t, acc);
+  TailChunk<FMU, FM, NF, PA>(wrow, srow, arow, k0 + 128 * chunks, k1, t, acc);
+}
+
+// The tile's 8-row blocks up to its last one with a row (warp-uniform). moe_align leaves an
+// expert's padding at the end of its last tile, so a 16-row tile whose second block is all
+// padding runs as an 8-row one (MainLoopUsed): 16-row tiles then cost the experts with <= 8 rows
+// (or 17-24) little more than 8-row ones, and the busier experts need no second tile.
+template <int FM>
+__device__ __forceinline__ int UsedBlocks(const uint16_t* const (&arow)[FM]) {
+  int used = 0;
+#pragma unroll
+  for (int m = 0; m < FM; ++m)
+    if (__any_sync(0xffffffffu, arow[m] != nullptr)) used = m + 1;
+  return used;
+}
+
+// MainLoop over the tile's used row blocks: none (no loads, the epilogue stores zeros), one of a
+// 16-row tile, or all. (32-row tiles run all four: one instance per count made their gated
+// kernel take 255 registers instead of 176.)
+template <int FM, int NF, bool PA, bool STREAM>
+__device__ __forceinline__ void MainLoopUsed(int used, const uint8_t* const (&wrow)[NF][2],
+                                             const uint8_t* const (&srow)[NF][2],
+                                             const uint16_t* const (&arow)[FM], int64_t k0, int64_t k1, int t,
+                                             float (&acc)[NF][FM][4]) {
+  if (used == 0) return;
+  if constexpr (FM == 2) {
+    if (used == 1) return MainLoop<1, FM, NF, PA, STREAM>(wrow, srow, arow, k0, k1, t, acc);
+  }
+  MainLoop<FM, FM, NF, PA, STREAM>(wrow, srow, arow, k0, k1, t, acc);
 }
 
 // ---- decode tiles: a deeper pipeline through shared memory ---------------------------------
@@ -213,9 +242,9 @@ __device__ __forceinline__ void MainLoopAsync(WarpRing<NF>& ring, const uint8_t*
         w.SetCodes(j, h, ring.codes[stage][2 * j + h][lane]);
         w.s[j][h] = ring.scales[stage][2 * j + h][lane] >> (16 * (t & 1));
       }
-    ComputeChunk<128, NF, FM, PA>(w, arow, k0 + 128 * c, t, acc);
+    ComputeChunk<128, NF, FM, FM, PA>(w, arow, k0 + 128 * c, t, acc);
   }
-  TailChunk<FM, NF, PA>(wrow, srow, arow, k0 + 128 * chunks, k1, t, acc);
+  TailChunk<FM, FM, NF, PA>(wrow, srow, arow, k0 + 128 * chunks, k1, t, acc);
 }
 
 // LOOP: how decode tiles (FM <= 2) stream weights; larger tiles always use MainLoop without
@@ -275,7 +304,7 @@ __global__ void __launch_bounds__(kThreads) W4A16GroupedGemmKernel(const GemmPar
     const int64_t k0 = 64 * (units * kw / KS), k1 = 64 * (units * (kw + 1) / KS);
     if constexpr (kAsync)
       MainLoopAsync<FM, NF, PA>(rings[warp], wrow, srow, arow, k0, k1, t, lane, acc);
-    else MainLoop<FM, NF, PA, kStream>(wrow, srow, arow, k0, k1, t, acc);
+    else MainLoopUsed<FM, NF, PA, kStream>(UsedBlocks(arow), wrow, srow, arow, k0, k1, t, acc);
   }
 
   if constexpr (KS > 1) {  // warps kw > 0 hand their sums to warp kw = 0, added in kw order
