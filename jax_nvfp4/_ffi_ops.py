@@ -189,8 +189,9 @@ def choose_tile_m(n_pairs: int, num_experts: int) -> int:
     Prefill (a mean above 32 rows): 64-row wgmma tiles. Decode: 8-row tiles while they hold the
     mean plus two standard deviations (about 98% of the experts in one tile), else 16-row tiles:
     an expert that needs a second tile has its weights decoded twice, and the kernels skip a
-    tile's empty 8-row blocks. On the H200 (2026-12-01, ``BENCHMARKS.md``) 16-row tiles beat 8-row
-    ones from 8 rows per expert on (5-21%), and 32-row tiles lost to 16-row ones at 4-32 rows.
+    tile's empty 8-row blocks. On the H200 (2026-12-01, ``BENCHMARKS.md``) 16-row tiles made
+    DeepSeek-V3 layers with 8-32 rows per expert 4-14% faster and tied at Qwen3's 8; 32-row tiles
+    lost to 16-row ones at 4-32 rows.
     """
     lam = n_pairs / max(num_experts, 1)
     if lam > 32:

@@ -232,7 +232,7 @@ if stage ab; then
   # hints became the default on 2026-12-01). Settled on 2026-12-01: the cp.async ring (1), the K
   # split (--ffi-k-splits), the paired GEMM1 input, L2 prefetches and gate / up rows in separate
   # warps (both removed). T = 1/4/16 (8-row tiles), 64 (DeepSeek-V3: 16-row, Qwen3: 8-row), 128
-  # (DeepSeek-V3: 32-row, Qwen3: 8-row).
+  # (16-row).
   abpart() { local name=$1 s=$2 def=$3 var=$4; [[ $var == skip ]] && return
     # shellcheck disable=SC2086
     ab "$s" ${var:-$def} --json "$OUT/ab_$name.json"; }
