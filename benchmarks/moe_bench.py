@@ -136,6 +136,7 @@ def bench_shape(shape, tokens, modes, backends, args, log, on_tokens=None):
                 variants += [(f"ffi[flags={f}]", FFIBackend(f)) for f in args.ffi_flags]
                 variants += [(f"ffi[ks={s}]", FFIBackend(k_split=s)) for s in args.ffi_k_splits]
                 variants += [(f"ffi[tm={m}]", FFIBackend(tile_m=m)) for m in args.ffi_tile_ms]
+                variants += [(f"ffi[flags={f},ks={s}]", FFIBackend(f, k_split=s)) for f, s in args.ffi_configs]
             for label, impl in variants:  # forced strategies / kernel variants, side by side
 
                 def fn(x, ids, w, ex, impl=impl, problem=problem):
@@ -207,13 +208,16 @@ def main(argv=None):
                         "gather/ragged,gather/tiled (to calibrate the automatic choice)")
     p.add_argument("--ffi-flags", default="",
                    help="comma-separated KernelFlag values to time as extra ffi rows 'ffi[flags=N]' (CUDA "
-                        "kernel variants, see KernelFlag: 1 the cp.async ring decode loop, 2 no wgmma, 4 two-block wgmma, 8 fused w4a4 quantize, 16 row-tiles-first wgmma grid, 32 one-warp align, 64 PDL launches; combine by adding)")
+                        "kernel variants, see KernelFlag: 1 the bulk-copy ring decode loop, 2 no wgmma, 4 two-block wgmma, 8 fused w4a4 quantize, 16 row-tiles-first wgmma grid, 32 one-warp align, 64 PDL launches; combine by adding)")
     p.add_argument("--ffi-k-splits", default="",
                    help="comma-separated k_split values (1, 2, 4) to time as extra ffi rows 'ffi[ks=N]': the "
                         "decode tiles' K split fixed instead of chosen from the shape (more CTAs per GEMM)")
     p.add_argument("--ffi-tile-ms", default="",
                    help="comma-separated tile_m values (8, 16, 32, 64) to time as extra ffi rows 'ffi[tm=N]': the "
                         "rows per GEMM tile fixed instead of chosen from the expected rows per expert")
+    p.add_argument("--ffi-configs", default="",
+                   help="comma-separated FLAGS:KSPLIT pairs to time as extra rows 'ffi[flags=F,ks=S]': a kernel "
+                        "variant with the K split fixed too (e.g. 1:1,1:4)")
     p.add_argument("--no-baseline", action="store_true", help=f"skip the {BASELINE} baseline")
     p.add_argument("--max-expanded-tflop", type=float, default=100.0,
                    help="skip the baseline when ragged_dot's dense expansion exceeds this many TFLOP")
@@ -262,6 +266,11 @@ def main(argv=None):
         args.ffi_k_splits = [FFIBackend(k_split=int(s)).k_split for s in args.ffi_k_splits.split(",") if s]
     except ValueError as err:
         p.error(f"--ffi-k-splits: {err}")
+    try:
+        args.ffi_configs = [(_ffi_ops._check_kernel_flags(int(f)), FFIBackend(k_split=int(k)).k_split)
+                            for f, k in (c.split(":") for c in args.ffi_configs.split(",") if c)]
+    except ValueError as err:
+        p.error(f"--ffi-configs: {err} (expected FLAGS:KSPLIT pairs)")
     try:
         args.ffi_tile_ms = [FFIBackend(tile_m=int(m)).tile_m for m in args.ffi_tile_ms.split(",") if m]
     except ValueError as err:

@@ -40,8 +40,8 @@ enum class RowScale : int64_t {
 // The defaults are the winners of the H200 A/B of 2026-12-01 (BENCHMARKS.md); each flag names
 // the alternative, so the same A/B can be run again.
 enum class KernelFlag : int64_t {
-  kRingDecodeLoop = 1,   // decode tiles (8/16 rows): weights through the cp.async ring instead of
-                         // register prefetch
+  kRingDecodeLoop = 1,   // decode tiles (8/16 rows): weights through a shared-memory ring filled by
+                         // bulk copies instead of register prefetch (where K % 256 == 0)
   kNoWgmma = 2,          // 64-row tiles: the mma.sync kernel instead of the sm_90a wgmma kernel
   kWgmmaTwoBlocks = 4,   // wgmma, non-gated: two 64-feature blocks per warpgroup instead of one
   kJaxQuant = 8,         // w4a4: per-token quantization in pure JAX instead of the quant_dequant_rows

@@ -13,7 +13,7 @@
 #   ignored by git and named in the device call's carry),
 #   AB_TREE_ARGS (its moe_bench arguments),
 #   TEST_NODES (pytest targets of the test and sanitize stages, in order; default
-#   "tests/test_ffi_quant.py tests/test_ffi.py"), TEST_S,
+#   "tests/test_ffi_quant.py tests/test_ffi.py"), TEST_S, TEST_WORKERS (pytest-xdist processes),
 #   SAN_K (pytest -k expression of the sanitize stage; default the stage argument), SAN_S,
 #   SAN_EACH=1 (one sanitizer process per test), SAN_EACH=function (one per test function) or
 #   SAN_EACH=all (one for all; after a crash the unfinished cases run again; a case that crashes
@@ -60,6 +60,8 @@ log "tools: $(command -v compute-sanitizer nsys ncu | tr '\n' ' ')"
 if stage test; then
   log "GPU tests"
   kargs=(); [[ -n $kexpr ]] && kargs=(-k "$kexpr")
+  # TEST_WORKERS=N: N pytest-xdist processes share the GPU (the cases are mostly compile time).
+  [[ -n ${TEST_WORKERS:-} ]] && kargs+=(-n "$TEST_WORKERS")
   # shellcheck disable=SC2086
   timeout $(left ${TEST_S:-250}) python3 -m pytest -q -p no:cacheprovider -m gpu $TEST_NODES --maxfail=10 -rf \
     --durations=10 "${kargs[@]}" >"$OUT/ffi_pytest.log" 2>&1

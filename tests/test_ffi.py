@@ -742,9 +742,9 @@ def test_gemm_without_activation_rows_writes_zeros(on_gpu, tile_m):
                                    int(ops.KernelFlag.WGMMA_TWO_BLOCKS), int(ops.KernelFlag.ROW_TILES_FIRST),
                                    int(ops.KernelFlag.ROW_TILES_FIRST | ops.KernelFlag.WGMMA_TWO_BLOCKS)])
 @pytest.mark.parametrize("act,gather,mode,out_dtype", [GEMM_CASES[0], GEMM_CASES[-1]])
-@pytest.mark.parametrize("tile_m,h", [(8, 1152), (16, 1152), (64, 320)])
+@pytest.mark.parametrize("tile_m,h", [(8, 1280), (16, 1280), (64, 320)])
 def test_gpu_kernel_variants_match_twin(act, gather, mode, out_dtype, h, tile_m, flags):
-    """Every KernelFlag variant of the GEMM (the cp.async ring and plain weight loads on 8- and
+    """Every KernelFlag variant of the GEMM (the bulk-copy ring and plain weight loads on 8- and
     16-row tiles, mma.sync 64-row tiles, two-block wgmma, the row-tiles-first wgmma grid)."""
     if not has_gpu():
         pytest.skip("needs an NVIDIA GPU")
@@ -754,6 +754,36 @@ def test_gpu_kernel_variants_match_twin(act, gather, mode, out_dtype, h, tile_m,
     want = _run_gemm("jax", *args)
     used = used_rows(sid, te, tile_m)
     assert relerr(f32(got)[used], f32(want)[used]) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("h,k_split", [(512, 4), (768, 1), (768, 2), (768, 4), (1280, 1), (1280, 4), (2048, 2),
+                                       (1152, 1)])
+@pytest.mark.parametrize("tile_m", [8, 16])
+@pytest.mark.parametrize("act,gather,mode,out_dtype,paired", [
+    (ops.Activation.SWIGLU, True, ops.RowScale.NONE, BF16, False),
+    (ops.Activation.RELU2, True, ops.RowScale.TOKEN, jnp.float32, False),
+    (ops.Activation.IDENTITY, False, ops.RowScale.PAIR, BF16, True)])
+def test_gpu_bulk_ring_is_bitwise_the_register_loop(act, gather, mode, out_dtype, paired, h, tile_m, k_split):
+    """KernelFlag.RING_DECODE_LOOP (weights through the tensor-copy ring) multiplies in the register
+    loop's order, so the bits are equal: warp K ranges of one stage or several (more than the ring
+    holds: gated rings have 2 stages, others 4), a last stage of 64/128/192 K (its boxes shifted
+    back inside the row), ranges that start off a 256-K boundary (768 / 2, 1280 / 4: the scales
+    box starts 16-byte aligned before them), paired activations, and K = 1152 (not a multiple of
+    256: the flag falls back to the register loop)."""
+    if not has_gpu():
+        pytest.skip("needs an NVIDIA GPU")
+    a, w, sid, te, rs = _gemm_problem(act, gather, mode, t=37, k=4, e=6, h=h, n=80, tile_m=tile_m, seed=h + k_split)
+    if paired:
+        a = ops.to_paired(a)
+    run = lambda flags: f32(ops.grouped_gemm(  # noqa: E731
+        a, w, sid, te, tile_m=tile_m, activation=act, top_k=4, gather=gather,
+        row_scale=rs if mode != ops.RowScale.NONE else None, row_scale_mode=mode, out_dtype=out_dtype,
+        k_split=k_split, pairing=ops.Pairing.A if paired else ops.Pairing.NONE, kernel_flags=flags))
+    used = used_rows(sid, te, tile_m)
+    got, want = run(int(ops.KernelFlag.RING_DECODE_LOOP)), run(0)
+    np.testing.assert_array_equal(got[used], want[used])
+    assert np.isfinite(want[used]).all() and (want[used] != 0).any()
 
 
 @pytest.mark.gpu
