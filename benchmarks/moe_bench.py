@@ -208,7 +208,7 @@ def main(argv=None):
                         "gather/ragged,gather/tiled (to calibrate the automatic choice)")
     p.add_argument("--ffi-flags", default="",
                    help="comma-separated KernelFlag values to time as extra ffi rows 'ffi[flags=N]' (CUDA "
-                        "kernel variants, see KernelFlag: 1 the bulk-copy ring decode loop, 2 no wgmma, 4 two-block wgmma, 8 fused w4a4 quantize, 16 row-tiles-first wgmma grid, 32 one-warp align, 64 PDL launches; combine by adding)")
+                        "kernel variants, see KernelFlag: 2 no wgmma, 4 two-block wgmma, 8 fused w4a4 quantize, 16 row-tiles-first wgmma grid, 32 one-warp align, 64 PDL launches; combine by adding)")
     p.add_argument("--ffi-k-splits", default="",
                    help="comma-separated k_split values (1, 2, 4) to time as extra ffi rows 'ffi[ks=N]': the "
                         "decode tiles' K split fixed instead of chosen from the shape (more CTAs per GEMM)")

@@ -122,7 +122,6 @@ NB_MODULE(_ffi, m) {
     c["Activation"] = act;
     c["RowScale"] = rs;
     c["Mode"] = mode;
-    kf["ring_decode_loop"] = int64_t(KernelFlag::kRingDecodeLoop);
     kf["no_wgmma"] = int64_t(KernelFlag::kNoWgmma);
     kf["wgmma_two_blocks"] = int64_t(KernelFlag::kWgmmaTwoBlocks);
     kf["jax_quant"] = int64_t(KernelFlag::kJaxQuant);

@@ -40,8 +40,8 @@ enum class RowScale : int64_t {
 // The defaults are the winners of the H200 A/B of 2026-12-01 (BENCHMARKS.md); each flag names
 // the alternative, so the same A/B can be run again.
 enum class KernelFlag : int64_t {
-  kRingDecodeLoop = 1,   // decode tiles (8/16 rows): weights through a shared-memory ring filled by
-                         // bulk copies instead of register prefetch (where K % 256 == 0)
+  // 1: kRingDecodeLoop (decode weights through a shared-memory ring: cp.async, then tensor copies)
+  // until 2026-12-01, removed: slower than registers on the H200 (moe_gemm.cu, DecodeLoop).
   kNoWgmma = 2,          // 64-row tiles: the mma.sync kernel instead of the sm_90a wgmma kernel
   kWgmmaTwoBlocks = 4,   // wgmma, non-gated: two 64-feature blocks per warpgroup instead of one
   kJaxQuant = 8,         // w4a4: per-token quantization in pure JAX instead of the quant_dequant_rows
@@ -59,7 +59,7 @@ enum class KernelFlag : int64_t {
   // 1024 / 2048: kL2Prefetch / kSplitGateUp (decode tiles) for one H200 A/B on 2026-12-01, removed:
   // 2-76% and up to 17% slower.
 };
-constexpr int64_t kAllKernelFlags = 767;
+constexpr int64_t kAllKernelFlags = 766;
 // grouped_gemm's `pairing` bits: which of a's K axis and out's feature axis hold the paired
 // order (PairedPos) instead of the natural one. moe's intermediate uses it (but with KernelFlag kNaturalIntermediate):
 // GEMM1 writes it paired, GEMM2 reads it paired and skips its activation byte permutes.

@@ -70,7 +70,6 @@ class KernelFlag(enum.IntFlag):
     (for the GEMM loops, the winners of the H200 A/B of 2026-12-01; each flag names the other
     choice, so that A/B can be run again)."""
 
-    RING_DECODE_LOOP = 1  # decode tiles (8/16 rows): weights through a shared-memory ring of bulk copies (K % 256 == 0)
     NO_WGMMA = 2  # 64-row tiles: the mma.sync kernel instead of the sm_90a wgmma kernel
     WGMMA_TWO_BLOCKS = 4  # wgmma, non-gated: two 64-feature blocks per warpgroup instead of one
     JAX_QUANT = 8  # w4a4: per-token quantization in pure JAX, not by the quant_dequant_rows kernel

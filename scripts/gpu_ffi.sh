@@ -231,9 +231,9 @@ if stage ab; then
   # Each part's moe_bench arguments can be replaced (AB_DECODE, AB_W4A4, AB_PREFILL; "skip" skips it).
   # Decode: the natural-order intermediate (128; the paired order became the default of 8-32-row
   # tiles on 2026-12-01: 1-2% faster DeepSeek-V3 layers) and plain weight loads (512; the streaming
-  # hints became the default on 2026-12-01). Settled on 2026-12-01: the cp.async ring (1), the K
-  # split (--ffi-k-splits), the paired GEMM1 input, L2 prefetches and gate / up rows in separate
-  # warps (both removed). T = 1/4/16 (8-row tiles), 64 (DeepSeek-V3: 16-row, Qwen3: 8-row), 128
+  # hints became the default on 2026-12-01). Settled on 2026-12-01: the K split (--ffi-k-splits);
+  # removed: the shared-memory rings (flag 1: cp.async, then tensor copies), the paired GEMM1
+  # input, L2 prefetches and gate / up rows in separate warps. T = 1/4/16 (8-row tiles), 64 (DeepSeek-V3: 16-row, Qwen3: 8-row), 128
   # (16-row).
   abpart() { local name=$1 s=$2 def=$3 var=$4; [[ $var == skip ]] && return
     # shellcheck disable=SC2086
@@ -309,7 +309,7 @@ from jax_nvfp4 import _ffi_ops as ops
 ex = make_experts(1, 32, 512, 256)
 # Every opt-in variant but the alternatives of the defaults it would replace (JAX_QUANT: the w4a4
 # layer keeps the quant_dequant_rows kernel in the graph).
-opt_in = sum(ops.KernelFlag) & ~(ops.KernelFlag.RING_DECODE_LOOP | ops.KernelFlag.NO_WGMMA
+opt_in = sum(ops.KernelFlag) & ~(ops.KernelFlag.NO_WGMMA
                                  | ops.KernelFlag.WGMMA_TWO_BLOCKS | ops.KernelFlag.JAX_QUANT)
 layers = [jax.jit(lambda x, i, w: nv.moe(x, ex, topk_ids=i, topk_weights=w, backend="ffi")),
           jax.jit(lambda x, i, w: ops.moe(x, ex, i, w, mode="w4a4", kernel_flags=opt_in)),  # PDL in graphs too

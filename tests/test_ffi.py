@@ -263,9 +263,9 @@ def test_kernel_flags_reach_the_custom_call_and_keep_the_function():
     ex = make_experts(5, 4, 64, 32)
     x = make_x(1, 6, 64)
     ids, w = make_routing(2, 6, 2, 4)
-    flags = int(ops.KernelFlag.RING_DECODE_LOOP | ops.KernelFlag.WGMMA_TWO_BLOCKS)
+    flags = int(ops.KernelFlag.NO_WGMMA | ops.KernelFlag.WGMMA_TWO_BLOCKS)
     f = jax.jit(lambda x, i, w: ops.moe(x, ex, i, w, kernel_flags=flags))
-    assert "kernel_flags = 5" in f.lower(x, ids, w).as_text()
+    assert "kernel_flags = 6" in f.lower(x, ids, w).as_text()
     np.testing.assert_array_equal(f32(f(x, ids, w)), f32(ops.moe(x, ex, ids, w)))
     assert ffi_backend.FFIBackend(flags).kernel_flags == flags
     with pytest.raises(ValueError, match="kernel_flags must combine"):
@@ -646,8 +646,8 @@ def test_gpu_align_one_warp_matches_twin(t, k, e, offset, tile_m):
 def test_gpu_gemm_matches_twin(act, gather, mode, out_dtype, h, tile_m, k_split):
     """Every kernel instance (tile_m = 8..64 tokens, k_split 1/2/4, gated or not, bf16/fp32 out);
     K = 320 runs two 128-K chunks and the 64 tail, K = 128 one chunk (k_split 4: two warps get
-    no K at all), K = 1152 / 1088 wrap the decode kernel's cp.async ring (more chunks than
-    stages; K = 1152 with k_split 1 takes the streaming weight loads: K per warp >= 768), and
+    no K at all), K = 1152 / 1088 run many chunks through the two rotating register buffers
+    (K = 1152 with k_split 1 takes the streaming weight loads: K per warp >= 768), and
     n = 80 leaves the last slab of a CTA partly empty (tile_m 64: a warpgroup
     whose second weight block is past n_out)."""
     if not has_gpu():
@@ -737,15 +737,15 @@ def test_gemm_without_activation_rows_writes_zeros(on_gpu, tile_m):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("flags", [int(ops.KernelFlag.RING_DECODE_LOOP), int(ops.KernelFlag.PLAIN_WEIGHT_LOADS),
+@pytest.mark.parametrize("flags", [int(ops.KernelFlag.PLAIN_WEIGHT_LOADS),
                                    int(ops.KernelFlag.NO_WGMMA),
                                    int(ops.KernelFlag.WGMMA_TWO_BLOCKS), int(ops.KernelFlag.ROW_TILES_FIRST),
                                    int(ops.KernelFlag.ROW_TILES_FIRST | ops.KernelFlag.WGMMA_TWO_BLOCKS)])
 @pytest.mark.parametrize("act,gather,mode,out_dtype", [GEMM_CASES[0], GEMM_CASES[-1]])
 @pytest.mark.parametrize("tile_m,h", [(8, 1280), (16, 1280), (64, 320)])
 def test_gpu_kernel_variants_match_twin(act, gather, mode, out_dtype, h, tile_m, flags):
-    """Every KernelFlag variant of the GEMM (the bulk-copy ring and plain weight loads on 8- and
-    16-row tiles, mma.sync 64-row tiles, two-block wgmma, the row-tiles-first wgmma grid)."""
+    """Every KernelFlag variant of the GEMM (plain weight loads on 8- and 16-row tiles, mma.sync
+    64-row tiles, two-block wgmma, the row-tiles-first wgmma grid)."""
     if not has_gpu():
         pytest.skip("needs an NVIDIA GPU")
     a, w, sid, te, rs = _gemm_problem(act, gather, mode, t=37, k=4, e=6, h=h, n=80, tile_m=tile_m, seed=h)
@@ -754,36 +754,6 @@ def test_gpu_kernel_variants_match_twin(act, gather, mode, out_dtype, h, tile_m,
     want = _run_gemm("jax", *args)
     used = used_rows(sid, te, tile_m)
     assert relerr(f32(got)[used], f32(want)[used]) < 1e-2
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("h,k_split", [(512, 4), (768, 1), (768, 2), (768, 4), (1280, 1), (1280, 4), (2048, 2),
-                                       (1152, 1)])
-@pytest.mark.parametrize("tile_m", [8, 16])
-@pytest.mark.parametrize("act,gather,mode,out_dtype,paired", [
-    (ops.Activation.SWIGLU, True, ops.RowScale.NONE, BF16, False),
-    (ops.Activation.RELU2, True, ops.RowScale.TOKEN, jnp.float32, False),
-    (ops.Activation.IDENTITY, False, ops.RowScale.PAIR, BF16, True)])
-def test_gpu_bulk_ring_is_bitwise_the_register_loop(act, gather, mode, out_dtype, paired, h, tile_m, k_split):
-    """KernelFlag.RING_DECODE_LOOP (weights through the tensor-copy ring) multiplies in the register
-    loop's order, so the bits are equal: warp K ranges of one stage or several (more than the ring
-    holds: gated rings have 2 stages, others 4), a last stage of 64/128/192 K (its boxes shifted
-    back inside the row), ranges that start off a 256-K boundary (768 / 2, 1280 / 4: the scales
-    box starts 16-byte aligned before them), paired activations, and K = 1152 (not a multiple of
-    256: the flag falls back to the register loop)."""
-    if not has_gpu():
-        pytest.skip("needs an NVIDIA GPU")
-    a, w, sid, te, rs = _gemm_problem(act, gather, mode, t=37, k=4, e=6, h=h, n=80, tile_m=tile_m, seed=h + k_split)
-    if paired:
-        a = ops.to_paired(a)
-    run = lambda flags: f32(ops.grouped_gemm(  # noqa: E731
-        a, w, sid, te, tile_m=tile_m, activation=act, top_k=4, gather=gather,
-        row_scale=rs if mode != ops.RowScale.NONE else None, row_scale_mode=mode, out_dtype=out_dtype,
-        k_split=k_split, pairing=ops.Pairing.A if paired else ops.Pairing.NONE, kernel_flags=flags))
-    used = used_rows(sid, te, tile_m)
-    got, want = run(int(ops.KernelFlag.RING_DECODE_LOOP)), run(0)
-    np.testing.assert_array_equal(got[used], want[used])
-    assert np.isfinite(want[used]).all() and (want[used] != 0).any()
 
 
 @pytest.mark.gpu
@@ -818,18 +788,16 @@ _MOE_JIT = jax.jit(ops.moe, static_argnames=("mode", "kernel_flags"))  # one jit
 _OPT_IN_DEFAULTS = {}  # (t, mode) -> the default kernels' output
 
 OPT_IN_FLAGS = (ops.KernelFlag.JAX_QUANT, ops.KernelFlag.ROW_TILES_FIRST, ops.KernelFlag.ALIGN_ONE_WARP,
-                ops.KernelFlag.PDL, ops.KernelFlag.RING_DECODE_LOOP, ops.KernelFlag.NATURAL_INTERMEDIATE,
-                ops.KernelFlag.PLAIN_WEIGHT_LOADS)
+                ops.KernelFlag.PDL, ops.KernelFlag.NATURAL_INTERMEDIATE, ops.KernelFlag.PLAIN_WEIGHT_LOADS)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("t", [1, 4, 48, 2000])
-@pytest.mark.parametrize("flags", [int(f) for f in OPT_IN_FLAGS] + [int(sum(OPT_IN_FLAGS)),  # (the ring wins)
-                                   int(sum(OPT_IN_FLAGS) & ~ops.KernelFlag.RING_DECODE_LOOP)])
+@pytest.mark.parametrize("flags", [int(f) for f in OPT_IN_FLAGS] + [int(sum(OPT_IN_FLAGS))])
 def test_gpu_opt_in_variants_are_bitwise_the_default(gpu_experts, t, mode, flags):
-    """The pure-JAX quantizer, the row-tiles-first wgmma grid, one-warp align, PDL launches, the
-    cp.async ring decode loop and plain weight loads (the same K order per thread) and the natural
+    """The pure-JAX quantizer, the row-tiles-first wgmma grid, one-warp align, PDL launches, plain
+    weight loads (the same K order per thread) and the natural
     intermediate (the same MMA operands as the paired one) change
     where and how the work runs, not a single output bit (t = 2000 x 8 pairs over 32 experts:
     64-row wgmma tiles; t = 48: 16-row decode tiles; t = 4: 32 pairs, the one-warp align; t = 1:

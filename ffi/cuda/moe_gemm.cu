@@ -27,9 +27,6 @@
 // - Deterministic: fixed K order per output element, no atomics. The split across warps
 //   depends on k_split (chosen from the problem shape), so results are bitwise reproducible
 //   for a given configuration but not across k_split values.
-#include <cuda.h>
-#include <cudaTypedefs.h>
-
 #include <type_traits>
 
 #include "cuda/cuda_util.h"
@@ -177,192 +174,23 @@ __device__ __forceinline__ void RunUsedBlocks(int used, Loop&& loop) {
   loop(Int<FM>{});
 }
 
-// ---- decode tiles: a shared-memory ring filled by the tensor copy engine (TMA) ---------------
-// At decode a warp streams weights it uses once, and registers hold only about one chunk in
-// flight per warp. Here each warp keeps its next stages in flight in its own ring of shared
-// memory: per stage, lane 0 issues one 2-D tensor copy per 16 weight rows for the codes and one
-// for the scales (BulkMaps), completed on one mbarrier per stage. Every box lies inside its rows
-// and starts 16-byte aligned (a box starting at a scale byte that is not, with K split at 64-K
-// units, stopped the H200 with an illegal instruction, 2026-12-01): a stage's codes box starts at
-// min(kc/2, K/2 - 128), its 32-byte scales box at min(kc/16 rounded down to 16, K/16 - 32), and the
-// reads skip the difference. Per-row 1-D bulk copies (one per row and stage) were 1.4-1.8x slower
-// than registers on the H200 (a bulk copy takes a warp-uniform address, so 32 lanes' copies
-// serialize), as was a per-thread cp.async ring (3-13%). A warp's K range keeps the register
-// loop's split (64-K units) and order, so both give the same bits. Needs K % 256 == 0 and K >= 512,
-// 16-byte aligned w and ws and fewer than 2^31 weight rows (Launch checks).
-constexpr int kBulkK = 256;            // K per stage
-constexpr int kBulkCodeBytes = kBulkK / 2, kBulkScaleBytes = 32;  // per row and stage
-constexpr int kBulkWarpBytes = 10240;  // ring bytes per warp (with 4 warps: < 48 KB per CTA)
-constexpr int kBulkMaxStages = 4;
-
-// Tensor maps over w ([E * N, K/2] bytes, box 128 x 16) and ws ([E * N, K/16], box 32 x 16).
-struct BulkMaps {
-  CUtensorMap codes, scales;
-};
-
-template <int NF>
-struct BulkRing {
-  static constexpr int kRows = 16 * NF;  // weight rows of a warp: (j, h, g) -> 16j + 8h + g
-  static constexpr int kStageBytes = kRows * (kBulkCodeBytes + kBulkScaleBytes);  // codes, then scales
-  static constexpr int kStages = kBulkWarpBytes / kStageBytes;            // 2 gated, 4 not
-  static_assert(kStages >= 2 && kStages <= kBulkMaxStages && (kStages & (kStages - 1)) == 0, "ring stages");
-  static_assert(kStageBytes % 128 == 0 && kBulkWarpBytes % 128 == 0, "tensor copies land 128-byte aligned");
-};
-constexpr size_t kBulkSmemBytes = kWarps * (kBulkWarpBytes + kBulkMaxStages * sizeof(uint64_t));
-
-__device__ __forceinline__ void MbarInit(uint64_t* bar) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(SmemU32(bar)) : "memory");
-}
-__device__ __forceinline__ void MbarArriveExpectTx(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(SmemU32(bar)), "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ void MbarWait(uint64_t* bar, uint32_t parity) {
-  uint32_t done;
-  do {
-    asm volatile(
-        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(SmemU32(bar)), "r"(parity)
-        : "memory");
-  } while (!done);
-}
-// The box of `map` at (x, y) into this CTA's shared memory; its arrival completes the box's
-// bytes of the mbarrier's transaction count (parts past the tensor's edge arrive as zeros).
-__device__ __forceinline__ void TensorCopy2D(void* smem, const CUtensorMap* map, int32_t x, int32_t y,
-                                             uint64_t* bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], "
-      "[%4];\n" ::"r"(SmemU32(smem)),
-      "l"(map), "r"(x), "r"(y), "r"(SmemU32(bar))
-      : "memory");
-}
-
-// Where a stage at kc starts its codes and scales boxes (bytes into the row; see above).
-__device__ __forceinline__ int32_t BulkCodesX(int64_t kc, int64_t K) {
-  return int32_t(min(kc / 2, K / 2 - kBulkCodeBytes));
-}
-__device__ __forceinline__ int32_t BulkScalesX(int64_t kc, int64_t K) {
-  return int32_t(min((kc / 16) & ~int64_t(15), K / 16 - kBulkScaleBytes));
-}
-
-// Stage n (K [kc, kc + 256) or less) into ring slot n % kStages, which every lane has read: lane
-// 0 arms the slot's barrier and copies the codes and scales of the warp's weight rows row0 + j *
-// n_out + [0, 16).
-template <int NF>
-__device__ __forceinline__ void IssueStage(uint8_t* ring, uint64_t* bars, const BulkMaps& maps, int32_t row0,
-                                           int32_t n_out, int64_t kc, int64_t K, int n, int lane) {
-  using R = BulkRing<NF>;
-  const int slot = n & (R::kStages - 1);
-  uint8_t* st = ring + slot * R::kStageBytes;
-  __syncwarp();
-  if (lane == 0) {
-    MbarArriveExpectTx(&bars[slot], R::kStageBytes);
-#pragma unroll
-    for (int j = 0; j < NF; ++j) {
-      TensorCopy2D(st + j * 16 * kBulkCodeBytes, &maps.codes, BulkCodesX(kc, K), row0 + j * n_out, &bars[slot]);
-      TensorCopy2D(st + R::kRows * kBulkCodeBytes + j * 16 * kBulkScaleBytes, &maps.scales, BulkScalesX(kc, K),
-                   row0 + j * n_out, &bars[slot]);
-    }
-  }
-}
-
-// acc += this warp's rows x a over K [k0, k1) (multiples of 64) through the warp's ring: lane
-// (g, t) reads rows g and g + 8 of each fragment like the register loop, in the same order
-// (128-K chunks, then a 64-K tail).
-template <int FMU, int FM, int NF, bool PA>
-__device__ __forceinline__ void MainLoopBulk(uint8_t* ring, uint64_t* bars, const BulkMaps& maps, int32_t row0,
-                                             int32_t n_out, const uint16_t* const (&arow)[FM], int64_t k0,
-                                             int64_t k1, int64_t K, int t, int lane, float (&acc)[NF][FM][4]) {
-  using R = BulkRing<NF>;
-  const int g = lane >> 2;
-  if (lane == 0) {
-#pragma unroll
-    for (int i = 0; i < R::kStages; ++i) MbarInit(&bars[i]);
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // visible to the copy engine
-  }
-  const int stages = int((k1 - k0 + kBulkK - 1) / kBulkK);
-  for (int n = 0; n < R::kStages && n < stages; ++n)
-    IssueStage<NF>(ring, bars, maps, row0, n_out, k0 + int64_t(kBulkK) * n, K, n, lane);
-  for (int n = 0; n < stages; ++n) {
-    const int slot = n & (R::kStages - 1);
-    MbarWait(&bars[slot], uint32_t(n / R::kStages) & 1u);
-    const int64_t kc = k0 + int64_t(kBulkK) * n;
-    const int len = int(min(int64_t(kBulkK), k1 - kc));
-    const uint8_t* st = ring + slot * R::kStageBytes;
-    const uint8_t* codes = st + (kc / 2 - BulkCodesX(kc, K));
-    const uint8_t* scales = st + R::kRows * kBulkCodeBytes + (kc / 16 - BulkScalesX(kc, K));
-#pragma unroll
-    for (int c = 0; c < kBulkK / 128; ++c) {
-      if (128 * c + 128 <= len) {
-        WeightRegs<128, NF> w;
-#pragma unroll
-        for (int j = 0; j < NF; ++j)
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const int r = 16 * j + 8 * h + g;
-            w.SetCodes(j, h, *reinterpret_cast<const uint4*>(codes + r * kBulkCodeBytes + 64 * c + 16 * t));
-            w.s[j][h] = *reinterpret_cast<const uint16_t*>(scales + r * kBulkScaleBytes + 8 * c + 2 * t);
-          }
-        ComputeChunk<128, NF, FMU, FM, PA>(w, arow, kc + 128 * c, t, acc);
-      } else if (128 * c + 64 == len) {  // the 64-K tail of the warp's range
-        WeightRegs<64, NF> w;
-#pragma unroll
-        for (int j = 0; j < NF; ++j)
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const int r = 16 * j + 8 * h + g;
-            const uint2 v = *reinterpret_cast<const uint2*>(codes + r * kBulkCodeBytes + 64 * c + 8 * t);
-            w.SetCodes(j, h, make_uint4(v.x, v.y, 0, 0));
-            w.s[j][h] = scales[r * kBulkScaleBytes + 8 * c + t];
-          }
-        ComputeChunk<64, NF, FMU, FM, PA>(w, arow, kc + 128 * c, t, acc);
-      }
-    }
-    const int next = n + R::kStages;
-    if (next < stages) IssueStage<NF>(ring, bars, maps, row0, n_out, k0 + int64_t(kBulkK) * next, K, next, lane);
-  }
-}
-
-// The tensor maps of BulkMaps over w and ws; false when the driver has no encoder or rejects them.
-bool EncodeBulkMaps(const GemmParams& p, BulkMaps* maps) {
-  using Encode = PFN_cuTensorMapEncodeTiled_v12000;
-  static const Encode encode = [] {
-    void* fn = nullptr;
-    cudaDriverEntryPointQueryResult found;
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found) !=
-            cudaSuccess ||
-        found != cudaDriverEntryPointSuccess)
-      fn = nullptr;
-    return reinterpret_cast<Encode>(fn);
-  }();
-  if (encode == nullptr) return false;
-  auto map = [&](CUtensorMap* m, const void* base, uint64_t row_bytes, uint32_t box_bytes) {
-    const cuuint64_t dims[2] = {row_bytes, uint64_t(p.E) * uint64_t(p.N)};
-    const cuuint64_t strides[1] = {row_bytes};
-    const cuuint32_t box[2] = {box_bytes, 16}, unit[2] = {1, 1};
-    return encode(m, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(base), dims, strides, box, unit,
-                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
-  };
-  return map(&maps->codes, p.w, uint64_t(p.K / 2), kBulkCodeBytes) &&
-         map(&maps->scales, p.ws, uint64_t(p.K / 16), kBulkScaleBytes);
-}
-
 // LOOP: how decode tiles (FM <= 2) stream weights; larger tiles always use MainLoop without
 // streaming hints. kStreamLoop: MainLoop whose weight loads skip L1 and prefetch 256 bytes into
-// L2; kRegisterLoop: the same with plain loads (Launch picks one from the K per warp); kBulkLoop:
-// MainLoopBulk.
-enum DecodeLoop : int { kRegisterLoop = 0, kBulkLoop = 1, kStreamLoop = 2 };
+// L2; kRegisterLoop: the same with plain loads (Launch picks one from the K per warp).
+// Weights through a shared-memory ring lost to registers on the H200 (2026-12-01) in three forms,
+// each bitwise equal to registers, and were removed: a per-thread cp.async ring (3-13% slower),
+// per-row 1-D bulk copies (1.4-1.8x: a bulk copy takes a warp-uniform address, so 32 lanes'
+// copies serialize) and 2-D tensor copies, one box per 16 rows and 256 K with an mbarrier per
+// stage (0.7-20% slower; commit 15d2b7c, BENCHMARKS.md session 11).
+enum DecodeLoop : int { kRegisterLoop = 0, kStreamLoop = 2 };
 constexpr int64_t kStreamMinSpan = 768;  // K per warp from which decode tiles stream (Launch)
 
 template <int FM, int KS, int LOOP, bool GATED, typename OutT, bool PA>
-__global__ void __launch_bounds__(kThreads) W4A16GroupedGemmKernel(const GemmParams p, const __grid_constant__ BulkMaps maps) {
+__global__ void __launch_bounds__(kThreads) W4A16GroupedGemmKernel(const GemmParams p) {
   constexpr int BM = FM * 8;
   constexpr int NF = GATED ? 2 : 1;  // weight fragments per warp: [gate, up] or [h]
   constexpr int NS = kWarps / KS;    // warps along N; KS warps share each 16 features
   constexpr int kAcc = NF * FM * 4;  // fp32 accumulators per thread
-  constexpr bool kBulk = LOOP == kBulkLoop && FM <= 2;  // decode tiles: weights through the bulk-copy ring
   constexpr bool kStream = LOOP == kStreamLoop && FM <= 2;
   __shared__ float partial[KS > 1 ? (KS - 1) * NS * kAcc * 32 : 1];
   GridDependencyWait();
@@ -406,15 +234,7 @@ __global__ void __launch_bounds__(kThreads) W4A16GroupedGemmKernel(const GemmPar
     const int64_t k0 = 64 * (units * kw / KS), k1 = 64 * (units * (kw + 1) / KS);
     RunUsedBlocks<FM>(UsedBlocks(arow), [&](auto fmu) {
       constexpr int FMU = decltype(fmu)::value;
-      if constexpr (kBulk) {
-        extern __shared__ __align__(128) uint8_t bulk_smem[];  // kBulkSmemBytes: barriers, then rings
-        uint64_t* bars = reinterpret_cast<uint64_t*>(bulk_smem) + warp * kBulkMaxStages;
-        uint8_t* ring = bulk_smem + kWarps * kBulkMaxStages * sizeof(uint64_t) + warp * kBulkWarpBytes;
-        MainLoopBulk<FMU, FM, NF, PA>(ring, bars, maps, int32_t(int64_t(e) * p.N + feat0), int32_t(p.n_out), arow, k0,
-                                      k1, K, t, lane, acc);
-      } else {
-        MainLoop<FMU, FM, NF, PA, kStream>(wrow, srow, arow, k0, k1, t, acc);
-      }
+      MainLoop<FMU, FM, NF, PA, kStream>(wrow, srow, arow, k0, k1, t, acc);
     });
   }
 
@@ -449,32 +269,30 @@ __global__ void __launch_bounds__(kThreads) W4A16GroupedGemmKernel(const GemmPar
 }
 
 // Instances: k_split 1, 2, 4 and every DecodeLoop for 8- and 16-row tiles (decode; paired
-// activations: the streaming and bulk loops only); k_split 1 and the register loop for 32
+// activations: the streaming loop only); k_split 1 and the register loop for 32
 // and 64 rows (CheckGemm).
 template <int KS, int LOOP, bool GATED, typename OutT, bool PA>
-void LaunchSplit(const GemmParams& p, const BulkMaps& maps, int64_t tile_m, int64_t slabs, bool pdl,
-                 cudaStream_t stream) {
+void LaunchSplit(const GemmParams& p, int64_t tile_m, int64_t slabs, bool pdl, cudaStream_t stream) {
   const dim3 grid(unsigned(p.P / tile_m), unsigned(slabs));
-  const size_t smem = LOOP == kBulkLoop ? kBulkSmemBytes : 0;
   switch (tile_m) {
-    case 8: LaunchKernel(W4A16GroupedGemmKernel<1, KS, LOOP, GATED, OutT, PA>, grid, kThreads, smem, stream, pdl, p, maps); break;
-    case 16: LaunchKernel(W4A16GroupedGemmKernel<2, KS, LOOP, GATED, OutT, PA>, grid, kThreads, smem, stream, pdl, p, maps); break;
+    case 8: LaunchKernel(W4A16GroupedGemmKernel<1, KS, LOOP, GATED, OutT, PA>, grid, kThreads, 0, stream, pdl, p); break;
+    case 16: LaunchKernel(W4A16GroupedGemmKernel<2, KS, LOOP, GATED, OutT, PA>, grid, kThreads, 0, stream, pdl, p); break;
     case 32:
-      LaunchKernel(W4A16GroupedGemmKernel<4, 1, kRegisterLoop, GATED, OutT, PA>, grid, kThreads, 0, stream, pdl, p, maps);
+      LaunchKernel(W4A16GroupedGemmKernel<4, 1, kRegisterLoop, GATED, OutT, PA>, grid, kThreads, 0, stream, pdl, p);
       break;
     default:
-      LaunchKernel(W4A16GroupedGemmKernel<8, 1, kRegisterLoop, GATED, OutT, PA>, grid, kThreads, 0, stream, pdl, p, maps);
+      LaunchKernel(W4A16GroupedGemmKernel<8, 1, kRegisterLoop, GATED, OutT, PA>, grid, kThreads, 0, stream, pdl, p);
       break;
   }
 }
 
 template <int LOOP, bool GATED, typename OutT, bool PA>
-void LaunchLoop(const GemmParams& p, const BulkMaps& maps, int64_t tile_m, int64_t k_split, int64_t slabs,
-                bool pdl, cudaStream_t stream) {
+void LaunchLoop(const GemmParams& p, int64_t tile_m, int64_t k_split, int64_t slabs, bool pdl,
+                cudaStream_t stream) {
   switch (k_split) {
-    case 2: LaunchSplit<2, LOOP, GATED, OutT, PA>(p, maps, tile_m, slabs, pdl, stream); break;
-    case 4: LaunchSplit<4, LOOP, GATED, OutT, PA>(p, maps, tile_m, slabs, pdl, stream); break;
-    default: LaunchSplit<1, LOOP, GATED, OutT, PA>(p, maps, tile_m, slabs, pdl, stream); break;
+    case 2: LaunchSplit<2, LOOP, GATED, OutT, PA>(p, tile_m, slabs, pdl, stream); break;
+    case 4: LaunchSplit<4, LOOP, GATED, OutT, PA>(p, tile_m, slabs, pdl, stream); break;
+    default: LaunchSplit<1, LOOP, GATED, OutT, PA>(p, tile_m, slabs, pdl, stream); break;
   }
 }
 
@@ -486,20 +304,14 @@ void Launch(const GemmParams& p, int64_t tile_m, int64_t k_split, int64_t slabs,
   // least kStreamMinSpan (H200 A/B, 2026-12-01: the hints made DeepSeek-V3 decode layers 5-22%
   // faster and Qwen3 T = 16, 64 9-11%, but Qwen3 T = 1 8% slower, whose warps span 384-512 K: the
   // 256-byte prefetch then mostly fetches other warps' bytes). kPlainWeightLoads: plain loads
-  // everywhere (but for paired activations); kRingDecodeLoop: the tensor-copy ring where it can run
-  // (MainLoopBulk), else the default. Larger tiles ignore these flags; every variant gives the
-  // same bits. (L2 prefetches 8-11 chunks ahead and gate / up rows in separate warps, 70-96
-  // registers, were 2-76% and up to 17% slower on the H200, 2026-12-01: removed.)
-  BulkMaps maps{};  // read by the bulk-loop instances only
-  const bool bulk = (flags & int64_t(KernelFlag::kRingDecodeLoop)) && tile_m <= 16 && p.K % kBulkK == 0 && p.K >= 512 &&
-                    reinterpret_cast<uintptr_t>(p.w) % 16 == 0 && reinterpret_cast<uintptr_t>(p.ws) % 16 == 0 &&
-                    p.E * p.N <= INT32_MAX && EncodeBulkMaps(p, &maps);
-  if (bulk) return LaunchLoop<kBulkLoop, GATED, OutT, PA>(p, maps, tile_m, k_split, slabs, pdl, stream);
+  // everywhere (but for paired activations). Larger tiles ignore it; both give the same bits. (L2
+  // prefetches 8-11 chunks ahead and gate / up rows in separate warps, 70-96 registers, were 2-76%
+  // and up to 17% slower on the H200, 2026-12-01: removed; shared-memory rings: DecodeLoop.)
   if constexpr (!PA) {
     if ((flags & int64_t(KernelFlag::kPlainWeightLoads)) || p.K / k_split < kStreamMinSpan)
-      return LaunchLoop<kRegisterLoop, GATED, OutT, PA>(p, maps, tile_m, k_split, slabs, pdl, stream);
+      return LaunchLoop<kRegisterLoop, GATED, OutT, PA>(p, tile_m, k_split, slabs, pdl, stream);
   }
-  LaunchLoop<kStreamLoop, GATED, OutT, PA>(p, maps, tile_m, k_split, slabs, pdl, stream);
+  LaunchLoop<kStreamLoop, GATED, OutT, PA>(p, tile_m, k_split, slabs, pdl, stream);
 }
 
 ffi::Error GroupedGemmCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> a, ffi::Buffer<ffi::U8> w_data,
