@@ -2,7 +2,8 @@
 # Build the FFI extension on a GPU machine, run the ffi GPU tests, a CUDA-graph check and a short
 # benchmark; logs and JSON go to $OUT (default ./out).
 # Usage: scripts/gpu_ffi.sh [stages] [pytest -k expression]
-#   stages: comma-separated test, graph, bench, ab, abtree, ncu, timeline, sanitize, invariance, rollout;
+#   stages: comma-separated test, graph, bench, ab, abtree, ncu, timeline, sanitize, invariance, rollout,
+#   probe (benchmarks/stream_probe.cu: the decode weight access patterns' bandwidth, no math);
 #   "all" = test,graph,bench
 # Env: BUDGET (seconds in all, default 400), GPU_ARCHS (CUDA archs built, default 90a),
 #   FFI_BENCH_BACKENDS (default "ffi,xla"), BENCH_S (seconds of the bench stage, default 400),
@@ -214,6 +215,15 @@ if stage sanitize; then
     log "sanitizer rc=$? (0: no errors and tests passed; 99: memcheck errors)"
   fi
   grep -E "ERROR SUMMARY|passed|failed|Invalid|out of bounds" "$OUT/ffi_sanitize.log" | tail -20 | tee -a "$OUT/ffi_summary.txt"
+fi
+
+if stage probe; then
+  log "decode weight access patterns without the math (benchmarks/stream_probe.cu)"
+  if nvcc -O3 -std=c++17 -arch=sm_90a -o /tmp/stream_probe benchmarks/stream_probe.cu >"$OUT/probe_build.log" 2>&1; then
+    timeout $(left 120) /tmp/stream_probe 2>&1 | tee -a "$OUT/ffi_summary.txt"
+  else
+    log "stream_probe build failed"; tail -20 "$OUT/probe_build.log" | tee -a "$OUT/ffi_summary.txt"
+  fi
 fi
 
 if stage ab; then

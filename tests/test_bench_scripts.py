@@ -29,18 +29,19 @@ from jax_nvfp4 import _ffi_ops  # noqa: E402
 def test_moe_bench_quick_rows(tmp_path, clock):
     out = tmp_path / "bench.json"
     moe_bench.main(["--quick", "--shapes", "tiny", "--tokens", "1,5", "--modes", "w4a16", "--backends", "ffi,xla",
-                    "--chain", "2", "--clock", clock, "--ffi-flags", "1,6", "--ffi-k-splits", "4",
-                    "--ffi-tile-ms", "32", "--sets", "1", "--json", str(out)])
+                    "--chain", "2", "--clock", clock, "--ffi-flags", "2,6", "--ffi-k-splits", "4",
+                    "--ffi-tile-ms", "32", "--ffi-configs", "512:2", "--sets", "1", "--json", str(out)])
     rows = json.loads(out.read_text())["results"]
     names = {(r["backend"], r["tokens"]) for r in rows}
-    for b in ("ffi", "xla", "ffi[flags=1]", "ffi[flags=6]", "ffi[ks=4]", "ffi[tm=32]", moe_bench.BASELINE):
+    for b in ("ffi", "xla", "ffi[flags=2]", "ffi[flags=6]", "ffi[ks=4]", "ffi[tm=32]", "ffi[flags=512,ks=2]",
+              moe_bench.BASELINE):
         assert {(b, 1), (b, 5)} <= names, b
     for r in rows:
         assert "error" not in r, r
         assert r["median_us"] > 0 and r["floor_us"] > 0
         assert r["timing"] == (f"chain2/{clock}" if r["backend"].startswith("ffi") else "median")
     summary = "\n".join(ab_summary.summary_lines(rows))
-    assert all(f"ffi[{v}]" in summary for v in ("flags=1", "flags=6", "ks=4", "tm=32")), summary
+    assert all(f"ffi[{v}]" in summary for v in ("flags=2", "flags=6", "ks=4", "tm=32", "flags=512,ks=2")), summary
 
 
 def test_moe_bench_saves_each_finished_token_count(tmp_path, monkeypatch):
@@ -71,6 +72,10 @@ def test_moe_bench_rejects_bad_kernel_flags(capsys):
     with pytest.raises(SystemExit) as e:
         moe_bench.main(["--quick", "--ffi-tile-ms", "24"])
     assert e.value.code == 2 and "--ffi-tile-ms" in capsys.readouterr().err
+    for bad in ("1:2", "512:3", "512"):  # a removed flag, a bad K split, no pair
+        with pytest.raises(SystemExit) as e:
+            moe_bench.main(["--quick", "--ffi-configs", bad])
+        assert e.value.code == 2 and "--ffi-configs" in capsys.readouterr().err, bad
 
 
 def test_profile_kernels_runs(capsys):
@@ -191,3 +196,17 @@ def test_ab_summary_verdicts():
     assert "T=    4 w4a4   best default" in best[3] and "x1.000" in best[3]  # 295 is within 3% of 300
     assert len(best) == 4  # T=64 w4a4 has no default row
     assert ab_summary.best_lines([row("ffi[ks=2]", 1, 1.0)]) == []
+
+
+def test_stream_probe_compiles(tmp_path):
+    """benchmarks/stream_probe.cu (the decode access-pattern probe of gpu_ffi.sh's probe stage)
+    builds for sm_90a, so a GPU session does not lose device time to a compile error."""
+    import shutil
+    nvcc = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
+    if nvcc is None:
+        pytest.skip("needs nvcc")
+    src = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "stream_probe.cu")
+    out = tmp_path / "stream_probe"
+    r = subprocess.run([nvcc, "-O3", "-std=c++17", "-arch=sm_90a", "-o", str(out), src], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert out.stat().st_size > 0
