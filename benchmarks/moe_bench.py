@@ -76,6 +76,7 @@ def bench_shape(shape, tokens, modes, backends, args, log, on_tokens=None):
     """The rows of one shape; ``on_tokens(rows_so_far)`` after each token count (partial saves)."""
     key = jax.random.key(args.seed)
     q = specs.random_nvfp4_experts(key, shape)
+    blocked = None  # q in the blocked weight order (--ffi-blocked), made once
     need_bf16 = "bf16" in modes or not args.no_baseline
     b = specs.to_bf16_experts(q) if need_bf16 else None
     w13t = w2t = None
@@ -137,12 +138,23 @@ def bench_shape(shape, tokens, modes, backends, args, log, on_tokens=None):
                 variants += [(f"ffi[ks={s}]", FFIBackend(k_split=s)) for s in args.ffi_k_splits]
                 variants += [(f"ffi[tm={m}]", FFIBackend(tile_m=m)) for m in args.ffi_tile_ms]
                 variants += [(f"ffi[flags={f},ks={s}]", FFIBackend(f, k_split=s)) for f, s in args.ffi_configs]
+                if args.ffi_blocked:
+                    variants.append(("ffi[blocked]", FFIBackend(blocked_weights=True)))
             for label, impl in variants:  # forced strategies / kernel variants, side by side
 
                 def fn(x, ids, w, ex, impl=impl, problem=problem):
                     return impl(x, ex, ids, w, problem=problem, local_expert_offset=shape.local_expert_offset)
 
-                record(label, mode, fn, [s + (experts,) for s in sets])
+                ex = experts
+                if getattr(impl, "blocked_weights", False):  # repacked once, outside the timing
+                    if shape.hidden % _ffi_ops.BLOCK_K or shape.intermediate % _ffi_ops.BLOCK_K:
+                        why = f"the blocked weight order needs H and I to be multiples of {_ffi_ops.BLOCK_K}"
+                        results.append(dict(common, backend=label, mode=mode, skipped=why))
+                        log(f"  {shape.name:16s} T={t:5d} {label:20s} {mode:6s} skipped: {why}")
+                        continue
+                    blocked = blocked if blocked is not None else _ffi_ops.to_blocked_experts(q)
+                    ex = blocked
+                record(label, mode, fn, [s + (ex,) for s in sets])
 
         if not args.no_baseline:
             tflop = expanded_flops(shape, rows) / 1e12
@@ -218,6 +230,9 @@ def main(argv=None):
     p.add_argument("--ffi-configs", default="",
                    help="comma-separated FLAGS:KSPLIT pairs to time as extra rows 'ffi[flags=F,ks=S]': a kernel "
                         "variant with the K split fixed too (e.g. 1:1,1:4)")
+    p.add_argument("--ffi-blocked", action="store_true",
+                   help="time an extra row 'ffi[blocked]': the experts repacked once into the blocked weight "
+                        "order (to_blocked_experts), read so by the GEMMs")
     p.add_argument("--no-baseline", action="store_true", help=f"skip the {BASELINE} baseline")
     p.add_argument("--max-expanded-tflop", type=float, default=100.0,
                    help="skip the baseline when ragged_dot's dense expansion exceeds this many TFLOP")

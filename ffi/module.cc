@@ -135,6 +135,7 @@ NB_MODULE(_ffi, m) {
     pairing["none"] = int64_t(Pairing::kNone);
     pairing["a"] = int64_t(Pairing::kA);
     pairing["out"] = int64_t(Pairing::kOut);
+    pairing["blocked_w"] = int64_t(Pairing::kBlockedW);
     c["Pairing"] = pairing;
     nb::list tiles;
     for (int t : kTileMs) tiles.append(t);

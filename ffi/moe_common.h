@@ -60,10 +60,27 @@ enum class KernelFlag : int64_t {
   // 2-76% and up to 17% slower.
 };
 constexpr int64_t kAllKernelFlags = 766;
-// grouped_gemm's `pairing` bits: which of a's K axis and out's feature axis hold the paired
-// order (PairedPos) instead of the natural one. moe's intermediate uses it (but with KernelFlag kNaturalIntermediate):
-// GEMM1 writes it paired, GEMM2 reads it paired and skips its activation byte permutes.
-enum class Pairing : int64_t { kNone = 0, kA = 1, kOut = 2 };
+// grouped_gemm's `pairing` bits: which operands hold a kernel order instead of the natural one.
+// kA / kOut: a's K axis / out's feature axis in the paired order (PairedPos). moe's intermediate
+// uses it (but with KernelFlag kNaturalIntermediate): GEMM1 writes it paired, GEMM2 reads it paired
+// and skips its activation byte permutes. kBlockedW: w_data and w_scales in the blocked order
+// (BlockedCodeOffset; same shapes, each expert's bytes permuted), so that a GPU warp's weight
+// loads read contiguous bytes.
+enum class Pairing : int64_t { kNone = 0, kA = 1, kOut = 2, kBlockedW = 4 };
+constexpr int64_t kAllPairing = 7;
+// The blocked weight order: per expert, 16-row fragments x 128-K chunks, each a contiguous block
+// of 16 rows x 64 code bytes (and 16 rows x 8 scale bytes), fragments outermost. Needs N % 16 == 0
+// and K % 128 == 0.
+constexpr int64_t kBlockRows = 16, kBlockK = 128;
+// Byte offsets, within one expert's [N, K/2] codes / [N, K/16] scales, of row n's byte b.
+NVFP4_HD int64_t BlockedCodeOffset(int64_t n, int64_t b, int64_t K) {
+  return ((n / kBlockRows * (K / kBlockK) + b / (kBlockK / 2)) * kBlockRows + n % kBlockRows) * (kBlockK / 2) +
+         b % (kBlockK / 2);
+}
+NVFP4_HD int64_t BlockedScaleOffset(int64_t n, int64_t b, int64_t K) {
+  return ((n / kBlockRows * (K / kBlockK) + b / (kBlockK / 16)) * kBlockRows + n % kBlockRows) * (kBlockK / 16) +
+         b % (kBlockK / 16);
+}
 constexpr int64_t kAlignOneWarpPairs = 32;
 // MoE modes (spec section 5); the kernels themselves are mode-agnostic.
 enum class Mode : int64_t { kBf16 = 0, kW4A16 = 1, kW4A4 = 2 };
@@ -263,11 +280,15 @@ ffi::Error CheckGemm(const char* op, const A& a, const W& w, const WS& ws, const
                            std::to_string(n_multiple) + " on this platform");
   if (!ValidTileM(tile_m)) return Invalid(op, "tile_m must be 8, 16, 32 or 64, got " + std::to_string(tile_m));
   if (auto err = CheckKernelFlags(op, kernel_flags); err.failure()) return err;
-  if (pairing < 0 || pairing > int64_t(Pairing::kA) + int64_t(Pairing::kOut))
-    return Invalid(op, "pairing must combine the Pairing bits (0..3), got " + std::to_string(pairing));
-  if (pairing != 0 && (d->K % 8 != 0 || d->n_out % 8 != 0))  // the paired order permutes groups of 8
+  if (pairing < 0 || (pairing & ~kAllPairing) != 0)
+    return Invalid(op, "pairing must combine the Pairing bits (0..7), got " + std::to_string(pairing));
+  if ((pairing & (int64_t(Pairing::kA) | int64_t(Pairing::kOut))) &&
+      (d->K % 8 != 0 || d->n_out % 8 != 0))  // the paired order permutes groups of 8
     return Invalid(op, "pairing needs K and the output features to be multiples of 8, got K = " +
                            std::to_string(d->K) + ", " + std::to_string(d->n_out) + " features");
+  if ((pairing & int64_t(Pairing::kBlockedW)) && (d->K % kBlockK != 0 || d->N % kBlockRows != 0))
+    return Invalid(op, "blocked weights (pairing & 4) need K % 128 == 0 and N % 16 == 0, got K = " +
+                           std::to_string(d->K) + ", N = " + std::to_string(d->N));
   bool split_ok = false;
   for (int s : kKSplits) split_ok |= s == k_split;
   if (!split_ok)

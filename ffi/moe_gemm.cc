@@ -16,21 +16,21 @@ namespace jax_nvfp4 {
 namespace {
 
 // Decode rows [n0, n0 + rows) of expert e's [N, K] weights (without the global scale: exact in
-// fp32 and bf16) into dst [rows, K].
+// fp32 and bf16) into dst [rows, K]; `blocked`: w and ws in the blocked order (Pairing::kBlockedW).
 void DecodeRows(const uint8_t* w, const uint8_t* ws, int64_t e, int64_t N, int64_t K, int64_t n0, int64_t rows,
-                float* dst) {
+                bool blocked, float* dst) {
   static const std::vector<float> kE4M3 = [] {
     std::vector<float> t(256);
     for (int b = 0; b < 256; ++b) t[b] = E4M3ToFloat(uint8_t(b));
     return t;
   }();
-  const uint8_t* wd = w + (e * N + n0) * (K / 2);
-  const uint8_t* sd = ws + (e * N + n0) * (K / 16);
-  for (int64_t n = 0; n < rows; ++n) {
-    for (int64_t kb = 0; kb < K / 16; ++kb) {
-      const float s = kE4M3[sd[n * (K / 16) + kb]];
-      const uint8_t* bytes = wd + n * (K / 2) + kb * 8;
-      float* out = dst + n * K + kb * 16;
+  const uint8_t* wd = w + e * N * (K / 2);
+  const uint8_t* sd = ws + e * N * (K / 16);
+  for (int64_t n = n0; n < n0 + rows; ++n) {
+    for (int64_t kb = 0; kb < K / 16; ++kb) {  // 16-K block kb: 8 code bytes, 1 scale byte
+      const float s = kE4M3[sd[blocked ? BlockedScaleOffset(n, kb, K) : n * (K / 16) + kb]];
+      const uint8_t* bytes = wd + (blocked ? BlockedCodeOffset(n, kb * 8, K) : n * (K / 2) + kb * 8);
+      float* out = dst + (n - n0) * K + kb * 16;
       for (int i = 0; i < 8; ++i) {
         out[2 * i] = E2M1ToFloat(bytes[i] & 0xF) * s;
         out[2 * i + 1] = E2M1ToFloat(bytes[i] >> 4) * s;
@@ -94,8 +94,9 @@ struct CpuGemm {
     for (int64_t i = 0; i < used; ++i)
       for (int64_t k = 0; k < K; ++k)
         arows[i * K + k] = Bf16ToFloat(a[src_of[i] * K + PairingPos(pairing, Pairing::kA, k)]);
-    DecodeRows(w, ws, e, d.N, K, n0, nb, wdec.data());
-    if (gated) DecodeRows(w, ws, e, d.N, K, d.n_out + n0, nb, wdec.data() + nb * K);
+    const bool blocked = pairing & int64_t(Pairing::kBlockedW);
+    DecodeRows(w, ws, e, d.N, K, n0, nb, blocked, wdec.data());
+    if (gated) DecodeRows(w, ws, e, d.N, K, d.n_out + n0, nb, blocked, wdec.data() + nb * K);
     for (int64_t n = 0; n < nb; ++n) {
       for (int64_t i = 0; i < used; ++i) {
         const float g = Dot(&arows[i * K], &wdec[n * K], K) * scale_of[i];

@@ -24,6 +24,7 @@ backends (``xla_ffi.md`` section 8).
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 import math
@@ -83,12 +84,57 @@ class KernelFlag(enum.IntFlag):
 
 
 class Pairing(enum.IntFlag):
-    """grouped_gemm's ``pairing`` bits (values shared with ``ffi/moe_common.h``): which axes hold
-    the paired order (:func:`to_paired`) instead of the natural one."""
+    """grouped_gemm's ``pairing`` bits (values shared with ``ffi/moe_common.h``): which operands
+    hold a kernel order instead of the natural one."""
 
     NONE = 0
-    A = 1  # a's K axis (the CUDA kernels skip their activation byte permutes)
-    OUT = 2  # out's feature axis
+    A = 1  # a's K axis in the paired order (to_paired; the CUDA kernels skip their activation byte permutes)
+    OUT = 2  # out's feature axis in the paired order
+    BLOCKED_W = 4  # w's codes and scales in the blocked order (to_blocked_weights)
+
+
+BLOCK_ROWS, BLOCK_K = 16, 128  # the blocked weight order's fragment: rows x K
+
+
+def _check_blockable(w: NVFP4Array, where: str):
+    if w.ndim != 3 or w.shape[1] % BLOCK_ROWS or w.shape[2] % BLOCK_K:
+        raise ValueError(f"{where}: the blocked weight order needs [E, N, K] weights with N % {BLOCK_ROWS} == 0 "
+                         f"and K % {BLOCK_K} == 0, got {w.shape}")
+
+
+def _reblock(v, n: int, chunks: int, to_blocked: bool):
+    """``[E, N, C]`` bytes per row <-> per expert ``[N/16, K/128, 16, C/chunks]`` (same shape)."""
+    e, c = v.shape[0], v.shape[-1] // chunks
+    src = (e, n // BLOCK_ROWS, BLOCK_ROWS, chunks, c) if to_blocked else (e, n // BLOCK_ROWS, chunks, BLOCK_ROWS, c)
+    return jnp.swapaxes(v.reshape(src), 2, 3).reshape(v.shape)
+
+
+def to_blocked_weights(w: NVFP4Array) -> NVFP4Array:
+    """Expert weights ``[E, N, K]`` in the blocked order (:attr:`Pairing.BLOCKED_W`).
+
+    Per expert, 16-row fragments by 128-K chunks, each one contiguous block of 16 rows x 64 code
+    bytes (and 16 rows x 8 scale bytes), so that a GPU warp's weight loads read contiguous bytes.
+    An exact permutation of ``data`` and ``scales`` within each expert; shapes, dtypes and the
+    global scales are unchanged. Needs ``N % 16 == 0`` and ``K % 128 == 0``.
+    """
+    _check_blockable(w, "to_blocked_weights")
+    e, n, k = w.shape
+    return NVFP4Array(_reblock(w.data, n, k // BLOCK_K, True), _reblock(w.scales, n, k // BLOCK_K, True),
+                      w.global_scale, w.dtype)
+
+
+def from_blocked_weights(w: NVFP4Array) -> NVFP4Array:
+    """Inverse of :func:`to_blocked_weights`."""
+    _check_blockable(w, "from_blocked_weights")
+    e, n, k = w.shape
+    return NVFP4Array(_reblock(w.data, n, k // BLOCK_K, False), _reblock(w.scales, n, k // BLOCK_K, False),
+                      w.global_scale, w.dtype)
+
+
+def to_blocked_experts(experts: NVFP4Experts) -> NVFP4Experts:
+    """:func:`to_blocked_weights` of both expert tensors (for ``moe(..., blocked_weights=True)``)."""
+    return dataclasses.replace(experts, gate_up=to_blocked_weights(experts.gate_up),
+                               down=to_blocked_weights(experts.down))
 
 
 def _transpose_groups_of_8(v, rows: int):
@@ -370,7 +416,8 @@ def grouped_gemm(a, w: NVFP4Array, sorted_ids, tile_expert, *, tile_m: int,
         different fixed order); None: :func:`choose_k_split`. Must be 1 for ``tile_m > 16``.
     pairing : :class:`Pairing` bits
         ``A``: ``a``'s K axis is in the paired order (:func:`to_paired`; on the GPU only for a
-        non-gated activation with bfloat16 output); ``OUT``: write ``out``'s features in it.
+        non-gated activation with bfloat16 output); ``OUT``: write ``out``'s features in it;
+        ``BLOCKED_W``: ``w`` is in the blocked order (:func:`to_blocked_weights`).
     kernel_flags : :class:`KernelFlag` bits
         CUDA kernel variant (0: the default); ignored by the CPU handler and the twin.
     impl : ``"ffi"`` or ``"jax"``
@@ -404,15 +451,18 @@ def grouped_gemm(a, w: NVFP4Array, sorted_ids, tile_expert, *, tile_m: int,
         raise ValueError(f"grouped_gemm: k_split must be one of {K_SPLITS} (1 when tile_m > "
                          f"{MAX_SPLIT_TILE_M}), got k_split={k_split} with tile_m={tile_m}")
     kernel_flags = _check_kernel_flags(kernel_flags)
-    if int(pairing) < 0 or int(pairing) & ~int(Pairing.A | Pairing.OUT):
-        raise ValueError(f"grouped_gemm: pairing must combine the Pairing bits (0..3), got {pairing!r}")
+    if int(pairing) < 0 or int(pairing) & ~int(Pairing.A | Pairing.OUT | Pairing.BLOCKED_W):
+        raise ValueError(f"grouped_gemm: pairing must combine the Pairing bits (0..7), got {pairing!r}")
     pairing = Pairing(int(pairing))
-    if pairing and (kk % 8 or n_out % 8):
+    if pairing & (Pairing.A | Pairing.OUT) and (kk % 8 or n_out % 8):
         raise ValueError(f"grouped_gemm: pairing needs K and the output features to be multiples of 8, "
                          f"got K={kk}, n_out={n_out}")
+    if pairing & Pairing.BLOCKED_W:
+        _check_blockable(w, "grouped_gemm (pairing BLOCKED_W)")
     if impl == "jax":
-        out = _grouped_gemm_jax(from_paired(a) if pairing & Pairing.A else a, w, sorted_ids, tile_expert, tile_m,
-                                activation, top_k, gather, row_scale, row_scale_mode).astype(out_dtype)
+        w_rows = from_blocked_weights(w) if pairing & Pairing.BLOCKED_W else w
+        out = _grouped_gemm_jax(from_paired(a) if pairing & Pairing.A else a, w_rows, sorted_ids, tile_expert,
+                                tile_m, activation, top_k, gather, row_scale, row_scale_mode).astype(out_dtype)
         return to_paired(out) if pairing & Pairing.OUT else out
     ensure_registered()
     p = sorted_ids.shape[0]
@@ -580,7 +630,7 @@ MODES = {"w4a16": Mode.W4A16, "w4a4": Mode.W4A4}
 
 def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str = "w4a16",
                 activation: str = "swiglu", local_expert_offset=0, impl: str = "ffi", tile_m: int | None = None,
-                kernel_flags: int = 0, k_split: int | None = None):
+                kernel_flags: int = 0, k_split: int | None = None, blocked_weights: bool = False):
     """Expert part of the MoE layer through the ops (no custom_vjp/custom_vmap; see :func:`moe`).
 
     Parameters
@@ -598,6 +648,8 @@ def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str =
     tile_m : optional override of :func:`choose_tile_m`
     kernel_flags : :class:`KernelFlag` bits (CUDA kernel variants; 0: the default)
     k_split : optional override of :func:`choose_k_split` for both GEMMs (1, 2 or 4)
+    blocked_weights : the experts are in the blocked order (:func:`to_blocked_experts`); the
+        GEMMs read them so (``Pairing.BLOCKED_W``; experimental, not yet timed on a GPU)
 
     Returns
     -------
@@ -640,6 +692,8 @@ def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str =
     # pairs as they are (H200, 2026-12-01: decode layers 1-2% faster; wgmma prefill 0.3-1% slower).
     paired = tile_m <= PAIRED_MAX_TILE_M and not kernel_flags & KernelFlag.NATURAL_INTERMEDIATE
     p1, p2 = (Pairing.OUT, Pairing.A) if paired else (Pairing.NONE, Pairing.NONE)
+    if blocked_weights:
+        p1, p2 = p1 | Pairing.BLOCKED_W, p2 | Pairing.BLOCKED_W
 
     if MODES[mode] == Mode.W4A16:
         h1 = grouped_gemm(x.astype(jnp.bfloat16), experts.gate_up, sorted_ids, tile_expert, activation=act,
@@ -673,7 +727,8 @@ def _zero_cotangent(v):
 
 
 @functools.lru_cache(maxsize=None)
-def _moe_fn(mode: str, activation: str, offset: int, impl: str, tile_m, kernel_flags: int, k_split, treedef):
+def _moe_fn(mode: str, activation: str, offset: int, impl: str, tile_m, kernel_flags: int, k_split, treedef,
+            blocked_weights: bool = False):
     """The jit-able MoE for one static configuration, with its vmap and vjp rules.
 
     The experts travel as their flat leaves (``treedef`` rebuilds them): cotangents of the
@@ -684,7 +739,7 @@ def _moe_fn(mode: str, activation: str, offset: int, impl: str, tile_m, kernel_f
         experts = jax.tree_util.tree_unflatten(treedef, leaves)
         return moe_forward(x, experts, topk_ids, topk_weights, mode=mode, activation=activation,
                            local_expert_offset=offset, impl=impl, tile_m=tile_m, kernel_flags=kernel_flags,
-                           k_split=k_split)
+                           k_split=k_split, blocked_weights=blocked_weights)
 
     batched = jax.custom_batching.custom_vmap(forward)
 
@@ -720,7 +775,8 @@ def _moe_fn(mode: str, activation: str, offset: int, impl: str, tile_m, kernel_f
         def ref(x, topk_weights, leaves):
             experts = jax.tree_util.tree_unflatten(treedef, leaves)
             return moe_forward(x, experts, topk_ids, topk_weights, mode=mode, activation=activation,
-                               local_expert_offset=offset, impl="jax", tile_m=tile_m)
+                               local_expert_offset=offset, impl="jax", tile_m=tile_m,
+                               blocked_weights=blocked_weights)
         _, vjp = jax.vjp(ref, x, topk_weights, leaves)
         dx, dw, dleaves = vjp(ct.astype(jnp.bfloat16))
         return dx, _zero_cotangent(topk_ids), dw, dleaves
@@ -731,7 +787,7 @@ def _moe_fn(mode: str, activation: str, offset: int, impl: str, tile_m, kernel_f
 
 def moe(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str = "w4a16", activation: str = "swiglu",
         local_expert_offset=0, impl: str = "ffi", tile_m: int | None = None, kernel_flags: int = 0,
-        k_split: int | None = None):
+        k_split: int | None = None, blocked_weights: bool = False):
     """The expert part of the MoE layer on the FFI kernels (see :func:`moe_forward` for arguments).
 
     Differentiable w.r.t. ``x``, ``topk_weights`` and the experts' float leaves (a ``custom_vjp``
@@ -749,6 +805,6 @@ def moe(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str = "w4a16"
         topk_ids, local_expert_offset = jnp.where(ids < 0, -1, ids), 0
     leaves, treedef = jax.tree_util.tree_flatten(experts)
     fn = _moe_fn(mode, activation, int(local_expert_offset), impl, tile_m, _check_kernel_flags(kernel_flags),
-                 k_split, treedef)
+                 k_split, treedef, bool(blocked_weights))
     return fn(jnp.asarray(x).astype(jnp.bfloat16), jnp.asarray(topk_ids).astype(jnp.int32),
               jnp.asarray(topk_weights, jnp.float32), tuple(leaves))

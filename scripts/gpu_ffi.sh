@@ -243,12 +243,13 @@ if stage ab; then
   # tiles on 2026-12-01: 1-2% faster DeepSeek-V3 layers) and plain weight loads (512; the streaming
   # hints became the default on 2026-12-01). Settled on 2026-12-01: the K split (--ffi-k-splits);
   # removed: the shared-memory rings (flag 1: cp.async, then tensor copies), the paired GEMM1
-  # input, L2 prefetches and gate / up rows in separate warps. T = 1/4/16 (8-row tiles), 64 (DeepSeek-V3: 16-row, Qwen3: 8-row), 128
-  # (16-row).
+  # input, L2 prefetches and gate / up rows in separate warps. Not yet timed: the blocked weight
+  # order (--ffi-blocked; stage probe asks whether it can help). T = 1/4/16 (8-row tiles), 64
+  # (DeepSeek-V3: 16-row, Qwen3: 8-row), 128 (16-row).
   abpart() { local name=$1 s=$2 def=$3 var=$4; [[ $var == skip ]] && return
     # shellcheck disable=SC2086
     ab "$s" ${var:-$def} --json "$OUT/ab_$name.json"; }
-  abpart decode 300 "--modes w4a16 --tokens 1,4,16,64,128 --ffi-flags 128,512" "${AB_DECODE:-}"
+  abpart decode 300 "--modes w4a16 --tokens 1,4,16,64,128 --ffi-flags 128,512 --ffi-blocked" "${AB_DECODE:-}"
   # w4a4: the pure-JAX quantizer (8; the kernel became the default on 2026-12-01), PDL launches (64)
   # and the natural-order intermediate (128).
   abpart w4a4 180 "--modes w4a4 --tokens 1,4,64 --ffi-flags 8,64,128" "${AB_W4A4:-}"

@@ -30,18 +30,31 @@ def test_moe_bench_quick_rows(tmp_path, clock):
     out = tmp_path / "bench.json"
     moe_bench.main(["--quick", "--shapes", "tiny", "--tokens", "1,5", "--modes", "w4a16", "--backends", "ffi,xla",
                     "--chain", "2", "--clock", clock, "--ffi-flags", "2,6", "--ffi-k-splits", "4",
-                    "--ffi-tile-ms", "32", "--ffi-configs", "512:2", "--sets", "1", "--json", str(out)])
+                    "--ffi-tile-ms", "32", "--ffi-configs", "512:2", "--ffi-blocked", "--sets", "1",
+                    "--json", str(out)])
     rows = json.loads(out.read_text())["results"]
     names = {(r["backend"], r["tokens"]) for r in rows}
     for b in ("ffi", "xla", "ffi[flags=2]", "ffi[flags=6]", "ffi[ks=4]", "ffi[tm=32]", "ffi[flags=512,ks=2]",
               moe_bench.BASELINE):
         assert {(b, 1), (b, 5)} <= names, b
+    # I = 64: no blocked weight order, a skipped row (tiny_ep's I = 128 runs it: next test)
+    assert all("multiples of 128" in r["skipped"] for r in rows if r["backend"] == "ffi[blocked]")
+    rows = [r for r in rows if "skipped" not in r]
     for r in rows:
         assert "error" not in r, r
         assert r["median_us"] > 0 and r["floor_us"] > 0
         assert r["timing"] == (f"chain2/{clock}" if r["backend"].startswith("ffi") else "median")
     summary = "\n".join(ab_summary.summary_lines(rows))
     assert all(f"ffi[{v}]" in summary for v in ("flags=2", "flags=6", "ks=4", "tm=32", "flags=512,ks=2")), summary
+
+
+def test_moe_bench_blocked_weights_row(tmp_path):
+    out = tmp_path / "bench.json"
+    moe_bench.main(["--quick", "--shapes", "tiny_ep", "--tokens", "3", "--modes", "w4a16,w4a4", "--backends", "ffi",
+                    "--no-baseline", "--ffi-blocked", "--sets", "1", "--json", str(out)])
+    rows = json.loads(out.read_text())["results"]
+    assert {(r["backend"], r["mode"]) for r in rows if r.get("median_us", 0) > 0} == {
+        (b, m) for b in ("ffi", "ffi[blocked]") for m in ("w4a16", "w4a4")}
 
 
 def test_moe_bench_saves_each_finished_token_count(tmp_path, monkeypatch):

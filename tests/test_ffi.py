@@ -167,10 +167,11 @@ def _gemm_problem(act, gather, mode, t=23, k=3, e=5, h=64, n=48, tile_m=8, seed=
 
 
 def _run_gemm(impl, a, w, sorted_ids, tile_expert, row_scale, act, gather, mode, out_dtype, tile_m, k,
-              k_split=None, kernel_flags=0):
+              k_split=None, kernel_flags=0, pairing=ops.Pairing.NONE):
     return ops.grouped_gemm(a, w, sorted_ids, tile_expert, tile_m=tile_m, activation=act, top_k=k, gather=gather,
                             row_scale=row_scale if mode != ops.RowScale.NONE else None, row_scale_mode=mode,
-                            out_dtype=out_dtype, k_split=k_split, kernel_flags=kernel_flags, impl=impl)
+                            out_dtype=out_dtype, k_split=k_split, kernel_flags=kernel_flags, pairing=pairing,
+                            impl=impl)
 
 
 @pytest.mark.parametrize("act,gather,mode,out_dtype", GEMM_CASES)
@@ -676,10 +677,8 @@ def test_gemm_pairing_is_the_same_function(on_gpu, tile_m, k_split, case):
     for impl in ("ffi", "jax"):
         def run(a, pairing):
             with jax.default_device(dev):
-                return f32(ops.grouped_gemm(a, w, sid, te, tile_m=tile_m, activation=act, top_k=4, gather=gather,
-                                            row_scale=rs if mode != ops.RowScale.NONE else None,
-                                            row_scale_mode=mode, out_dtype=out_dtype, k_split=k_split,
-                                            pairing=pairing, impl=impl))[used]
+                return f32(_run_gemm(impl, a, w, sid, te, rs, act, gather, mode, out_dtype, tile_m, 4, k_split,
+                                     pairing=pairing))[used]
         base = run(a, ops.Pairing.NONE)
         np.testing.assert_array_equal(run(a, ops.Pairing.OUT), np.asarray(ops.to_paired(base)))
         if not on_gpu or (act == ops.Activation.IDENTITY and out_dtype == BF16):  # GEMM2: the GPU's paired case
@@ -692,7 +691,10 @@ def test_gemm_pairing_checks():
     act, gather, mode, out_dtype = GEMM_CASES[0]
     a, w, sid, te, _ = _gemm_problem(act, gather, mode, h=64, tile_m=8)
     with pytest.raises(ValueError, match="Pairing"):
-        ops.grouped_gemm(a, w, sid, te, tile_m=8, activation=act, top_k=3, gather=True, pairing=4)
+        ops.grouped_gemm(a, w, sid, te, tile_m=8, activation=act, top_k=3, gather=True, pairing=8)
+    with pytest.raises(ValueError, match="K % 128 == 0"):  # K = 64: no blocked order
+        ops.grouped_gemm(a, w, sid, te, tile_m=8, activation=act, top_k=3, gather=True,
+                         pairing=ops.Pairing.BLOCKED_W)
     w12 = random_nvfp4(np.random.default_rng(0), (5, 24, 64), np.ones(5, np.float32))  # 12 features
     with pytest.raises(ValueError, match="multiples of 8"):
         ops.grouped_gemm(a, w12, sid, te, tile_m=8, activation=act, top_k=3, gather=True, pairing=ops.Pairing.OUT)
@@ -702,6 +704,81 @@ def test_gemm_pairing_checks():
             a, w12.data, w12.scales, w12.global_scale, sid, te, jnp.zeros((1,), jnp.float32),
             activation=np.int64(act), row_scale_mode=np.int64(0), top_k=np.int64(3), gather=np.int64(1),
             tile_m=np.int64(8), k_split=np.int64(1), pairing=np.int64(2), kernel_flags=np.int64(0))
+    with pytest.raises(Exception, match="blocked weights"):  # K = 64
+        jax.ffi.ffi_call(ops.TARGET_GEMM, jax.ShapeDtypeStruct((sid.shape[0], 48), BF16), vmap_method="sequential")(
+            a, w.data, w.scales, w.global_scale, sid, te, jnp.zeros((1,), jnp.float32),
+            activation=np.int64(act), row_scale_mode=np.int64(0), top_k=np.int64(3), gather=np.int64(1),
+            tile_m=np.int64(8), k_split=np.int64(1), pairing=np.int64(4), kernel_flags=np.int64(0))
+
+
+def test_blocked_weights_are_an_exact_permutation():
+    """to_blocked_weights puts byte b of row n of expert e where ffi/moe_common.h's
+    BlockedCodeOffset / BlockedScaleOffset say (16-row fragments x 128-K chunks, each block
+    contiguous), and from_blocked_weights undoes it."""
+    e, n, k = 3, 48, 384
+    w = random_nvfp4(np.random.default_rng(5), (e, n, k), np.ones(e, np.float32))
+    b = ops.to_blocked_weights(w)
+    assert b.shape == w.shape and b.data.dtype == w.data.dtype and b.scales.dtype == w.scales.dtype
+    rows, cols = np.meshgrid(np.arange(n), np.arange(k // 2), indexing="ij")
+    code_off = ((rows // 16 * (k // 128) + cols // 64) * 16 + rows % 16) * 64 + cols % 64
+    np.testing.assert_array_equal(np.asarray(b.data).reshape(e, -1)[:, code_off], np.asarray(w.data))
+    s_bits = lambda v: np.asarray(jax.lax.bitcast_convert_type(v, jnp.uint8))  # noqa: E731
+    rows, cols = np.meshgrid(np.arange(n), np.arange(k // 16), indexing="ij")
+    scale_off = ((rows // 16 * (k // 128) + cols // 8) * 16 + rows % 16) * 8 + cols % 8
+    np.testing.assert_array_equal(s_bits(b.scales).reshape(e, -1)[:, scale_off], s_bits(w.scales))
+    back = ops.from_blocked_weights(b)
+    np.testing.assert_array_equal(np.asarray(back.data), np.asarray(w.data))
+    np.testing.assert_array_equal(s_bits(back.scales), s_bits(w.scales))
+    with pytest.raises(ValueError, match="N % 16 == 0 and K % 128 == 0"):
+        ops.to_blocked_weights(random_nvfp4(np.random.default_rng(0), (2, 24, 128), np.ones(2, np.float32)))
+
+
+@pytest.mark.parametrize("on_gpu", [False, pytest.param(True, marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("tile_m,k_split", [(8, 1), (8, 4), (16, 2), (32, 1), (64, 1)])
+@pytest.mark.parametrize("case", [0, 2, 4, 5])
+def test_gemm_blocked_weights_are_the_same_function(on_gpu, tile_m, k_split, case):
+    """Weights in the blocked order (Pairing.BLOCKED_W, with the paired bits as moe uses them)
+    give bitwise the row-major output on the platform's handler and in the twin (K = 1024: every
+    warp's K range is whole 128-K blocks, so the GPU sums in the same order; 64-row tiles with
+    blocked weights run the mma.sync kernel, compared with the row-major one, NO_WGMMA)."""
+    if on_gpu and not has_gpu():
+        pytest.skip("needs an NVIDIA GPU")
+    act, gather, mode, out_dtype = GEMM_CASES[case]
+    a, w, sid, te, rs = _gemm_problem(act, gather, mode, t=37, k=4, e=6, h=1024, n=80, tile_m=tile_m, seed=case)
+    wb = ops.to_blocked_weights(w)
+    used = used_rows(sid, te, tile_m)
+    dev = jax.devices()[0] if on_gpu else jax.devices("cpu")[0]
+    paired_a = act == ops.Activation.IDENTITY and out_dtype == BF16  # (GEMM2's case: the GPU's paired a)
+    extra = ops.Pairing.A if paired_a else ops.Pairing.OUT
+    x = ops.to_paired(a) if paired_a else a
+    for impl in ("ffi", "jax"):
+        def run(w, pairing):
+            with jax.default_device(dev):
+                return f32(_run_gemm(impl, x, w, sid, te, rs, act, gather, mode, out_dtype, tile_m, 4, k_split,
+                                     kernel_flags=int(ops.KernelFlag.NO_WGMMA), pairing=pairing))[used]
+        want = run(w, extra)
+        assert np.isfinite(want).all() and (want != 0).any()
+        np.testing.assert_array_equal(run(wb, extra | ops.Pairing.BLOCKED_W), want, err_msg=impl)
+
+
+@pytest.mark.parametrize("on_gpu", [False, pytest.param(True, marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("t", [1, 48, 600])
+def test_moe_blocked_weights_are_the_same_layer(on_gpu, mode, t):
+    """moe(..., blocked_weights=True) on to_blocked_experts gives the row-major layer's bytes
+    (t = 1 / 48 / 600 x 4 pairs over 16 experts: 8-, 16- and 64-row tiles; with blocked weights
+    64-row tiles take the mma.sync kernel, so the row-major layer runs with NO_WGMMA)."""
+    if on_gpu and not has_gpu():
+        pytest.skip("needs an NVIDIA GPU")
+    dev = jax.devices()[0] if on_gpu else jax.devices("cpu")[0]
+    with jax.default_device(dev):
+        ex = make_experts(9, 16, 512, 256)
+        x = make_x(t, t, 512)
+        ids, w = make_routing(t, t, 4, 16)
+        want = f32(ops.moe(x, ex, ids, w, mode=mode, kernel_flags=int(ops.KernelFlag.NO_WGMMA)))
+        got = f32(ops.moe(x, ops.to_blocked_experts(ex), ids, w, mode=mode, blocked_weights=True))
+    assert np.isfinite(want).all() and (want != 0).any()
+    np.testing.assert_array_equal(got, want)
 
 
 @pytest.mark.gpu

@@ -112,16 +112,23 @@ struct WeightRegs {
     q[j][h][3] = v.w;
   }
 
-  template <bool STREAM = false>
+  // BLOCKED: wrow / srow point at the row's bytes of its first 128-K block in the blocked order
+  // (Pairing::kBlockedW: a block of 16 rows x 128 K is 1 KB of codes and 128 bytes of scales), and
+  // kc is a multiple of 128.
+  template <bool STREAM = false, bool BLOCKED = false>
   __device__ __forceinline__ void Load(const uint8_t* const (&wrow)[NF][2], const uint8_t* const (&srow)[NF][2],
                                        int64_t kc, int t) {
+    static_assert(!BLOCKED || CH == 128, "the blocked order has no 64-K tail chunks");
+    static_assert(kBlockRows * kBlockK / 2 == 8 * kBlockK && kBlockRows * kBlockK / 16 == kBlockK, "block sizes");
+    const int64_t code_at = BLOCKED ? kc * 8 : kc / 2;  // (kc / 128 blocks of 1 KB / 128 bytes)
+    const int64_t scale_at = BLOCKED ? kc : kc / 16;
 #pragma unroll
     for (int j = 0; j < NF; ++j) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         if constexpr (CH == 128) {
-          SetCodes(j, h, LoadWeights16<STREAM>(wrow[j][h] + kc / 2 + 16 * t));
-          s[j][h] = LoadScales2<STREAM>(srow[j][h] + kc / 16 + 2 * t);
+          SetCodes(j, h, LoadWeights16<STREAM>(wrow[j][h] + code_at + 16 * t));
+          s[j][h] = LoadScales2<STREAM>(srow[j][h] + scale_at + 2 * t);
         } else {
           const uint2 v = __ldg(reinterpret_cast<const uint2*>(wrow[j][h] + kc / 2 + 8 * t));
           SetCodes(j, h, make_uint4(v.x, v.y, 0, 0));

@@ -12,7 +12,10 @@
 //   splitting multiplies the CTAs, so that enough weight bytes are in flight on every SM.
 // - Weights go straight from global memory into registers with 16-byte loads (each thread
 //   reads 32 consecutive K of a row: 16 bytes of codes + 2 scale bytes), prefetched one
-//   128-K chunk ahead; no shared memory, no bf16 weights in memory.
+//   128-K chunk ahead; no shared memory, no bf16 weights in memory. With the checkpoint's
+//   row-major codes a warp's load touches 8 rows x 64 bytes; weights repacked into the blocked
+//   order (Pairing::kBlockedW, BlockedCodeOffset: 16 rows x 128 K contiguous) make it 512
+//   contiguous bytes (experimental: not yet timed).
 // - The MMA's K order is permuted so that the 16-byte load *is* the fragment: a 32-bit word
 //   of 8 codes (actual k0..k7 of thread t's span) feeds two MMA steps, whose logical k pairs
 //   {2t, 2t+1} and {2t+8, 2t+9} are actual {k0, k4}, {k1, k5} and then {k2, k6}, {k3, k7}.
@@ -120,31 +123,32 @@ __device__ __forceinline__ void TailChunk(const uint8_t* const (&wrow)[NF][2], c
   }
 }
 
-// acc += this warp's rows x a over K [k0, k1) (multiples of 64): 128-K chunks, the next chunk's
-// weights in flight in registers while one multiplies, then a 64-K tail. The two buffers rotate
+// acc += this warp's rows x a over K [k0, k1) (multiples of 64; of 128 with blocked weights, BW):
+// 128-K chunks, the next chunk's weights in flight in registers while one multiplies, then a 64-K
+// tail. The two buffers rotate
 // by unrolling (chunk c lives in buf[c % 2]), so no register copy waits on a load: 121-128
 // registers instead of 124-162 with a copy (H200, 2026-12-01: 4% faster on 16-row tiles, where
 // it beat the cp.async ring). Two or three chunks in flight (three or four buffers) were 4-14%
 // slower in 8 of 12 rows of the same A/B and 3-5% faster in 2 (fewer CTAs fit per SM).
-template <int FMU, int FM, int NF, bool PA, bool STREAM>
+template <int FMU, int FM, int NF, bool PA, bool STREAM, bool BW>
 __device__ __forceinline__ void MainLoop(const uint8_t* const (&wrow)[NF][2], const uint8_t* const (&srow)[NF][2],
                                          const uint16_t* const (&arow)[FM], int64_t k0, int64_t k1, int t,
                                          float (&acc)[NF][FM][4]) {
   constexpr int D = 2;
   const int64_t chunks = (k1 - k0) / 128;
   WeightRegs<128, NF> buf[D];
-  if (chunks > 0) buf[0].template Load<STREAM>(wrow, srow, k0, t);
+  if (chunks > 0) buf[0].template Load<STREAM, BW>(wrow, srow, k0, t);
   for (int64_t c0 = 0; c0 < chunks; c0 += D) {
 #pragma unroll
     for (int s = 0; s < D; ++s) {
       const int64_t c = c0 + s;
       if (c < chunks) {
-        if (c + 1 < chunks) buf[(s + 1) % D].template Load<STREAM>(wrow, srow, k0 + 128 * (c + 1), t);
+        if (c + 1 < chunks) buf[(s + 1) % D].template Load<STREAM, BW>(wrow, srow, k0 + 128 * (c + 1), t);
         ComputeChunk<128, NF, FMU, FM, PA>(buf[s], arow, k0 + 128 * c, t, acc);
       }
     }
   }
-  TailChunk<FMU, FM, NF, PA>(wrow, srow, arow, k0 + 128 * chunks, k1, t, acc);
+  if constexpr (!BW) TailChunk<FMU, FM, NF, PA>(wrow, srow, arow, k0 + 128 * chunks, k1, t, acc);
 }
 
 // The tile's 8-row blocks up to its last one with a row (warp-uniform). moe_align leaves an
@@ -185,7 +189,7 @@ __device__ __forceinline__ void RunUsedBlocks(int used, Loop&& loop) {
 enum DecodeLoop : int { kRegisterLoop = 0, kStreamLoop = 2 };
 constexpr int64_t kStreamMinSpan = 768;  // K per warp from which decode tiles stream (Launch)
 
-template <int FM, int KS, int LOOP, bool GATED, typename OutT, bool PA>
+template <int FM, int KS, int LOOP, bool GATED, typename OutT, bool PA, bool BW>
 __global__ void __launch_bounds__(kThreads) W4A16GroupedGemmKernel(const GemmParams p) {
   constexpr int BM = FM * 8;
   constexpr int NF = GATED ? 2 : 1;  // weight fragments per warp: [gate, up] or [h]
@@ -219,9 +223,14 @@ __global__ void __launch_bounds__(kThreads) W4A16GroupedGemmKernel(const GemmPar
     for (int j = 0; j < NF; ++j)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int64_t row = int64_t(e) * p.N + feat0 + g + 8 * h + (j == 1 ? p.n_out : 0);
-        wrow[j][h] = p.w + row * (K / 2);
-        srow[j][h] = p.ws + row * (K / 16);
+        const int64_t n = feat0 + g + 8 * h + (j == 1 ? p.n_out : 0), row = int64_t(e) * p.N + n;
+        if constexpr (BW) {  // the row's bytes of its first 128-K block
+          wrow[j][h] = p.w + int64_t(e) * p.N * (K / 2) + BlockedCodeOffset(n, 0, K);
+          srow[j][h] = p.ws + int64_t(e) * p.N * (K / 16) + BlockedScaleOffset(n, 0, K);
+        } else {
+          wrow[j][h] = p.w + row * (K / 2);
+          srow[j][h] = p.ws + row * (K / 16);
+        }
       }
     const uint16_t* arow[FM];
 #pragma unroll
@@ -229,12 +238,14 @@ __global__ void __launch_bounds__(kThreads) W4A16GroupedGemmKernel(const GemmPar
       const int64_t src = SourceRow(p, tile * BM + 8 * m + g);
       arow[m] = src >= 0 ? p.a + src * K : nullptr;
     }
-    // This warp's share of K, in 64-K units (a warp may get none when K is small).
-    const int64_t units = K / 64;
-    const int64_t k0 = 64 * (units * kw / KS), k1 = 64 * (units * (kw + 1) / KS);
+    // This warp's share of K, in 64-K units (128 with blocked weights; a warp may get none when K
+    // is small).
+    constexpr int64_t kUnit = BW ? kBlockK : 64;
+    const int64_t units = K / kUnit;
+    const int64_t k0 = kUnit * (units * kw / KS), k1 = kUnit * (units * (kw + 1) / KS);
     RunUsedBlocks<FM>(UsedBlocks(arow), [&](auto fmu) {
       constexpr int FMU = decltype(fmu)::value;
-      MainLoop<FMU, FM, NF, PA, kStream>(wrow, srow, arow, k0, k1, t, acc);
+      MainLoop<FMU, FM, NF, PA, kStream, BW>(wrow, srow, arow, k0, k1, t, acc);
     });
   }
 
@@ -271,28 +282,28 @@ __global__ void __launch_bounds__(kThreads) W4A16GroupedGemmKernel(const GemmPar
 // Instances: k_split 1, 2, 4 and every DecodeLoop for 8- and 16-row tiles (decode; paired
 // activations: the streaming loop only); k_split 1 and the register loop for 32
 // and 64 rows (CheckGemm).
-template <int KS, int LOOP, bool GATED, typename OutT, bool PA>
+template <int KS, int LOOP, bool GATED, typename OutT, bool PA, bool BW>
 void LaunchSplit(const GemmParams& p, int64_t tile_m, int64_t slabs, bool pdl, cudaStream_t stream) {
   const dim3 grid(unsigned(p.P / tile_m), unsigned(slabs));
   switch (tile_m) {
-    case 8: LaunchKernel(W4A16GroupedGemmKernel<1, KS, LOOP, GATED, OutT, PA>, grid, kThreads, 0, stream, pdl, p); break;
-    case 16: LaunchKernel(W4A16GroupedGemmKernel<2, KS, LOOP, GATED, OutT, PA>, grid, kThreads, 0, stream, pdl, p); break;
+    case 8: LaunchKernel(W4A16GroupedGemmKernel<1, KS, LOOP, GATED, OutT, PA, BW>, grid, kThreads, 0, stream, pdl, p); break;
+    case 16: LaunchKernel(W4A16GroupedGemmKernel<2, KS, LOOP, GATED, OutT, PA, BW>, grid, kThreads, 0, stream, pdl, p); break;
     case 32:
-      LaunchKernel(W4A16GroupedGemmKernel<4, 1, kRegisterLoop, GATED, OutT, PA>, grid, kThreads, 0, stream, pdl, p);
+      LaunchKernel(W4A16GroupedGemmKernel<4, 1, kRegisterLoop, GATED, OutT, PA, BW>, grid, kThreads, 0, stream, pdl, p);
       break;
     default:
-      LaunchKernel(W4A16GroupedGemmKernel<8, 1, kRegisterLoop, GATED, OutT, PA>, grid, kThreads, 0, stream, pdl, p);
+      LaunchKernel(W4A16GroupedGemmKernel<8, 1, kRegisterLoop, GATED, OutT, PA, BW>, grid, kThreads, 0, stream, pdl, p);
       break;
   }
 }
 
-template <int LOOP, bool GATED, typename OutT, bool PA>
+template <int LOOP, bool GATED, typename OutT, bool PA, bool BW = false>
 void LaunchLoop(const GemmParams& p, int64_t tile_m, int64_t k_split, int64_t slabs, bool pdl,
                 cudaStream_t stream) {
   switch (k_split) {
-    case 2: LaunchSplit<2, LOOP, GATED, OutT, PA>(p, tile_m, slabs, pdl, stream); break;
-    case 4: LaunchSplit<4, LOOP, GATED, OutT, PA>(p, tile_m, slabs, pdl, stream); break;
-    default: LaunchSplit<1, LOOP, GATED, OutT, PA>(p, tile_m, slabs, pdl, stream); break;
+    case 2: LaunchSplit<2, LOOP, GATED, OutT, PA, BW>(p, tile_m, slabs, pdl, stream); break;
+    case 4: LaunchSplit<4, LOOP, GATED, OutT, PA, BW>(p, tile_m, slabs, pdl, stream); break;
+    default: LaunchSplit<1, LOOP, GATED, OutT, PA, BW>(p, tile_m, slabs, pdl, stream); break;
   }
 }
 
@@ -300,6 +311,9 @@ template <bool GATED, typename OutT, bool PA = false>
 void Launch(const GemmParams& p, int64_t tile_m, int64_t k_split, int64_t slabs, int64_t flags,
             cudaStream_t stream) {
   const bool pdl = flags & int64_t(KernelFlag::kPdl);
+  // Blocked weights (Pairing::kBlockedW): the streaming loads on every tile size (not yet timed).
+  if (p.pairing & int32_t(Pairing::kBlockedW))
+    return LaunchLoop<kStreamLoop, GATED, OutT, PA, true>(p, tile_m, k_split, slabs, pdl, stream);
   // Decode tiles: register prefetch, with streaming cache hints where each warp's share of K is at
   // least kStreamMinSpan (H200 A/B, 2026-12-01: the hints made DeepSeek-V3 decode layers 5-22%
   // faster and Qwen3 T = 16, 64 9-11%, but Qwen3 T = 1 8% slower, whose warps span 384-512 K: the
@@ -367,7 +381,8 @@ ffi::Error GroupedGemmCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> a, ff
   p.activation = int32_t(activation);
   p.row_scale_mode = int32_t(row_scale_mode);
   p.pairing = int32_t(pairing);
-  if (tile_m == 64 && !(kernel_flags & int64_t(KernelFlag::kNoWgmma)) &&  // sm_90a prefill
+  const bool blocked = pairing & int64_t(Pairing::kBlockedW);  // (the wgmma kernel reads rows)
+  if (tile_m == 64 && !blocked && !(kernel_flags & int64_t(KernelFlag::kNoWgmma)) &&  // sm_90a prefill
       LaunchWgmmaGemm(p, gated, f32_out, kernel_flags, stream))
     return LaunchError("grouped_gemm");
   const int64_t f = kernel_flags;
