@@ -14,9 +14,11 @@
 //   warp's load is 512 contiguous bytes and a warp streams one contiguous range per fragment);
 // - hint: the streaming loads of the kernels (L1::no_allocate, L2::256B prefetch) or plain __ldg;
 // - ahead: chunks in flight per warp beyond the one being consumed (the kernels use 1).
-// Every case rotates over 8 disjoint expert sets (above the 50 MB L2) and reports the median of
+// Every case rotates over 8 disjoint expert sets (together above the H200's 60 MB L2) and reports the median of
 // 20 timed launches; "copy" is a contiguous 16-byte-per-lane read of the same bytes at full
-// occupancy, the ceiling. Nothing here is used by the library.
+// occupancy, the ceiling. The shared memory that limits the CTAs per SM leaves ~28 KB of L1
+// (the real kernels have ~200 KB; they read their activations through it). Nothing here is used
+// by the library.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -144,6 +146,10 @@ template <int LAYOUT, bool HINT, int NF, int AHEAD>
 float RunCase(const Shape& s, const uint8_t* w, uint32_t* sink, int sets, size_t smem) {
   auto kernel = Stream<LAYOUT, HINT, NF, AHEAD>;
   CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
+  int per_sm = 0;
+  CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, 128, smem));
+  if (per_sm != s.ctas_per_sm) std::printf("  (%s: %d CTAs per SM, not %d)\n", s.name, per_sm, s.ctas_per_sm);
   const int n_out = s.gated ? s.n / 2 : s.n;
   Args a{w, s.k / 2, s.n, s.gated ? n_out : 0, 0, n_out / (16 * 4 / s.k_split), s.k_split, sink};
   const dim3 grid(s.experts, a.slabs);

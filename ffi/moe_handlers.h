@@ -41,7 +41,7 @@ auto GroupedGemm(B b) {
       .template Attr<int64_t>("gather")  // 1: a row = token of the pair
       .template Attr<int64_t>("tile_m")  // rows per tile
       .template Attr<int64_t>("k_split")  // warps splitting K (GPU decode tiling; 1, 2 or 4)
-      .template Attr<int64_t>("pairing")  // Pairing bits: a's K / out's features in the paired order
+      .template Attr<int64_t>("pairing")  // Pairing bits: a's K / out's features paired, w blocked
       .template Attr<int64_t>("kernel_flags");  // KernelFlag bits (GPU kernel variants; 0: default)
 }
 

@@ -96,7 +96,10 @@ class Pairing(enum.IntFlag):
 BLOCK_ROWS, BLOCK_K = 16, 128  # the blocked weight order's fragment: rows x K
 
 
-def _check_blockable(w: NVFP4Array, where: str):
+def _check_blockable(w: NVFP4Array, where: str, order: str):
+    if not isinstance(w, NVFP4Array) or w.order != order:
+        raise ValueError(f"{where}: needs an NVFP4Array in the {order!r} order, got "
+                         f"{getattr(w, 'order', type(w).__name__)!r}")
     if w.ndim != 3 or w.shape[1] % BLOCK_ROWS or w.shape[2] % BLOCK_K:
         raise ValueError(f"{where}: the blocked weight order needs [E, N, K] weights with N % {BLOCK_ROWS} == 0 "
                          f"and K % {BLOCK_K} == 0, got {w.shape}")
@@ -110,29 +113,31 @@ def _reblock(v, n: int, chunks: int, to_blocked: bool):
 
 
 def to_blocked_weights(w: NVFP4Array) -> NVFP4Array:
-    """Expert weights ``[E, N, K]`` in the blocked order (:attr:`Pairing.BLOCKED_W`).
+    """Expert weights ``[E, N, K]`` in the blocked order (``order="blocked"``; the GEMMs read it
+    with :attr:`Pairing.BLOCKED_W`).
 
     Per expert, 16-row fragments by 128-K chunks, each one contiguous block of 16 rows x 64 code
     bytes (and 16 rows x 8 scale bytes), so that a GPU warp's weight loads read contiguous bytes.
     An exact permutation of ``data`` and ``scales`` within each expert; shapes, dtypes and the
-    global scales are unchanged. Needs ``N % 16 == 0`` and ``K % 128 == 0``.
+    global scales are unchanged. Needs ``N % 16 == 0`` and ``K % 128 == 0``. Only the ffi backend
+    reads the blocked order (:func:`jax_nvfp4.formats.dequantize` refuses it).
     """
-    _check_blockable(w, "to_blocked_weights")
+    _check_blockable(w, "to_blocked_weights", "rows")
     e, n, k = w.shape
     return NVFP4Array(_reblock(w.data, n, k // BLOCK_K, True), _reblock(w.scales, n, k // BLOCK_K, True),
-                      w.global_scale, w.dtype)
+                      w.global_scale, w.dtype, "blocked")
 
 
 def from_blocked_weights(w: NVFP4Array) -> NVFP4Array:
     """Inverse of :func:`to_blocked_weights`."""
-    _check_blockable(w, "from_blocked_weights")
+    _check_blockable(w, "from_blocked_weights", "blocked")
     e, n, k = w.shape
     return NVFP4Array(_reblock(w.data, n, k // BLOCK_K, False), _reblock(w.scales, n, k // BLOCK_K, False),
-                      w.global_scale, w.dtype)
+                      w.global_scale, w.dtype, "rows")
 
 
 def to_blocked_experts(experts: NVFP4Experts) -> NVFP4Experts:
-    """:func:`to_blocked_weights` of both expert tensors (for ``moe(..., blocked_weights=True)``)."""
+    """:func:`to_blocked_weights` of both expert tensors (``moe`` then reads them so)."""
     return dataclasses.replace(experts, gate_up=to_blocked_weights(experts.gate_up),
                                down=to_blocked_weights(experts.down))
 
@@ -417,7 +422,8 @@ def grouped_gemm(a, w: NVFP4Array, sorted_ids, tile_expert, *, tile_m: int,
     pairing : :class:`Pairing` bits
         ``A``: ``a``'s K axis is in the paired order (:func:`to_paired`; on the GPU only for a
         non-gated activation with bfloat16 output); ``OUT``: write ``out``'s features in it;
-        ``BLOCKED_W``: ``w`` is in the blocked order (:func:`to_blocked_weights`).
+        ``BLOCKED_W``: ``w`` is in the blocked order (:func:`to_blocked_weights`; set from
+        ``w.order``, and an error for a ``w`` in the ``"rows"`` order).
     kernel_flags : :class:`KernelFlag` bits
         CUDA kernel variant (0: the default); ignored by the CPU handler and the twin.
     impl : ``"ffi"`` or ``"jax"``
@@ -457,8 +463,10 @@ def grouped_gemm(a, w: NVFP4Array, sorted_ids, tile_expert, *, tile_m: int,
     if pairing & (Pairing.A | Pairing.OUT) and (kk % 8 or n_out % 8):
         raise ValueError(f"grouped_gemm: pairing needs K and the output features to be multiples of 8, "
                          f"got K={kk}, n_out={n_out}")
+    if getattr(w, "order", "rows") == "blocked":  # the GEMM reads the bytes as they are ordered
+        pairing |= Pairing.BLOCKED_W
     if pairing & Pairing.BLOCKED_W:
-        _check_blockable(w, "grouped_gemm (pairing BLOCKED_W)")
+        _check_blockable(w, "grouped_gemm: w (pairing BLOCKED_W)", "blocked")
     if impl == "jax":
         w_rows = from_blocked_weights(w) if pairing & Pairing.BLOCKED_W else w
         out = _grouped_gemm_jax(from_paired(a) if pairing & Pairing.A else a, w_rows, sorted_ids, tile_expert,
@@ -630,13 +638,15 @@ MODES = {"w4a16": Mode.W4A16, "w4a4": Mode.W4A4}
 
 def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str = "w4a16",
                 activation: str = "swiglu", local_expert_offset=0, impl: str = "ffi", tile_m: int | None = None,
-                kernel_flags: int = 0, k_split: int | None = None, blocked_weights: bool = False):
+                kernel_flags: int = 0, k_split: int | None = None):
     """Expert part of the MoE layer through the ops (no custom_vjp/custom_vmap; see :func:`moe`).
 
     Parameters
     ----------
     x : bfloat16 ``[T, H]``
-    experts : NVFP4Experts (``gate_up [E, 2I, H]`` rows ``[gate; up]``, or ``[E, I, H]`` for relu2)
+    experts : NVFP4Experts (``gate_up [E, 2I, H]`` rows ``[gate; up]``, or ``[E, I, H]`` for relu2),
+        in the ``"rows"`` order or the blocked one (:func:`to_blocked_experts`; experimental, not
+        yet timed on a GPU)
     topk_ids : int32 ``[T, k]`` global expert ids
     topk_weights : float32 ``[T, k]``
     mode : ``"w4a16"`` or ``"w4a4"``
@@ -648,8 +658,6 @@ def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str =
     tile_m : optional override of :func:`choose_tile_m`
     kernel_flags : :class:`KernelFlag` bits (CUDA kernel variants; 0: the default)
     k_split : optional override of :func:`choose_k_split` for both GEMMs (1, 2 or 4)
-    blocked_weights : the experts are in the blocked order (:func:`to_blocked_experts`); the
-        GEMMs read them so (``Pairing.BLOCKED_W``; experimental, not yet timed on a GPU)
 
     Returns
     -------
@@ -692,8 +700,6 @@ def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str =
     # pairs as they are (H200, 2026-12-01: decode layers 1-2% faster; wgmma prefill 0.3-1% slower).
     paired = tile_m <= PAIRED_MAX_TILE_M and not kernel_flags & KernelFlag.NATURAL_INTERMEDIATE
     p1, p2 = (Pairing.OUT, Pairing.A) if paired else (Pairing.NONE, Pairing.NONE)
-    if blocked_weights:
-        p1, p2 = p1 | Pairing.BLOCKED_W, p2 | Pairing.BLOCKED_W
 
     if MODES[mode] == Mode.W4A16:
         h1 = grouped_gemm(x.astype(jnp.bfloat16), experts.gate_up, sorted_ids, tile_expert, activation=act,
@@ -727,8 +733,7 @@ def _zero_cotangent(v):
 
 
 @functools.lru_cache(maxsize=None)
-def _moe_fn(mode: str, activation: str, offset: int, impl: str, tile_m, kernel_flags: int, k_split, treedef,
-            blocked_weights: bool = False):
+def _moe_fn(mode: str, activation: str, offset: int, impl: str, tile_m, kernel_flags: int, k_split, treedef):
     """The jit-able MoE for one static configuration, with its vmap and vjp rules.
 
     The experts travel as their flat leaves (``treedef`` rebuilds them): cotangents of the
@@ -739,7 +744,7 @@ def _moe_fn(mode: str, activation: str, offset: int, impl: str, tile_m, kernel_f
         experts = jax.tree_util.tree_unflatten(treedef, leaves)
         return moe_forward(x, experts, topk_ids, topk_weights, mode=mode, activation=activation,
                            local_expert_offset=offset, impl=impl, tile_m=tile_m, kernel_flags=kernel_flags,
-                           k_split=k_split, blocked_weights=blocked_weights)
+                           k_split=k_split)
 
     batched = jax.custom_batching.custom_vmap(forward)
 
@@ -775,8 +780,7 @@ def _moe_fn(mode: str, activation: str, offset: int, impl: str, tile_m, kernel_f
         def ref(x, topk_weights, leaves):
             experts = jax.tree_util.tree_unflatten(treedef, leaves)
             return moe_forward(x, experts, topk_ids, topk_weights, mode=mode, activation=activation,
-                               local_expert_offset=offset, impl="jax", tile_m=tile_m,
-                               blocked_weights=blocked_weights)
+                               local_expert_offset=offset, impl="jax", tile_m=tile_m)
         _, vjp = jax.vjp(ref, x, topk_weights, leaves)
         dx, dw, dleaves = vjp(ct.astype(jnp.bfloat16))
         return dx, _zero_cotangent(topk_ids), dw, dleaves
@@ -787,7 +791,7 @@ def _moe_fn(mode: str, activation: str, offset: int, impl: str, tile_m, kernel_f
 
 def moe(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str = "w4a16", activation: str = "swiglu",
         local_expert_offset=0, impl: str = "ffi", tile_m: int | None = None, kernel_flags: int = 0,
-        k_split: int | None = None, blocked_weights: bool = False):
+        k_split: int | None = None):
     """The expert part of the MoE layer on the FFI kernels (see :func:`moe_forward` for arguments).
 
     Differentiable w.r.t. ``x``, ``topk_weights`` and the experts' float leaves (a ``custom_vjp``
@@ -805,6 +809,6 @@ def moe(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str = "w4a16"
         topk_ids, local_expert_offset = jnp.where(ids < 0, -1, ids), 0
     leaves, treedef = jax.tree_util.tree_flatten(experts)
     fn = _moe_fn(mode, activation, int(local_expert_offset), impl, tile_m, _check_kernel_flags(kernel_flags),
-                 k_split, treedef, bool(blocked_weights))
+                 k_split, treedef)
     return fn(jnp.asarray(x).astype(jnp.bfloat16), jnp.asarray(topk_ids).astype(jnp.int32),
               jnp.asarray(topk_weights, jnp.float32), tuple(leaves))

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 BLOCK = 16  # elements per E4M3 block scale
+ORDERS = ("rows", "blocked")  # NVFP4Array.order
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # code (sign << 3 | idx) -> value, as a 16-entry table
 E2M1_TABLE = np.array(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), np.float32)
@@ -45,14 +46,21 @@ class NVFP4Array:
     dtype : numpy dtype (static)
         Dtype of the logical tensor that was quantized (what :func:`dequantize` returns by default
         is float32; this records the source precision).
+    order : ``"rows"`` or ``"blocked"`` (static)
+        Byte order of ``data`` and ``scales`` in their last two axes: ``"rows"`` (the format above)
+        or the GPU kernels' blocked order (``jax_nvfp4._ffi_ops.to_blocked_weights``: 16-row x
+        128-K blocks contiguous), which only the ffi backend reads.
     """
 
     data: Any
     scales: Any
     global_scale: Any
     dtype: Any = dataclasses.field(default=jnp.dtype(jnp.bfloat16), metadata=dict(static=True))
+    order: str = dataclasses.field(default="rows", metadata=dict(static=True))
 
     def __post_init__(self):
+        if self.order not in ORDERS:
+            raise ValueError(f"NVFP4Array.order must be one of {ORDERS}, got {self.order!r}")
         # Pytree unflattening may pass placeholders (None, object()); only check real arrays.
         if not (_is_array(self.data) and _is_array(self.scales) and _is_array(self.global_scale)):
             return
@@ -67,6 +75,9 @@ class NVFP4Array:
         if tuple(g) != tuple(d[: len(g)]) or len(g) > len(d) - 1:
             raise ValueError(
                 f"NVFP4Array.global_scale shape {g} must be a prefix of the row shape {d[:-1]}")
+        if self.order == "blocked" and (len(d) < 2 or d[-2] % 16 or (d[-1] * 2) % 128):
+            raise ValueError(f"a blocked NVFP4Array needs [..., N, K] with N % 16 == 0 and K % 128 == 0, "
+                             f"got {self.shape}")
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -84,7 +95,7 @@ class NVFP4Array:
         if len(idx) > n_g:
             raise IndexError(
                 f"NVFP4Array can be indexed only along the {n_g} axes its global_scale spans, got {len(idx)}")
-        return NVFP4Array(self.data[idx], self.scales[idx], self.global_scale[idx], self.dtype)
+        return NVFP4Array(self.data[idx], self.scales[idx], self.global_scale[idx], self.dtype, self.order)
 
 
 def unpack_codes(data):
@@ -125,6 +136,9 @@ def dequantize(q: NVFP4Array, dtype=jnp.float32, *, apply_global_scale: bool = T
     -------
     array ``[..., K]`` of ``dtype``.
     """
+    if q.order != "rows":
+        raise ValueError(f"dequantize needs an NVFP4Array in the 'rows' order, got {q.order!r} "
+                         "(jax_nvfp4._ffi_ops.from_blocked_weights restores it)")
     vals = e2m1_to_float(unpack_codes(q.data), jnp.float32)
     s = q.scales.astype(jnp.float32)
     vals = (vals.reshape(q.shape[:-1] + (q.shape[-1] // BLOCK, BLOCK)) * s[..., None]).reshape(q.shape)
@@ -171,6 +185,9 @@ class NVFP4Experts(_ExpertShapes):
     def __post_init__(self):
         if isinstance(self.gate_up, NVFP4Array) and isinstance(self.down, NVFP4Array):
             _check_expert_shapes(self.gate_up.shape, self.down.shape, self.gated, "NVFP4Experts")
+            if self.gate_up.order != self.down.order:
+                raise ValueError(f"NVFP4Experts.gate_up and .down must have one byte order, got "
+                                 f"{self.gate_up.order!r} and {self.down.order!r}")
             for name, w in (("gate_up", self.gate_up), ("down", self.down)):
                 if _is_array(w.global_scale) and w.global_scale.shape != w.shape[:1]:
                     raise ValueError(

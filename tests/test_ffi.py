@@ -205,7 +205,7 @@ def test_gemm_rejects_bad_shapes_with_named_arguments():
     with pytest.raises(Exception, match="tile_m must be"):
         call(tile_m=12)
     with pytest.raises(Exception, match="pairing must combine"):
-        call(pairing=4)
+        call(pairing=8)
     with pytest.raises(Exception, match="unknown activation"):
         call(act=9)
     with pytest.raises(Exception, match="must be a multiple of tile_m = 16"):
@@ -692,7 +692,7 @@ def test_gemm_pairing_checks():
     a, w, sid, te, _ = _gemm_problem(act, gather, mode, h=64, tile_m=8)
     with pytest.raises(ValueError, match="Pairing"):
         ops.grouped_gemm(a, w, sid, te, tile_m=8, activation=act, top_k=3, gather=True, pairing=8)
-    with pytest.raises(ValueError, match="K % 128 == 0"):  # K = 64: no blocked order
+    with pytest.raises(ValueError, match="'blocked' order"):  # w is in the rows order
         ops.grouped_gemm(a, w, sid, te, tile_m=8, activation=act, top_k=3, gather=True,
                          pairing=ops.Pairing.BLOCKED_W)
     w12 = random_nvfp4(np.random.default_rng(0), (5, 24, 64), np.ones(5, np.float32))  # 12 features
@@ -729,8 +729,22 @@ def test_blocked_weights_are_an_exact_permutation():
     back = ops.from_blocked_weights(b)
     np.testing.assert_array_equal(np.asarray(back.data), np.asarray(w.data))
     np.testing.assert_array_equal(s_bits(back.scales), s_bits(w.scales))
+    assert b.order == "blocked" and back.order == "rows" and b[1].order == "blocked"
     with pytest.raises(ValueError, match="N % 16 == 0 and K % 128 == 0"):
         ops.to_blocked_weights(random_nvfp4(np.random.default_rng(0), (2, 24, 128), np.ones(2, np.float32)))
+    # The order travels with the array, so nothing reads blocked bytes as rows (or twice blocks them).
+    with pytest.raises(ValueError, match="'rows' order"):
+        nv.dequantize(b)
+    with pytest.raises(ValueError, match="'rows' order"):
+        ops.to_blocked_weights(b)
+    with pytest.raises(ValueError, match="'blocked' order"):
+        ops.from_blocked_weights(w)
+    a, _, sid, te, _ = _gemm_problem(ops.Activation.IDENTITY, True, ops.RowScale.NONE, h=k, n=n, e=e)
+    with pytest.raises(ValueError, match="'blocked' order"):  # BLOCKED_W asked for rows-order weights
+        ops.grouped_gemm(a, w, sid, te, tile_m=8, top_k=3, gather=True, pairing=ops.Pairing.BLOCKED_W)
+    ex = make_experts(1, 2, 128, 128)
+    with pytest.raises(ValueError, match="one byte order"):
+        nv.NVFP4Experts(ops.to_blocked_weights(ex.gate_up), ex.down, True)
 
 
 @pytest.mark.parametrize("on_gpu", [False, pytest.param(True, marks=pytest.mark.gpu)])
@@ -765,7 +779,7 @@ def test_gemm_blocked_weights_are_the_same_function(on_gpu, tile_m, k_split, cas
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("t", [1, 48, 600])
 def test_moe_blocked_weights_are_the_same_layer(on_gpu, mode, t):
-    """moe(..., blocked_weights=True) on to_blocked_experts gives the row-major layer's bytes
+    """moe on to_blocked_experts (read in the blocked order) gives the row-major layer's bytes
     (t = 1 / 48 / 600 x 4 pairs over 16 experts: 8-, 16- and 64-row tiles; with blocked weights
     64-row tiles take the mma.sync kernel, so the row-major layer runs with NO_WGMMA)."""
     if on_gpu and not has_gpu():
@@ -776,7 +790,7 @@ def test_moe_blocked_weights_are_the_same_layer(on_gpu, mode, t):
         x = make_x(t, t, 512)
         ids, w = make_routing(t, t, 4, 16)
         want = f32(ops.moe(x, ex, ids, w, mode=mode, kernel_flags=int(ops.KernelFlag.NO_WGMMA)))
-        got = f32(ops.moe(x, ops.to_blocked_experts(ex), ids, w, mode=mode, blocked_weights=True))
+        got = f32(ops.moe(x, ops.to_blocked_experts(ex), ids, w, mode=mode))
     assert np.isfinite(want).all() and (want != 0).any()
     np.testing.assert_array_equal(got, want)
 

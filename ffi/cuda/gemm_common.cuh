@@ -12,11 +12,12 @@
 namespace jax_nvfp4 {
 
 constexpr int kWarpFeatures = 16;  // one m16 fragment of weight rows per warp
+static_assert(kBlockRows == kWarpFeatures, "a blocked weight fragment is one warp's rows");
 
 struct GemmParams {
   const uint16_t* a;          // [a_rows, K] bf16
-  const uint8_t* w;           // [E, N, K/2] E2M1 pairs
-  const uint8_t* ws;          // [E, N, K/16] E4M3 bits
+  const uint8_t* w;           // [E, N, K/2] E2M1 pairs (rows, or blocked: Pairing::kBlockedW)
+  const uint8_t* ws;          // [E, N, K/16] E4M3 bits (likewise)
   const float* alpha;         // [E]
   const int32_t* sorted_ids;  // [P]
   const int32_t* tile_expert; // [P / tile_m]
@@ -25,7 +26,7 @@ struct GemmParams {
   int64_t a_rows, K, N, n_out, E, P, row_scale_n;
   int32_t top_k, gather, activation, row_scale_mode;
   int32_t slabs_first;  // wgmma kernel: 1-D grid walking a row tile's feature slabs first
-  int32_t pairing;      // Pairing bits (a's K / out's features in the paired order)
+  int32_t pairing;      // Pairing bits (a's K / out's features paired, w blocked)
 };
 
 __device__ __forceinline__ uint32_t SmemU32(const void* p) {

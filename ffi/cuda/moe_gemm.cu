@@ -15,7 +15,8 @@
 //   128-K chunk ahead; no shared memory, no bf16 weights in memory. With the checkpoint's
 //   row-major codes a warp's load touches 8 rows x 64 bytes; weights repacked into the blocked
 //   order (Pairing::kBlockedW, BlockedCodeOffset: 16 rows x 128 K contiguous) make it 512
-//   contiguous bytes (experimental: not yet timed).
+//   contiguous bytes (experimental: not yet timed). Warps then split K in 128-K units, so the
+//   bits equal row-major weights' where K / k_split is a multiple of 128.
 // - The MMA's K order is permuted so that the 16-byte load *is* the fragment: a 32-bit word
 //   of 8 codes (actual k0..k7 of thread t's span) feeds two MMA steps, whose logical k pairs
 //   {2t, 2t+1} and {2t+8, 2t+9} are actual {k0, k4}, {k1, k5} and then {k2, k6}, {k3, k7}.
@@ -125,7 +126,7 @@ __device__ __forceinline__ void TailChunk(const uint8_t* const (&wrow)[NF][2], c
 
 // acc += this warp's rows x a over K [k0, k1) (multiples of 64; of 128 with blocked weights, BW):
 // 128-K chunks, the next chunk's weights in flight in registers while one multiplies, then a 64-K
-// tail. The two buffers rotate
+// tail (none with blocked weights). The two buffers rotate
 // by unrolling (chunk c lives in buf[c % 2]), so no register copy waits on a load: 121-128
 // registers instead of 124-162 with a copy (H200, 2026-12-01: 4% faster on 16-row tiles, where
 // it beat the cp.async ring). Two or three chunks in flight (three or four buffers) were 4-14%
@@ -153,7 +154,7 @@ __device__ __forceinline__ void MainLoop(const uint8_t* const (&wrow)[NF][2], co
 
 // The tile's 8-row blocks up to its last one with a row (warp-uniform). moe_align leaves an
 // expert's padding at the end of its last tile, so a 16-row tile whose second block is all
-// padding runs as an 8-row one (MainLoopUsed): 16-row tiles then cost the experts with <= 8 rows
+// padding runs as an 8-row one (RunUsedBlocks): 16-row tiles then cost the experts with <= 8 rows
 // (or 17-24) little more than 8-row ones, and the busier experts need no second tile.
 template <int FM>
 __device__ __forceinline__ int UsedBlocks(const uint16_t* const (&arow)[FM]) {
@@ -279,9 +280,9 @@ __global__ void __launch_bounds__(kThreads) W4A16GroupedGemmKernel(const GemmPar
   Epilogue<FM, NF, GATED, OutT>(p, e, tile, feat0, acc);
 }
 
-// Instances: k_split 1, 2, 4 and every DecodeLoop for 8- and 16-row tiles (decode; paired
-// activations: the streaming loop only); k_split 1 and the register loop for 32
-// and 64 rows (CheckGemm).
+// Instances, each for row-major and blocked weights: k_split 1, 2, 4 and every DecodeLoop for 8-
+// and 16-row tiles (decode; paired activations: the streaming loop only); k_split 1 and the
+// register loop for 32 and 64 rows (CheckGemm).
 template <int KS, int LOOP, bool GATED, typename OutT, bool PA, bool BW>
 void LaunchSplit(const GemmParams& p, int64_t tile_m, int64_t slabs, bool pdl, cudaStream_t stream) {
   const dim3 grid(unsigned(p.P / tile_m), unsigned(slabs));
@@ -307,13 +308,11 @@ void LaunchLoop(const GemmParams& p, int64_t tile_m, int64_t k_split, int64_t sl
   }
 }
 
-template <bool GATED, typename OutT, bool PA = false>
+// BW: w in the blocked order (Pairing::kBlockedW), with the same choice of loads as rows.
+template <bool GATED, typename OutT, bool PA, bool BW>
 void Launch(const GemmParams& p, int64_t tile_m, int64_t k_split, int64_t slabs, int64_t flags,
             cudaStream_t stream) {
   const bool pdl = flags & int64_t(KernelFlag::kPdl);
-  // Blocked weights (Pairing::kBlockedW): the streaming loads on every tile size (not yet timed).
-  if (p.pairing & int32_t(Pairing::kBlockedW))
-    return LaunchLoop<kStreamLoop, GATED, OutT, PA, true>(p, tile_m, k_split, slabs, pdl, stream);
   // Decode tiles: register prefetch, with streaming cache hints where each warp's share of K is at
   // least kStreamMinSpan (H200 A/B, 2026-12-01: the hints made DeepSeek-V3 decode layers 5-22%
   // faster and Qwen3 T = 16, 64 9-11%, but Qwen3 T = 1 8% slower, whose warps span 384-512 K: the
@@ -323,9 +322,23 @@ void Launch(const GemmParams& p, int64_t tile_m, int64_t k_split, int64_t slabs,
   // and up to 17% slower on the H200, 2026-12-01: removed; shared-memory rings: DecodeLoop.)
   if constexpr (!PA) {
     if ((flags & int64_t(KernelFlag::kPlainWeightLoads)) || p.K / k_split < kStreamMinSpan)
-      return LaunchLoop<kRegisterLoop, GATED, OutT, PA>(p, tile_m, k_split, slabs, pdl, stream);
+      return LaunchLoop<kRegisterLoop, GATED, OutT, PA, BW>(p, tile_m, k_split, slabs, pdl, stream);
   }
-  LaunchLoop<kStreamLoop, GATED, OutT, PA>(p, tile_m, k_split, slabs, pdl, stream);
+  LaunchLoop<kStreamLoop, GATED, OutT, PA, BW>(p, tile_m, k_split, slabs, pdl, stream);
+}
+
+template <bool BW>
+void LaunchFor(const GemmParams& p, bool gated, bool f32_out, bool a_paired, int64_t tile_m, int64_t k_split,
+               int64_t slabs, int64_t f, cudaStream_t stream) {
+  if (gated) {
+    f32_out ? Launch<true, float, false, BW>(p, tile_m, k_split, slabs, f, stream)
+            : Launch<true, uint16_t, false, BW>(p, tile_m, k_split, slabs, f, stream);
+  } else if (a_paired) {
+    Launch<false, uint16_t, true, BW>(p, tile_m, k_split, slabs, f, stream);
+  } else {
+    f32_out ? Launch<false, float, false, BW>(p, tile_m, k_split, slabs, f, stream)
+            : Launch<false, uint16_t, false, BW>(p, tile_m, k_split, slabs, f, stream);
+  }
 }
 
 ffi::Error GroupedGemmCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> a, ffi::Buffer<ffi::U8> w_data,
@@ -385,16 +398,8 @@ ffi::Error GroupedGemmCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> a, ff
   if (tile_m == 64 && !blocked && !(kernel_flags & int64_t(KernelFlag::kNoWgmma)) &&  // sm_90a prefill
       LaunchWgmmaGemm(p, gated, f32_out, kernel_flags, stream))
     return LaunchError("grouped_gemm");
-  const int64_t f = kernel_flags;
-  if (gated) {
-    f32_out ? Launch<true, float>(p, tile_m, k_split, slabs, f, stream)
-            : Launch<true, uint16_t>(p, tile_m, k_split, slabs, f, stream);
-  } else if (a_paired) {
-    Launch<false, uint16_t, true>(p, tile_m, k_split, slabs, f, stream);
-  } else {
-    f32_out ? Launch<false, float>(p, tile_m, k_split, slabs, f, stream)
-            : Launch<false, uint16_t>(p, tile_m, k_split, slabs, f, stream);
-  }
+  blocked ? LaunchFor<true>(p, gated, f32_out, a_paired, tile_m, k_split, slabs, kernel_flags, stream)
+          : LaunchFor<false>(p, gated, f32_out, a_paired, tile_m, k_split, slabs, kernel_flags, stream);
   return LaunchError("grouped_gemm");
 }
 

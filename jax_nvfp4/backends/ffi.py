@@ -47,20 +47,17 @@ class FFIBackend:
     ``MAX_SPLIT_TILE_M`` rows; larger tiles never split) and ``tile_m`` (one of ``TILE_MS``) fixes
     the rows per GEMM tile, for benchmarks that compare them; the registered instance uses the
     defaults (0, :func:`jax_nvfp4._ffi_ops.choose_k_split` and :func:`jax_nvfp4._ffi_ops.choose_tile_m`).
-    ``blocked_weights``: the experts it is called with are in the blocked order
-    (:func:`jax_nvfp4._ffi_ops.to_blocked_experts`; experimental).
     """
 
     name = "ffi"
 
-    def __init__(self, kernel_flags: int = 0, k_split: int | None = None, tile_m: int | None = None,
-                 blocked_weights: bool = False):
+    def __init__(self, kernel_flags: int = 0, k_split: int | None = None, tile_m: int | None = None):
         self.kernel_flags = ops._check_kernel_flags(kernel_flags)
         if k_split is not None and k_split not in ops.K_SPLITS:
             raise ValueError(f"k_split must be None or one of {ops.K_SPLITS}, got {k_split!r}")
         if tile_m is not None and tile_m not in ops.TILE_MS:
             raise ValueError(f"tile_m must be None or one of {ops.TILE_MS}, got {tile_m!r}")
-        self.k_split, self.tile_m, self.blocked_weights = k_split, tile_m, bool(blocked_weights)
+        self.k_split, self.tile_m = k_split, tile_m
 
     def unavailable_reason(self) -> str | None:
         if ops.extension_error() is not None:
@@ -114,7 +111,7 @@ class FFIBackend:
         k_split = self.k_split if tile_m <= ops.MAX_SPLIT_TILE_M else None
         return ops.moe(x, experts, topk_ids, topk_weights, mode=problem.mode, activation=problem.activation,
                        local_expert_offset=local_expert_offset, tile_m=tile_m, kernel_flags=self.kernel_flags,
-                       k_split=k_split, blocked_weights=self.blocked_weights)
+                       k_split=k_split)
 
 
 base.register(FFIBackend())

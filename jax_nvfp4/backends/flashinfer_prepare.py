@@ -170,6 +170,9 @@ def prepare_weights(experts: NVFP4Experts, kernel: str = "cutedsl") -> PreparedW
     """
     if not isinstance(experts, NVFP4Experts):
         raise TypeError(f"prepare_weights needs NVFP4Experts, got {type(experts).__name__}")
+    if experts.gate_up.order != "rows":
+        raise ValueError(f"prepare_weights needs experts in the 'rows' order, got {experts.gate_up.order!r} "
+                         "(jax_nvfp4._ffi_ops.from_blocked_weights restores it)")
     why = layout_unsupported_reason(kernel, experts.hidden_size, experts.intermediate_size, experts.gated)
     if why:
         raise ValueError(why)
