@@ -92,6 +92,10 @@ def bench_shape(shape, tokens, modes, backends, args, log, on_tokens=None):
         rows = t * shape.top_k
         common = dict(shape=shape.name, tokens=t, rows=rows, experts_hit=hit, **floors(shape, rows, hit))
 
+        def skip(name, mode, why):
+            results.append(dict(common, backend=name, mode=mode, skipped=why))
+            log(f"  {shape.name:16s} T={t:5d} {name:20s} {mode:6s} skipped: {why}")
+
         def record(name, mode, fn, arg_sets):
             try:
                 chained = args.chain and name.split("[")[0] in args.chain_backends
@@ -122,8 +126,7 @@ def bench_shape(shape, tokens, modes, backends, args, log, on_tokens=None):
                     bk = base.get(name)
                     why = bk.unavailable_reason() or bk.unsupported_reason(problem)
                 if why:
-                    results.append(dict(common, backend=name, mode=mode, skipped=why))
-                    log(f"  {shape.name:16s} T={t:5d} {name:20s} {mode:6s} skipped: {why}")
+                    skip(name, mode, why)
                     continue
 
                 def fn(x, ids, w, ex, name=name, mode=mode):
@@ -148,9 +151,8 @@ def bench_shape(shape, tokens, modes, backends, args, log, on_tokens=None):
                 ex = experts
                 if label == "ffi[blocked]":  # repacked once, outside the timing
                     if shape.hidden % _ffi_ops.BLOCK_K or shape.intermediate % _ffi_ops.BLOCK_K:
-                        why = f"the blocked weight order needs H and I to be multiples of {_ffi_ops.BLOCK_K}"
-                        results.append(dict(common, backend=label, mode=mode, skipped=why))
-                        log(f"  {shape.name:16s} T={t:5d} {label:20s} {mode:6s} skipped: {why}")
+                        skip(label, mode, "the blocked weight order needs H and I to be multiples of "
+                                          f"{_ffi_ops.BLOCK_K}")
                         continue
                     blocked = blocked if blocked is not None else _ffi_ops.to_blocked_experts(q)
                     ex = blocked
@@ -161,8 +163,7 @@ def bench_shape(shape, tokens, modes, backends, args, log, on_tokens=None):
             if tflop > args.max_expanded_tflop:
                 why = (f"XLA expands ragged_dot densely over the {shape.local_experts} groups: "
                        f"{tflop:.0f} TFLOP > --max-expanded-tflop {args.max_expanded_tflop:g}")
-                results.append(dict(common, backend=BASELINE, mode="bf16", skipped=why))
-                log(f"  {shape.name:16s} T={t:5d} {BASELINE:20s} bf16   skipped: {why}")
+                skip(BASELINE, "bf16", why)
             else:
                 off = shape.local_expert_offset
                 record(BASELINE, "bf16", lambda x, ids, w, a, c: ragged_dot_moe(x, a, c, ids, w, off),
@@ -229,7 +230,7 @@ def main(argv=None):
                         "rows per GEMM tile fixed instead of chosen from the expected rows per expert")
     p.add_argument("--ffi-configs", default="",
                    help="comma-separated FLAGS:KSPLIT pairs to time as extra rows 'ffi[flags=F,ks=S]': a kernel "
-                        "variant with the K split fixed too (e.g. 1:1,1:4)")
+                        "variant with the K split fixed too (e.g. 512:1,512:4)")
     p.add_argument("--ffi-blocked", action="store_true",
                    help="time an extra row 'ffi[blocked]': the experts repacked once into the blocked weight "
                         "order (to_blocked_experts), read so by the GEMMs")
@@ -273,23 +274,20 @@ def main(argv=None):
     args.chain_backends = set(args.chain_backends.split(","))
     if args.clock == "auto":
         args.clock = "device" if device_clock_available() else "host"
-    try:
-        args.ffi_flags = [_ffi_ops._check_kernel_flags(int(f)) for f in args.ffi_flags.split(",") if f]
-    except ValueError as err:
-        p.error(f"--ffi-flags: {err}")
-    try:
-        args.ffi_k_splits = [FFIBackend(k_split=int(s)).k_split for s in args.ffi_k_splits.split(",") if s]
-    except ValueError as err:
-        p.error(f"--ffi-k-splits: {err}")
-    try:
-        args.ffi_configs = [(_ffi_ops._check_kernel_flags(int(f)), FFIBackend(k_split=int(k)).k_split)
-                            for f, k in (c.split(":") for c in args.ffi_configs.split(",") if c)]
-    except ValueError as err:
-        p.error(f"--ffi-configs: {err} (expected FLAGS:KSPLIT pairs)")
-    try:
-        args.ffi_tile_ms = [FFIBackend(tile_m=int(m)).tile_m for m in args.ffi_tile_ms.split(",") if m]
-    except ValueError as err:
-        p.error(f"--ffi-tile-ms: {err}")
+    def values(option, text, convert, expected=""):  # a comma-separated option, each item converted
+        try:
+            return [convert(v) for v in text.split(",") if v]
+        except ValueError as err:
+            p.error(f"{option}: {err}{expected}")
+
+    def config(c):  # FLAGS:KSPLIT
+        f, k = c.split(":")
+        return _ffi_ops._check_kernel_flags(int(f)), FFIBackend(k_split=int(k)).k_split
+
+    args.ffi_flags = values("--ffi-flags", args.ffi_flags, lambda f: _ffi_ops._check_kernel_flags(int(f)))
+    args.ffi_k_splits = values("--ffi-k-splits", args.ffi_k_splits, lambda s: FFIBackend(k_split=int(s)).k_split)
+    args.ffi_configs = values("--ffi-configs", args.ffi_configs, config, " (expected FLAGS:KSPLIT pairs)")
+    args.ffi_tile_ms = values("--ffi-tile-ms", args.ffi_tile_ms, lambda m: FFIBackend(tile_m=int(m)).tile_m)
     for v in args.xla_variants:
         d, _, g = v.partition("/")
         if d not in ("gather", "all") or g not in ("ragged", "tiled"):

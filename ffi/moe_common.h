@@ -64,7 +64,7 @@ constexpr int64_t kAllKernelFlags = 766;
 // kA / kOut: a's K axis / out's feature axis in the paired order (PairedPos). moe's intermediate
 // uses it (but with KernelFlag kNaturalIntermediate): GEMM1 writes it paired, GEMM2 reads it paired
 // and skips its activation byte permutes. kBlockedW: w_data and w_scales in the blocked order
-// (BlockedCodeOffset; same shapes, each expert's bytes permuted), so that a GPU warp's weight
+// (BlockedOffset; same shapes, each expert's bytes permuted), so that a GPU warp's weight
 // loads read contiguous bytes.
 enum class Pairing : int64_t { kNone = 0, kA = 1, kOut = 2, kBlockedW = 4 };
 constexpr int64_t kAllPairing = 7;
@@ -72,14 +72,11 @@ constexpr int64_t kAllPairing = 7;
 // of 16 rows x 64 code bytes (and 16 rows x 8 scale bytes), fragments outermost. Needs N % 16 == 0
 // and K % 128 == 0.
 constexpr int64_t kBlockRows = 16, kBlockK = 128;
-// Byte offsets, within one expert's [N, K/2] codes / [N, K/16] scales, of row n's byte b.
-NVFP4_HD int64_t BlockedCodeOffset(int64_t n, int64_t b, int64_t K) {
-  return ((n / kBlockRows * (K / kBlockK) + b / (kBlockK / 2)) * kBlockRows + n % kBlockRows) * (kBlockK / 2) +
-         b % (kBlockK / 2);
-}
-NVFP4_HD int64_t BlockedScaleOffset(int64_t n, int64_t b, int64_t K) {
-  return ((n / kBlockRows * (K / kBlockK) + b / (kBlockK / 16)) * kBlockRows + n % kBlockRows) * (kBlockK / 16) +
-         b % (kBlockK / 16);
+constexpr int64_t kBlockCodeBytes = kBlockK / 2, kBlockScaleBytes = kBlockK / 16;  // per row and block
+// Byte offset, within one expert's [N, K/2] codes (row_bytes kBlockCodeBytes) or [N, K/16] scales
+// (kBlockScaleBytes) in the blocked order, of row n's byte b.
+NVFP4_HD int64_t BlockedOffset(int64_t n, int64_t b, int64_t K, int64_t row_bytes) {
+  return ((n / kBlockRows * (K / kBlockK) + b / row_bytes) * kBlockRows + n % kBlockRows) * row_bytes + b % row_bytes;
 }
 constexpr int64_t kAlignOneWarpPairs = 32;
 // MoE modes (spec section 5); the kernels themselves are mode-agnostic.

@@ -28,8 +28,8 @@ void DecodeRows(const uint8_t* w, const uint8_t* ws, int64_t e, int64_t N, int64
   const uint8_t* sd = ws + e * N * (K / 16);
   for (int64_t n = n0; n < n0 + rows; ++n) {
     for (int64_t kb = 0; kb < K / 16; ++kb) {  // 16-K block kb: 8 code bytes, 1 scale byte
-      const float s = kE4M3[sd[blocked ? BlockedScaleOffset(n, kb, K) : n * (K / 16) + kb]];
-      const uint8_t* bytes = wd + (blocked ? BlockedCodeOffset(n, kb * 8, K) : n * (K / 2) + kb * 8);
+      const float s = kE4M3[sd[blocked ? BlockedOffset(n, kb, K, kBlockScaleBytes) : n * (K / 16) + kb]];
+      const uint8_t* bytes = wd + (blocked ? BlockedOffset(n, kb * 8, K, kBlockCodeBytes) : n * (K / 2) + kb * 8);
       float* out = dst + (n - n0) * K + kb * 16;
       for (int i = 0; i < 8; ++i) {
         out[2 * i] = E2M1ToFloat(bytes[i] & 0xF) * s;

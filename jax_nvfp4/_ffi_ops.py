@@ -112,6 +112,14 @@ def _reblock(v, n: int, chunks: int, to_blocked: bool):
     return jnp.swapaxes(v.reshape(src), 2, 3).reshape(v.shape)
 
 
+def _reordered(w: NVFP4Array, to_blocked: bool, where: str) -> NVFP4Array:
+    """``w``'s codes and scales moved from the rows order to the blocked one (or back)."""
+    _check_blockable(w, where, "rows" if to_blocked else "blocked")
+    e, n, k = w.shape
+    return NVFP4Array(_reblock(w.data, n, k // BLOCK_K, to_blocked), _reblock(w.scales, n, k // BLOCK_K, to_blocked),
+                      w.global_scale, w.dtype, "blocked" if to_blocked else "rows")
+
+
 def to_blocked_weights(w: NVFP4Array) -> NVFP4Array:
     """Expert weights ``[E, N, K]`` in the blocked order (``order="blocked"``; the GEMMs read it
     with :attr:`Pairing.BLOCKED_W`).
@@ -122,18 +130,12 @@ def to_blocked_weights(w: NVFP4Array) -> NVFP4Array:
     global scales are unchanged. Needs ``N % 16 == 0`` and ``K % 128 == 0``. Only the ffi backend
     reads the blocked order (:func:`jax_nvfp4.formats.dequantize` refuses it).
     """
-    _check_blockable(w, "to_blocked_weights", "rows")
-    e, n, k = w.shape
-    return NVFP4Array(_reblock(w.data, n, k // BLOCK_K, True), _reblock(w.scales, n, k // BLOCK_K, True),
-                      w.global_scale, w.dtype, "blocked")
+    return _reordered(w, True, "to_blocked_weights")
 
 
 def from_blocked_weights(w: NVFP4Array) -> NVFP4Array:
     """Inverse of :func:`to_blocked_weights`."""
-    _check_blockable(w, "from_blocked_weights", "blocked")
-    e, n, k = w.shape
-    return NVFP4Array(_reblock(w.data, n, k // BLOCK_K, False), _reblock(w.scales, n, k // BLOCK_K, False),
-                      w.global_scale, w.dtype, "rows")
+    return _reordered(w, False, "from_blocked_weights")
 
 
 def to_blocked_experts(experts: NVFP4Experts) -> NVFP4Experts:
@@ -463,7 +465,7 @@ def grouped_gemm(a, w: NVFP4Array, sorted_ids, tile_expert, *, tile_m: int,
     if pairing & (Pairing.A | Pairing.OUT) and (kk % 8 or n_out % 8):
         raise ValueError(f"grouped_gemm: pairing needs K and the output features to be multiples of 8, "
                          f"got K={kk}, n_out={n_out}")
-    if getattr(w, "order", "rows") == "blocked":  # the GEMM reads the bytes as they are ordered
+    if w.order == "blocked":  # the GEMM reads the bytes as they are ordered
         pairing |= Pairing.BLOCKED_W
     if pairing & Pairing.BLOCKED_W:
         _check_blockable(w, "grouped_gemm: w (pairing BLOCKED_W)", "blocked")

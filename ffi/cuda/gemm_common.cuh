@@ -120,7 +120,8 @@ struct WeightRegs {
   __device__ __forceinline__ void Load(const uint8_t* const (&wrow)[NF][2], const uint8_t* const (&srow)[NF][2],
                                        int64_t kc, int t) {
     static_assert(!BLOCKED || CH == 128, "the blocked order has no 64-K tail chunks");
-    static_assert(kBlockRows * kBlockK / 2 == 8 * kBlockK && kBlockRows * kBlockK / 16 == kBlockK, "block sizes");
+    static_assert(kBlockRows * kBlockCodeBytes == 8 * kBlockK && kBlockRows * kBlockScaleBytes == kBlockK,
+                  "a block is 8 * 128 code bytes and 128 scale bytes (code_at, scale_at)");
     const int64_t code_at = BLOCKED ? kc * 8 : kc / 2;  // (kc / 128 blocks of 1 KB / 128 bytes)
     const int64_t scale_at = BLOCKED ? kc : kc / 16;
 #pragma unroll

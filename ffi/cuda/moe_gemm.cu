@@ -14,7 +14,7 @@
 //   reads 32 consecutive K of a row: 16 bytes of codes + 2 scale bytes), prefetched one
 //   128-K chunk ahead; no shared memory, no bf16 weights in memory. With the checkpoint's
 //   row-major codes a warp's load touches 8 rows x 64 bytes; weights repacked into the blocked
-//   order (Pairing::kBlockedW, BlockedCodeOffset: 16 rows x 128 K contiguous) make it 512
+//   order (Pairing::kBlockedW, BlockedOffset: 16 rows x 128 K contiguous) make it 512
 //   contiguous bytes (experimental: not yet timed). Warps then split K in 128-K units, so the
 //   bits equal row-major weights' where K / k_split is a multiple of 128.
 // - The MMA's K order is permuted so that the 16-byte load *is* the fragment: a 32-bit word
@@ -226,8 +226,8 @@ __global__ void __launch_bounds__(kThreads) W4A16GroupedGemmKernel(const GemmPar
       for (int h = 0; h < 2; ++h) {
         const int64_t n = feat0 + g + 8 * h + (j == 1 ? p.n_out : 0), row = int64_t(e) * p.N + n;
         if constexpr (BW) {  // the row's bytes of its first 128-K block
-          wrow[j][h] = p.w + int64_t(e) * p.N * (K / 2) + BlockedCodeOffset(n, 0, K);
-          srow[j][h] = p.ws + int64_t(e) * p.N * (K / 16) + BlockedScaleOffset(n, 0, K);
+          wrow[j][h] = p.w + int64_t(e) * p.N * (K / 2) + BlockedOffset(n, 0, K, kBlockCodeBytes);
+          srow[j][h] = p.ws + int64_t(e) * p.N * (K / 16) + BlockedOffset(n, 0, K, kBlockScaleBytes);
         } else {
           wrow[j][h] = p.w + row * (K / 2);
           srow[j][h] = p.ws + row * (K / 16);
@@ -287,8 +287,12 @@ template <int KS, int LOOP, bool GATED, typename OutT, bool PA, bool BW>
 void LaunchSplit(const GemmParams& p, int64_t tile_m, int64_t slabs, bool pdl, cudaStream_t stream) {
   const dim3 grid(unsigned(p.P / tile_m), unsigned(slabs));
   switch (tile_m) {
-    case 8: LaunchKernel(W4A16GroupedGemmKernel<1, KS, LOOP, GATED, OutT, PA, BW>, grid, kThreads, 0, stream, pdl, p); break;
-    case 16: LaunchKernel(W4A16GroupedGemmKernel<2, KS, LOOP, GATED, OutT, PA, BW>, grid, kThreads, 0, stream, pdl, p); break;
+    case 8:
+      LaunchKernel(W4A16GroupedGemmKernel<1, KS, LOOP, GATED, OutT, PA, BW>, grid, kThreads, 0, stream, pdl, p);
+      break;
+    case 16:
+      LaunchKernel(W4A16GroupedGemmKernel<2, KS, LOOP, GATED, OutT, PA, BW>, grid, kThreads, 0, stream, pdl, p);
+      break;
     case 32:
       LaunchKernel(W4A16GroupedGemmKernel<4, 1, kRegisterLoop, GATED, OutT, PA, BW>, grid, kThreads, 0, stream, pdl, p);
       break;
@@ -298,7 +302,7 @@ void LaunchSplit(const GemmParams& p, int64_t tile_m, int64_t slabs, bool pdl, c
   }
 }
 
-template <int LOOP, bool GATED, typename OutT, bool PA, bool BW = false>
+template <int LOOP, bool GATED, typename OutT, bool PA, bool BW>
 void LaunchLoop(const GemmParams& p, int64_t tile_m, int64_t k_split, int64_t slabs, bool pdl,
                 cudaStream_t stream) {
   switch (k_split) {
