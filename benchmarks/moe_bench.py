@@ -76,7 +76,14 @@ def bench_shape(shape, tokens, modes, backends, args, log, on_tokens=None):
     """The rows of one shape; ``on_tokens(rows_so_far)`` after each token count (partial saves)."""
     key = jax.random.key(args.seed)
     q = specs.random_nvfp4_experts(key, shape)
-    blocked = None  # q in the blocked weight order (--ffi-blocked), made once
+    ordered = {"rows": q}  # q in each backend's weight order (jax_nvfp4.weight_order), made once
+
+    def nvfp4_for(backend):
+        order = nv.weight_order(backend, hidden_size=shape.hidden, intermediate_size=shape.intermediate)
+        if order not in ordered:
+            ordered[order] = nv.to_blocked_experts(q)
+        return ordered[order]
+
     need_bf16 = "bf16" in modes or not args.no_baseline
     b = specs.to_bf16_experts(q) if need_bf16 else None
     w13t = w2t = None
@@ -117,7 +124,6 @@ def bench_shape(shape, tokens, modes, backends, args, log, on_tokens=None):
                 f"   (floor {floor:8.1f} us, hit {hit:5.1f} experts)")
 
         for mode in modes:
-            experts = b if mode == "bf16" else q
             problem = shape.problem(t, mode)
             for name in backends:
                 if name not in base.names():
@@ -133,7 +139,7 @@ def bench_shape(shape, tokens, modes, backends, args, log, on_tokens=None):
                     return nv.moe(x, ex, topk_ids=ids, topk_weights=w, mode=mode, backend=name,
                                   local_expert_offset=shape.local_expert_offset)
 
-                record(name, mode, fn, [s + (experts,) for s in sets])
+                record(name, mode, fn, [s + (b if mode == "bf16" else nvfp4_for(name),) for s in sets])
 
             variants = [(f"xla[{v}]", XLABackend(*v.split("/"))) for v in args.xla_variants]
             if mode != "bf16" and not FFIBackend().unavailable_reason():
@@ -141,21 +147,14 @@ def bench_shape(shape, tokens, modes, backends, args, log, on_tokens=None):
                 variants += [(f"ffi[ks={s}]", FFIBackend(k_split=s)) for s in args.ffi_k_splits]
                 variants += [(f"ffi[tm={m}]", FFIBackend(tile_m=m)) for m in args.ffi_tile_ms]
                 variants += [(f"ffi[flags={f},ks={s}]", FFIBackend(f, k_split=s)) for f, s in args.ffi_configs]
-                if args.ffi_blocked:  # the default kernels on the experts in the blocked order
-                    variants.append(("ffi[blocked]", FFIBackend()))
+                if args.ffi_rows:  # the default kernels on the checkpoint's rows order
+                    variants.append(("ffi[rows]", FFIBackend()))
             for label, impl in variants:  # forced strategies / kernel variants, side by side
 
                 def fn(x, ids, w, ex, impl=impl, problem=problem):
                     return impl(x, ex, ids, w, problem=problem, local_expert_offset=shape.local_expert_offset)
 
-                ex = experts
-                if label == "ffi[blocked]":  # repacked once, outside the timing
-                    if shape.hidden % _ffi_ops.BLOCK_K or shape.intermediate % _ffi_ops.BLOCK_K:
-                        skip(label, mode, "the blocked weight order needs H and I to be multiples of "
-                                          f"{_ffi_ops.BLOCK_K}")
-                        continue
-                    blocked = blocked if blocked is not None else _ffi_ops.to_blocked_experts(q)
-                    ex = blocked
+                ex = b if mode == "bf16" else q if label == "ffi[rows]" else nvfp4_for(label.split("[")[0])
                 record(label, mode, fn, [s + (ex,) for s in sets])
 
         if not args.no_baseline:
@@ -231,9 +230,9 @@ def main(argv=None):
     p.add_argument("--ffi-configs", default="",
                    help="comma-separated FLAGS:KSPLIT pairs to time as extra rows 'ffi[flags=F,ks=S]': a kernel "
                         "variant with the K split fixed too (e.g. 512:1,512:4)")
-    p.add_argument("--ffi-blocked", action="store_true",
-                   help="time an extra row 'ffi[blocked]': the experts repacked once into the blocked weight "
-                        "order (to_blocked_experts), read so by the GEMMs")
+    p.add_argument("--ffi-rows", action="store_true",
+                   help="time an extra row 'ffi[rows]': the experts in the checkpoint's rows order (every other "
+                        "row gets them in its backend's jax_nvfp4.weight_order: blocked for ffi on a GPU)")
     p.add_argument("--no-baseline", action="store_true", help=f"skip the {BASELINE} baseline")
     p.add_argument("--max-expanded-tflop", type=float, default=100.0,
                    help="skip the baseline when ragged_dot's dense expansion exceeds this many TFLOP")

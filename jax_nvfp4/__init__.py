@@ -4,12 +4,13 @@ Online quantization bit-exact with FlashInfer's reference quantizer (:func:`quan
 :func:`quantize_experts`), kernel layouts, and the MoE layer.
 """
 
-from .formats import BF16Experts, NVFP4Array, NVFP4Experts, dequantize
+from .formats import (BF16Experts, NVFP4Array, NVFP4Experts, dequantize, from_blocked_experts, from_blocked_weights,
+                      to_blocked_experts, to_blocked_weights)
 from .layouts import (cutedsl_gemm1_rows, gate_up_to_up_gate, swizzle_scales, trtllm_gemm1_rows,
                       trtllm_gemm2_rows, unswizzle_scales)
 from .quantize import RECIPES, quantize, quantize_experts
 from .routing import ROUTING_METHODS, route
-from .moe import moe
+from .moe import moe, weight_order
 from .backends import ffi as _ffi_backend  # noqa: F401  (registers backend "ffi")
 from .backends.flashinfer import prepare_flashinfer_weights  # registers backend "flashinfer"
 from .backends.flashinfer_prepare import PreparedWeights
@@ -20,6 +21,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "NVFP4Array", "NVFP4Experts", "BF16Experts", "quantize", "dequantize", "quantize_experts", "RECIPES",
+    "to_blocked_weights", "from_blocked_weights", "to_blocked_experts", "from_blocked_experts", "weight_order",
     "swizzle_scales", "unswizzle_scales", "trtllm_gemm1_rows", "trtllm_gemm2_rows", "cutedsl_gemm1_rows",
     "gate_up_to_up_gate",
     "route", "ROUTING_METHODS", "moe", "prepare_flashinfer_weights", "PreparedWeights",

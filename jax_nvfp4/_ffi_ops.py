@@ -35,7 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .formats import NVFP4Array, NVFP4Experts, dequantize
+from .formats import (NVFP4Array, NVFP4Experts, blockable, dequantize, from_blocked_weights,  # noqa: F401
+                      to_blocked_experts, to_blocked_weights)
 from .quantize import quantize
 
 try:
@@ -91,57 +92,6 @@ class Pairing(enum.IntFlag):
     A = 1  # a's K axis in the paired order (to_paired; the CUDA kernels skip their activation byte permutes)
     OUT = 2  # out's feature axis in the paired order
     BLOCKED_W = 4  # w's codes and scales in the blocked order (to_blocked_weights)
-
-
-BLOCK_ROWS, BLOCK_K = 16, 128  # the blocked weight order's fragment: rows x K
-
-
-def _check_blockable(w: NVFP4Array, where: str, order: str):
-    if not isinstance(w, NVFP4Array) or w.order != order:
-        raise ValueError(f"{where}: needs an NVFP4Array in the {order!r} order, got "
-                         f"{getattr(w, 'order', type(w).__name__)!r}")
-    if w.ndim != 3 or w.shape[1] % BLOCK_ROWS or w.shape[2] % BLOCK_K:
-        raise ValueError(f"{where}: the blocked weight order needs [E, N, K] weights with N % {BLOCK_ROWS} == 0 "
-                         f"and K % {BLOCK_K} == 0, got {w.shape}")
-
-
-def _reblock(v, n: int, chunks: int, to_blocked: bool):
-    """``[E, N, C]`` bytes per row <-> per expert ``[N/16, K/128, 16, C/chunks]`` (same shape)."""
-    e, c = v.shape[0], v.shape[-1] // chunks
-    src = (e, n // BLOCK_ROWS, BLOCK_ROWS, chunks, c) if to_blocked else (e, n // BLOCK_ROWS, chunks, BLOCK_ROWS, c)
-    return jnp.swapaxes(v.reshape(src), 2, 3).reshape(v.shape)
-
-
-def _reordered(w: NVFP4Array, to_blocked: bool, where: str) -> NVFP4Array:
-    """``w``'s codes and scales moved from the rows order to the blocked one (or back)."""
-    _check_blockable(w, where, "rows" if to_blocked else "blocked")
-    e, n, k = w.shape
-    return NVFP4Array(_reblock(w.data, n, k // BLOCK_K, to_blocked), _reblock(w.scales, n, k // BLOCK_K, to_blocked),
-                      w.global_scale, w.dtype, "blocked" if to_blocked else "rows")
-
-
-def to_blocked_weights(w: NVFP4Array) -> NVFP4Array:
-    """Expert weights ``[E, N, K]`` in the blocked order (``order="blocked"``; the GEMMs read it
-    with :attr:`Pairing.BLOCKED_W`).
-
-    Per expert, 16-row fragments by 128-K chunks, each one contiguous block of 16 rows x 64 code
-    bytes (and 16 rows x 8 scale bytes), so that a GPU warp's weight loads read contiguous bytes.
-    An exact permutation of ``data`` and ``scales`` within each expert; shapes, dtypes and the
-    global scales are unchanged. Needs ``N % 16 == 0`` and ``K % 128 == 0``. Only the ffi backend
-    reads the blocked order (:func:`jax_nvfp4.formats.dequantize` refuses it).
-    """
-    return _reordered(w, True, "to_blocked_weights")
-
-
-def from_blocked_weights(w: NVFP4Array) -> NVFP4Array:
-    """Inverse of :func:`to_blocked_weights`."""
-    return _reordered(w, False, "from_blocked_weights")
-
-
-def to_blocked_experts(experts: NVFP4Experts) -> NVFP4Experts:
-    """:func:`to_blocked_weights` of both expert tensors (``moe`` then reads them so)."""
-    return dataclasses.replace(experts, gate_up=to_blocked_weights(experts.gate_up),
-                               down=to_blocked_weights(experts.down))
 
 
 def _transpose_groups_of_8(v, rows: int):
@@ -467,8 +417,8 @@ def grouped_gemm(a, w: NVFP4Array, sorted_ids, tile_expert, *, tile_m: int,
                          f"got K={kk}, n_out={n_out}")
     if w.order == "blocked":  # the GEMM reads the bytes as they are ordered
         pairing |= Pairing.BLOCKED_W
-    if pairing & Pairing.BLOCKED_W:
-        _check_blockable(w, "grouped_gemm: w (pairing BLOCKED_W)", "blocked")
+    if pairing & Pairing.BLOCKED_W and w.order != "blocked":
+        raise ValueError(f"grouped_gemm: pairing BLOCKED_W needs w in the 'blocked' order, got {w.order!r}")
     if impl == "jax":
         w_rows = from_blocked_weights(w) if pairing & Pairing.BLOCKED_W else w
         out = _grouped_gemm_jax(from_paired(a) if pairing & Pairing.A else a, w_rows, sorted_ids, tile_expert,
@@ -647,8 +597,8 @@ def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str =
     ----------
     x : bfloat16 ``[T, H]``
     experts : NVFP4Experts (``gate_up [E, 2I, H]`` rows ``[gate; up]``, or ``[E, I, H]`` for relu2),
-        in the ``"rows"`` order or the blocked one (:func:`to_blocked_experts`; experimental, not
-        yet timed on a GPU)
+        in the ``"rows"`` order or the blocked one (:func:`~jax_nvfp4.to_blocked_experts`, which the
+        CUDA kernels read fastest)
     topk_ids : int32 ``[T, k]`` global expert ids
     topk_weights : float32 ``[T, k]``
     mode : ``"w4a16"`` or ``"w4a4"``

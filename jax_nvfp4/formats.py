@@ -21,6 +21,7 @@ import numpy as np
 
 BLOCK = 16  # elements per E4M3 block scale
 ORDERS = ("rows", "blocked")  # NVFP4Array.order
+BLOCK_ROWS, BLOCK_K = 16, 128  # the blocked order's fragment: rows x K
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # code (sign << 3 | idx) -> value, as a 16-entry table
 E2M1_TABLE = np.array(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), np.float32)
@@ -48,8 +49,8 @@ class NVFP4Array:
         is float32; this records the source precision).
     order : ``"rows"`` or ``"blocked"`` (static)
         Byte order of ``data`` and ``scales`` in their last two axes: ``"rows"`` (the format above)
-        or the GPU kernels' blocked order (``jax_nvfp4._ffi_ops.to_blocked_weights``: 16-row x
-        128-K blocks contiguous), which only the ffi backend reads.
+        or the blocked order of :func:`to_blocked_weights` (16-row x 128-K blocks contiguous), which
+        the ffi backend's CUDA kernels read fastest. Every consumer takes both orders.
     """
 
     data: Any
@@ -75,9 +76,9 @@ class NVFP4Array:
         if tuple(g) != tuple(d[: len(g)]) or len(g) > len(d) - 1:
             raise ValueError(
                 f"NVFP4Array.global_scale shape {g} must be a prefix of the row shape {d[:-1]}")
-        if self.order == "blocked" and (len(d) < 2 or d[-2] % 16 or (d[-1] * 2) % 128):
-            raise ValueError(f"a blocked NVFP4Array needs [..., N, K] with N % 16 == 0 and K % 128 == 0, "
-                             f"got {self.shape}")
+        if self.order == "blocked" and not blockable(self.shape):
+            raise ValueError(f"a blocked NVFP4Array needs [..., N, K] with N % {BLOCK_ROWS} == 0 and "
+                             f"K % {BLOCK_K} == 0, got {self.shape}")
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -136,15 +137,69 @@ def dequantize(q: NVFP4Array, dtype=jnp.float32, *, apply_global_scale: bool = T
     -------
     array ``[..., K]`` of ``dtype``.
     """
-    if q.order != "rows":
-        raise ValueError(f"dequantize needs an NVFP4Array in the 'rows' order, got {q.order!r} "
-                         "(jax_nvfp4._ffi_ops.from_blocked_weights restores it)")
+    if q.order == "blocked":
+        q = from_blocked_weights(q)
     vals = e2m1_to_float(unpack_codes(q.data), jnp.float32)
     s = q.scales.astype(jnp.float32)
     vals = (vals.reshape(q.shape[:-1] + (q.shape[-1] // BLOCK, BLOCK)) * s[..., None]).reshape(q.shape)
     if apply_global_scale:
         vals = vals * _expand_global(q.global_scale.astype(jnp.float32), vals.ndim)
     return vals.astype(dtype)
+
+
+def blockable(shape) -> bool:
+    """Whether weights of logical shape ``[..., N, K]`` have a blocked order (N % 16, K % 128 == 0)."""
+    return len(shape) >= 2 and shape[-2] % BLOCK_ROWS == 0 and shape[-1] % BLOCK_K == 0
+
+
+def _reblock(v, chunks: int, to_blocked: bool):
+    """Bytes ``[..., N, C]`` per row <-> per ``[...]``: ``[N/16, K/128, 16, C/chunks]`` (same shape)."""
+    *lead, n, c = v.shape
+    rows, c = (n // BLOCK_ROWS, BLOCK_ROWS), c // chunks
+    src = (*lead, *rows, chunks, c) if to_blocked else (*lead, rows[0], chunks, rows[1], c)
+    return jnp.swapaxes(v.reshape(src), -3, -2).reshape(v.shape)
+
+
+def _reordered(w: NVFP4Array, to_blocked: bool, where: str) -> NVFP4Array:
+    want = "rows" if to_blocked else "blocked"
+    if not isinstance(w, NVFP4Array) or w.order != want:
+        raise ValueError(f"{where}: needs an NVFP4Array in the {want!r} order, got "
+                         f"{getattr(w, 'order', type(w).__name__)!r}")
+    if not blockable(w.shape):
+        raise ValueError(f"{where}: the blocked order needs [..., N, K] weights with N % {BLOCK_ROWS} == 0 "
+                         f"and K % {BLOCK_K} == 0, got {w.shape}")
+    chunks = w.shape[-1] // BLOCK_K
+    return NVFP4Array(_reblock(w.data, chunks, to_blocked), _reblock(w.scales, chunks, to_blocked),
+                      w.global_scale, w.dtype, "blocked" if to_blocked else "rows")
+
+
+def to_blocked_weights(w: NVFP4Array) -> NVFP4Array:
+    """Weights ``[..., N, K]`` in the blocked order (``order="blocked"``), which the ffi backend's
+    CUDA kernels read fastest (2026-12-01, H200: decode layers 6-13% faster than on rows).
+
+    For each leading index (expert), 16-row fragments by 128-K chunks, each one contiguous block of
+    16 rows x 64 code bytes (and 16 rows x 8 scale bytes), so that a GPU warp's weight loads read
+    contiguous bytes. An exact permutation of ``data`` and ``scales``; shapes, dtypes and the global
+    scales are unchanged. Needs ``N % 16 == 0`` and ``K % 128 == 0`` (:func:`blockable`).
+    """
+    return _reordered(w, True, "to_blocked_weights")
+
+
+def from_blocked_weights(w: NVFP4Array) -> NVFP4Array:
+    """Inverse of :func:`to_blocked_weights`: the checkpoint's (FlashInfer's) rows order."""
+    return _reordered(w, False, "from_blocked_weights")
+
+
+def to_blocked_experts(experts: "NVFP4Experts") -> "NVFP4Experts":
+    """:func:`to_blocked_weights` of both expert tensors."""
+    return dataclasses.replace(experts, gate_up=to_blocked_weights(experts.gate_up),
+                               down=to_blocked_weights(experts.down))
+
+
+def from_blocked_experts(experts: "NVFP4Experts") -> "NVFP4Experts":
+    """:func:`from_blocked_weights` of both expert tensors."""
+    return dataclasses.replace(experts, gate_up=from_blocked_weights(experts.gate_up),
+                               down=from_blocked_weights(experts.down))
 
 
 class _ExpertShapes:

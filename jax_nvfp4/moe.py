@@ -49,6 +49,26 @@ def _check_experts(experts, mode, activation):
     return mode
 
 
+def weight_order(backend: str = "auto", *, hidden_size: int, intermediate_size: int) -> str:
+    """The byte order (:attr:`NVFP4Array.order <jax_nvfp4.NVFP4Array>`) that ``backend`` reads
+    NVFP4 experts of hidden size H and intermediate size I fastest on the default device.
+
+    ``"blocked"`` (:func:`~jax_nvfp4.to_blocked_experts`) when ``backend`` (``"auto"``: the first
+    available one) is ``ffi`` on a CUDA GPU and H, I are multiples of 128; otherwise ``"rows"``.
+    Every backend reads both orders with the same result; put the experts in this order once, when
+    they are quantized or loaded (``jax_nvfp4.nn`` does), not on every call.
+    """
+    valid = ("auto",) + _base.names()
+    if backend not in valid:
+        raise ValueError(f"backend must be one of {valid}, got {backend!r}")
+    for name in (_base.names() if backend == "auto" else (backend,)):
+        b = _base.get(name)
+        if b.unavailable_reason() is None:
+            order = getattr(b, "weight_order", None)
+            return order(hidden_size, intermediate_size) if order else "rows"
+    return "rows"
+
+
 def _check_offset(offset, e_local, e_global):
     if isinstance(offset, bool):
         raise TypeError("local_expert_offset must be an int or an int32 scalar, got bool")

@@ -30,15 +30,13 @@ def test_moe_bench_quick_rows(tmp_path, clock):
     out = tmp_path / "bench.json"
     moe_bench.main(["--quick", "--shapes", "tiny", "--tokens", "1,5", "--modes", "w4a16", "--backends", "ffi,xla",
                     "--chain", "2", "--clock", clock, "--ffi-flags", "2,6", "--ffi-k-splits", "4",
-                    "--ffi-tile-ms", "32", "--ffi-configs", "512:2", "--ffi-blocked", "--sets", "1",
+                    "--ffi-tile-ms", "32", "--ffi-configs", "512:2", "--ffi-rows", "--sets", "1",
                     "--json", str(out)])
     rows = json.loads(out.read_text())["results"]
     names = {(r["backend"], r["tokens"]) for r in rows}
     for b in ("ffi", "xla", "ffi[flags=2]", "ffi[flags=6]", "ffi[ks=4]", "ffi[tm=32]", "ffi[flags=512,ks=2]",
-              moe_bench.BASELINE):
+              "ffi[rows]", moe_bench.BASELINE):
         assert {(b, 1), (b, 5)} <= names, b
-    # I = 64: no blocked weight order, a skipped row (tiny_ep's I = 128 runs it: next test)
-    assert all("multiples of 128" in r["skipped"] for r in rows if r["backend"] == "ffi[blocked]")
     rows = [r for r in rows if "skipped" not in r]
     for r in rows:
         assert "error" not in r, r
@@ -48,13 +46,25 @@ def test_moe_bench_quick_rows(tmp_path, clock):
     assert all(f"ffi[{v}]" in summary for v in ("flags=2", "flags=6", "ks=4", "tm=32", "flags=512,ks=2")), summary
 
 
-def test_moe_bench_blocked_weights_row(tmp_path):
+def test_moe_bench_times_each_backend_in_its_weight_order(tmp_path, monkeypatch):
+    """The ffi rows get the experts in jax_nvfp4.weight_order (blocked on a GPU: here forced, the
+    CPU handler reads it too), ffi[rows] the rows order; both run."""
+    seen = []
+
+    def blocked_ffi(backend, **shape):
+        seen.append(backend)
+        return "blocked" if backend == "ffi" else "rows"
+
+    monkeypatch.setattr(moe_bench.nv, "weight_order", blocked_ffi)
+    monkeypatch.setattr(moe_bench.nv, "to_blocked_experts", lambda ex, f=moe_bench.nv.to_blocked_experts: seen.append(
+        "to_blocked") or f(ex))
     out = tmp_path / "bench.json"
     moe_bench.main(["--quick", "--shapes", "tiny_ep", "--tokens", "3", "--modes", "w4a16,w4a4", "--backends", "ffi",
-                    "--no-baseline", "--ffi-blocked", "--sets", "1", "--json", str(out)])
+                    "--no-baseline", "--ffi-rows", "--ffi-flags", "128", "--sets", "1", "--json", str(out)])
     rows = json.loads(out.read_text())["results"]
     assert {(r["backend"], r["mode"]) for r in rows if r.get("median_us", 0) > 0} == {
-        (b, m) for b in ("ffi", "ffi[blocked]") for m in ("w4a16", "w4a4")}
+        (b, m) for b in ("ffi", "ffi[rows]", "ffi[flags=128]") for m in ("w4a16", "w4a4")}
+    assert seen.count("to_blocked") == 1 and "ffi" in seen  # repacked once, outside the timing
 
 
 def test_moe_bench_saves_each_finished_token_count(tmp_path, monkeypatch):

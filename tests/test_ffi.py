@@ -717,7 +717,7 @@ def test_blocked_weights_are_an_exact_permutation():
     contiguous), and from_blocked_weights undoes it."""
     e, n, k = 3, 48, 384
     w = random_nvfp4(np.random.default_rng(5), (e, n, k), np.ones(e, np.float32))
-    b = ops.to_blocked_weights(w)
+    b = nv.to_blocked_weights(w)
     assert b.shape == w.shape and b.data.dtype == w.data.dtype and b.scales.dtype == w.scales.dtype
     rows, cols = np.meshgrid(np.arange(n), np.arange(k // 2), indexing="ij")
     code_off = ((rows // 16 * (k // 128) + cols // 64) * 16 + rows % 16) * 64 + cols % 64
@@ -726,25 +726,27 @@ def test_blocked_weights_are_an_exact_permutation():
     rows, cols = np.meshgrid(np.arange(n), np.arange(k // 16), indexing="ij")
     scale_off = ((rows // 16 * (k // 128) + cols // 8) * 16 + rows % 16) * 8 + cols % 8
     np.testing.assert_array_equal(s_bits(b.scales).reshape(e, -1)[:, scale_off], s_bits(w.scales))
-    back = ops.from_blocked_weights(b)
+    back = nv.from_blocked_weights(b)
     np.testing.assert_array_equal(np.asarray(back.data), np.asarray(w.data))
     np.testing.assert_array_equal(s_bits(back.scales), s_bits(w.scales))
     assert b.order == "blocked" and back.order == "rows" and b[1].order == "blocked"
+    # Per leading index: one expert's blocks are the blocked order of that expert alone.
+    np.testing.assert_array_equal(np.asarray(nv.to_blocked_weights(w[1]).data), np.asarray(b.data[1]))
     with pytest.raises(ValueError, match="N % 16 == 0 and K % 128 == 0"):
-        ops.to_blocked_weights(random_nvfp4(np.random.default_rng(0), (2, 24, 128), np.ones(2, np.float32)))
-    # The order travels with the array, so nothing reads blocked bytes as rows (or twice blocks them).
+        nv.to_blocked_weights(random_nvfp4(np.random.default_rng(0), (2, 24, 128), np.ones(2, np.float32)))
+    # The order travels with the array: readers of rows restore them, nothing blocks twice.
+    np.testing.assert_array_equal(np.asarray(nv.dequantize(b)), np.asarray(nv.dequantize(w)))
+    np.testing.assert_array_equal(np.asarray(nv.dequantize(b[2])), np.asarray(nv.dequantize(w[2])))
     with pytest.raises(ValueError, match="'rows' order"):
-        nv.dequantize(b)
-    with pytest.raises(ValueError, match="'rows' order"):
-        ops.to_blocked_weights(b)
+        nv.to_blocked_weights(b)
     with pytest.raises(ValueError, match="'blocked' order"):
-        ops.from_blocked_weights(w)
+        nv.from_blocked_weights(w)
     a, _, sid, te, _ = _gemm_problem(ops.Activation.IDENTITY, True, ops.RowScale.NONE, h=k, n=n, e=e)
     with pytest.raises(ValueError, match="'blocked' order"):  # BLOCKED_W asked for rows-order weights
         ops.grouped_gemm(a, w, sid, te, tile_m=8, top_k=3, gather=True, pairing=ops.Pairing.BLOCKED_W)
     ex = make_experts(1, 2, 128, 128)
     with pytest.raises(ValueError, match="one byte order"):
-        nv.NVFP4Experts(ops.to_blocked_weights(ex.gate_up), ex.down, True)
+        nv.NVFP4Experts(nv.to_blocked_weights(ex.gate_up), ex.down, True)
 
 
 @pytest.mark.parametrize("on_gpu", [False, pytest.param(True, marks=pytest.mark.gpu)])
@@ -753,26 +755,26 @@ def test_blocked_weights_are_an_exact_permutation():
 def test_gemm_blocked_weights_are_the_same_function(on_gpu, tile_m, k_split, case):
     """Weights in the blocked order (Pairing.BLOCKED_W, with the paired bits as moe uses them)
     give bitwise the row-major output on the platform's handler and in the twin (K = 1024: every
-    warp's K range is whole 128-K blocks, so the GPU sums in the same order; 64-row tiles with
-    blocked weights run the mma.sync kernel, compared with the row-major one, NO_WGMMA)."""
+    warp's K range is whole 128-K blocks, so the GPU sums in the same order; 64-row tiles run the
+    wgmma kernel and, with NO_WGMMA, the mma.sync one)."""
     if on_gpu and not has_gpu():
         pytest.skip("needs an NVIDIA GPU")
     act, gather, mode, out_dtype = GEMM_CASES[case]
     a, w, sid, te, rs = _gemm_problem(act, gather, mode, t=37, k=4, e=6, h=1024, n=80, tile_m=tile_m, seed=case)
-    wb = ops.to_blocked_weights(w)
+    wb = nv.to_blocked_weights(w)
     used = used_rows(sid, te, tile_m)
     dev = jax.devices()[0] if on_gpu else jax.devices("cpu")[0]
     paired_a = act == ops.Activation.IDENTITY and out_dtype == BF16  # (GEMM2's case: the GPU's paired a)
     extra = ops.Pairing.A if paired_a else ops.Pairing.OUT
     x = ops.to_paired(a) if paired_a else a
-    for impl in ("ffi", "jax"):
+    for impl, flags in [("ffi", 0), ("jax", 0)] + ([("ffi", int(ops.KernelFlag.NO_WGMMA))] if tile_m == 64 else []):
         def run(w, pairing):
             with jax.default_device(dev):
                 return f32(_run_gemm(impl, x, w, sid, te, rs, act, gather, mode, out_dtype, tile_m, 4, k_split,
-                                     kernel_flags=int(ops.KernelFlag.NO_WGMMA), pairing=pairing))[used]
+                                     kernel_flags=flags, pairing=pairing))[used]
         want = run(w, extra)
         assert np.isfinite(want).all() and (want != 0).any()
-        np.testing.assert_array_equal(run(wb, extra | ops.Pairing.BLOCKED_W), want, err_msg=impl)
+        np.testing.assert_array_equal(run(wb, extra | ops.Pairing.BLOCKED_W), want, err_msg=f"{impl} {flags}")
 
 
 @pytest.mark.parametrize("on_gpu", [False, pytest.param(True, marks=pytest.mark.gpu)])
@@ -780,8 +782,8 @@ def test_gemm_blocked_weights_are_the_same_function(on_gpu, tile_m, k_split, cas
 @pytest.mark.parametrize("t", [1, 48, 600])
 def test_moe_blocked_weights_are_the_same_layer(on_gpu, mode, t):
     """moe on to_blocked_experts (read in the blocked order) gives the row-major layer's bytes
-    (t = 1 / 48 / 600 x 4 pairs over 16 experts: 8-, 16- and 64-row tiles; with blocked weights
-    64-row tiles take the mma.sync kernel, so the row-major layer runs with NO_WGMMA)."""
+    (t = 1 / 48 / 600 x 4 pairs over 16 experts: 8-, 16- and 64-row tiles, the latter on the wgmma
+    kernel and, with NO_WGMMA, on the mma.sync one)."""
     if on_gpu and not has_gpu():
         pytest.skip("needs an NVIDIA GPU")
     dev = jax.devices()[0] if on_gpu else jax.devices("cpu")[0]
@@ -789,10 +791,11 @@ def test_moe_blocked_weights_are_the_same_layer(on_gpu, mode, t):
         ex = make_experts(9, 16, 512, 256)
         x = make_x(t, t, 512)
         ids, w = make_routing(t, t, 4, 16)
-        want = f32(ops.moe(x, ex, ids, w, mode=mode, kernel_flags=int(ops.KernelFlag.NO_WGMMA)))
-        got = f32(ops.moe(x, ops.to_blocked_experts(ex), ids, w, mode=mode))
-    assert np.isfinite(want).all() and (want != 0).any()
-    np.testing.assert_array_equal(got, want)
+        for flags in (0, int(ops.KernelFlag.NO_WGMMA)):
+            want = f32(ops.moe(x, ex, ids, w, mode=mode, kernel_flags=flags))
+            got = f32(ops.moe(x, nv.to_blocked_experts(ex), ids, w, mode=mode, kernel_flags=flags))
+            assert np.isfinite(want).all() and (want != 0).any()
+            np.testing.assert_array_equal(got, want, err_msg=f"flags {flags}")
 
 
 @pytest.mark.gpu

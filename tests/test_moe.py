@@ -499,3 +499,35 @@ def test_bad_experts(bad_setup):
         moe(x, b32, router_logits=logits, top_k=K)
     with pytest.raises(ValueError, match="needs NVFP4Experts"):
         moe(x, make_experts(bf16=True), router_logits=logits, top_k=K, mode="w4a16")
+
+
+def test_blocked_experts_are_the_same_layer_on_every_reader():
+    """Experts in the blocked order (jax_nvfp4.to_blocked_experts) give the rows order's bytes on
+    the xla backend (eager and jitted, one expert shard too) and FlashInfer's preparation; the
+    checkpoint order comes back exactly."""
+    ex = make_experts(21, e=4, h=256, inter=128)
+    bl = nv.to_blocked_experts(ex)
+    assert bl.gate_up.order == bl.down.order == "blocked" and nv.from_blocked_experts(bl).gate_up.order == "rows"
+    for a, b in zip(jax.tree.leaves(nv.from_blocked_experts(bl)), jax.tree.leaves(ex)):
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+    x, logits = make_inputs(21, e_global=4, h=256)
+    want = f32(moe(x, ex, router_logits=logits, top_k=2))
+    np.testing.assert_array_equal(f32(moe(x, bl, router_logits=logits, top_k=2)), want)
+    run = jax.jit(lambda x, ex, lg: moe(x, ex, router_logits=lg, top_k=2))
+    np.testing.assert_array_equal(f32(run(x, bl, logits)), want)
+    np.testing.assert_array_equal(f32(moe(x, _shard(bl, 1, 3), router_logits=logits, top_k=2, local_expert_offset=1)),
+                                  f32(moe(x, _shard(ex, 1, 3), router_logits=logits, top_k=2, local_expert_offset=1)))
+    p_rows, p_blocked = (nv.prepare_flashinfer_weights(e, "cutedsl") for e in (ex, bl))
+    for a, b in zip(jax.tree.leaves(p_blocked), jax.tree.leaves(p_rows)):
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+
+
+def test_weight_order():
+    """The order each backend reads fastest: rows everywhere on the CPU (the CUDA ffi kernels'
+    blocked order is checked in tests/test_ffi.py on the GPU)."""
+    if jax.devices()[0].platform == "cpu":
+        for b in ("auto",) + base.names():
+            assert nv.weight_order(b, hidden_size=256, intermediate_size=128) == "rows", b
+    assert nv.weight_order("xla", hidden_size=256, intermediate_size=128) == "rows"
+    with pytest.raises(ValueError, match="backend must be one of"):
+        nv.weight_order("cuda", hidden_size=256, intermediate_size=128)

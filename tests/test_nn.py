@@ -233,3 +233,34 @@ def test_load_experts_from_converted_checkpoint(tmp_path, model, x):
     wrong = Tiny(nnx.Rngs(0), layers=1, activation="relu2")
     with pytest.raises(ValueError, match="do not fit"):
         nvnn.load_experts(wrong, dst)
+
+
+def test_weight_order_of_quantized_and_loaded_blocks(monkeypatch):
+    """quantize_moe / load_experts put the experts in ``order`` (``"auto"``: jax_nvfp4.weight_order
+    of the block's backend); the block gives the same bytes in either order."""
+    blk = nvnn.MoE(256, 128, 4, 2, rngs=nnx.Rngs(3), routing="renormalize_naive", backend="ffi")
+    xb = jax.random.normal(jax.random.key(4), (6, 256), jnp.bfloat16)
+    rows = nvnn.quantize_moe(blk, order="rows")
+    blocked = nvnn.quantize_moe(blk, order="blocked")
+    assert rows.experts.order == "rows" and blocked.experts.experts().gate_up.order == "blocked"
+    np.testing.assert_array_equal(blocked(xb), rows(xb))
+    on_xla = lambda m: nvnn.set_moe_options(m, backend="xla")(xb)  # noqa: E731
+    np.testing.assert_array_equal(on_xla(blocked), on_xla(rows))
+    assert nvnn.quantize_moe(blocked, order="rows").experts.order == "rows"  # already NVFP4: reordered
+    expected = nv.weight_order("ffi", hidden_size=256, intermediate_size=128)
+    assert nvnn.quantize_moe(blk).experts.order == expected
+    seen = []
+    monkeypatch.setattr(nvnn.quantization, "weight_order",
+                        lambda b, **shape: seen.append((b, shape)) or "blocked")
+    assert nvnn.quantize_moe(blk).experts.order == "blocked"
+    assert seen == [("ffi", dict(hidden_size=256, intermediate_size=128))]
+    target = nnx.clone(blk)
+    nvnn.load_experts(target, {"mlp": rows.experts.experts()}, strict=False)  # no such block: nothing loaded
+    assert not target.quantized
+    nvnn.load_experts(target, {"": rows.experts.experts()}, order="blocked")
+    assert target.experts.order == "blocked"
+    np.testing.assert_array_equal(target(xb), rows(xb))
+    with pytest.raises(ValueError, match="order"):
+        nvnn.quantize_moe(blk, order="columns")
+    with pytest.raises(ValueError, match="K % 128"):
+        nvnn.quantize_moe(nvnn.MoE(64, 32, 4, 2, rngs=nnx.Rngs(3)), order="blocked")

@@ -10,7 +10,8 @@
 //   wgmma A-register fragment of a warp is the m16n8k16 A fragment). K is permuted the same
 //   way: thread t's code word pp (actual k0..k7 at kc + span*t + 8pp, span = chunk / 4) gives
 //   steps 2pp and 2pp + 1 their logical pairs {2t, 2t+1}, {2t+8, 2t+9} = {k0, k4}, {k1, k5}
-//   and {k2, k6}, {k3, k7}.
+//   and {k2, k6}, {k3, k7}. BW: weights in the blocked order (Pairing::kBlockedW: a warp's 16
+//   rows of a chunk are 1 KB of contiguous codes; K % 128 == 0, so no tail).
 // - Activations (B) are staged in shared memory, 64 rows x 128 K per chunk, double
 //   buffered, in the wgmma K-major 128-byte-swizzle layout *with the same permutation*: each
 //   thread loads 16 bytes (8 actual k) of one row and stores its four 4-byte k pairs at their
@@ -159,7 +160,7 @@ __device__ __forceinline__ void ChunkMma(const WeightRegs<CH, NF>& w, uint32_t b
 template <bool GATED, int NB>
 constexpr int CtaFeatures() { return GATED ? 128 : 128 * NB; }
 
-template <bool GATED, int NB, typename OutT>
+template <bool GATED, int NB, typename OutT, bool BW>
 __global__ void __launch_bounds__(kWgThreadsPerCta, 1) W4A16WgmmaKernel(const GemmParams p) {
 #ifdef JAX_NVFP4_WGMMA
   constexpr int NF = GATED ? 2 : NB;  // weight blocks per warpgroup: [gate, up] or NB feature blocks
@@ -199,9 +200,14 @@ __global__ void __launch_bounds__(kWgThreadsPerCta, 1) W4A16WgmmaKernel(const Ge
     active[j] = feat[j] < p.n_out;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int64_t row = int64_t(e) * p.N + (active[j] ? feat[j] + g + 8 * h + (GATED && j == 1 ? p.n_out : 0) : 0);
-      wrow[j][h] = p.w + row * (K / 2);
-      srow[j][h] = p.ws + row * (K / 16);
+      const int64_t n = active[j] ? feat[j] + g + 8 * h + (GATED && j == 1 ? p.n_out : 0) : 0;
+      if constexpr (BW) {  // the row's bytes of its first 128-K block
+        wrow[j][h] = p.w + int64_t(e) * p.N * (K / 2) + BlockedOffset(n, 0, K, kBlockCodeBytes);
+        srow[j][h] = p.ws + int64_t(e) * p.N * (K / 16) + BlockedOffset(n, 0, K, kBlockScaleBytes);
+      } else {
+        wrow[j][h] = p.w + (int64_t(e) * p.N + n) * (K / 2);
+        srow[j][h] = p.ws + (int64_t(e) * p.N + n) * (K / 16);
+      }
     }
   }
   const int n = 8 * warp + g;  // this thread's activation row in the tile
@@ -225,7 +231,7 @@ __global__ void __launch_bounds__(kWgThreadsPerCta, 1) W4A16WgmmaKernel(const Ge
   x.Store(smem, full ? 128 : 64, n, t, paired);
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // generic stores -> wgmma reads
   WeightRegs<128, NF> cur;
-  if (full) cur.Load(wrow, srow, 0, t);
+  if (full) cur.template Load<false, BW>(wrow, srow, 0, t);
   __syncthreads();
 
   for (int64_t c = 0; c < full; ++c) {
@@ -234,7 +240,7 @@ __global__ void __launch_bounds__(kWgThreadsPerCta, 1) W4A16WgmmaKernel(const Ge
     const int next_ch = wmore ? 128 : 64;
     if (more) x.Load(xrow, kc + 128, next_ch, t);
     WeightRegs<128, NF> next;
-    if (wmore) next.Load(wrow, srow, kc + 128, t);
+    if (wmore) next.template Load<false, BW>(wrow, srow, kc + 128, t);
     ChunkMma<128, NF>(cur, smem_addr + uint32_t(c & 1) * kChunkBytes, acc);
     if (more) {  // the other buffer was last read by chunk c - 1, complete before the last barrier
       x.Store(smem + (~c & 1) * kChunkBytes, next_ch, n, t, paired);
@@ -243,7 +249,7 @@ __global__ void __launch_bounds__(kWgThreadsPerCta, 1) W4A16WgmmaKernel(const Ge
     __syncthreads();
     if (wmore) cur = next;
   }
-  if (tail) {
+  if (!BW && tail) {  // (blocked weights have K % 128 == 0)
     WeightRegs<64, NF> w;
     w.Load(wrow, srow, full * 128, t);
     ChunkMma<64, NF>(w, smem_addr + uint32_t(full & 1) * kChunkBytes, acc);
@@ -260,13 +266,20 @@ __global__ void __launch_bounds__(kWgThreadsPerCta, 1) W4A16WgmmaKernel(const Ge
 #endif
 }
 
-template <bool GATED, int NB, typename OutT>
+template <bool GATED, int NB, typename OutT, bool BW>
 void Launch(GemmParams p, bool slabs_first, bool pdl, cudaStream_t stream) {
   static_assert(kSmemBytes <= 48 * 1024, "no opt-in attribute needed (none may be set during graph capture)");
   const int64_t tiles = p.P / kTokens, slabs = CeilDiv<int64_t>(p.n_out, CtaFeatures<GATED, NB>());
   p.slabs_first = slabs_first && tiles * slabs <= 0x7FFFFFFF;  // else the 2-D grid (x up to 2^31 - 1)
   const dim3 grid = p.slabs_first ? dim3(unsigned(tiles * slabs)) : dim3(unsigned(tiles), unsigned(slabs));
-  LaunchKernel(W4A16WgmmaKernel<GATED, NB, OutT>, grid, kWgThreadsPerCta, kSmemBytes, stream, pdl, p);
+  LaunchKernel(W4A16WgmmaKernel<GATED, NB, OutT, BW>, grid, kWgThreadsPerCta, kSmemBytes, stream, pdl, p);
+}
+
+template <bool BW>
+void LaunchFor(const GemmParams& p, bool gated, bool f32_out, bool one_block, bool sf, bool pdl, cudaStream_t stream) {
+  if (gated) f32_out ? Launch<true, 2, float, BW>(p, sf, pdl, stream) : Launch<true, 2, uint16_t, BW>(p, sf, pdl, stream);
+  else if (one_block) f32_out ? Launch<false, 1, float, BW>(p, sf, pdl, stream) : Launch<false, 1, uint16_t, BW>(p, sf, pdl, stream);
+  else f32_out ? Launch<false, 2, float, BW>(p, sf, pdl, stream) : Launch<false, 2, uint16_t, BW>(p, sf, pdl, stream);
 }
 
 // Compute capability major of the current device, cached per device (no stream operation,
@@ -290,9 +303,8 @@ bool LaunchWgmmaGemm(const GemmParams& p, bool gated, bool f32_out, int64_t kern
   if (DeviceMajor() != 9 || p.P % kTokens != 0) return false;
   const bool one_block = !(kernel_flags & int64_t(KernelFlag::kWgmmaTwoBlocks));
   const bool sf = !(kernel_flags & int64_t(KernelFlag::kRowTilesFirst)), pdl = kernel_flags & int64_t(KernelFlag::kPdl);
-  if (gated) f32_out ? Launch<true, 2, float>(p, sf, pdl, stream) : Launch<true, 2, uint16_t>(p, sf, pdl, stream);
-  else if (one_block) f32_out ? Launch<false, 1, float>(p, sf, pdl, stream) : Launch<false, 1, uint16_t>(p, sf, pdl, stream);
-  else f32_out ? Launch<false, 2, float>(p, sf, pdl, stream) : Launch<false, 2, uint16_t>(p, sf, pdl, stream);
+  (p.pairing & int32_t(Pairing::kBlockedW)) ? LaunchFor<true>(p, gated, f32_out, one_block, sf, pdl, stream)
+                                            : LaunchFor<false>(p, gated, f32_out, one_block, sf, pdl, stream);
   return true;
 #else
   (void)p, (void)gated, (void)f32_out, (void)kernel_flags, (void)stream, (void)DeviceMajor;

@@ -47,7 +47,9 @@ class Backend(Protocol):
     - ``topk_weights`` float32 ``[T, k]``;
     - returns bf16 ``[T, H]``.
 
-    Optional: ``moe_from_logits(x, experts, router_logits, *, routing, top_k, bias, n_group,
+    Optional: ``weight_order(hidden, intermediate)``, the :class:`~jax_nvfp4.NVFP4Array` byte
+    order it reads fastest (``"rows"`` when absent; :func:`jax_nvfp4.weight_order`), and
+    ``moe_from_logits(x, experts, router_logits, *, routing, top_k, bias, n_group,
     topk_group, routed_scaling_factor, problem, local_expert_offset)`` routes inside the backend
     and returns ``(out, topk_ids, topk_weights)``, or None when it does not apply (then
     :func:`jax_nvfp4.moe` routes in JAX and calls ``__call__``).

@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax
 
 from .. import _ffi_ops as ops
+from ..formats import BLOCK_K
 from . import base
 
 
@@ -80,6 +81,12 @@ class FFIBackend:
                     f"{getattr(dev, 'compute_capability', '?')}) needs {arch}, but the ffi kernels are "
                     f"built for {', '.join(archs) or 'no architecture'}")
         return None
+
+    def weight_order(self, hidden: int, intermediate: int) -> str:
+        """The blocked order on CUDA (whole 16-row x 128-K blocks: 6-13% faster decode layers on the
+        H200, 2026-12-01); the CPU handler reads both orders at one speed."""
+        blocked = hidden % BLOCK_K == 0 and intermediate % BLOCK_K == 0
+        return "blocked" if blocked and _platform(_default_device()) == "cuda" else "rows"
 
     def unsupported_reason(self, problem: base.MoEProblem) -> str | None:
         if problem.mode not in ops.MODES:

@@ -86,7 +86,8 @@ class NVFP4ExpertWeights(nnx.Module):
     gate_up_scales : QuantizedWeight float8_e4m3fn ``[E, 2I, H/16]``
     gate_up_global_scale : QuantizedWeight float32 ``[E]``
     down_data, down_scales, down_global_scale : the same for ``[E, H, I]``
-    gated : bool; dtype : the source dtype recorded by the quantizer (static)
+    gated : bool; dtype : the source dtype recorded by the quantizer; order : the byte order of
+        the data and scales (:attr:`jax_nvfp4.NVFP4Array.order`) (static)
     """
 
     def __init__(self, experts: NVFP4Experts):
@@ -98,12 +99,13 @@ class NVFP4ExpertWeights(nnx.Module):
             setattr(self, f"{name}_global_scale", QuantizedWeight(w.global_scale))
         self.gated = experts.gated
         self.dtype = jnp.dtype(experts.gate_up.dtype)
+        self.order = experts.gate_up.order
 
     def experts(self) -> NVFP4Experts:
         """The weights as :class:`~jax_nvfp4.NVFP4Experts`, for :func:`jax_nvfp4.moe`."""
         def part(name):
             return NVFP4Array(getattr(self, f"{name}_data")[...], getattr(self, f"{name}_scales")[...],
-                              getattr(self, f"{name}_global_scale")[...], self.dtype)
+                              getattr(self, f"{name}_global_scale")[...], self.dtype, self.order)
         return NVFP4Experts(part("gate_up"), part("down"), self.gated)
 
 

@@ -19,10 +19,23 @@ from flax import nnx
 from .. import activations
 from ..backends.base import MODES
 from ..checkpoint.naming import ignore_patterns, matches_ignore, strip_model
+from ..formats import ORDERS, from_blocked_experts, to_blocked_experts
+from ..moe import weight_order
 from ..quantize import RECIPES, quantize_experts
 from .moe import MoE, NVFP4ExpertWeights, check_choice
 
 QUANTIZED_MODES = ("w4a16", "w4a4")
+WEIGHT_ORDERS = ("auto",) + ORDERS
+
+
+def _weights(ex, order: str, block: MoE) -> NVFP4ExpertWeights:
+    """``ex`` in ``order`` (``"auto"``: the one the block's backend reads fastest) as block weights."""
+    if order == "auto":
+        order = weight_order(block.backend, hidden_size=block.hidden_size,
+                             intermediate_size=block.intermediate_size)
+    if ex.gate_up.order != order:
+        ex = to_blocked_experts(ex) if order == "blocked" else from_blocked_experts(ex)
+    return NVFP4ExpertWeights(ex)
 
 
 def _path_name(path) -> str:
@@ -54,7 +67,7 @@ _quantize_experts = jax.jit(quantize_experts, static_argnames=("recipe", "gated"
 
 
 def quantize_moe(model, *, ignore: str | Sequence[str] = (), recipe: str = "nvfp4", mode: str = "w4a16",
-                 inplace: bool = False):
+                 order: str = "auto", inplace: bool = False):
     """Replace the bf16 experts of every :class:`MoE` block of ``model`` by NVFP4 ones.
 
     Parameters
@@ -67,7 +80,11 @@ def quantize_moe(model, *, ignore: str | Sequence[str] = (), recipe: str = "nvfp
     recipe : ``"nvfp4"`` (FlashInfer's quantizer, bit-exact) or ``"4over6"``
     mode : ``"w4a16"`` or ``"w4a4"``
         The mode the quantized blocks run in. Blocks that already hold NVFP4 experts keep their
-        weights and only switch mode, so one quantization serves both modes.
+        weights (in ``order``) and only switch mode, so one quantization serves both modes.
+    order : ``"auto"``, ``"rows"`` or ``"blocked"``
+        Byte order of the NVFP4 experts (:attr:`jax_nvfp4.NVFP4Array.order`; the same numbers either
+        way). ``"auto"`` (default): per block, the order its backend reads fastest
+        (:func:`jax_nvfp4.weight_order`: blocked for the ffi backend on a CUDA GPU).
     inplace : bool
         False (default): return a copy (``nnx.clone``: the arrays of everything else are shared, not
         copied) and leave ``model`` (e.g. a bf16 policy) unchanged. True: modify ``model``.
@@ -84,6 +101,7 @@ def quantize_moe(model, *, ignore: str | Sequence[str] = (), recipe: str = "nvfp
     """
     check_choice(recipe, RECIPES, "recipe")
     check_choice(mode, QUANTIZED_MODES, "mode")
+    check_choice(order, WEIGHT_ORDERS, "order")
     ignore = ignore_patterns(ignore)
     target = model if inplace else nnx.clone(model)
     blocks = moe_modules(target)
@@ -97,10 +115,12 @@ def quantize_moe(model, *, ignore: str | Sequence[str] = (), recipe: str = "nvfp
                           stacklevel=2)
     for name in keep:
         block = blocks[name]
+        ex = block.experts
         if not block.quantized:
-            ex = block.experts
-            block.experts = NVFP4ExpertWeights(
-                _quantize_experts(ex.gate_up[...], ex.down[...], recipe=recipe, gated=ex.gated))
+            ex = _quantize_experts(ex.gate_up[...], ex.down[...], recipe=recipe, gated=ex.gated)
+        else:
+            ex = ex.experts()
+        block.experts = _weights(ex, order, block)
         block.mode = mode
     return target
 
@@ -128,7 +148,7 @@ def set_moe_options(model, *, mode: str | None = None, backend: str | None = Non
     return target
 
 
-def load_experts(model, source, *, mode: str = "w4a16", strict: bool = True):
+def load_experts(model, source, *, mode: str = "w4a16", order: str = "auto", strict: bool = True):
     """Put NVFP4 experts from a converted checkpoint into the :class:`MoE` blocks of ``model``, in place.
 
     Parameters
@@ -139,6 +159,9 @@ def load_experts(model, source, *, mode: str = "w4a16", strict: bool = True):
     source : path of an NVFP4 checkpoint written by :func:`jax_nvfp4.convert_checkpoint`, or the dict
         returned by :func:`jax_nvfp4.load_nvfp4_experts` / :func:`jax_nvfp4.quantize_checkpoint_experts`
     mode : ``"w4a16"`` or ``"w4a4"`` for the loaded blocks
+    order : ``"auto"``, ``"rows"`` or ``"blocked"``: byte order of the loaded experts, as in
+        :func:`quantize_moe` (the checkpoint holds rows; ``"auto"`` repacks them once for the ffi
+        backend on a CUDA GPU)
     strict : bool
         Raise if a checkpoint module matches no block. Blocks absent from the checkpoint (kept in
         source precision by the converter's ignore list) are left as they are either way.
@@ -148,6 +171,7 @@ def load_experts(model, source, *, mode: str = "w4a16", strict: bool = True):
     list of the block paths that were loaded.
     """
     check_choice(mode, QUANTIZED_MODES, "mode")
+    check_choice(order, WEIGHT_ORDERS, "order")
     if not isinstance(source, dict):
         from ..checkpoint import load_nvfp4_experts
         source = load_nvfp4_experts(source)
@@ -165,7 +189,7 @@ def load_experts(model, source, *, mode: str = "w4a16", strict: bool = True):
         if want != got or ex.gated != activations.is_gated(block.activation):
             raise ValueError(f"checkpoint MoE module {module!r}: experts (E, H, I) = {got}, gated={ex.gated} "
                              f"do not fit the block's {want} with activation {block.activation!r}")
-        block.experts = NVFP4ExpertWeights(ex)
+        block.experts = _weights(ex, order, block)
         block.mode = mode
         loaded.append(module)
     return loaded

@@ -93,7 +93,7 @@ def _stack_bf16_experts(ckpt, reader, module: str, block: MoE, dtype) -> BF16Exp
 
 
 def load_qwen3_moe(path, *, quantize: bool = False, ignore: str | Sequence[str] = (), recipe: str = "nvfp4",
-                   mode: str = "w4a16", moe_backend: str = "auto", param_dtype=BF16,
+                   mode: str = "w4a16", moe_backend: str = "auto", order: str = "auto", param_dtype=BF16,
                    progress: bool = False) -> Qwen3MoeForCausalLM:
     """Load a Qwen3-MoE checkpoint folder (``config.json`` + safetensors) into :class:`Qwen3MoeForCausalLM`.
 
@@ -107,6 +107,8 @@ def load_qwen3_moe(path, *, quantize: bool = False, ignore: str | Sequence[str] 
     ignore, recipe : with ``quantize``: MoE modules kept in bf16 (converter patterns) and the recipe
     mode : ``"w4a16"`` or ``"w4a4"``: the mode of NVFP4 blocks (bf16 blocks run in ``"bf16"``)
     moe_backend : the :func:`jax_nvfp4.moe` backend of every block
+    order : byte order of the NVFP4 experts (``"auto"``: the one ``moe_backend`` reads fastest;
+        :func:`jax_nvfp4.nn.load_experts`)
     param_dtype : dtype of the dense and bf16 expert parameters (bfloat16)
     progress : show a progress bar while quantizing
 
@@ -137,7 +139,7 @@ def load_qwen3_moe(path, *, quantize: bool = False, ignore: str | Sequence[str] 
         experts = quantize_checkpoint_experts(root, ignore=ignore, recipe=recipe, progress=progress)
     else:
         experts = {}
-    load_experts(model, experts, mode=mode)
+    load_experts(model, experts, mode=mode, order=order)
     used = {n for n in ckpt.tensors if any(n.startswith(m + ".experts.") for m in experts)}
 
     blocks = moe_modules(model)
