@@ -40,10 +40,16 @@ def main(argv=None):
     p.add_argument("--kernel-flags", type=int, default=0,
                    help="KernelFlag bits of the ffi backend (as moe_bench.py --ffi-flags)")
     p.add_argument("--tile-m", type=int, default=None, help="rows per GEMM tile of the ffi backend (as --ffi-tile-ms)")
+    p.add_argument("--order", default="auto", choices=("auto", "rows", "blocked"),
+                   help="byte order of the experts (auto: jax_nvfp4.weight_order of the backend, as users get)")
     args = p.parse_args(argv)
     shape = {**specs.SHAPES, **specs.QUICK_SHAPES}[args.shape]
     key = jax.random.key(0)
     experts = specs.random_nvfp4_experts(key, shape)
+    order = args.order if args.order != "auto" else nv.weight_order(
+        args.backend, hidden_size=shape.hidden, intermediate_size=shape.intermediate)
+    if order == "blocked":
+        experts = nv.to_blocked_experts(experts)
     kx, kr = jax.random.split(jax.random.fold_in(key, args.tokens))
     x = specs.random_hidden(kx, args.tokens, shape)
     ids, w = specs.random_routing(kr, args.tokens, shape)
@@ -61,7 +67,8 @@ def main(argv=None):
         jax.block_until_ready(f(x, ids, w, experts))
     flags = f"[flags={args.kernel_flags}]" if args.kernel_flags else ""
     flags += f"[tm={args.tile_m}]" if args.tile_m else ""
-    print(f"ran {args.shape} T={args.tokens} {args.mode} on {args.backend}{flags}: {1 + args.calls} calls")
+    print(f"ran {args.shape} T={args.tokens} {args.mode} on {args.backend}{flags}, {order} weights: "
+          f"{1 + args.calls} calls")
     if args.timeline:
         events = kernel_timeline(f, (x, ids, w, experts), traces=args.timeline)
         print(f"timeline ({jax.devices()[0].platform}, median span of {args.timeline} traced calls):")

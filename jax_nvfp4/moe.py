@@ -56,7 +56,9 @@ def weight_order(backend: str = "auto", *, hidden_size: int, intermediate_size: 
     ``"blocked"`` (:func:`~jax_nvfp4.to_blocked_experts`) when ``backend`` (``"auto"``: the first
     available one) is ``ffi`` on a CUDA GPU and H, I are multiples of 128; otherwise ``"rows"``.
     Every backend reads both orders with the same result; put the experts in this order once, when
-    they are quantized or loaded (``jax_nvfp4.nn`` does), not on every call.
+    they are quantized or loaded (``jax_nvfp4.nn`` does), not on every call. The blocked order is
+    for decode-heavy use (H200, 2026-12-01: decode layers 7-13% faster, prefill layers of 1024-4096
+    tokens 1.18-1.28x slower than on rows); keep rows where prefill dominates.
     """
     valid = ("auto",) + _base.names()
     if backend not in valid:

@@ -7,7 +7,8 @@
 #   "all" = test,graph,bench
 # Env: BUDGET (seconds in all, default 400), GPU_ARCHS (CUDA archs built, default 90a),
 #   FFI_BENCH_BACKENDS (default "ffi,xla"), BENCH_S (seconds of the bench stage, default 400),
-#   NCU_CONFIGS / TIMELINE_CONFIGS (space-separated shape:tokens[:mode[:kernel_flags[:tile_m]]]; tile_m: ncu only),
+#   NCU_CONFIGS / TIMELINE_CONFIGS (space-separated shape:tokens[:mode[:kernel_flags[:tile_m[:order]]]];
+#   tile_m and order (rows / blocked): ncu only),
 #   FFI_BENCH_ARGS (more moe_bench.py arguments, e.g. "--tokens 1,64 --no-baseline"),
 #   AB_DECODE / AB_W4A4 / AB_PREFILL (moe_bench arguments of the ab stage's parts, or "skip"),
 #   AB_TREE (abtree stage: another source tree, e.g. `mkdir .ab_old && git archive C | tar -x -C .ab_old`,
@@ -96,16 +97,17 @@ if stage ncu; then
   kbase=(); ncu --help 2>/dev/null | grep -q -- --print-kernel-base && kbase=(--print-kernel-base demangled)
   # The GEMM kernels' loop instruction mix (static), to set against the issue figures ncu reports.
   python3 scripts/sass_loops.py >"$OUT/sass_loops.txt" 2>&1 || log "sass_loops failed: $(tail -1 "$OUT/sass_loops.txt")"
-  # A config is shape:tokens, optionally :mode:kernel_flags:tile_m (e.g. qwen3_30b_a3b:1:w4a4:8).
+  # A config is shape:tokens, optionally :mode:kernel_flags:tile_m:order (e.g. qwen3_30b_a3b:1:w4a4:8;
+  # order rows / blocked, default: jax_nvfp4.weight_order).
   for cfg in ${NCU_CONFIGS:-deepseek_v3_ep8:1 qwen3_30b_a3b:1 deepseek_v3_ep8:64 qwen3_30b_a3b:4096 deepseek_v3_ep8:4096}; do
-    IFS=: read -r c_shape c_tokens c_mode c_flags c_tile <<<"$cfg"
+    IFS=: read -r c_shape c_tokens c_mode c_flags c_tile c_order <<<"$cfg"
     n=4; [[ ${c_mode:-} == w4a4 ]] && ! (( ${c_flags:-0} & 8 )) && n=6  # kernels per call (+2 quantize)
     tm=(); [[ -n ${c_tile:-} ]] && tm=(--tile-m "$c_tile")
     timeout $(left 120) ncu --clock-control none --kernel-name regex:"Moe|W4A16|Quant" "${kbase[@]}" --launch-skip $n \
       --launch-count $n --csv --print-units base --section SpeedOfLight --section Occupancy --section LaunchStats \
-      --section SchedulerStats --section WarpStateStats --metrics "$metrics" \
+      --section SchedulerStats --section WarpStateStats --section MemoryWorkloadAnalysis --metrics "$metrics" \
       python3 benchmarks/profile_kernels.py --shape "$c_shape" --tokens "$c_tokens" --mode "${c_mode:-w4a16}" \
-      --kernel-flags "${c_flags:-0}" "${tm[@]}" >"$OUT/ncu_one.csv" 2>&1
+      --kernel-flags "${c_flags:-0}" "${tm[@]}" --order "${c_order:-auto}" >"$OUT/ncu_one.csv" 2>&1
     echo "# $cfg" >>"$OUT/ncu.csv"; grep '^"' "$OUT/ncu_one.csv" >>"$OUT/ncu.csv" || tail -5 "$OUT/ncu_one.csv" >>"$OUT/ncu.csv"
     python3 scripts/ncu_summary.py "$OUT/ncu_one.csv" "$cfg" 2>&1 | tee -a "$OUT/ffi_summary.txt"
   done

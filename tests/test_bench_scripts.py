@@ -103,12 +103,13 @@ def test_moe_bench_rejects_bad_kernel_flags(capsys):
 
 def test_profile_kernels_runs(capsys):
     profile_kernels.main(["--shape", "tiny", "--tokens", "3", "--calls", "1"])
-    assert "ran tiny T=3 w4a16 on ffi: 2 calls" in capsys.readouterr().out
+    assert "ran tiny T=3 w4a16 on ffi, rows weights: 2 calls" in capsys.readouterr().out
 
 
 def test_profile_kernels_runs_a_kernel_variant(capsys):
-    profile_kernels.main(["--shape", "tiny", "--tokens", "3", "--mode", "w4a4", "--kernel-flags", "8", "--calls", "1"])
-    assert "ran tiny T=3 w4a4 on ffi[flags=8]: 2 calls" in capsys.readouterr().out
+    profile_kernels.main(["--shape", "tiny_ep", "--tokens", "3", "--mode", "w4a4", "--kernel-flags", "8", "--calls", "1",
+                          "--order", "blocked"])
+    assert "ran tiny_ep T=3 w4a4 on ffi[flags=8], blocked weights: 2 calls" in capsys.readouterr().out
 
 
 def test_profile_kernels_timeline(capsys):

@@ -799,6 +799,19 @@ def test_moe_blocked_weights_are_the_same_layer(on_gpu, mode, t):
 
 
 @pytest.mark.gpu
+def test_gpu_weight_order_is_blocked_for_ffi():
+    """On a CUDA GPU the ffi backend (and "auto", while FlashInfer is not available) asks for the
+    blocked order where H and I are multiples of 128, and rows elsewhere."""
+    if not has_gpu():
+        pytest.skip("needs an NVIDIA GPU")
+    assert nv.weight_order("ffi", hidden_size=7168, intermediate_size=2048) == "blocked"
+    assert nv.weight_order("ffi", hidden_size=7168, intermediate_size=192) == "rows"
+    assert nv.weight_order("xla", hidden_size=7168, intermediate_size=2048) == "rows"
+    if base.get("flashinfer").unavailable_reason():
+        assert nv.weight_order(hidden_size=2048, intermediate_size=768) == "blocked"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("case", [0, 2, 3])
 def test_gpu_gemm_rejects_paired_activations_it_has_no_kernel_for(case):
     """The CUDA handler has paired-activation kernels only for GEMM2's case (non-gated, bf16 out):

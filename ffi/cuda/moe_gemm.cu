@@ -15,7 +15,7 @@
 //   128-K chunk ahead; no shared memory, no bf16 weights in memory. With the checkpoint's
 //   row-major codes a warp's load touches 8 rows x 64 bytes; weights repacked into the blocked
 //   order (Pairing::kBlockedW, BlockedOffset: 16 rows x 128 K contiguous) make it 512
-//   contiguous bytes (6-13% faster decode layers on the H200; jax_nvfp4.weight_order makes
+//   contiguous bytes (7-13% faster decode layers on the H200; jax_nvfp4.weight_order makes
 //   it the ffi default on CUDA). Warps then split K in 128-K units, so the
 //   bits equal row-major weights' where K / k_split is a multiple of 128.
 // - The MMA's K order is permuted so that the 16-byte load *is* the fragment: a 32-bit word
