@@ -76,10 +76,13 @@ def main(argv=None):
     shape = {**specs.SHAPES, **specs.QUICK_SHAPES}[args.shape]
     key = jax.random.key(0)
     experts = specs.random_nvfp4_experts(key, shape)
+    if nv.weight_order("ffi", hidden_size=shape.hidden, intermediate_size=shape.intermediate) == "blocked":
+        experts = nv.to_blocked_experts(experts)  # what users of the ffi backend hold on a GPU
     big = tokens[-1]
     x_all = specs.random_hidden(jax.random.fold_in(key, 1), big, shape)
     ids_all, w_all = specs.random_routing(jax.random.fold_in(key, 2), big, shape)
-    print(f"device: {device_name()}  shape {shape.name}  mode {args.mode}  probes {args.probes}")
+    print(f"device: {device_name()}  shape {shape.name}  mode {args.mode}  probes {args.probes}  "
+          f"{experts.gate_up.order} weights")
     rows = []
     for label, fn in configurations(variants, args.mode).items():
         f = jax.jit(lambda x, i, w, ex, fn=fn: fn(x, i, w, ex, shape.local_expert_offset))

@@ -118,8 +118,10 @@ def bench_shape(shape, tokens, modes, backends, args, log, on_tokens=None):
                 return
             floor = max(common["floor_bf16_bytes_us" if mode == "bf16" else "floor_nvfp4_bytes_us"],
                         common["floor_flops_us"])
+            order = getattr(getattr(arg_sets[0][-1], "gate_up", None), "order", None)  # NVFP4 experts' byte order
             results.append(dict(common, backend=name, mode=mode, median_us=1e6 * sec, timing=timing,
-                                floor_us=floor, fraction_of_floor=floor / (1e6 * sec)))
+                                floor_us=floor, fraction_of_floor=floor / (1e6 * sec),
+                                **({"weight_order": order} if isinstance(order, str) else {})))
             log(f"  {shape.name:16s} T={t:5d} {name:20s} {mode:6s} {1e6 * sec:10.1f} us"
                 f"   (floor {floor:8.1f} us, hit {hit:5.1f} experts)")
 

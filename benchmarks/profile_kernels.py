@@ -67,7 +67,7 @@ def main(argv=None):
         jax.block_until_ready(f(x, ids, w, experts))
     flags = f"[flags={args.kernel_flags}]" if args.kernel_flags else ""
     flags += f"[tm={args.tile_m}]" if args.tile_m else ""
-    print(f"ran {args.shape} T={args.tokens} {args.mode} on {args.backend}{flags}, {order} weights: "
+    print(f"ran {args.shape} T={args.tokens} {args.mode} on {args.backend}{flags}, {experts.gate_up.order} weights: "
           f"{1 + args.calls} calls")
     if args.timeline:
         events = kernel_timeline(f, (x, ids, w, experts), traces=args.timeline)

@@ -50,7 +50,8 @@ class NVFP4Array:
     order : ``"rows"`` or ``"blocked"`` (static)
         Byte order of ``data`` and ``scales`` in their last two axes: ``"rows"`` (the format above)
         or the blocked order of :func:`to_blocked_weights` (16-row x 128-K blocks contiguous), which
-        the ffi backend's CUDA kernels read fastest. Every consumer takes both orders.
+        the ffi backend's CUDA kernels read fastest at decode. Every reader of NVFP4 experts in
+        jax_nvfp4 takes both orders (:func:`dequantize` restores rows).
     """
 
     data: Any
@@ -93,6 +94,9 @@ class NVFP4Array:
         """Index the leading (row-prefix) axes shared by all three parts, e.g. ``w[e]``."""
         idx = idx if isinstance(idx, tuple) else (idx,)
         n_g = self.global_scale.ndim
+        if self.order == "blocked" and len(idx) > self.ndim - 2:  # its bytes of a row are not together
+            raise IndexError(f"a blocked NVFP4Array can be indexed only along its leading axes "
+                             f"(not N or K), got {len(idx)} indices for shape {self.shape}")
         if len(idx) > n_g:
             raise IndexError(
                 f"NVFP4Array can be indexed only along the {n_g} axes its global_scale spans, got {len(idx)}")

@@ -246,7 +246,7 @@ if stage ab; then
   # hints became the default on 2026-12-01). Settled on 2026-12-01: the K split (--ffi-k-splits);
   # removed: the shared-memory rings (flag 1: cp.async, then tensor copies), the paired GEMM1
   # input, L2 prefetches and gate / up rows in separate warps. The blocked weight order became the
-  # ffi rows' order on 2026-12-01 (6-13% faster decode layers); --ffi-rows times the checkpoint's
+  # ffi rows' order on 2026-12-01 (7-13% faster decode layers); --ffi-rows times the checkpoint's
   # rows order. T = 1/4/16 (8-row tiles), 64 (DeepSeek-V3: 16-row, Qwen3: 8-row), 128 (16-row).
   abpart() { local name=$1 s=$2 def=$3 var=$4; [[ $var == skip ]] && return
     # shellcheck disable=SC2086

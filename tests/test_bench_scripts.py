@@ -62,8 +62,9 @@ def test_moe_bench_times_each_backend_in_its_weight_order(tmp_path, monkeypatch)
     moe_bench.main(["--quick", "--shapes", "tiny_ep", "--tokens", "3", "--modes", "w4a16,w4a4", "--backends", "ffi",
                     "--no-baseline", "--ffi-rows", "--ffi-flags", "128", "--sets", "1", "--json", str(out)])
     rows = json.loads(out.read_text())["results"]
-    assert {(r["backend"], r["mode"]) for r in rows if r.get("median_us", 0) > 0} == {
-        (b, m) for b in ("ffi", "ffi[rows]", "ffi[flags=128]") for m in ("w4a16", "w4a4")}
+    assert {(r["backend"], r["mode"], r["weight_order"]) for r in rows if r.get("median_us", 0) > 0} == {
+        (b, m, "rows" if b == "ffi[rows]" else "blocked") for b in ("ffi", "ffi[rows]", "ffi[flags=128]")
+        for m in ("w4a16", "w4a4")}
     assert seen.count("to_blocked") == 1 and "ffi" in seen  # repacked once, outside the timing
 
 

@@ -729,7 +729,9 @@ def test_blocked_weights_are_an_exact_permutation():
     back = nv.from_blocked_weights(b)
     np.testing.assert_array_equal(np.asarray(back.data), np.asarray(w.data))
     np.testing.assert_array_equal(s_bits(back.scales), s_bits(w.scales))
-    assert b.order == "blocked" and back.order == "rows" and b[1].order == "blocked"
+    assert b.order == "blocked" and back.order == "rows" and b[1].order == "blocked" and b[1:].order == "blocked"
+    with pytest.raises(IndexError, match="only along its leading axes"):  # a row's bytes are spread
+        b[0, 3:19]
     # Per leading index: one expert's blocks are the blocked order of that expert alone.
     np.testing.assert_array_equal(np.asarray(nv.to_blocked_weights(w[1]).data), np.asarray(b.data[1]))
     with pytest.raises(ValueError, match="N % 16 == 0 and K % 128 == 0"):

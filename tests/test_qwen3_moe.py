@@ -163,6 +163,10 @@ def test_load_ignore_and_errors(ckpt, tmp_path):
                                   w["model.layers.1.mlp.experts.3.down_proj.weight"])
     with pytest.raises(ValueError, match="already an NVFP4"):
         nvnn.load_qwen3_moe(dst, quantize=True)
+    with pytest.raises(ValueError, match="order='blocked' needs H and I to be multiples of 128"):  # H = 64
+        nvnn.load_qwen3_moe(dst, order="blocked")
+    with pytest.raises(ValueError, match="order must be one of"):
+        nvnn.load_qwen3_moe(dst, order="columns")
     with pytest.raises(ValueError, match="ignore and recipe"):
         nvnn.load_qwen3_moe(src, ignore=["x"])
     missing = dict(w)

@@ -20,6 +20,7 @@ from ..routing import ROUTING_METHODS
 from .. import activations
 
 _EPS = 1e-20  # as in jax_nvfp4.routing
+_ORDER_TAGS = {"rows": "", "blocked": "_blocked"}  # NVFP4ExpertWeights' variable names per byte order
 
 
 class QuantizedWeight(nnx.Variable):
@@ -88,23 +89,36 @@ class NVFP4ExpertWeights(nnx.Module):
     down_data, down_scales, down_global_scale : the same for ``[E, H, I]``
     gated : bool; dtype : the source dtype recorded by the quantizer; order : the byte order of
         the data and scales (:attr:`jax_nvfp4.NVFP4Array.order`) (static)
+
+    In the blocked order the data and scales are named ``gate_up_data_blocked``,
+    ``gate_up_scales_blocked``, ... so that the order is part of the state's structure: a state saved
+    in one order never loads silently into a model holding the other.
     """
 
     def __init__(self, experts: NVFP4Experts):
         if not isinstance(experts, NVFP4Experts):
             raise TypeError(f"experts must be NVFP4Experts, got {type(experts).__name__}")
+        self.order = experts.gate_up.order
+        tag = _ORDER_TAGS[self.order]
         for name, w in (("gate_up", experts.gate_up), ("down", experts.down)):
-            setattr(self, f"{name}_data", QuantizedWeight(w.data))
-            setattr(self, f"{name}_scales", QuantizedWeight(w.scales))
+            setattr(self, f"{name}_data{tag}", QuantizedWeight(w.data))
+            setattr(self, f"{name}_scales{tag}", QuantizedWeight(w.scales))
             setattr(self, f"{name}_global_scale", QuantizedWeight(w.global_scale))
         self.gated = experts.gated
         self.dtype = jnp.dtype(experts.gate_up.dtype)
-        self.order = experts.gate_up.order
 
     def experts(self) -> NVFP4Experts:
         """The weights as :class:`~jax_nvfp4.NVFP4Experts`, for :func:`jax_nvfp4.moe`."""
+        tag = _ORDER_TAGS[self.order]
+        other = next(t for o, t in _ORDER_TAGS.items() if o != self.order)
+        if hasattr(self, f"gate_up_data{other}"):  # e.g. nnx.update with a state of the other order
+            raise ValueError(f"these NVFP4 experts are in the {self.order!r} order but also hold variables of "
+                             f"the other one ('gate_up_data{other}', ...): a state saved in the other byte "
+                             "order was merged into them; load it into a model quantized with the same "
+                             "order (jax_nvfp4.nn.quantize_moe(..., order=...))")
+
         def part(name):
-            return NVFP4Array(getattr(self, f"{name}_data")[...], getattr(self, f"{name}_scales")[...],
+            return NVFP4Array(getattr(self, f"{name}_data{tag}")[...], getattr(self, f"{name}_scales{tag}")[...],
                               getattr(self, f"{name}_global_scale")[...], self.dtype, self.order)
         return NVFP4Experts(part("gate_up"), part("down"), self.gated)
 

@@ -19,7 +19,7 @@ from flax import nnx
 from .. import activations
 from ..backends.base import MODES
 from ..checkpoint.naming import ignore_patterns, matches_ignore, strip_model
-from ..formats import ORDERS, from_blocked_experts, to_blocked_experts
+from ..formats import ORDERS, blockable, from_blocked_experts, to_blocked_experts
 from ..moe import weight_order
 from ..quantize import RECIPES, quantize_experts
 from .moe import MoE, NVFP4ExpertWeights, check_choice
@@ -28,13 +28,27 @@ QUANTIZED_MODES = ("w4a16", "w4a4")
 WEIGHT_ORDERS = ("auto",) + ORDERS
 
 
-def _weights(ex, order: str, block: MoE) -> NVFP4ExpertWeights:
-    """``ex`` in ``order`` (``"auto"``: the one the block's backend reads fastest) as block weights."""
+_to_blocked, _from_blocked = jax.jit(to_blocked_experts), jax.jit(from_blocked_experts)
+
+
+def _order_of(block: MoE, order: str, name: str, keep: bool = True) -> str:
+    """The byte order ``order`` asks of ``block`` (``"auto"``: the one its backend reads fastest;
+    with ``keep``, a block that already holds NVFP4 experts keeps theirs)."""
     if order == "auto":
-        order = weight_order(block.backend, hidden_size=block.hidden_size,
-                             intermediate_size=block.intermediate_size)
+        if keep and block.quantized:
+            return block.experts.order
+        return weight_order(block.backend, hidden_size=block.hidden_size, intermediate_size=block.intermediate_size)
+    h, i = block.hidden_size, block.intermediate_size
+    if order == "blocked" and not (blockable((i, h)) and blockable((h, i))):
+        raise ValueError(f"order='blocked' needs H and I to be multiples of 128, but MoE block {name!r} has "
+                         f"H={h}, I={i}")
+    return order
+
+
+def _weights(ex, order: str) -> NVFP4ExpertWeights:
+    """``ex`` in ``order`` (a resolved one: ``_order_of``) as block weights."""
     if ex.gate_up.order != order:
-        ex = to_blocked_experts(ex) if order == "blocked" else from_blocked_experts(ex)
+        ex = _to_blocked(ex) if order == "blocked" else _from_blocked(ex)
     return NVFP4ExpertWeights(ex)
 
 
@@ -82,9 +96,10 @@ def quantize_moe(model, *, ignore: str | Sequence[str] = (), recipe: str = "nvfp
         The mode the quantized blocks run in. Blocks that already hold NVFP4 experts keep their
         weights (in ``order``) and only switch mode, so one quantization serves both modes.
     order : ``"auto"``, ``"rows"`` or ``"blocked"``
-        Byte order of the NVFP4 experts (:attr:`jax_nvfp4.NVFP4Array.order`; the same numbers either
+        Byte order of the NVFP4 experts (:attr:`jax_nvfp4.NVFP4Array.order`; the same weights either
         way). ``"auto"`` (default): per block, the order its backend reads fastest
-        (:func:`jax_nvfp4.weight_order`: blocked for the ffi backend on a CUDA GPU).
+        (:func:`jax_nvfp4.weight_order`: blocked for the ffi backend on a CUDA GPU, for decode-heavy
+        use; ``"rows"`` suits prefill-heavy use), and blocks already in NVFP4 keep theirs.
     inplace : bool
         False (default): return a copy (``nnx.clone``: the arrays of everything else are shared, not
         copied) and leave ``model`` (e.g. a bf16 policy) unchanged. True: modify ``model``.
@@ -113,14 +128,18 @@ def quantize_moe(model, *, ignore: str | Sequence[str] = (), recipe: str = "nvfp
             warnings.warn(f"ignore pattern {p!r} matches no MoE block (blocks: "
                           f"{', '.join(map(repr, list(blocks)[:4]))}{', ...' if len(blocks) > 4 else ''})",
                           stacklevel=2)
+    orders = {name: _order_of(blocks[name], order, name) for name in keep}  # every block checked first
     for name in keep:
         block = blocks[name]
         ex = block.experts
         if not block.quantized:
             ex = _quantize_experts(ex.gate_up[...], ex.down[...], recipe=recipe, gated=ex.gated)
+        elif ex.order == orders[name]:
+            block.mode = mode
+            continue
         else:
             ex = ex.experts()
-        block.experts = _weights(ex, order, block)
+        block.experts = _weights(ex, orders[name])
         block.mode = mode
     return target
 
@@ -130,7 +149,8 @@ def set_moe_options(model, *, mode: str | None = None, backend: str | None = Non
 
     ``mode="w4a16"`` or ``"w4a4"`` applies to the blocks holding NVFP4 experts; bf16 blocks (e.g. kept
     by an ignore list) go on running in bf16. ``mode="bf16"`` needs every block to hold bf16 experts
-    (ValueError naming the first that does not). ``backend`` applies to every block.
+    (ValueError naming the first that does not). ``backend`` applies to every block; the experts keep
+    their byte order (every backend reads both; :func:`quantize_moe` with ``order=`` changes it).
     """
     if mode is not None:
         check_choice(mode, MODES, "mode")
@@ -161,7 +181,9 @@ def load_experts(model, source, *, mode: str = "w4a16", order: str = "auto", str
     mode : ``"w4a16"`` or ``"w4a4"`` for the loaded blocks
     order : ``"auto"``, ``"rows"`` or ``"blocked"``: byte order of the loaded experts, as in
         :func:`quantize_moe` (the checkpoint holds rows; ``"auto"`` repacks them once for the ffi
-        backend on a CUDA GPU)
+        backend on a CUDA GPU). Repacking a block needs its size again in device memory while it
+        runs; from a path that is one block at a time, while the arrays of a ``source`` dict stay
+        alive as long as the caller holds it.
     strict : bool
         Raise if a checkpoint module matches no block. Blocks absent from the checkpoint (kept in
         source precision by the converter's ignore list) are left as they are either way.
@@ -172,12 +194,19 @@ def load_experts(model, source, *, mode: str = "w4a16", order: str = "auto", str
     """
     check_choice(mode, QUANTIZED_MODES, "mode")
     check_choice(order, WEIGHT_ORDERS, "order")
-    if not isinstance(source, dict):
-        from ..checkpoint import load_nvfp4_experts
-        source = load_nvfp4_experts(source)
+    if isinstance(source, dict):
+        return _load_experts(model, source, mode, order, strict, consume=False)
+    from ..checkpoint import load_nvfp4_experts
+    return _load_experts(model, load_nvfp4_experts(source), mode, order, strict, consume=True)
+
+
+def _load_experts(model, source: dict, mode: str, order: str, strict: bool, consume: bool):
+    """load_experts on a dict; ``consume``: drop each entry once placed (its rows arrays are freed
+    while the next block is repacked)."""
     blocks = {strip_model(n): b for n, b in moe_modules(model).items()}
     loaded = []
-    for module, ex in source.items():
+    for module in list(source):
+        ex = source.pop(module) if consume else source[module]
         block = blocks.get(strip_model(module))
         if block is None:
             if strict:
@@ -189,7 +218,7 @@ def load_experts(model, source, *, mode: str = "w4a16", order: str = "auto", str
         if want != got or ex.gated != activations.is_gated(block.activation):
             raise ValueError(f"checkpoint MoE module {module!r}: experts (E, H, I) = {got}, gated={ex.gated} "
                              f"do not fit the block's {want} with activation {block.activation!r}")
-        block.experts = _weights(ex, order, block)
+        block.experts = _weights(ex, _order_of(block, order, module, keep=False))
         block.mode = mode
         loaded.append(module)
     return loaded

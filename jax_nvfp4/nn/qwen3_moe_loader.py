@@ -34,8 +34,8 @@ from flax import nnx
 from ..checkpoint import (CONFIG_NAME, CheckpointError, load_nvfp4_experts, open_checkpoint,
                           quantize_checkpoint_experts)
 from ..checkpoint.safetensors_io import NP_DTYPES, TensorReader
-from .moe import BF16ExpertWeights, MoE
-from .quantization import load_experts, moe_modules
+from .moe import BF16ExpertWeights, MoE, check_choice
+from .quantization import QUANTIZED_MODES, WEIGHT_ORDERS, _load_experts, moe_modules
 from .qwen3_moe import BF16, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 _DENSE_DTYPES = ("BF16", "F16", "F32")
@@ -121,6 +121,8 @@ def load_qwen3_moe(path, *, quantize: bool = False, ignore: str | Sequence[str] 
     CheckpointError : a tensor is missing, has the wrong shape or an unsupported dtype (e.g. FP8 dense
         weights), naming it.
     """
+    check_choice(mode, QUANTIZED_MODES, "mode")
+    check_choice(order, WEIGHT_ORDERS, "order")
     path = Path(path)
     root = path if path.is_dir() else path.parent
     nvfp4 = (root / CONFIG_NAME).is_file()
@@ -139,8 +141,9 @@ def load_qwen3_moe(path, *, quantize: bool = False, ignore: str | Sequence[str] 
         experts = quantize_checkpoint_experts(root, ignore=ignore, recipe=recipe, progress=progress)
     else:
         experts = {}
-    load_experts(model, experts, mode=mode, order=order)
-    used = {n for n in ckpt.tensors if any(n.startswith(m + ".experts.") for m in experts)}
+    modules = list(experts)
+    _load_experts(model, experts, mode, order, strict=True, consume=True)  # one block repacked at a time
+    used = {n for n in ckpt.tensors if any(n.startswith(m + ".experts.") for m in modules)}
 
     blocks = moe_modules(model)
     with TensorReader() as reader:
