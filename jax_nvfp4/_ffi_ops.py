@@ -24,7 +24,6 @@ backends (``xla_ffi.md`` section 8).
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import functools
 import math
@@ -35,8 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .formats import (NVFP4Array, NVFP4Experts, blockable, dequantize, from_blocked_weights,  # noqa: F401
-                      to_blocked_experts, to_blocked_weights)
+from .formats import NVFP4Array, NVFP4Experts, dequantize, from_blocked_weights
 from .quantize import quantize
 
 try:
@@ -91,7 +89,7 @@ class Pairing(enum.IntFlag):
     NONE = 0
     A = 1  # a's K axis in the paired order (to_paired; the CUDA kernels skip their activation byte permutes)
     OUT = 2  # out's feature axis in the paired order
-    BLOCKED_W = 4  # w's codes and scales in the blocked order (to_blocked_weights)
+    BLOCKED_W = 4  # w's codes and scales in the blocked order (jax_nvfp4.to_blocked_weights)
 
 
 def _transpose_groups_of_8(v, rows: int):
@@ -374,7 +372,7 @@ def grouped_gemm(a, w: NVFP4Array, sorted_ids, tile_expert, *, tile_m: int,
     pairing : :class:`Pairing` bits
         ``A``: ``a``'s K axis is in the paired order (:func:`to_paired`; on the GPU only for a
         non-gated activation with bfloat16 output); ``OUT``: write ``out``'s features in it;
-        ``BLOCKED_W``: ``w`` is in the blocked order (:func:`to_blocked_weights`; set from
+        ``BLOCKED_W``: ``w`` is in the blocked order (:func:`~jax_nvfp4.to_blocked_weights`; set from
         ``w.order``, and an error for a ``w`` in the ``"rows"`` order).
     kernel_flags : :class:`KernelFlag` bits
         CUDA kernel variant (0: the default); ignored by the CPU handler and the twin.

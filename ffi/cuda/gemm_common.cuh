@@ -99,6 +99,21 @@ __device__ __forceinline__ uint32_t LoadScales2(const uint8_t* ptr) {
   return v;
 }
 
+// Where row n of expert e starts (codes w, scales s), as WeightRegs::Load reads it: the row's first
+// bytes, or with BLOCKED (Pairing::kBlockedW) the row's bytes of its first 128-K block.
+template <bool BLOCKED>
+__device__ __forceinline__ void WeightRow(const GemmParams& p, int32_t e, int64_t n, const uint8_t*& w,
+                                          const uint8_t*& s) {
+  const int64_t K = p.K;
+  if constexpr (BLOCKED) {
+    w = p.w + int64_t(e) * p.N * (K / 2) + BlockedOffset(n, 0, K, kBlockCodeBytes);
+    s = p.ws + int64_t(e) * p.N * (K / 16) + BlockedOffset(n, 0, K, kBlockScaleBytes);
+  } else {
+    w = p.w + (int64_t(e) * p.N + n) * (K / 2);
+    s = p.ws + (int64_t(e) * p.N + n) * (K / 16);
+  }
+}
+
 // One chunk of CH = 128 (or 64 for the K tail) along K for this thread's weight rows:
 // CH/8 bytes of codes and CH/64 scale bytes per row.
 template <int CH, int NF>

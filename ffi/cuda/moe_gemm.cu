@@ -225,14 +225,8 @@ __global__ void __launch_bounds__(kThreads) W4A16GroupedGemmKernel(const GemmPar
     for (int j = 0; j < NF; ++j)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int64_t n = feat0 + g + 8 * h + (j == 1 ? p.n_out : 0), row = int64_t(e) * p.N + n;
-        if constexpr (BW) {  // the row's bytes of its first 128-K block
-          wrow[j][h] = p.w + int64_t(e) * p.N * (K / 2) + BlockedOffset(n, 0, K, kBlockCodeBytes);
-          srow[j][h] = p.ws + int64_t(e) * p.N * (K / 16) + BlockedOffset(n, 0, K, kBlockScaleBytes);
-        } else {
-          wrow[j][h] = p.w + row * (K / 2);
-          srow[j][h] = p.ws + row * (K / 16);
-        }
+        const int64_t n = feat0 + g + 8 * h + (j == 1 ? p.n_out : 0);
+        WeightRow<BW>(p, e, n, wrow[j][h], srow[j][h]);
       }
     const uint16_t* arow[FM];
 #pragma unroll

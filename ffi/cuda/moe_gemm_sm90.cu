@@ -202,13 +202,7 @@ __global__ void __launch_bounds__(kWgThreadsPerCta, 1) W4A16WgmmaKernel(const Ge
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int64_t n = active[j] ? feat[j] + g + 8 * h + (GATED && j == 1 ? p.n_out : 0) : 0;
-      if constexpr (BW) {  // the row's bytes of its first 128-K block
-        wrow[j][h] = p.w + int64_t(e) * p.N * (K / 2) + BlockedOffset(n, 0, K, kBlockCodeBytes);
-        srow[j][h] = p.ws + int64_t(e) * p.N * (K / 16) + BlockedOffset(n, 0, K, kBlockScaleBytes);
-      } else {
-        wrow[j][h] = p.w + (int64_t(e) * p.N + n) * (K / 2);
-        srow[j][h] = p.ws + (int64_t(e) * p.N + n) * (K / 16);
-      }
+      WeightRow<BW>(p, e, n, wrow[j][h], srow[j][h]);
     }
   }
   const int n = 8 * warp + g;  // this thread's activation row in the tile

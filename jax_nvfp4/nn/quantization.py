@@ -19,7 +19,7 @@ from flax import nnx
 from .. import activations
 from ..backends.base import MODES
 from ..checkpoint.naming import ignore_patterns, matches_ignore, strip_model
-from ..formats import ORDERS, blockable, from_blocked_experts, to_blocked_experts
+from ..formats import BLOCK_K, ORDERS, from_blocked_experts, to_blocked_experts
 from ..moe import weight_order
 from ..quantize import RECIPES, quantize_experts
 from .moe import MoE, NVFP4ExpertWeights, check_choice
@@ -39,7 +39,7 @@ def _order_of(block: MoE, order: str, name: str, keep: bool = True) -> str:
             return block.experts.order
         return weight_order(block.backend, hidden_size=block.hidden_size, intermediate_size=block.intermediate_size)
     h, i = block.hidden_size, block.intermediate_size
-    if order == "blocked" and not (blockable((i, h)) and blockable((h, i))):
+    if order == "blocked" and (h % BLOCK_K or i % BLOCK_K):
         raise ValueError(f"order='blocked' needs H and I to be multiples of 128, but MoE block {name!r} has "
                          f"H={h}, I={i}")
     return order
@@ -130,16 +130,12 @@ def quantize_moe(model, *, ignore: str | Sequence[str] = (), recipe: str = "nvfp
                           stacklevel=2)
     orders = {name: _order_of(blocks[name], order, name) for name in keep}  # every block checked first
     for name in keep:
-        block = blocks[name]
-        ex = block.experts
+        block, ex = blocks[name], blocks[name].experts
         if not block.quantized:
-            ex = _quantize_experts(ex.gate_up[...], ex.down[...], recipe=recipe, gated=ex.gated)
-        elif ex.order == orders[name]:
-            block.mode = mode
-            continue
-        else:
-            ex = ex.experts()
-        block.experts = _weights(ex, orders[name])
+            block.experts = _weights(_quantize_experts(ex.gate_up[...], ex.down[...], recipe=recipe, gated=ex.gated),
+                                     orders[name])
+        elif ex.order != orders[name]:
+            block.experts = _weights(ex.experts(), orders[name])
         block.mode = mode
     return target
 
