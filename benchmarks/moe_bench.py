@@ -72,6 +72,11 @@ def floors(shape, rows, hit):
             "floor_flops_us": 1e6 * flop}
 
 
+def ks_label(k_split):
+    """A forced K split as its row label: 'S' for both GEMMs, 'S1/S2' for GEMM1's and GEMM2's."""
+    return "/".join(map(str, k_split)) if isinstance(k_split, tuple) else str(k_split)
+
+
 def bench_shape(shape, tokens, modes, backends, args, log, on_tokens=None):
     """The rows of one shape; ``on_tokens(rows_so_far)`` after each token count (partial saves)."""
     key = jax.random.key(args.seed)
@@ -146,9 +151,10 @@ def bench_shape(shape, tokens, modes, backends, args, log, on_tokens=None):
             variants = [(f"xla[{v}]", XLABackend(*v.split("/"))) for v in args.xla_variants]
             if mode != "bf16" and not FFIBackend().unavailable_reason():
                 variants += [(f"ffi[flags={f}]", FFIBackend(f)) for f in args.ffi_flags]
-                variants += [(f"ffi[ks={s}]", FFIBackend(k_split=s)) for s in args.ffi_k_splits]
+                variants += [(f"ffi[ks={ks_label(s)}]", FFIBackend(k_split=s)) for s in args.ffi_k_splits]
                 variants += [(f"ffi[tm={m}]", FFIBackend(tile_m=m)) for m in args.ffi_tile_ms]
-                variants += [(f"ffi[flags={f},ks={s}]", FFIBackend(f, k_split=s)) for f, s in args.ffi_configs]
+                variants += [(f"ffi[flags={f},ks={ks_label(s)}]", FFIBackend(f, k_split=s))
+                             for f, s in args.ffi_configs]
                 if args.ffi_rows:  # the default kernels on the checkpoint's rows order
                     variants.append(("ffi[rows]", FFIBackend()))
             for label, impl in variants:  # forced strategies / kernel variants, side by side
@@ -224,8 +230,9 @@ def main(argv=None):
                    help="comma-separated KernelFlag values to time as extra ffi rows 'ffi[flags=N]' (CUDA "
                         "kernel variants, see KernelFlag: 2 no wgmma, 4 two-block wgmma, 8 fused w4a4 quantize, 16 row-tiles-first wgmma grid, 32 one-warp align, 64 PDL launches; combine by adding)")
     p.add_argument("--ffi-k-splits", default="",
-                   help="comma-separated k_split values (1, 2, 4) to time as extra ffi rows 'ffi[ks=N]': the "
-                        "decode tiles' K split fixed instead of chosen from the shape (more CTAs per GEMM)")
+                   help="comma-separated k_split values (1, 2, 4; or S1/S2: GEMM1's and GEMM2's) to time as "
+                        "extra ffi rows 'ffi[ks=N]': the decode tiles' K split fixed instead of chosen from the "
+                        "shape (more CTAs per GEMM)")
     p.add_argument("--ffi-tile-ms", default="",
                    help="comma-separated tile_m values (8, 16, 32, 64) to time as extra ffi rows 'ffi[tm=N]': the "
                         "rows per GEMM tile fixed instead of chosen from the expected rows per expert")
@@ -281,12 +288,16 @@ def main(argv=None):
         except ValueError as err:
             p.error(f"{option}: {err}{expected}")
 
+    def k_split(text):  # S (both GEMMs) or S1/S2 (GEMM1's, GEMM2's)
+        parts = tuple(int(v) for v in text.split("/"))
+        return FFIBackend(k_split=parts if len(parts) > 1 else parts[0]).k_split
+
     def config(c):  # FLAGS:KSPLIT
         f, k = c.split(":")
-        return _ffi_ops._check_kernel_flags(int(f)), FFIBackend(k_split=int(k)).k_split
+        return _ffi_ops._check_kernel_flags(int(f)), k_split(k)
 
     args.ffi_flags = values("--ffi-flags", args.ffi_flags, lambda f: _ffi_ops._check_kernel_flags(int(f)))
-    args.ffi_k_splits = values("--ffi-k-splits", args.ffi_k_splits, lambda s: FFIBackend(k_split=int(s)).k_split)
+    args.ffi_k_splits = values("--ffi-k-splits", args.ffi_k_splits, k_split)
     args.ffi_configs = values("--ffi-configs", args.ffi_configs, config, " (expected FLAGS:KSPLIT pairs)")
     args.ffi_tile_ms = values("--ffi-tile-ms", args.ffi_tile_ms, lambda m: FFIBackend(tile_m=int(m)).tile_m)
     for v in args.xla_variants:

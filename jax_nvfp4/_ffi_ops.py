@@ -202,6 +202,8 @@ def choose_tile_m(n_pairs: int, num_experts: int) -> int:
 # A GEMM CTA has 4 warps; with k_split s they cover 16 * 4 / s output features.
 _CTA_WARPS, _WARP_FEATURES = 4, 16
 _TARGET_CTAS = 1024  # ~8 CTAs per SM on 132 SMs: enough weight bytes in flight to cover HBM latency
+_SPLIT_K = 2048  # K a warp keeps when its GEMM has CTAs enough for the SMs (16 chunks of 128)
+_FEW_CTAS = 264  # fewer than ~2 CTAs per SM of the H200: split down to _MIN_SPLIT_K
 _MIN_SPLIT_K = 256  # each warp keeps at least two 128-K chunks
 
 
@@ -223,23 +225,36 @@ def expected_tiles(n_pairs: int, num_experts: int, tile_m: int) -> float:
 
 
 def choose_k_split(tiles: float, n_out: int, k: int, tile_m: int) -> int:
-    """Warps per CTA that split K: the smallest split giving about ``_TARGET_CTAS`` CTAs.
+    """Warps per CTA that split K: the smallest split giving about ``_TARGET_CTAS`` CTAs, while
+    each warp keeps ``_SPLIT_K`` of K (``_MIN_SPLIT_K`` while the GEMM has fewer than
+    ``_FEW_CTAS`` CTAs).
 
     ``tiles``: the row tiles in use, e.g. :func:`expected_tiles` (``moe``), or ``P // tile_m``,
-    their upper bound (``grouped_gemm`` alone). Counting the upper bound under-splits: on the
-    H200 (2026-12-01) DeepSeek-V3 at T = 4 (32 tiles, ~21 used) ran 10% faster with k_split 2.
+    their upper bound (``grouped_gemm`` alone). Fitted on the H200 (2026-12-01, blocked weights,
+    every GEMM1 / GEMM2 split pair at T = 1-64, BENCHMARKS.md): a split costs each CTA its partial
+    sums' reduction and the whole activation row, which a short K share does not earn back
+    (Qwen3-30B-A3B, K = 2048 / 768: 14-15% faster layers at T = 2 and 4 without the splits the
+    CTA target asked for), unless the SMs would idle (Qwen3 at T = 1: 93 GEMM1 CTAs unsplit).
     Large tiles (prefill) have CTAs enough and never split.
     """
     if tile_m > MAX_SPLIT_TILE_M:
         return 1
     best = 1
-    for s in K_SPLITS:
-        if s > 1 and k // s < _MIN_SPLIT_K:
+    for s in K_SPLITS[1:]:
+        ctas = tiles * -(-n_out // (_WARP_FEATURES * _CTA_WARPS // best))
+        if ctas >= _TARGET_CTAS or k // s < (_SPLIT_K if ctas >= _FEW_CTAS else _MIN_SPLIT_K):
             break
         best = s
-        if tiles * -(-n_out // (_WARP_FEATURES * _CTA_WARPS // s)) >= _TARGET_CTAS:
-            break
     return best
+
+
+def check_k_split(k_split) -> int | tuple[int, int]:
+    """``k_split`` of :func:`moe` as given (one of ``K_SPLITS``, or a pair: GEMM1's, GEMM2's)."""
+    pair = isinstance(k_split, tuple) and len(k_split) == 2
+    if not all(isinstance(s, (int, np.integer)) and s in K_SPLITS for s in (k_split if pair else (k_split,))):
+        raise ValueError(f"k_split must be None, one of {K_SPLITS} or a pair of them (GEMM1, GEMM2), "
+                         f"got {k_split!r}")
+    return tuple(int(s) for s in k_split) if pair else int(k_split)
 
 
 def padded_rows(n_pairs: int, num_experts: int, tile_m: int) -> int:
@@ -588,7 +603,7 @@ MODES = {"w4a16": Mode.W4A16, "w4a4": Mode.W4A4}
 
 def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str = "w4a16",
                 activation: str = "swiglu", local_expert_offset=0, impl: str = "ffi", tile_m: int | None = None,
-                kernel_flags: int = 0, k_split: int | None = None):
+                kernel_flags: int = 0, k_split: int | tuple[int, int] | None = None):
     """Expert part of the MoE layer through the ops (no custom_vjp/custom_vmap; see :func:`moe`).
 
     Parameters
@@ -607,7 +622,8 @@ def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str =
     impl : ``"ffi"`` (custom calls) or ``"jax"`` (their pure-JAX twins)
     tile_m : optional override of :func:`choose_tile_m`
     kernel_flags : :class:`KernelFlag` bits (CUDA kernel variants; 0: the default)
-    k_split : optional override of :func:`choose_k_split` for both GEMMs (1, 2 or 4)
+    k_split : optional override of :func:`choose_k_split`: 1, 2 or 4 for both GEMMs, or a pair
+        (GEMM1's, GEMM2's)
 
     Returns
     -------
@@ -644,8 +660,10 @@ def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str =
     # K splits from the tiles the routing is expected to use (the pairs are taken as all local).
     tiles = expected_tiles(t * k, e, tile_m)
     inter = experts.intermediate_size
-    ks1 = k_split or choose_k_split(tiles, inter, h, tile_m)
-    ks2 = k_split or choose_k_split(tiles, h, inter, tile_m)
+    ks = (None, None) if k_split is None else check_k_split(k_split)
+    ks1, ks2 = ks if isinstance(ks, tuple) else (ks, ks)
+    ks1 = ks1 or choose_k_split(tiles, inter, h, tile_m)
+    ks2 = ks2 or choose_k_split(tiles, h, inter, tile_m)
     # The intermediate in the paired order on the mma.sync tiles: GEMM2 then loads its activation
     # pairs as they are (H200, 2026-12-01: decode layers 1-2% faster; wgmma prefill 0.3-1% slower).
     paired = tile_m <= PAIRED_MAX_TILE_M and not kernel_flags & KernelFlag.NATURAL_INTERMEDIATE
@@ -741,7 +759,7 @@ def _moe_fn(mode: str, activation: str, offset: int, impl: str, tile_m, kernel_f
 
 def moe(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str = "w4a16", activation: str = "swiglu",
         local_expert_offset=0, impl: str = "ffi", tile_m: int | None = None, kernel_flags: int = 0,
-        k_split: int | None = None):
+        k_split: int | tuple[int, int] | None = None):
     """The expert part of the MoE layer on the FFI kernels (see :func:`moe_forward` for arguments).
 
     Differentiable w.r.t. ``x``, ``topk_weights`` and the experts' float leaves (a ``custom_vjp``

@@ -179,8 +179,8 @@ def _reordered(w: NVFP4Array, to_blocked: bool, where: str) -> NVFP4Array:
 
 def to_blocked_weights(w: NVFP4Array) -> NVFP4Array:
     """Weights ``[..., N, K]`` in the blocked order (``order="blocked"``), which the ffi backend's
-    CUDA kernels read fastest at decode (2026-12-01, H200: decode layers 7-13% faster than on rows,
-    prefill layers 1.18-1.28x slower).
+    CUDA kernels read fastest (2026-12-01, H200: decode layers 7-13% faster than on rows, prefill
+    layers 4-6% faster).
 
     For each leading index (expert), 16-row fragments by 128-K chunks, each one contiguous block of
     16 rows x 64 code bytes (and 16 rows x 8 scale bytes), so that a GPU warp's weight loads read

@@ -57,9 +57,9 @@ def weight_order(backend: str = "auto", *, hidden_size: int, intermediate_size: 
     available one) is ``ffi`` on a CUDA GPU and H, I are multiples of 128; otherwise ``"rows"``.
     Every backend reads both orders as the same weights (the ffi GPU kernels' fp32 sums are bitwise
     equal where each warp's share of K is whole 128-K blocks); put the experts in this order once, when
-    they are quantized or loaded (``jax_nvfp4.nn`` does), not on every call. The blocked order is
-    for decode-heavy use (H200, 2026-12-01: decode layers 7-13% faster, prefill layers of 1024-4096
-    tokens 1.18-1.28x slower than on rows); keep rows where prefill dominates. ``"auto"`` looks at
+    they are quantized or loaded (``jax_nvfp4.nn`` does), not on every call (H200, 2026-12-01: on
+    blocked experts decode layers run 7-13% faster than on rows, prefill layers of 1024-4096 tokens
+    4-6% faster). ``"auto"`` looks at
     availability only: where the available backend turns a problem down (e.g. ffi with more than
     ``MAX_ALIGN_EXPERTS`` local experts), :func:`moe` falls back to one that restores rows per call.
     """

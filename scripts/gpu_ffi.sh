@@ -247,7 +247,8 @@ if stage ab; then
   # removed: the shared-memory rings (flag 1: cp.async, then tensor copies), the paired GEMM1
   # input, L2 prefetches and gate / up rows in separate warps. The blocked weight order became the
   # ffi rows' order on 2026-12-01 (7-13% faster decode layers); --ffi-rows times the checkpoint's
-  # rows order. T = 1/4/16 (8-row tiles), 64 (DeepSeek-V3: 16-row, Qwen3: 8-row), 128 (16-row).
+  # rows order. The K split rule was fitted on --ffi-k-splits S1/S2 pairs (GEMM1 / GEMM2) on
+  # 2026-12-01 (session 13). T = 1/4/16 (8-row tiles), 64 (DeepSeek-V3: 16-row, Qwen3: 8-row), 128 (16-row).
   abpart() { local name=$1 s=$2 def=$3 var=$4; [[ $var == skip ]] && return
     # shellcheck disable=SC2086
     ab "$s" ${var:-$def} --json "$OUT/ab_$name.json"; }

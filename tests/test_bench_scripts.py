@@ -29,12 +29,12 @@ from jax_nvfp4 import _ffi_ops  # noqa: E402
 def test_moe_bench_quick_rows(tmp_path, clock):
     out = tmp_path / "bench.json"
     moe_bench.main(["--quick", "--shapes", "tiny", "--tokens", "1,5", "--modes", "w4a16", "--backends", "ffi,xla",
-                    "--chain", "2", "--clock", clock, "--ffi-flags", "2,6", "--ffi-k-splits", "4",
+                    "--chain", "2", "--clock", clock, "--ffi-flags", "2,6", "--ffi-k-splits", "4,1/2",
                     "--ffi-tile-ms", "32", "--ffi-configs", "512:2", "--ffi-rows", "--sets", "1",
                     "--json", str(out)])
     rows = json.loads(out.read_text())["results"]
     names = {(r["backend"], r["tokens"]) for r in rows}
-    for b in ("ffi", "xla", "ffi[flags=2]", "ffi[flags=6]", "ffi[ks=4]", "ffi[tm=32]", "ffi[flags=512,ks=2]",
+    for b in ("ffi", "xla", "ffi[flags=2]", "ffi[flags=6]", "ffi[ks=4]", "ffi[ks=1/2]", "ffi[tm=32]", "ffi[flags=512,ks=2]",
               "ffi[rows]", moe_bench.BASELINE):
         assert {(b, 1), (b, 5)} <= names, b
     rows = [r for r in rows if "skipped" not in r]

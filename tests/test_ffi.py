@@ -297,16 +297,34 @@ def test_backend_k_split_reaches_decode_tiles_only():
         text = f.lower(x, ids, w).as_text()
         assert text.count(want) == 2, (t, want)
         np.testing.assert_array_equal(f32(f(x, ids, w)), f32(ops.moe(x, ex, ids, w)))  # CPU: the same function
-    with pytest.raises(ValueError, match="k_split must be None or one of"):
-        ffi_backend.FFIBackend(k_split=3)
+    for bad in (3, (1, 3), (1, 2, 4), "2"):
+        with pytest.raises(ValueError, match="k_split must be None, one of"):
+            ffi_backend.FFIBackend(k_split=bad)
+
+
+def test_k_split_pair_sets_each_gemm():
+    """k_split=(s1, s2) fixes GEMM1's split to s1 and GEMM2's to s2 (in the lowered calls, in order),
+    and the layer is the same function as with any other split."""
+    ex = make_experts(5, 4, 256, 32)
+    x = make_x(1, 3, 256)
+    ids, w = make_routing(2, 3, 2, 4)
+    for ks in ((4, 1), (1, 2)):
+        f = jax.jit(lambda x, i, w, ks=ks: ops.moe(x, ex, i, w, tile_m=8, k_split=ks))
+        text = f.lower(x, ids, w).as_text()
+        at = [text.find(f"k_split = {s}") for s in ks]
+        assert -1 < at[0] and (at[0] < at[1] if ks[0] != ks[1] else True), (ks, at)
+        np.testing.assert_allclose(f32(f(x, ids, w)), f32(ops.moe(x, ex, ids, w, tile_m=8, k_split=1)),
+                                   rtol=2e-2, atol=2e-2)
 
 
 def test_choose_k_split_on_the_benchmark_shapes():
-    # Decode (one 8-row tile per expert hit): split K until ~1024 CTAs or 256 K per warp.
-    assert ops.choose_k_split(8, 2048, 7168, 8) == 4  # DeepSeek-V3 shard GEMM1, T = 1
-    assert ops.choose_k_split(8, 7168, 2048, 8) == 2  # ... GEMM2
-    assert ops.choose_k_split(8, 768, 2048, 8) == 4  # Qwen3-30B-A3B GEMM1
+    # Decode (one 8-row tile per expert hit): split K until ~1024 CTAs while each warp keeps
+    # 2048 K, or 256 K while the GEMM has fewer than 264 CTAs.
+    assert ops.choose_k_split(8, 2048, 7168, 8) == 2  # DeepSeek-V3 shard GEMM1, T = 1: 256 CTAs, not 1792 K
+    assert ops.choose_k_split(8, 7168, 2048, 8) == 1  # ... GEMM2: 896 CTAs unsplit, 1024 K split
+    assert ops.choose_k_split(8, 768, 2048, 8) == 4  # Qwen3-30B-A3B GEMM1: 96, then 192 CTAs
     assert ops.choose_k_split(8, 2048, 768, 8) == 2  # ... GEMM2: 384 K per warp, not 192
+    assert ops.choose_k_split(28.3, 768, 2048, 8) == 1  # ... GEMM1 at T = 4: 340 CTAs, 1024 K split
     assert ops.choose_k_split(512, 2048, 7168, 8) == 1  # CTAs enough without splitting
     assert ops.choose_k_split(8, 2048, 7168, 64) == 1  # prefill tiles never split
     # moe counts the tiles the routing is expected to fill, not the grid's upper bound: DeepSeek-V3

@@ -11,8 +11,8 @@
 //   way: thread t's code word pp (actual k0..k7 at kc + span*t + 8pp, span = chunk / 4) gives
 //   steps 2pp and 2pp + 1 their logical pairs {2t, 2t+1}, {2t+8, 2t+9} = {k0, k4}, {k1, k5}
 //   and {k2, k6}, {k3, k7}. BW: weights in the blocked order (Pairing::kBlockedW: a warp's 16
-//   rows of a chunk are 1 KB of contiguous codes; K % 128 == 0, so no tail). Same instructions,
-//   yet 1.18-1.28x slower layers than on rows on the H200 (2026-12-01; why is open).
+//   rows of a chunk are 1 KB of contiguous codes; K % 128 == 0, so no tail): 4-6% faster layers
+//   than on rows on the H200 (2026-12-01).
 // - Activations (B) are staged in shared memory, 64 rows x 128 K per chunk, double
 //   buffered, in the wgmma K-major 128-byte-swizzle layout *with the same permutation*: each
 //   thread loads 16 bytes (8 actual k) of one row and stores its four 4-byte k pairs at their
@@ -161,8 +161,13 @@ __device__ __forceinline__ void ChunkMma(const WeightRegs<CH, NF>& w, uint32_t b
 template <bool GATED, int NB>
 constexpr int CtaFeatures() { return GATED ? 128 : 128 * NB; }
 
+// CTAs per SM the register budget must allow: a one-block kernel fits two (<= 128 registers; the
+// blocked instance took 138 unbounded, so one CTA per SM and 1.5x slower GEMM2s, H200 2026-12-01).
+template <bool GATED, int NB>
+constexpr int MinCtas() { return !GATED && NB == 1 ? 2 : 1; }
+
 template <bool GATED, int NB, typename OutT, bool BW>
-__global__ void __launch_bounds__(kWgThreadsPerCta, 1) W4A16WgmmaKernel(const GemmParams p) {
+__global__ void __launch_bounds__(kWgThreadsPerCta, MinCtas<GATED, NB>()) W4A16WgmmaKernel(const GemmParams p) {
 #ifdef JAX_NVFP4_WGMMA
   constexpr int NF = GATED ? 2 : NB;  // weight blocks per warpgroup: [gate, up] or NB feature blocks
   extern __shared__ uint8_t smem_raw[];

@@ -98,8 +98,8 @@ def quantize_moe(model, *, ignore: str | Sequence[str] = (), recipe: str = "nvfp
     order : ``"auto"``, ``"rows"`` or ``"blocked"``
         Byte order of the NVFP4 experts (:attr:`jax_nvfp4.NVFP4Array.order`; the same weights either
         way). ``"auto"`` (default): per block, the order its backend reads fastest
-        (:func:`jax_nvfp4.weight_order`: blocked for the ffi backend on a CUDA GPU, for decode-heavy
-        use; ``"rows"`` suits prefill-heavy use), and blocks already in NVFP4 keep theirs.
+        (:func:`jax_nvfp4.weight_order`: blocked for the ffi backend on a CUDA GPU), and blocks
+        already in NVFP4 keep theirs.
     inplace : bool
         False (default): return a copy (``nnx.clone``: the arrays of everything else are shared, not
         copied) and leave ``model`` (e.g. a bf16 policy) unchanged. True: modify ``model``.
