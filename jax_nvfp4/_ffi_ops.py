@@ -250,7 +250,7 @@ def choose_k_split(tiles: float, n_out: int, k: int, tile_m: int) -> int:
 
 def check_k_split(k_split) -> int | tuple[int, int]:
     """``k_split`` of :func:`moe` as given (one of ``K_SPLITS``, or a pair: GEMM1's, GEMM2's)."""
-    pair = isinstance(k_split, tuple) and len(k_split) == 2
+    pair = isinstance(k_split, (tuple, list)) and len(k_split) == 2
     if not all(isinstance(s, (int, np.integer)) and s in K_SPLITS for s in (k_split if pair else (k_split,))):
         raise ValueError(f"k_split must be None, one of {K_SPLITS} or a pair of them (GEMM1, GEMM2), "
                          f"got {k_split!r}")
@@ -775,6 +775,8 @@ def moe(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str = "w4a16"
         ids = jnp.asarray(topk_ids).astype(jnp.int32)
         ids = jnp.where(ids < 0, -1, ids - jnp.asarray(local_expert_offset, jnp.int32))
         topk_ids, local_expert_offset = jnp.where(ids < 0, -1, ids), 0
+    if k_split is not None:
+        k_split = check_k_split(k_split)
     leaves, treedef = jax.tree_util.tree_flatten(experts)
     fn = _moe_fn(mode, activation, int(local_expert_offset), impl, tile_m, _check_kernel_flags(kernel_flags),
                  k_split, treedef)

@@ -308,7 +308,9 @@ def test_k_split_pair_sets_each_gemm():
     ex = make_experts(5, 4, 256, 32)
     x = make_x(1, 3, 256)
     ids, w = make_routing(2, 3, 2, 4)
-    for ks in ((4, 1), (1, 2)):
+    with pytest.raises(ValueError, match="k_split must be None, one of"):
+        ops.moe(x, ex, ids, w, k_split=[1, 3])
+    for ks in ((4, 1), (1, 2), [2, 1]):
         f = jax.jit(lambda x, i, w, ks=ks: ops.moe(x, ex, i, w, tile_m=8, k_split=ks))
         text = f.lower(x, ids, w).as_text()
         at = [text.find(f"k_split = {s}") for s in ks]

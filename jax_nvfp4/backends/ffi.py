@@ -45,10 +45,9 @@ class FFIBackend:
 
     ``kernel_flags`` (:class:`jax_nvfp4._ffi_ops.KernelFlag` bits) picks CUDA kernel variants,
     ``k_split`` (1, 2 or 4, or a pair of them: GEMM1's, GEMM2's) fixes the warps that split K in
-    decode tiles (tiles of at most
-    ``MAX_SPLIT_TILE_M`` rows; larger tiles never split) and ``tile_m`` (one of ``TILE_MS``) fixes
-    the rows per GEMM tile, for benchmarks that compare them; the registered instance uses the
-    defaults (0, :func:`jax_nvfp4._ffi_ops.choose_k_split` and :func:`jax_nvfp4._ffi_ops.choose_tile_m`).
+    decode tiles (tiles of at most ``MAX_SPLIT_TILE_M`` rows; larger tiles never split) and
+    ``tile_m`` (one of ``TILE_MS``) fixes the rows per GEMM tile, for benchmarks that compare them;
+    the registered instance uses the defaults (0, :func:`jax_nvfp4._ffi_ops.choose_k_split` and :func:`jax_nvfp4._ffi_ops.choose_tile_m`).
     """
 
     name = "ffi"
