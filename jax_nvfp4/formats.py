@@ -50,7 +50,7 @@ class NVFP4Array:
     order : ``"rows"`` or ``"blocked"`` (static)
         Byte order of ``data`` and ``scales`` in their last two axes: ``"rows"`` (the format above)
         or the blocked order of :func:`to_blocked_weights` (16-row x 128-K blocks contiguous), which
-        the ffi backend's CUDA kernels read fastest at decode. Every reader of NVFP4 experts in
+        the ffi backend's CUDA kernels read fastest. Every reader of NVFP4 experts in
         jax_nvfp4 takes both orders (:func:`dequantize` restores rows).
     """
 
@@ -154,6 +154,13 @@ def dequantize(q: NVFP4Array, dtype=jnp.float32, *, apply_global_scale: bool = T
 def blockable(shape) -> bool:
     """Whether weights of logical shape ``[..., N, K]`` have a blocked order (N % 16, K % 128 == 0)."""
     return len(shape) >= 2 and shape[-2] % BLOCK_ROWS == 0 and shape[-1] % BLOCK_K == 0
+
+
+def experts_blockable(hidden_size: int, intermediate_size: int) -> bool:
+    """Whether NVFP4 experts of hidden size H and intermediate size I have a blocked order: both
+    tensors (``gate_up [E, 2I or I, H]``, ``down [E, H, I]``) :func:`blockable`, i.e. H and I
+    multiples of ``BLOCK_K``."""
+    return blockable((intermediate_size, hidden_size)) and blockable((hidden_size, intermediate_size))
 
 
 def _reblock(v, chunks: int, to_blocked: bool):

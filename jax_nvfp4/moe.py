@@ -59,9 +59,9 @@ def weight_order(backend: str = "auto", *, hidden_size: int, intermediate_size: 
     equal where each warp's share of K is whole 128-K blocks); put the experts in this order once, when
     they are quantized or loaded (``jax_nvfp4.nn`` does), not on every call (H200, 2026-12-01: on
     blocked experts decode layers run 7-13% faster than on rows, prefill layers of 1024-4096 tokens
-    4-6% faster). ``"auto"`` looks at
-    availability only: where the available backend turns a problem down (e.g. ffi with more than
-    ``MAX_ALIGN_EXPERTS`` local experts), :func:`moe` falls back to one that restores rows per call.
+    4-6% faster). ``"auto"`` looks at availability only: where the available backend turns a
+    problem down (e.g. ffi with more than ``MAX_ALIGN_EXPERTS`` local experts), :func:`moe` falls
+    back to one that restores rows per call.
     """
     valid = ("auto",) + _base.names()
     if backend not in valid:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 
 from .. import _ffi_ops as ops
-from ..formats import BLOCK_K
+from ..formats import experts_blockable
 from . import base
 
 
@@ -47,7 +47,8 @@ class FFIBackend:
     ``k_split`` (1, 2 or 4, or a pair of them: GEMM1's, GEMM2's) fixes the warps that split K in
     decode tiles (tiles of at most ``MAX_SPLIT_TILE_M`` rows; larger tiles never split) and
     ``tile_m`` (one of ``TILE_MS``) fixes the rows per GEMM tile, for benchmarks that compare them;
-    the registered instance uses the defaults (0, :func:`jax_nvfp4._ffi_ops.choose_k_split` and :func:`jax_nvfp4._ffi_ops.choose_tile_m`).
+    the registered instance uses the defaults (0, :func:`jax_nvfp4._ffi_ops.choose_k_split` and
+    :func:`jax_nvfp4._ffi_ops.choose_tile_m`).
     """
 
     name = "ffi"
@@ -86,8 +87,8 @@ class FFIBackend:
     def weight_order(self, hidden: int, intermediate: int) -> str:
         """The blocked order on CUDA (H200, 2026-12-01: decode layers 7-13% faster, prefill layers
         4-6% faster than on rows); the CPU handler reads both orders at one speed."""
-        blocked = hidden % BLOCK_K == 0 and intermediate % BLOCK_K == 0
-        return "blocked" if blocked and _platform(_default_device()) == "cuda" else "rows"
+        cuda = _platform(_default_device()) == "cuda"
+        return "blocked" if cuda and experts_blockable(hidden, intermediate) else "rows"
 
     def unsupported_reason(self, problem: base.MoEProblem) -> str | None:
         if problem.mode not in ops.MODES:

@@ -19,7 +19,7 @@ from flax import nnx
 from .. import activations
 from ..backends.base import MODES
 from ..checkpoint.naming import ignore_patterns, matches_ignore, strip_model
-from ..formats import BLOCK_K, ORDERS, from_blocked_experts, to_blocked_experts
+from ..formats import BLOCK_K, ORDERS, experts_blockable, from_blocked_experts, to_blocked_experts
 from ..moe import weight_order
 from ..quantize import RECIPES, quantize_experts
 from .moe import MoE, NVFP4ExpertWeights, check_choice
@@ -39,8 +39,8 @@ def _order_of(block: MoE, order: str, name: str, keep: bool = True) -> str:
             return block.experts.order
         return weight_order(block.backend, hidden_size=block.hidden_size, intermediate_size=block.intermediate_size)
     h, i = block.hidden_size, block.intermediate_size
-    if order == "blocked" and (h % BLOCK_K or i % BLOCK_K):
-        raise ValueError(f"order='blocked' needs H and I to be multiples of 128, but MoE block {name!r} has "
+    if order == "blocked" and not experts_blockable(h, i):
+        raise ValueError(f"order='blocked' needs H and I to be multiples of {BLOCK_K}, but MoE block {name!r} has "
                          f"H={h}, I={i}")
     return order
 
