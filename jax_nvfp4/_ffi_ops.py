@@ -191,7 +191,8 @@ def choose_tile_m(n_pairs: int, num_experts: int) -> int:
     an expert that needs a second tile has its weights decoded twice, and the kernels skip a
     tile's empty 8-row blocks. On the H200 (2026-12-01, ``BENCHMARKS.md``) 16-row tiles made
     DeepSeek-V3 layers with 8-32 rows per expert 4-14% faster and tied at Qwen3's 8; 32-row tiles
-    lost to 16-row ones at 4-32 rows.
+    lost to 16-row ones at 4-32 rows (2026-12-02: 4-30% at 12-32, also when they skip their last
+    two empty blocks: two CTAs per SM against three).
     """
     lam = n_pairs / max(num_experts, 1)
     if lam > 32:

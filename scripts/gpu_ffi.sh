@@ -8,7 +8,8 @@
 # Env: BUDGET (seconds in all, default 400), GPU_ARCHS (CUDA archs built, default 90a),
 #   FFI_BENCH_BACKENDS (default "ffi,xla"), BENCH_S (seconds of the bench stage, default 400),
 #   NCU_CONFIGS / TIMELINE_CONFIGS (space-separated shape:tokens[:mode[:kernel_flags[:tile_m[:order]]]];
-#   tile_m and order (rows / blocked): ncu only),
+#   tile_m and order (rows / blocked): ncu only), NCU_SOURCE (one such config: the ncu stage also
+#   samples the GEMMs' stalls per SASS instruction, scripts/ncu_source_top.py),
 #   FFI_BENCH_ARGS (more moe_bench.py arguments, e.g. "--tokens 1,64 --no-baseline"),
 #   AB_DECODE / AB_W4A4 / AB_PREFILL (moe_bench arguments of the ab stage's parts, or "skip"),
 #   AB_TREE (abtree stage: another source tree, e.g. `mkdir .ab_old && git archive C | tar -x -C .ab_old`,
@@ -112,6 +113,22 @@ if stage ncu; then
     python3 scripts/ncu_summary.py "$OUT/ncu_one.csv" "$cfg" 2>&1 | tee -a "$OUT/ffi_summary.txt"
   done
   rm -f "$OUT/ncu_one.csv"
+  if [[ -n ${NCU_SOURCE:-} ]]; then
+    # Where the GEMMs' warps stall, per SASS instruction (source counters: sampled stall reasons),
+    # for the config NCU_SOURCE (shape:tokens[:mode:kernel_flags:tile_m:order]); the top
+    # instructions per kernel go to the summary, the whole export to ncu_source.csv.
+    IFS=: read -r c_shape c_tokens c_mode c_flags c_tile c_order <<<"$NCU_SOURCE"
+    tm=(); [[ -n ${c_tile:-} ]] && tm=(--tile-m "$c_tile")
+    log "ncu: stall samples per instruction of the GEMMs, $NCU_SOURCE"
+    timeout $(left 150) ncu --clock-control none --kernel-name regex:"W4A16" --launch-skip 2 --launch-count 2 \
+      --section SourceCounters -f -o "$OUT/ncu_source" \
+      python3 benchmarks/profile_kernels.py --shape "$c_shape" --tokens "$c_tokens" --mode "${c_mode:-w4a16}" \
+      --kernel-flags "${c_flags:-0}" "${tm[@]}" --order "${c_order:-auto}" >"$OUT/ncu_source.log" 2>&1
+    ncu -i "$OUT/ncu_source.ncu-rep" --page source --csv --print-source sass >"$OUT/ncu_source.csv" 2>>"$OUT/ncu_source.log"
+    python3 scripts/ncu_source_top.py "$OUT/ncu_source.csv" 30 2>&1 | tee -a "$OUT/ffi_summary.txt"
+    tail -3 "$OUT/ncu_source.log"
+    rm -f "$OUT/ncu_source.ncu-rep"
+  fi
 fi
 
 if stage timeline; then
@@ -258,7 +275,8 @@ if stage ab; then
   abpart w4a4 180 "--modes w4a4 --tokens 1,4,64 --ffi-flags 8,64,128 --ffi-rows" "${AB_W4A4:-}"
   # Prefill: PDL (64; the paired intermediate was 0.3-1.0% slower on the wgmma tiles, which keep
   # the natural order); 4/16/20 (two-block wgmma, row tiles first) and 256 settled, 128-row wgmma
-  # tiles tried (1.4-1.9x slower; commit 1a86d3f, reverted) on 2026-12-01.
+  # tiles tried (1.4-1.9x slower; commit 1a86d3f, reverted) on 2026-12-01 and again on 2026-12-02
+  # (activations two stages ahead, wgmmas not drained at barriers: 1.5-2.0x; BENCHMARKS.md session 14).
   abpart prefill 180 "--modes w4a16 --tokens 1024,4096 --ffi-flags 64 --ffi-rows" "${AB_PREFILL:-}"
   log "A/B verdicts (variant time / default time, same run)"
   python3 benchmarks/ab_summary.py $(ls "$OUT"/ab_*.json 2>/dev/null) 2>&1 | tee -a "$OUT/ffi_summary.txt"
