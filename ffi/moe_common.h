@@ -58,8 +58,10 @@ enum class KernelFlag : int64_t {
                                // a warp's K span is >= 768
   // 1024 / 2048: kL2Prefetch / kSplitGateUp (decode tiles) for one H200 A/B on 2026-12-01, removed:
   // 2-76% and up to 17% slower.
+  kWgmmaFourGroups = 4096,     // wgmma, non-gated one-block: four warpgroups per CTA (256 features, 16
+                               // warps) instead of two, each thread staging half the activations
 };
-constexpr int64_t kAllKernelFlags = 766;
+constexpr int64_t kAllKernelFlags = 4862;
 // grouped_gemm's `pairing` bits: which operands hold a kernel order instead of the natural one.
 // kA / kOut: a's K axis / out's feature axis in the paired order (PairedPos). moe's intermediate
 // uses it (but with KernelFlag kNaturalIntermediate): GEMM1 writes it paired, GEMM2 reads it paired

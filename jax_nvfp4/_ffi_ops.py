@@ -80,6 +80,7 @@ class KernelFlag(enum.IntFlag):
     # 256: PAIRED_INPUT (GEMM1's input paired by a transpose of x) until 2026-12-01, removed: no gain on the H200
     PLAIN_WEIGHT_LOADS = 512  # decode tiles: never the streaming hints (the default where K per warp >= 768)
     # 1024 / 2048: L2_PREFETCH / SPLIT_GATE_UP (decode tiles) for one A/B on 2026-12-01, removed: slower on the H200
+    WGMMA_FOUR_GROUPS = 4096  # wgmma, non-gated one-block: four warpgroups per CTA (256 features) instead of two
 
 
 class Pairing(enum.IntFlag):

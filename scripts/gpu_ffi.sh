@@ -277,7 +277,8 @@ if stage ab; then
   # the natural order); 4/16/20 (two-block wgmma, row tiles first) and 256 settled, 128-row wgmma
   # tiles tried (1.4-1.9x slower; commit 1a86d3f, reverted) on 2026-12-01 and again on 2026-12-02
   # (activations two stages ahead, wgmmas not drained at barriers: 1.5-2.0x; BENCHMARKS.md session 14).
-  abpart prefill 180 "--modes w4a16 --tokens 1024,4096 --ffi-flags 64 --ffi-rows" "${AB_PREFILL:-}"
+  # 4096: four-warpgroup CTAs for the one-block wgmma kernel (GEMM2), built 2026-12-02, not yet timed.
+  abpart prefill 180 "--modes w4a16 --tokens 1024,4096 --ffi-flags 64,4096 --ffi-rows" "${AB_PREFILL:-}"
   log "A/B verdicts (variant time / default time, same run)"
   python3 benchmarks/ab_summary.py $(ls "$OUT"/ab_*.json 2>/dev/null) 2>&1 | tee -a "$OUT/ffi_summary.txt"
 fi

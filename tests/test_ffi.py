@@ -778,7 +778,8 @@ def test_gemm_blocked_weights_are_the_same_function(on_gpu, tile_m, k_split, cas
     """Weights in the blocked order (Pairing.BLOCKED_W, with the paired bits as moe uses them)
     give bitwise the row-major output on the platform's handler and in the twin (K = 1024: every
     warp's K range is whole 128-K blocks, so the GPU sums in the same order; 64-row tiles run the
-    wgmma kernel and, with NO_WGMMA, the mma.sync one)."""
+    wgmma kernel, with WGMMA_FOUR_GROUPS its four-warpgroup CTAs and with NO_WGMMA the mma.sync
+    kernel)."""
     if on_gpu and not has_gpu():
         pytest.skip("needs an NVIDIA GPU")
     act, gather, mode, out_dtype = GEMM_CASES[case]
@@ -789,7 +790,8 @@ def test_gemm_blocked_weights_are_the_same_function(on_gpu, tile_m, k_split, cas
     paired_a = act == ops.Activation.IDENTITY and out_dtype == BF16  # (GEMM2's case: the GPU's paired a)
     extra = ops.Pairing.A if paired_a else ops.Pairing.OUT
     x = ops.to_paired(a) if paired_a else a
-    for impl, flags in [("ffi", 0), ("jax", 0)] + ([("ffi", int(ops.KernelFlag.NO_WGMMA))] if tile_m == 64 else []):
+    wgmma_variants = [("ffi", int(ops.KernelFlag.NO_WGMMA)), ("ffi", int(ops.KernelFlag.WGMMA_FOUR_GROUPS))]
+    for impl, flags in [("ffi", 0), ("jax", 0)] + (wgmma_variants if tile_m == 64 else []):
         def run(w, pairing):
             with jax.default_device(dev):
                 return f32(_run_gemm(impl, x, w, sid, te, rs, act, gather, mode, out_dtype, tile_m, 4, k_split,
@@ -869,12 +871,13 @@ def test_gemm_without_activation_rows_writes_zeros(on_gpu, tile_m):
 @pytest.mark.parametrize("flags", [int(ops.KernelFlag.PLAIN_WEIGHT_LOADS),
                                    int(ops.KernelFlag.NO_WGMMA),
                                    int(ops.KernelFlag.WGMMA_TWO_BLOCKS), int(ops.KernelFlag.ROW_TILES_FIRST),
-                                   int(ops.KernelFlag.ROW_TILES_FIRST | ops.KernelFlag.WGMMA_TWO_BLOCKS)])
+                                   int(ops.KernelFlag.ROW_TILES_FIRST | ops.KernelFlag.WGMMA_TWO_BLOCKS),
+                                   int(ops.KernelFlag.WGMMA_FOUR_GROUPS)])
 @pytest.mark.parametrize("act,gather,mode,out_dtype", [GEMM_CASES[0], GEMM_CASES[-1]])
 @pytest.mark.parametrize("tile_m,h", [(8, 1152), (16, 1152), (64, 320)])
 def test_gpu_kernel_variants_match_twin(act, gather, mode, out_dtype, h, tile_m, flags):
     """Every KernelFlag variant of the GEMM (plain weight loads on 8- and 16-row tiles, mma.sync
-    64-row tiles, two-block wgmma, the row-tiles-first wgmma grid)."""
+    64-row tiles, two-block wgmma, the row-tiles-first wgmma grid, four-warpgroup wgmma)."""
     if not has_gpu():
         pytest.skip("needs an NVIDIA GPU")
     a, w, sid, te, rs = _gemm_problem(act, gather, mode, t=37, k=4, e=6, h=h, n=80, tile_m=tile_m, seed=h)
@@ -917,7 +920,8 @@ _MOE_JIT = jax.jit(ops.moe, static_argnames=("mode", "kernel_flags"))  # one jit
 _OPT_IN_DEFAULTS = {}  # (t, mode) -> the default kernels' output
 
 OPT_IN_FLAGS = (ops.KernelFlag.JAX_QUANT, ops.KernelFlag.ROW_TILES_FIRST, ops.KernelFlag.ALIGN_ONE_WARP,
-                ops.KernelFlag.PDL, ops.KernelFlag.NATURAL_INTERMEDIATE, ops.KernelFlag.PLAIN_WEIGHT_LOADS)
+                ops.KernelFlag.PDL, ops.KernelFlag.NATURAL_INTERMEDIATE, ops.KernelFlag.PLAIN_WEIGHT_LOADS,
+                ops.KernelFlag.WGMMA_FOUR_GROUPS)
 
 
 @pytest.mark.gpu
@@ -926,8 +930,8 @@ OPT_IN_FLAGS = (ops.KernelFlag.JAX_QUANT, ops.KernelFlag.ROW_TILES_FIRST, ops.Ke
 @pytest.mark.parametrize("flags", [int(f) for f in OPT_IN_FLAGS] + [int(sum(OPT_IN_FLAGS))])
 def test_gpu_opt_in_variants_are_bitwise_the_default(gpu_experts, t, mode, flags):
     """The pure-JAX quantizer, the row-tiles-first wgmma grid, one-warp align, PDL launches, plain
-    weight loads (the same K order per thread) and the natural
-    intermediate (the same MMA operands as the paired one) change
+    weight loads (the same K order per thread), four-warpgroup wgmma CTAs (the same warpgroup
+    MMAs) and the natural intermediate (the same MMA operands as the paired one) change
     where and how the work runs, not a single output bit (t = 2000 x 8 pairs over 32 experts:
     64-row wgmma tiles; t = 48: 16-row decode tiles; t = 4: 32 pairs, the one-warp align; t = 1:
     8-row tiles)."""

@@ -4,7 +4,9 @@
 // - A CTA is two warpgroups (8 warps) and owns one 64-row tile of one expert; each warpgroup
 //   multiplies two 64-row weight blocks: gated, the gate and the up rows of 64 features (128
 //   features per CTA); otherwise one block of 64 features (KernelFlag kWgmmaTwoBlocks: two,
-//   so that every staged activation chunk feeds as many MMAs; slower on the H200, 2026-12-01).
+//   so that every staged activation chunk feeds as many MMAs; slower on the H200, 2026-12-01;
+//   kWgmmaFourGroups: four warpgroups of one block, 256 features per CTA, for the same reason
+//   without more registers per thread).
 // - Weights (A) come from registers, as in the mma.sync kernel: each warp loads its 16 rows
 //   with 16-byte loads one 128-K chunk ahead and decodes FP4 -> bf16 in registers (the
 //   wgmma A-register fragment of a warp is the m16n8k16 A fragment). K is permuted the same
@@ -38,8 +40,6 @@ namespace jax_nvfp4 {
 namespace {
 
 constexpr int kTokens = 64;                    // tile_m of this kernel
-constexpr int kWgWarps = 8;                    // two warpgroups
-constexpr int kWgThreadsPerCta = kWgWarps * 32;
 constexpr int kPanelBytes = kTokens * 128;     // 64 rows x 64 K bf16: one 128-byte-swizzle panel
 constexpr int kChunkBytes = 2 * kPanelBytes;   // 128 K
 constexpr int kSmemBytes = 2 * kChunkBytes + 1024;  // double buffer, +1 KB to align to 1024
@@ -83,34 +83,38 @@ __device__ __forceinline__ void Wgmma64x64(float (&d)[8][4], const uint32_t (&a)
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
 }
 
-// This thread's share of the activation chunk: row n = 8 * warp + g of the tile, span t,
-// pieces pp < CH / 32 (16 bytes each).
+// This thread's share of the activation chunk: row n = 8 * (warp % 8) + g of the tile, span t,
+// pieces pp = p0 + PS * i < CH / 32 (16 bytes each): all four (two warpgroups: PS = 1, p0 = 0) or
+// every other one (four warpgroups: PS = 2, p0 = warp / 8).
+template <int PS>
 struct ActivationRegs {
-  uint4 v[4];
+  uint4 v[4 / PS];
 
-  __device__ __forceinline__ void Load(const uint16_t* row, int64_t kc, int ch, int t) {
+  __device__ __forceinline__ void Load(const uint16_t* row, int64_t kc, int ch, int t, int p0) {
 #pragma unroll
-    for (int pp = 0; pp < 4; ++pp) {
+    for (int i = 0; i < 4 / PS; ++i) {
+      const int pp = p0 + PS * i;
       if (pp < ch / 32)
-        v[pp] = row ? __ldg(reinterpret_cast<const uint4*>(row + kc + (ch / 4) * t + 8 * pp))
-                    : make_uint4(0, 0, 0, 0);
+        v[i] = row ? __ldg(reinterpret_cast<const uint4*>(row + kc + (ch / 4) * t + 8 * pp))
+                   : make_uint4(0, 0, 0, 0);
     }
   }
 
   // Piece pp's k pairs i = 0..3 ({x0, x4}, {x1, x5}, {x2, x6}, {x3, x7}: PairActivations) go
   // to logical k L = 32pp + 2t + 8i: panel L / 64, 16-byte chunk (L % 64) / 8 swizzled with the
   // row (^ n % 8), byte 4t inside it.
-  __device__ __forceinline__ void Store(uint8_t* buf, int ch, int n, int t, bool paired) const {
+  __device__ __forceinline__ void Store(uint8_t* buf, int ch, int n, int t, bool paired, int p0) const {
 #pragma unroll
-    for (int pp = 0; pp < 4; ++pp) {
+    for (int i = 0; i < 4 / PS; ++i) {
+      const int pp = p0 + PS * i;
       if (pp < ch / 32) {
-        uint32_t w[4] = {v[pp].x, v[pp].y, v[pp].z, v[pp].w};  // a paired piece as it is
-        if (!paired) PairActivations(v[pp], w);
+        uint32_t w[4] = {v[i].x, v[i].y, v[i].z, v[i].w};  // a paired piece as it is
+        if (!paired) PairActivations(v[i], w);
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int c = 4 * pp + i;  // logical 16-byte chunk index within the 128-K chunk
+        for (int q = 0; q < 4; ++q) {
+          const int c = 4 * pp + q;  // logical 16-byte chunk index within the 128-K chunk
           uint8_t* dst = buf + (c >> 3) * kPanelBytes + n * 128 + (((c & 7) ^ (n & 7)) << 4) + 4 * t;
-          *reinterpret_cast<uint32_t*>(dst) = w[i];
+          *reinterpret_cast<uint32_t*>(dst) = w[q];
         }
       }
     }
@@ -159,18 +163,22 @@ __device__ __forceinline__ void ChunkMma(const WeightRegs<CH, NF>& w, uint32_t b
 #endif  // JAX_NVFP4_WGMMA
 
 // Output features of a CTA: 64 per warpgroup and feature block; gated GEMM1 pairs a gate and
-// an up block of the same 64 features, the others (GEMM2, relu2) take NB blocks of 64.
-template <bool GATED, int NB>
-constexpr int CtaFeatures() { return GATED ? 128 : 128 * NB; }
+// an up block of the same 64 features, the others (GEMM2, relu2) take NB blocks of 64. WG
+// warpgroups per CTA: two, or four for the one-block kernel (KernelFlag kWgmmaFourGroups: each
+// staged activation chunk feeds twice the features, with each thread staging half of it).
+template <int WG, bool GATED, int NB>
+constexpr int CtaFeatures() { return WG * (GATED ? 64 : 64 * NB); }
 
 // CTAs per SM the register budget must allow: a one-block kernel fits two (<= 128 registers; the
-// blocked instance took 138 unbounded, so one CTA per SM and 1.5x slower GEMM2s, H200 2026-12-01).
-template <bool GATED, int NB>
-constexpr int MinCtas() { return !GATED && NB == 1 ? 2 : 1; }
+// blocked instance took 138 unbounded, so one CTA per SM and 1.5x slower GEMM2s, H200 2026-12-01);
+// with four warpgroups, one CTA of 512 threads (also <= 128 registers).
+template <int WG, bool GATED, int NB>
+constexpr int MinCtas() { return WG == 2 && !GATED && NB == 1 ? 2 : 1; }
 
-template <bool GATED, int NB, typename OutT, bool BW>
-__global__ void __launch_bounds__(kWgThreadsPerCta, MinCtas<GATED, NB>()) W4A16WgmmaKernel(const GemmParams p) {
+template <int WG, bool GATED, int NB, typename OutT, bool BW>
+__global__ void __launch_bounds__(WG * 128, MinCtas<WG, GATED, NB>()) W4A16WgmmaKernel(const GemmParams p) {
 #ifdef JAX_NVFP4_WGMMA
+  static_assert(WG == 2 || (WG == 4 && !GATED && NB == 1), "four warpgroups: the one-block kernel only");
   constexpr int NF = GATED ? 2 : NB;  // weight blocks per warpgroup: [gate, up] or NB feature blocks
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw = SmemU32(smem_raw);
@@ -184,7 +192,7 @@ __global__ void __launch_bounds__(kWgThreadsPerCta, MinCtas<GATED, NB>()) W4A16W
   // wave of CTAs shares a slab of several experts' weights).
   int64_t tile = blockIdx.x, slab = blockIdx.y;
   if (p.slabs_first) {
-    const int64_t slabs = CeilDiv<int64_t>(p.n_out, CtaFeatures<GATED, NB>());
+    const int64_t slabs = CeilDiv<int64_t>(p.n_out, CtaFeatures<WG, GATED, NB>());
     tile = blockIdx.x / slabs;
     slab = blockIdx.x % slabs;
   }
@@ -195,7 +203,7 @@ __global__ void __launch_bounds__(kWgThreadsPerCta, MinCtas<GATED, NB>()) W4A16W
   const int wg = warp >> 2, wq = warp & 3;
   // Features of block j of this warp: gated: feat[0] (gate rows feat, up rows n_out + feat);
   // else feat[j] = base + 64j.
-  const int64_t base = slab * CtaFeatures<GATED, NB>() + wg * (GATED ? 64 : 64 * NB) +
+  const int64_t base = slab * CtaFeatures<WG, GATED, NB>() + wg * (GATED ? 64 : 64 * NB) +
                        wq * kWarpFeatures;
   int64_t feat[NF];
   bool active[NF];  // blocks past n_out take part in the warpgroup MMAs (any in-bounds rows), not the stores
@@ -212,7 +220,9 @@ __global__ void __launch_bounds__(kWgThreadsPerCta, MinCtas<GATED, NB>()) W4A16W
       WeightRow<BW>(p, e, n, wrow[j][h], srow[j][h]);
     }
   }
-  const int n = 8 * warp + g;  // this thread's activation row in the tile
+  const int n = 8 * (WG == 4 ? warp % 8 : warp) + g;  // this thread's activation row in the tile
+  constexpr int PS = WG / 2;                          // and its pieces p0, p0 + PS, ... of a chunk
+  const int p0 = WG == 4 ? warp / 8 : 0;
   const int64_t src = SourceRow(p, tile * kTokens + n);
   const uint16_t* xrow = src >= 0 ? p.a + src * K : nullptr;
   const bool paired = p.pairing & int32_t(Pairing::kA);
@@ -228,9 +238,9 @@ __global__ void __launch_bounds__(kWgThreadsPerCta, MinCtas<GATED, NB>()) W4A16W
   const int64_t full = K / 128;
   const bool tail = K % 128 != 0;
   const int64_t chunks = full + (tail ? 1 : 0);
-  ActivationRegs x;
-  x.Load(xrow, 0, full ? 128 : 64, t);
-  x.Store(smem, full ? 128 : 64, n, t, paired);
+  ActivationRegs<PS> x;
+  x.Load(xrow, 0, full ? 128 : 64, t, p0);
+  x.Store(smem, full ? 128 : 64, n, t, paired, p0);
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // generic stores -> wgmma reads
   WeightRegs<128, NF> cur;
   if (full) cur.template Load<false, BW>(wrow, srow, 0, t);
@@ -240,12 +250,12 @@ __global__ void __launch_bounds__(kWgThreadsPerCta, MinCtas<GATED, NB>()) W4A16W
     const int64_t kc = c * 128;
     const bool more = c + 1 < chunks, wmore = c + 1 < full;
     const int next_ch = wmore ? 128 : 64;
-    if (more) x.Load(xrow, kc + 128, next_ch, t);
+    if (more) x.Load(xrow, kc + 128, next_ch, t, p0);
     WeightRegs<128, NF> next;
     if (wmore) next.template Load<false, BW>(wrow, srow, kc + 128, t);
     ChunkMma<128, NF>(cur, smem_addr + uint32_t(c & 1) * kChunkBytes, acc);
     if (more) {  // the other buffer was last read by chunk c - 1, complete before the last barrier
-      x.Store(smem + (~c & 1) * kChunkBytes, next_ch, n, t, paired);
+      x.Store(smem + (~c & 1) * kChunkBytes, next_ch, n, t, paired, p0);
       asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     }
     __syncthreads();
@@ -268,20 +278,26 @@ __global__ void __launch_bounds__(kWgThreadsPerCta, MinCtas<GATED, NB>()) W4A16W
 #endif
 }
 
-template <bool GATED, int NB, typename OutT, bool BW>
+template <int WG, bool GATED, int NB, typename OutT, bool BW>
 void Launch(GemmParams p, bool slabs_first, bool pdl, cudaStream_t stream) {
   static_assert(kSmemBytes <= 48 * 1024, "no opt-in attribute needed (none may be set during graph capture)");
-  const int64_t tiles = p.P / kTokens, slabs = CeilDiv<int64_t>(p.n_out, CtaFeatures<GATED, NB>());
+  const int64_t tiles = p.P / kTokens, slabs = CeilDiv<int64_t>(p.n_out, CtaFeatures<WG, GATED, NB>());
   p.slabs_first = slabs_first && tiles * slabs <= 0x7FFFFFFF;  // else the 2-D grid (x up to 2^31 - 1)
   const dim3 grid = p.slabs_first ? dim3(unsigned(tiles * slabs)) : dim3(unsigned(tiles), unsigned(slabs));
-  LaunchKernel(W4A16WgmmaKernel<GATED, NB, OutT, BW>, grid, kWgThreadsPerCta, kSmemBytes, stream, pdl, p);
+  LaunchKernel(W4A16WgmmaKernel<WG, GATED, NB, OutT, BW>, grid, WG * 128, kSmemBytes, stream, pdl, p);
+}
+
+template <int WG, bool BW>
+void LaunchOneBlock(const GemmParams& p, bool f32_out, bool sf, bool pdl, cudaStream_t stream) {
+  f32_out ? Launch<WG, false, 1, float, BW>(p, sf, pdl, stream) : Launch<WG, false, 1, uint16_t, BW>(p, sf, pdl, stream);
 }
 
 template <bool BW>
-void LaunchFor(const GemmParams& p, bool gated, bool f32_out, bool one_block, bool sf, bool pdl, cudaStream_t stream) {
-  if (gated) f32_out ? Launch<true, 2, float, BW>(p, sf, pdl, stream) : Launch<true, 2, uint16_t, BW>(p, sf, pdl, stream);
-  else if (one_block) f32_out ? Launch<false, 1, float, BW>(p, sf, pdl, stream) : Launch<false, 1, uint16_t, BW>(p, sf, pdl, stream);
-  else f32_out ? Launch<false, 2, float, BW>(p, sf, pdl, stream) : Launch<false, 2, uint16_t, BW>(p, sf, pdl, stream);
+void LaunchFor(const GemmParams& p, bool gated, bool f32_out, bool one_block, bool four, bool sf, bool pdl,
+               cudaStream_t stream) {
+  if (gated) f32_out ? Launch<2, true, 2, float, BW>(p, sf, pdl, stream) : Launch<2, true, 2, uint16_t, BW>(p, sf, pdl, stream);
+  else if (one_block) four ? LaunchOneBlock<4, BW>(p, f32_out, sf, pdl, stream) : LaunchOneBlock<2, BW>(p, f32_out, sf, pdl, stream);
+  else f32_out ? Launch<2, false, 2, float, BW>(p, sf, pdl, stream) : Launch<2, false, 2, uint16_t, BW>(p, sf, pdl, stream);
 }
 
 // Compute capability major of the current device, cached per device (no stream operation,
@@ -305,8 +321,9 @@ bool LaunchWgmmaGemm(const GemmParams& p, bool gated, bool f32_out, int64_t kern
   if (DeviceMajor() != 9 || p.P % kTokens != 0) return false;
   const bool one_block = !(kernel_flags & int64_t(KernelFlag::kWgmmaTwoBlocks));
   const bool sf = !(kernel_flags & int64_t(KernelFlag::kRowTilesFirst)), pdl = kernel_flags & int64_t(KernelFlag::kPdl);
-  (p.pairing & int32_t(Pairing::kBlockedW)) ? LaunchFor<true>(p, gated, f32_out, one_block, sf, pdl, stream)
-                                            : LaunchFor<false>(p, gated, f32_out, one_block, sf, pdl, stream);
+  const bool four = kernel_flags & int64_t(KernelFlag::kWgmmaFourGroups);
+  (p.pairing & int32_t(Pairing::kBlockedW)) ? LaunchFor<true>(p, gated, f32_out, one_block, four, sf, pdl, stream)
+                                            : LaunchFor<false>(p, gated, f32_out, one_block, four, sf, pdl, stream);
   return true;
 #else
   (void)p, (void)gated, (void)f32_out, (void)kernel_flags, (void)stream, (void)DeviceMajor;
