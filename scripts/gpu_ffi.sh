@@ -99,16 +99,23 @@ if stage ncu; then
   # The GEMM kernels' loop instruction mix (static), to set against the issue figures ncu reports.
   python3 scripts/sass_loops.py >"$OUT/sass_loops.txt" 2>&1 || log "sass_loops failed: $(tail -1 "$OUT/sass_loops.txt")"
   # A config is shape:tokens, optionally :mode:kernel_flags:tile_m:order (e.g. qwen3_30b_a3b:1:w4a4:8;
-  # order rows / blocked, default: jax_nvfp4.weight_order).
+  # order rows / blocked, default: jax_nvfp4.weight_order). profile_cmd CFG: the profile_kernels.py
+  # command of one config in the array pk (and c_mode, c_flags).
+  profile_cmd() {
+    local c_shape c_tokens c_tile c_order
+    IFS=: read -r c_shape c_tokens c_mode c_flags c_tile c_order <<<"$1"
+    pk=(python3 benchmarks/profile_kernels.py --shape "$c_shape" --tokens "$c_tokens" --mode "${c_mode:-w4a16}"
+        --kernel-flags "${c_flags:-0}" --order "${c_order:-auto}")
+    [[ -n ${c_tile:-} ]] && pk+=(--tile-m "$c_tile")
+    return 0
+  }
   for cfg in ${NCU_CONFIGS:-deepseek_v3_ep8:1 qwen3_30b_a3b:1 deepseek_v3_ep8:64 qwen3_30b_a3b:4096 deepseek_v3_ep8:4096}; do
-    IFS=: read -r c_shape c_tokens c_mode c_flags c_tile c_order <<<"$cfg"
+    profile_cmd "$cfg"
     n=4; [[ ${c_mode:-} == w4a4 ]] && ! (( ${c_flags:-0} & 8 )) && n=6  # kernels per call (+2 quantize)
-    tm=(); [[ -n ${c_tile:-} ]] && tm=(--tile-m "$c_tile")
     timeout $(left 120) ncu --clock-control none --kernel-name regex:"Moe|W4A16|Quant" "${kbase[@]}" --launch-skip $n \
       --launch-count $n --csv --print-units base --section SpeedOfLight --section Occupancy --section LaunchStats \
       --section SchedulerStats --section WarpStateStats --section MemoryWorkloadAnalysis --metrics "$metrics" \
-      python3 benchmarks/profile_kernels.py --shape "$c_shape" --tokens "$c_tokens" --mode "${c_mode:-w4a16}" \
-      --kernel-flags "${c_flags:-0}" "${tm[@]}" --order "${c_order:-auto}" >"$OUT/ncu_one.csv" 2>&1
+      "${pk[@]}" >"$OUT/ncu_one.csv" 2>&1
     echo "# $cfg" >>"$OUT/ncu.csv"; grep '^"' "$OUT/ncu_one.csv" >>"$OUT/ncu.csv" || tail -5 "$OUT/ncu_one.csv" >>"$OUT/ncu.csv"
     python3 scripts/ncu_summary.py "$OUT/ncu_one.csv" "$cfg" 2>&1 | tee -a "$OUT/ffi_summary.txt"
   done
@@ -117,13 +124,10 @@ if stage ncu; then
     # Where the GEMMs' warps stall, per SASS instruction (source counters: sampled stall reasons),
     # for the config NCU_SOURCE (shape:tokens[:mode:kernel_flags:tile_m:order]); the top
     # instructions per kernel go to the summary, the whole export to ncu_source.csv.
-    IFS=: read -r c_shape c_tokens c_mode c_flags c_tile c_order <<<"$NCU_SOURCE"
-    tm=(); [[ -n ${c_tile:-} ]] && tm=(--tile-m "$c_tile")
+    profile_cmd "$NCU_SOURCE"
     log "ncu: stall samples per instruction of the GEMMs, $NCU_SOURCE"
     timeout $(left 150) ncu --clock-control none --kernel-name regex:"W4A16" --launch-skip 2 --launch-count 2 \
-      --section SourceCounters -f -o "$OUT/ncu_source" \
-      python3 benchmarks/profile_kernels.py --shape "$c_shape" --tokens "$c_tokens" --mode "${c_mode:-w4a16}" \
-      --kernel-flags "${c_flags:-0}" "${tm[@]}" --order "${c_order:-auto}" >"$OUT/ncu_source.log" 2>&1
+      --section SourceCounters -f -o "$OUT/ncu_source" "${pk[@]}" >"$OUT/ncu_source.log" 2>&1
     ncu -i "$OUT/ncu_source.ncu-rep" --page source --csv --print-source sass >"$OUT/ncu_source.csv" 2>>"$OUT/ncu_source.log"
     python3 scripts/ncu_source_top.py "$OUT/ncu_source.csv" 30 2>&1 | tee -a "$OUT/ffi_summary.txt"
     tail -3 "$OUT/ncu_source.log"

@@ -14,14 +14,13 @@ import csv
 import sys
 from collections import Counter
 
+from ncu_summary import _number as _parsed  # (scripts/ is the script's directory on sys.path)
+
 SAMPLES = "Warp Stall Sampling (All Samples)"
 
 
 def _number(text: str) -> float:
-    try:
-        return float(text.replace(",", ""))
-    except ValueError:
-        return 0.0
+    return _parsed(text) or 0.0
 
 
 def kernels(path: str):
