@@ -130,13 +130,14 @@ NB_MODULE(_ffi, m) {
     kf["pdl"] = int64_t(KernelFlag::kPdl);
     kf["natural_intermediate"] = int64_t(KernelFlag::kNaturalIntermediate);
     kf["plain_weight_loads"] = int64_t(KernelFlag::kPlainWeightLoads);
-    kf["wgmma_four_groups"] = int64_t(KernelFlag::kWgmmaFourGroups);
     c["KernelFlag"] = kf;
     nb::dict pairing;
     pairing["none"] = int64_t(Pairing::kNone);
     pairing["a"] = int64_t(Pairing::kA);
     pairing["out"] = int64_t(Pairing::kOut);
     pairing["blocked_w"] = int64_t(Pairing::kBlockedW);
+    pairing["chunk_a"] = int64_t(Pairing::kChunkA);
+    pairing["chunk_out"] = int64_t(Pairing::kChunkOut);
     c["Pairing"] = pairing;
     nb::list tiles;
     for (int t : kTileMs) tiles.append(t);

@@ -51,25 +51,30 @@ enum class KernelFlag : int64_t {
   kAlignOneWarp = 32,    // moe_align with <= 32 pairs: one warp, no block scan (the GEMMs ignore it)
   kPdl = 64,             // every kernel launched with programmatic dependent launch (overlaps launches)
   kNaturalIntermediate = 128,  // moe: the GEMM1 -> GEMM2 intermediate in the natural order; the
-                               // default on mma.sync tiles (8-32 rows) is the paired order (Pairing)
+                               // default on mma.sync tiles (8-32 rows) is the paired order, on w4a16
+                               // wgmma tiles the chunk order (Pairing)
   // 256: kPairedInput (GEMM1's input paired) until 2026-12-01, removed: no gain on the H200.
   kPlainWeightLoads = 512,     // decode tiles (register loop): plain read-only weight loads everywhere,
                                // not the streaming hints (skip L1, prefetch 256 bytes into L2) where
                                // a warp's K span is >= 768
   // 1024 / 2048: kL2Prefetch / kSplitGateUp (decode tiles) for one H200 A/B on 2026-12-01, removed:
   // 2-76% and up to 17% slower.
-  kWgmmaFourGroups = 4096,     // wgmma, non-gated one-block: four warpgroups per CTA (256 features, 16
-                               // warps) instead of two, each thread staging half the activations
+  // 4096 / 8192: kWgmmaFourGroups (four warpgroups per one-block wgmma CTA) / kTmaGemm1 (GEMM1 on the
+  // TMA-fed wgmma kernel, its rows gathered into the chunk order by XLA first) for H200 A/Bs on
+  // 2026-12-02, removed: 6-12% / 4-12% slower prefill layers.
 };
-constexpr int64_t kAllKernelFlags = 4862;
+constexpr int64_t kAllKernelFlags = 766;
 // grouped_gemm's `pairing` bits: which operands hold a kernel order instead of the natural one.
 // kA / kOut: a's K axis / out's feature axis in the paired order (PairedPos). moe's intermediate
-// uses it (but with KernelFlag kNaturalIntermediate): GEMM1 writes it paired, GEMM2 reads it paired
-// and skips its activation byte permutes. kBlockedW: w_data and w_scales in the blocked order
-// (BlockedOffset; same shapes, each expert's bytes permuted), so that a GPU warp's weight
-// loads read contiguous bytes.
-enum class Pairing : int64_t { kNone = 0, kA = 1, kOut = 2, kBlockedW = 4 };
-constexpr int64_t kAllPairing = 7;
+// uses it on mma.sync tiles (but with KernelFlag kNaturalIntermediate): GEMM1 writes it paired,
+// GEMM2 reads it paired and skips its activation byte permutes. kChunkA / kChunkOut: the same axes
+// in the wgmma chunk order (ChunkPos), moe's w4a16 intermediate on 64-row tiles: a 128-K chunk of
+// GEMM2's input is then its wgmma B tile as it is, which the tensor memory accelerator copies
+// (moe_gemm_sm90.cu). kBlockedW: w_data and w_scales in the blocked order (BlockedOffset; same
+// shapes, each expert's bytes permuted), so that a GPU warp's weight loads read contiguous bytes.
+enum class Pairing : int64_t { kNone = 0, kA = 1, kOut = 2, kBlockedW = 4, kChunkA = 8, kChunkOut = 16 };
+constexpr int64_t kAllPairing = 31;
+constexpr int64_t kChunkK = 128;  // the chunk order permutes groups of 128
 // The blocked weight order: per expert, 16-row fragments x 128-K chunks, each a contiguous block
 // of 16 rows x 64 code bytes (and 16 rows x 8 scale bytes), fragments outermost. Needs N % 16 == 0
 // and K % 128 == 0.
@@ -116,9 +121,17 @@ NVFP4_HD int64_t PairedPos(int64_t k) {
   const int64_t i = k & 7;
   return (k - i) + (i < 4 ? 2 * i : 2 * (i - 4) + 1);
 }
-// Position of index k along `axis` (Pairing::kA: a's K, kOut: out's features) under `pairing`.
+// Position of natural index k in the wgmma chunk order: within each group of 128, natural
+// k = 32t + 8pp + j (the 8 k of thread t's code word pp in the wgmma kernel, moe_gemm_sm90.cu) sits
+// at the logical k its MMA step reads, 32pp + 8(j % 4) + 2t + j / 4.
+NVFP4_HD int64_t ChunkPos(int64_t k) {
+  const int64_t r = k % kChunkK, t = r / 32, pp = (r / 8) % 4, j = r % 8;
+  return (k - r) + 32 * pp + 8 * (j % 4) + 2 * t + j / 4;
+}
+// Position of index k along `axis` (Pairing::kA: a's K, kOut: out's features) under `pairing`
+// (the axis's chunk-order bit is axis << 3).
 NVFP4_HD int64_t PairingPos(int64_t pairing, Pairing axis, int64_t k) {
-  return pairing & int64_t(axis) ? PairedPos(k) : k;
+  return pairing & int64_t(axis) ? PairedPos(k) : pairing & (int64_t(axis) << 3) ? ChunkPos(k) : k;
 }
 
 NVFP4_HD float Sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
@@ -280,11 +293,19 @@ ffi::Error CheckGemm(const char* op, const A& a, const W& w, const WS& ws, const
   if (!ValidTileM(tile_m)) return Invalid(op, "tile_m must be 8, 16, 32 or 64, got " + std::to_string(tile_m));
   if (auto err = CheckKernelFlags(op, kernel_flags); err.failure()) return err;
   if (pairing < 0 || (pairing & ~kAllPairing) != 0)
-    return Invalid(op, "pairing must combine the Pairing bits (0..7), got " + std::to_string(pairing));
+    return Invalid(op, "pairing must combine the Pairing bits (0..31), got " + std::to_string(pairing));
   if ((pairing & (int64_t(Pairing::kA) | int64_t(Pairing::kOut))) &&
       (d->K % 8 != 0 || d->n_out % 8 != 0))  // the paired order permutes groups of 8
     return Invalid(op, "pairing needs K and the output features to be multiples of 8, got K = " +
                            std::to_string(d->K) + ", " + std::to_string(d->n_out) + " features");
+  if ((pairing & int64_t(Pairing::kA) && pairing & int64_t(Pairing::kChunkA)) ||
+      (pairing & int64_t(Pairing::kOut) && pairing & int64_t(Pairing::kChunkOut)))
+    return Invalid(op, "pairing: an axis is in the paired order (1, 2) or the chunk order (8, 16), not both");
+  if ((pairing & int64_t(Pairing::kChunkA) && d->K % kChunkK != 0) ||
+      (pairing & int64_t(Pairing::kChunkOut) && d->n_out % kChunkK != 0))
+    return Invalid(op, "the chunk order (pairing & 24) needs K (for a) and the output features (for out) to "
+                       "be multiples of 128, got K = " + std::to_string(d->K) + ", " +
+                       std::to_string(d->n_out) + " features");
   if ((pairing & int64_t(Pairing::kBlockedW)) && (d->K % kBlockK != 0 || d->N % kBlockRows != 0))
     return Invalid(op, "blocked weights (pairing & 4) need K % 128 == 0 and N % 16 == 0, got K = " +
                            std::to_string(d->K) + ", N = " + std::to_string(d->N));

@@ -76,11 +76,13 @@ class KernelFlag(enum.IntFlag):
     ROW_TILES_FIRST = 16  # wgmma: consecutive CTAs take one feature slab's row tiles, not one row tile's slabs
     ALIGN_ONE_WARP = 32  # moe_align with <= ALIGN_ONE_WARP_PAIRS pairs: one warp, no block-wide scan
     PDL = 64  # every kernel launched with programmatic dependent launch (its start overlaps the previous kernel)
-    NATURAL_INTERMEDIATE = 128  # moe: the intermediate in the natural order (default on 8-32-row tiles: paired)
+    NATURAL_INTERMEDIATE = 128  # moe: the intermediate in the natural order (default: paired on 8-32-row tiles,
+    # the chunk order on 64-row w4a16 ones where I % 128 == 0 and the GPU is sm_90)
     # 256: PAIRED_INPUT (GEMM1's input paired by a transpose of x) until 2026-12-01, removed: no gain on the H200
     PLAIN_WEIGHT_LOADS = 512  # decode tiles: never the streaming hints (the default where K per warp >= 768)
     # 1024 / 2048: L2_PREFETCH / SPLIT_GATE_UP (decode tiles) for one A/B on 2026-12-01, removed: slower on the H200
-    WGMMA_FOUR_GROUPS = 4096  # wgmma, non-gated one-block: four warpgroups per CTA (256 features) instead of two
+    # 4096 / 8192: WGMMA_FOUR_GROUPS (four-warpgroup one-block wgmma CTAs) / TMA_GEMM1 (GEMM1 on the TMA-fed
+    # wgmma kernel after an XLA gather into the chunk order) for A/Bs on 2026-12-02, removed: slower on the H200
 
 
 class Pairing(enum.IntFlag):
@@ -91,6 +93,8 @@ class Pairing(enum.IntFlag):
     A = 1  # a's K axis in the paired order (to_paired; the CUDA kernels skip their activation byte permutes)
     OUT = 2  # out's feature axis in the paired order
     BLOCKED_W = 4  # w's codes and scales in the blocked order (jax_nvfp4.to_blocked_weights)
+    CHUNK_A = 8  # a's K axis in the wgmma chunk order (to_chunk_order; on the GPU the TMA-fed wgmma kernel)
+    CHUNK_OUT = 16  # out's feature axis in the wgmma chunk order
 
 
 def _transpose_groups_of_8(v, rows: int):
@@ -107,6 +111,23 @@ def to_paired(v):
 def from_paired(v):
     """Inverse of :func:`to_paired`."""
     return _transpose_groups_of_8(v, 4)
+
+
+CHUNK_K = 128  # the chunk order permutes groups of this many
+
+
+def to_chunk_order(v):
+    """The last axis in the wgmma chunk order (``ffi/moe_common.h`` ChunkPos): within each group of
+    128, natural ``k = 32t + 8p + 4c + i`` (``t, p, i < 4``, ``c < 2``) moves to ``32p + 8i + 2t + c``,
+    where the sm_90a wgmma kernel's MMA steps read it, so that a 128-K chunk is its B tile as it is."""
+    g = v.reshape(v.shape[:-1] + (v.shape[-1] // CHUNK_K, 4, 4, 2, 4))  # [..., groups, t, p, c, i]
+    return jnp.moveaxis(g, (-4, -3, -2, -1), (-2, -4, -1, -3)).reshape(v.shape)  # -> [..., p, i, t, c]
+
+
+def from_chunk_order(v):
+    """Inverse of :func:`to_chunk_order`."""
+    g = v.reshape(v.shape[:-1] + (v.shape[-1] // CHUNK_K, 4, 4, 4, 2))  # [..., groups, p, i, t, c]
+    return jnp.moveaxis(g, (-4, -3, -2, -1), (-3, -1, -4, -2)).reshape(v.shape)  # -> [..., t, p, c, i]
 
 
 class Mode(enum.IntEnum):
@@ -389,6 +410,9 @@ def grouped_gemm(a, w: NVFP4Array, sorted_ids, tile_expert, *, tile_m: int,
     pairing : :class:`Pairing` bits
         ``A``: ``a``'s K axis is in the paired order (:func:`to_paired`; on the GPU only for a
         non-gated activation with bfloat16 output); ``OUT``: write ``out``'s features in it;
+        ``CHUNK_A`` / ``CHUNK_OUT``: the same in the wgmma chunk order (:func:`to_chunk_order`; K or
+        the features a multiple of 128; on the GPU ``CHUNK_A`` needs the sm_90a wgmma kernel:
+        ``tile_m=64``, ``gather=False``, not ``NO_WGMMA``);
         ``BLOCKED_W``: ``w`` is in the blocked order (:func:`~jax_nvfp4.to_blocked_weights`; set from
         ``w.order``, and an error for a ``w`` in the ``"rows"`` order).
     kernel_flags : :class:`KernelFlag` bits
@@ -424,21 +448,29 @@ def grouped_gemm(a, w: NVFP4Array, sorted_ids, tile_expert, *, tile_m: int,
         raise ValueError(f"grouped_gemm: k_split must be one of {K_SPLITS} (1 when tile_m > "
                          f"{MAX_SPLIT_TILE_M}), got k_split={k_split} with tile_m={tile_m}")
     kernel_flags = _check_kernel_flags(kernel_flags)
-    if int(pairing) < 0 or int(pairing) & ~int(Pairing.A | Pairing.OUT | Pairing.BLOCKED_W):
-        raise ValueError(f"grouped_gemm: pairing must combine the Pairing bits (0..7), got {pairing!r}")
+    if int(pairing) < 0 or int(pairing) & ~int(sum(Pairing)):
+        raise ValueError(f"grouped_gemm: pairing must combine the Pairing bits (0..{int(sum(Pairing))}), "
+                         f"got {pairing!r}")
     pairing = Pairing(int(pairing))
     if pairing & (Pairing.A | Pairing.OUT) and (kk % 8 or n_out % 8):
         raise ValueError(f"grouped_gemm: pairing needs K and the output features to be multiples of 8, "
                          f"got K={kk}, n_out={n_out}")
+    if pairing & Pairing.A and pairing & Pairing.CHUNK_A or pairing & Pairing.OUT and pairing & Pairing.CHUNK_OUT:
+        raise ValueError(f"grouped_gemm: pairing puts an axis in the paired order and the chunk order, got "
+                         f"{pairing!r}")
+    if pairing & Pairing.CHUNK_A and kk % CHUNK_K or pairing & Pairing.CHUNK_OUT and n_out % CHUNK_K:
+        raise ValueError(f"grouped_gemm: the chunk order needs K (CHUNK_A) and the output features "
+                         f"(CHUNK_OUT) to be multiples of {CHUNK_K}, got K={kk}, n_out={n_out}")
     if w.order == "blocked":  # the GEMM reads the bytes as they are ordered
         pairing |= Pairing.BLOCKED_W
     if pairing & Pairing.BLOCKED_W and w.order != "blocked":
         raise ValueError(f"grouped_gemm: pairing BLOCKED_W needs w in the 'blocked' order, got {w.order!r}")
     if impl == "jax":
         w_rows = from_blocked_weights(w) if pairing & Pairing.BLOCKED_W else w
-        out = _grouped_gemm_jax(from_paired(a) if pairing & Pairing.A else a, w_rows, sorted_ids, tile_expert,
-                                tile_m, activation, top_k, gather, row_scale, row_scale_mode).astype(out_dtype)
-        return to_paired(out) if pairing & Pairing.OUT else out
+        a = from_paired(a) if pairing & Pairing.A else from_chunk_order(a) if pairing & Pairing.CHUNK_A else a
+        out = _grouped_gemm_jax(a, w_rows, sorted_ids, tile_expert, tile_m, activation, top_k, gather, row_scale,
+                                row_scale_mode).astype(out_dtype)
+        return to_paired(out) if pairing & Pairing.OUT else to_chunk_order(out) if pairing & Pairing.CHUNK_OUT else out
     ensure_registered()
     p = sorted_ids.shape[0]
     alpha = jnp.asarray(w.global_scale, jnp.float32).reshape(e)
@@ -603,6 +635,18 @@ ACTIVATIONS = {"swiglu": Activation.SWIGLU, "geglu": Activation.GEGLU, "relu2": 
 MODES = {"w4a16": Mode.W4A16, "w4a4": Mode.W4A4}
 
 
+@functools.cache
+def chunk_intermediate_supported() -> bool:
+    """Whether every device of this process can run a GEMM2 on a chunk-ordered intermediate: the
+    CPU handler always; CUDA devices only on sm_90 with an sm_90a build (the TMA-fed wgmma kernel)."""
+    try:
+        gpus = jax.devices("cuda")
+    except RuntimeError:  # no CUDA backend
+        return True
+    return ("sm_90a" in build_info().get("cuda_archs", ())
+            and all(getattr(d, "compute_capability", "") == "9.0" for d in gpus))
+
+
 def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str = "w4a16",
                 activation: str = "swiglu", local_expert_offset=0, impl: str = "ffi", tile_m: int | None = None,
                 kernel_flags: int = 0, k_split: int | tuple[int, int] | None = None):
@@ -668,8 +712,13 @@ def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str =
     ks2 = ks2 or choose_k_split(tiles, h, inter, tile_m)
     # The intermediate in the paired order on the mma.sync tiles: GEMM2 then loads its activation
     # pairs as they are (H200, 2026-12-01: decode layers 1-2% faster; wgmma prefill 0.3-1% slower).
-    paired = tile_m <= PAIRED_MAX_TILE_M and not kernel_flags & KernelFlag.NATURAL_INTERMEDIATE
-    p1, p2 = (Pairing.OUT, Pairing.A) if paired else (Pairing.NONE, Pairing.NONE)
+    # On 64-row w4a16 tiles, the chunk order where the sm_90a TMA-fed wgmma GEMM2 can read it.
+    natural = bool(kernel_flags & KernelFlag.NATURAL_INTERMEDIATE)
+    paired = tile_m <= PAIRED_MAX_TILE_M and not natural
+    chunk = (tile_m == TILE_MS[-1] and MODES[mode] == Mode.W4A16 and inter % CHUNK_K == 0 and not natural
+             and not kernel_flags & KernelFlag.NO_WGMMA and chunk_intermediate_supported())
+    p1, p2 = ((Pairing.OUT, Pairing.A) if paired else (Pairing.CHUNK_OUT, Pairing.CHUNK_A) if chunk
+              else (Pairing.NONE, Pairing.NONE))
 
     if MODES[mode] == Mode.W4A16:
         h1 = grouped_gemm(x.astype(jnp.bfloat16), experts.gate_up, sorted_ids, tile_expert, activation=act,

@@ -277,12 +277,13 @@ if stage ab; then
   # w4a4: the pure-JAX quantizer (8; the kernel became the default on 2026-12-01), PDL launches (64)
   # and the natural-order intermediate (128).
   abpart w4a4 180 "--modes w4a4 --tokens 1,4,64 --ffi-flags 8,64,128 --ffi-rows" "${AB_W4A4:-}"
-  # Prefill: PDL (64; the paired intermediate was 0.3-1.0% slower on the wgmma tiles, which keep
-  # the natural order); 4/16/20 (two-block wgmma, row tiles first) and 256 settled, 128-row wgmma
-  # tiles tried (1.4-1.9x slower; commit 1a86d3f, reverted) on 2026-12-01 and again on 2026-12-02
-  # (activations two stages ahead, wgmmas not drained at barriers: 1.5-2.0x; BENCHMARKS.md session 14).
-  # 4096: four-warpgroup CTAs for the one-block wgmma kernel (GEMM2), built 2026-12-02, not yet timed.
-  abpart prefill 180 "--modes w4a16 --tokens 1024,4096 --ffi-flags 64,4096 --ffi-rows" "${AB_PREFILL:-}"
+  # Prefill: the natural-order intermediate (128: GEMM2 on the staged wgmma kernel instead of the
+  # TMA-fed one, the default since 2026-12-02: 1-5% faster layers) and two-block wgmma (4; for
+  # GEMM2 the TMA-fed kernel's two-block form, 1.4-1.6x slower on 2026-12-02); PDL (64), row tiles
+  # first (16/20) and 256 settled; 128-row wgmma tiles tried (1.4-2.0x slower; 2026-12-01 and -02);
+  # 4096 (four-warpgroup CTAs) and 8192 (GEMM1 on the TMA-fed kernel after an XLA gather) removed on
+  # 2026-12-02 (BENCHMARKS.md sessions 14-15).
+  abpart prefill 240 "--modes w4a16 --tokens 1024,4096 --ffi-flags 4,128 --ffi-rows" "${AB_PREFILL:-}"
   log "A/B verdicts (variant time / default time, same run)"
   python3 benchmarks/ab_summary.py $(ls "$OUT"/ab_*.json 2>/dev/null) 2>&1 | tee -a "$OUT/ffi_summary.txt"
 fi
@@ -350,10 +351,12 @@ opt_in = sum(ops.KernelFlag) & ~(ops.KernelFlag.NO_WGMMA
                                  | ops.KernelFlag.WGMMA_TWO_BLOCKS | ops.KernelFlag.JAX_QUANT)
 layers = [jax.jit(lambda x, i, w: nv.moe(x, ex, topk_ids=i, topk_weights=w, backend="ffi")),
           jax.jit(lambda x, i, w: ops.moe(x, ex, i, w, mode="w4a4", kernel_flags=opt_in)),  # PDL in graphs too
-          jax.jit(lambda x, i, w: ops.moe(x, ex, i, w, kernel_flags=opt_in))]
+          jax.jit(lambda x, i, w: ops.moe(x, ex, i, w, kernel_flags=opt_in)),
+          # (opt_in has the natural intermediate: the TMA-fed GEMM2 of the chunk order here)
+          jax.jit(lambda x, i, w: ops.moe(x, ex, i, w, kernel_flags=ops.KernelFlag.PDL))]
 outs = []
 for f in layers:
-    for t in (1, 8, 300):
+    for t in (1, 8, 300, 2000):  # (300, 2000: 64-row tiles)
         x = make_x(t, t, 512); ids, w = make_routing(t, t, 4, 32)
         for _ in range(3):
             o = f(x, ids, w)

@@ -205,7 +205,7 @@ def test_gemm_rejects_bad_shapes_with_named_arguments():
     with pytest.raises(Exception, match="tile_m must be"):
         call(tile_m=12)
     with pytest.raises(Exception, match="pairing must combine"):
-        call(pairing=8)
+        call(pairing=32)
     with pytest.raises(Exception, match="unknown activation"):
         call(act=9)
     with pytest.raises(Exception, match="must be a multiple of tile_m = 16"):
@@ -711,7 +711,7 @@ def test_gemm_pairing_checks():
     act, gather, mode, out_dtype = GEMM_CASES[0]
     a, w, sid, te, _ = _gemm_problem(act, gather, mode, h=64, tile_m=8)
     with pytest.raises(ValueError, match="Pairing"):
-        ops.grouped_gemm(a, w, sid, te, tile_m=8, activation=act, top_k=3, gather=True, pairing=8)
+        ops.grouped_gemm(a, w, sid, te, tile_m=8, activation=act, top_k=3, gather=True, pairing=32)
     with pytest.raises(ValueError, match="'blocked' order"):  # w is in the rows order
         ops.grouped_gemm(a, w, sid, te, tile_m=8, activation=act, top_k=3, gather=True,
                          pairing=ops.Pairing.BLOCKED_W)
@@ -724,11 +724,13 @@ def test_gemm_pairing_checks():
             a, w12.data, w12.scales, w12.global_scale, sid, te, jnp.zeros((1,), jnp.float32),
             activation=np.int64(act), row_scale_mode=np.int64(0), top_k=np.int64(3), gather=np.int64(1),
             tile_m=np.int64(8), k_split=np.int64(1), pairing=np.int64(2), kernel_flags=np.int64(0))
-    with pytest.raises(Exception, match="blocked weights"):  # K = 64
-        jax.ffi.ffi_call(ops.TARGET_GEMM, jax.ShapeDtypeStruct((sid.shape[0], 48), BF16), vmap_method="sequential")(
-            a, w.data, w.scales, w.global_scale, sid, te, jnp.zeros((1,), jnp.float32),
-            activation=np.int64(act), row_scale_mode=np.int64(0), top_k=np.int64(3), gather=np.int64(1),
-            tile_m=np.int64(8), k_split=np.int64(1), pairing=np.int64(4), kernel_flags=np.int64(0))
+    for pairing, msg in [(4, "blocked weights"), (8, "chunk order"), (9, "not both")]:  # K = 64
+        with pytest.raises(Exception, match=msg):
+            jax.ffi.ffi_call(ops.TARGET_GEMM, jax.ShapeDtypeStruct((sid.shape[0], 48), BF16),
+                             vmap_method="sequential")(
+                a, w.data, w.scales, w.global_scale, sid, te, jnp.zeros((1,), jnp.float32),
+                activation=np.int64(act), row_scale_mode=np.int64(0), top_k=np.int64(3), gather=np.int64(1),
+                tile_m=np.int64(8), k_split=np.int64(1), pairing=np.int64(pairing), kernel_flags=np.int64(0))
 
 
 def test_blocked_weights_are_an_exact_permutation():
@@ -778,8 +780,7 @@ def test_gemm_blocked_weights_are_the_same_function(on_gpu, tile_m, k_split, cas
     """Weights in the blocked order (Pairing.BLOCKED_W, with the paired bits as moe uses them)
     give bitwise the row-major output on the platform's handler and in the twin (K = 1024: every
     warp's K range is whole 128-K blocks, so the GPU sums in the same order; 64-row tiles run the
-    wgmma kernel, with WGMMA_FOUR_GROUPS its four-warpgroup CTAs and with NO_WGMMA the mma.sync
-    kernel)."""
+    wgmma kernel, and with NO_WGMMA the mma.sync kernel)."""
     if on_gpu and not has_gpu():
         pytest.skip("needs an NVIDIA GPU")
     act, gather, mode, out_dtype = GEMM_CASES[case]
@@ -790,7 +791,7 @@ def test_gemm_blocked_weights_are_the_same_function(on_gpu, tile_m, k_split, cas
     paired_a = act == ops.Activation.IDENTITY and out_dtype == BF16  # (GEMM2's case: the GPU's paired a)
     extra = ops.Pairing.A if paired_a else ops.Pairing.OUT
     x = ops.to_paired(a) if paired_a else a
-    wgmma_variants = [("ffi", int(ops.KernelFlag.NO_WGMMA)), ("ffi", int(ops.KernelFlag.WGMMA_FOUR_GROUPS))]
+    wgmma_variants = [("ffi", int(ops.KernelFlag.NO_WGMMA))]
     for impl, flags in [("ffi", 0), ("jax", 0)] + (wgmma_variants if tile_m == 64 else []):
         def run(w, pairing):
             with jax.default_device(dev):
@@ -799,6 +800,111 @@ def test_gemm_blocked_weights_are_the_same_function(on_gpu, tile_m, k_split, cas
         want = run(w, extra)
         assert np.isfinite(want).all() and (want != 0).any()
         np.testing.assert_array_equal(run(wb, extra | ops.Pairing.BLOCKED_W), want, err_msg=f"{impl} {flags}")
+
+
+def test_chunk_order_positions():
+    """to_chunk_order puts natural k = 32t + 8p + j of each 128-group at 32p + 8(j % 4) + 2t + j // 4
+    (ChunkPos in ffi/moe_common.h, written out here independently), and from_chunk_order undoes it."""
+    k = np.arange(3 * 128)
+    r = k % 128
+    t, p, j = r // 32, (r // 8) % 4, r % 8
+    pos = k - r + 32 * p + 8 * (j % 4) + 2 * t + j // 4
+    v = np.asarray(ops.to_chunk_order(jnp.asarray(np.tile(k, (2, 1)))))
+    assert (v[:, pos] == k).all()
+    np.testing.assert_array_equal(np.asarray(ops.from_chunk_order(jnp.asarray(v))), np.tile(k, (2, 1)))
+
+
+@pytest.mark.parametrize("on_gpu", [False, pytest.param(True, marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("h", [128, 1280])
+@pytest.mark.parametrize("flags", [0, int(ops.KernelFlag.WGMMA_TWO_BLOCKS), int(ops.KernelFlag.ROW_TILES_FIRST),
+                                   int(ops.KernelFlag.PDL)])
+@pytest.mark.parametrize("gated", [False, True])
+def test_gemm_chunk_order_is_the_same_function(on_gpu, h, flags, gated):
+    """GEMM2's case (identity, not gathered, bf16 out) and a gated one (GEMM1's, rows gathered
+    beforehand) on 64-row tiles with ``a`` in the chunk order (Pairing.CHUNK_A: on the GPU the
+    TMA-fed wgmma kernel, here over one chunk and over ten, round its ring of four) give bitwise the
+    natural-order output of the same tiling (rows and blocked weights; 384 features: a half-used
+    slab for the two-block kernel), and CHUNK_OUT writes that output in the chunk order."""
+    if on_gpu and not has_gpu():
+        pytest.skip("needs an NVIDIA GPU")
+    if not on_gpu and flags:
+        pytest.skip("kernel flags are CUDA variants")
+    act, gather, mode, out_dtype = (ops.Activation.SWIGLU, False, ops.RowScale.NONE, BF16) if gated else GEMM_CASES[4]
+    a, w, sid, te, rs = _gemm_problem(act, gather, mode, t=37, k=4, e=6, h=h, n=384, tile_m=64, seed=h)
+    used = used_rows(sid, te, 64)
+    dev = jax.devices()[0] if on_gpu else jax.devices("cpu")[0]
+    for impl in ("ffi", "jax"):
+        for ww in (w, nv.to_blocked_weights(w)):
+            def run(x, pairing):
+                with jax.default_device(dev):
+                    return _run_gemm(impl, x, ww, sid, te, rs, act, gather, mode, out_dtype, 64, 4,
+                                     kernel_flags=flags, pairing=pairing)
+            want = f32(run(a, ops.Pairing.NONE))[used]
+            assert np.isfinite(want).all() and (want != 0).any()
+            got = f32(run(ops.to_chunk_order(a), ops.Pairing.CHUNK_A))[used]
+            np.testing.assert_array_equal(got, want, err_msg=f"{impl} {ww.order} CHUNK_A")
+            out = f32(ops.from_chunk_order(run(a, ops.Pairing.CHUNK_OUT)))[used]
+            np.testing.assert_array_equal(out, want, err_msg=f"{impl} {ww.order} CHUNK_OUT")
+
+
+def test_gemm_chunk_order_needs_whole_chunks():
+    act, gather, mode, out_dtype = GEMM_CASES[4]
+    a, w, sid, te, rs = _gemm_problem(act, gather, mode, h=192, n=64, tile_m=64)
+    args = (a, w, sid, te, rs, act, gather, mode, out_dtype, 64, 3)
+    with pytest.raises(ValueError, match="multiples of 128"):
+        _run_gemm("ffi", *args, pairing=ops.Pairing.CHUNK_A)
+    with pytest.raises(ValueError, match="multiples of 128"):
+        _run_gemm("jax", *args, pairing=ops.Pairing.CHUNK_OUT)
+    with pytest.raises(ValueError, match="paired order and the chunk order"):
+        _run_gemm("ffi", *args, pairing=ops.Pairing.A | ops.Pairing.CHUNK_A)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case,tile_m,flags", [(0, 64, 0), (2, 64, 0), (4, 16, 0), (4, 64, 2)])
+def test_gpu_gemm_rejects_chunk_order_it_has_no_kernel_for(case, tile_m, flags):
+    """Only the TMA-fed wgmma kernel reads chunk-ordered activations: a gathered, float32-out,
+    decode-tile or NO_WGMMA call with Pairing.CHUNK_A is an error, not a silent wrong result."""
+    if not has_gpu():
+        pytest.skip("needs an NVIDIA GPU")
+    act, gather, mode, out_dtype = GEMM_CASES[case]
+    a, w, sid, te, rs = _gemm_problem(act, gather, mode, h=128, n=128, tile_m=tile_m)
+    with pytest.raises(Exception, match="chunk-ordered activations"):
+        _run_gemm("ffi", ops.to_chunk_order(a), w, sid, te, rs, act, gather, mode, out_dtype, tile_m, 3,
+                  kernel_flags=flags, pairing=ops.Pairing.CHUNK_A).block_until_ready()
+
+
+def test_moe_chunk_intermediate_is_the_same_layer_on_cpu():
+    """On the CPU handler too, moe's chunk-ordered intermediate (64-row w4a16 tiles, I % 128 == 0)
+    gives the natural-order layer's bytes."""
+    assert ops.chunk_intermediate_supported()  # (CPU only here, or an sm_90 GPU)
+    ex = make_experts(21, 8, 256, 128)
+    x, (ids, w) = make_x(22, 100, 256), make_routing(23, 100, 4, 8)
+    with jax.default_device(jax.devices("cpu")[0]):
+        run = lambda flags: f32(ops.moe(x, ex, ids, w, tile_m=64, kernel_flags=int(flags)))
+        want = run(ops.KernelFlag.NATURAL_INTERMEDIATE)
+        assert np.isfinite(want).all() and (want != 0).any()
+        np.testing.assert_array_equal(run(0), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("i", [256, 1280])
+def test_gpu_moe_chunk_intermediate_is_bitwise_natural(i):
+    """w4a16 moe on 64-row tiles (600 tokens x 4 of 16 experts) with I % 128 == 0 writes its
+    intermediate in the chunk order and runs GEMM2 on the TMA-fed wgmma kernel: bitwise the layer
+    with the natural intermediate (NATURAL_INTERMEDIATE: the staged kernel), on rows and blocked
+    weights, and close to the twin."""
+    if not has_gpu():
+        pytest.skip("needs an NVIDIA GPU")
+    assert ops.chunk_intermediate_supported() and ops.choose_tile_m(600 * 4, 16) == 64
+    ex = make_experts(11, 16, 512, i)
+    x = make_x(12, 600, 512)
+    ids, w = make_routing(13, 600, 4, 16)
+    for experts in (ex, nv.to_blocked_experts(ex)):
+        got = f32(ops.moe(x, experts, ids, w))
+        want = f32(ops.moe(x, experts, ids, w, kernel_flags=int(ops.KernelFlag.NATURAL_INTERMEDIATE)))
+        assert np.isfinite(want).all() and (want != 0).any()
+        np.testing.assert_array_equal(got, want, err_msg=experts.gate_up.order)
+        assert relerr(got, f32(ops.moe(x, experts, ids, w, impl="jax"))) < 1e-2
 
 
 @pytest.mark.parametrize("on_gpu", [False, pytest.param(True, marks=pytest.mark.gpu)])
@@ -871,13 +977,12 @@ def test_gemm_without_activation_rows_writes_zeros(on_gpu, tile_m):
 @pytest.mark.parametrize("flags", [int(ops.KernelFlag.PLAIN_WEIGHT_LOADS),
                                    int(ops.KernelFlag.NO_WGMMA),
                                    int(ops.KernelFlag.WGMMA_TWO_BLOCKS), int(ops.KernelFlag.ROW_TILES_FIRST),
-                                   int(ops.KernelFlag.ROW_TILES_FIRST | ops.KernelFlag.WGMMA_TWO_BLOCKS),
-                                   int(ops.KernelFlag.WGMMA_FOUR_GROUPS)])
+                                   int(ops.KernelFlag.ROW_TILES_FIRST | ops.KernelFlag.WGMMA_TWO_BLOCKS)])
 @pytest.mark.parametrize("act,gather,mode,out_dtype", [GEMM_CASES[0], GEMM_CASES[-1]])
 @pytest.mark.parametrize("tile_m,h", [(8, 1152), (16, 1152), (64, 320)])
 def test_gpu_kernel_variants_match_twin(act, gather, mode, out_dtype, h, tile_m, flags):
     """Every KernelFlag variant of the GEMM (plain weight loads on 8- and 16-row tiles, mma.sync
-    64-row tiles, two-block wgmma, the row-tiles-first wgmma grid, four-warpgroup wgmma)."""
+    64-row tiles, two-block wgmma, the row-tiles-first wgmma grid)."""
     if not has_gpu():
         pytest.skip("needs an NVIDIA GPU")
     a, w, sid, te, rs = _gemm_problem(act, gather, mode, t=37, k=4, e=6, h=h, n=80, tile_m=tile_m, seed=h)
@@ -920,8 +1025,7 @@ _MOE_JIT = jax.jit(ops.moe, static_argnames=("mode", "kernel_flags"))  # one jit
 _OPT_IN_DEFAULTS = {}  # (t, mode) -> the default kernels' output
 
 OPT_IN_FLAGS = (ops.KernelFlag.JAX_QUANT, ops.KernelFlag.ROW_TILES_FIRST, ops.KernelFlag.ALIGN_ONE_WARP,
-                ops.KernelFlag.PDL, ops.KernelFlag.NATURAL_INTERMEDIATE, ops.KernelFlag.PLAIN_WEIGHT_LOADS,
-                ops.KernelFlag.WGMMA_FOUR_GROUPS)
+                ops.KernelFlag.PDL, ops.KernelFlag.NATURAL_INTERMEDIATE, ops.KernelFlag.PLAIN_WEIGHT_LOADS)
 
 
 @pytest.mark.gpu
@@ -930,8 +1034,9 @@ OPT_IN_FLAGS = (ops.KernelFlag.JAX_QUANT, ops.KernelFlag.ROW_TILES_FIRST, ops.Ke
 @pytest.mark.parametrize("flags", [int(f) for f in OPT_IN_FLAGS] + [int(sum(OPT_IN_FLAGS))])
 def test_gpu_opt_in_variants_are_bitwise_the_default(gpu_experts, t, mode, flags):
     """The pure-JAX quantizer, the row-tiles-first wgmma grid, one-warp align, PDL launches, plain
-    weight loads (the same K order per thread), four-warpgroup wgmma CTAs (the same warpgroup
-    MMAs) and the natural intermediate (the same MMA operands as the paired one) change
+    weight loads (the same K order per thread) and the natural intermediate (the same MMA
+    operands as the paired one and, on 64-row tiles, as the chunk-ordered one that the TMA-fed
+    wgmma GEMM2 reads) change
     where and how the work runs, not a single output bit (t = 2000 x 8 pairs over 32 experts:
     64-row wgmma tiles; t = 48: 16-row decode tiles; t = 4: 32 pairs, the one-warp align; t = 1:
     8-row tiles)."""

@@ -3,6 +3,8 @@
 // its 16-byte loads, the E2M1/E4M3 decode helpers, row mapping and the fused epilogue.
 #pragma once
 
+#include <string>
+
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -195,6 +197,9 @@ __device__ __forceinline__ void Epilogue(const GemmParams& p, int32_t e, int64_t
   constexpr int BM = FM * 8;
   const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
   const float alpha = p.alpha[e] * kDecodeBias;  // the 2^-8 left in the decoded weights
+  // This thread's two output columns, once (a PairingPos per store was 3-4% of a GEMM's instructions).
+  const int64_t col[2] = {PairingPos(p.pairing, Pairing::kOut, feat0 + g),
+                          PairingPos(p.pairing, Pairing::kOut, feat0 + g + 8)};
 #pragma unroll
   for (int m = 0; m < FM; ++m) {
 #pragma unroll
@@ -212,15 +217,18 @@ __device__ __forceinline__ void Epilogue(const GemmParams& p, int32_t e, int64_t
           const float up = GATED ? acc[NF - 1][m][i] * scale : 0.0f;
           v = ApplyActivation(p.activation, gate, up);
         }
-        Store(static_cast<OutT*>(p.out), r * p.n_out + PairingPos(p.pairing, Pairing::kOut, feat0 + g + 8 * h), v);
+        Store(static_cast<OutT*>(p.out), r * p.n_out + col[h], v);
       }
     }
   }
 }
 
-// The sm_90a wgmma kernel for 64-row tiles (moe_gemm_sm90.cu), with the variants of
-// `kernel_flags` (kWgmmaTwoBlocks, kRowTilesFirst). Returns false when this build or device cannot
-// run it (the caller then launches the mma.sync kernel).
-bool LaunchWgmmaGemm(const GemmParams& p, bool gated, bool f32_out, int64_t kernel_flags, cudaStream_t stream);
+// The sm_90a wgmma kernels for 64-row tiles (moe_gemm_sm90.cu), with the variants of
+// `kernel_flags` (kWgmmaTwoBlocks, kRowTilesFirst); Pairing::kChunkA runs the TMA-fed one, which
+// the caller must only ask for bf16-out, ungathered calls. Returns false when this build
+// or device cannot run them (the caller then launches the mma.sync kernel, or fails a kChunkA
+// call); true once launched, or with `*error` set when the launch could not be prepared.
+bool LaunchWgmmaGemm(const GemmParams& p, bool gated, bool f32_out, int64_t kernel_flags, cudaStream_t stream,
+                     std::string* error);
 
 }  // namespace jax_nvfp4

@@ -360,6 +360,15 @@ ffi::Error GroupedGemmCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> a, ff
   if (a_paired && (gated || f32_out))
     return Invalid("grouped_gemm", "paired activations (pairing & 1) need a non-gated activation and "
                                    "bfloat16 output on the GPU");
+  // Chunk-ordered activations are moe's w4a16 GEMM2 input on 64-row tiles: only the TMA-fed sm_90a
+  // wgmma kernel reads them (gated too: a GEMM1 on rows gathered beforehand was 4-12% slower layers
+  // on the H200, 2026-12-02, so moe does not do so).
+  const bool a_chunk = pairing & int64_t(Pairing::kChunkA);
+  if (a_chunk && (f32_out || gather || tile_m != 64 || (kernel_flags & int64_t(KernelFlag::kNoWgmma))))
+    return Invalid("grouped_gemm", "chunk-ordered activations (pairing & 8) need the sm_90a wgmma kernel on "
+                                   "the GPU: bfloat16 output, gather = False, tile_m = 64 and no NO_WGMMA flag");
+  if (a_chunk && (d.P > 0x7FFFFFFF || d.a_rows > 0xFFFFFFFFll))  // the tensor copies' coordinates
+    return Invalid("grouped_gemm", "chunk-ordered activations (pairing & 8) need fewer than 2^31 rows");
   if (d.tiles == 0 || d.n_out == 0) return ffi::Error::Success();
   if (d.a_rows == 0) {  // every row is padding: zeros, without a launch
     const size_t bytes = size_t(d.P) * size_t(d.n_out) * ffi::ByteWidth(out->element_type());
@@ -394,9 +403,13 @@ ffi::Error GroupedGemmCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> a, ff
   p.row_scale_mode = int32_t(row_scale_mode);
   p.pairing = int32_t(pairing);
   const bool blocked = pairing & int64_t(Pairing::kBlockedW);
+  std::string error;
   if (tile_m == 64 && !(kernel_flags & int64_t(KernelFlag::kNoWgmma)) &&  // sm_90a prefill
-      LaunchWgmmaGemm(p, gated, f32_out, kernel_flags, stream))
-    return LaunchError("grouped_gemm");
+      LaunchWgmmaGemm(p, gated, f32_out, kernel_flags, stream, &error))
+    return error.empty() ? LaunchError("grouped_gemm") : ffi::Error::Internal("jax_nvfp4 grouped_gemm: " + error);
+  if (a_chunk)
+    return Invalid("grouped_gemm", "chunk-ordered activations (pairing & 8) need an sm_90 GPU and a build with "
+                                   "sm_90a (JAX_NVFP4_CUDA_ARCHS)");
   blocked ? LaunchFor<true>(p, gated, f32_out, a_paired, tile_m, k_split, slabs, kernel_flags, stream)
           : LaunchFor<false>(p, gated, f32_out, a_paired, tile_m, k_split, slabs, kernel_flags, stream);
   return LaunchError("grouped_gemm");

@@ -5,8 +5,7 @@
 //   multiplies two 64-row weight blocks: gated, the gate and the up rows of 64 features (128
 //   features per CTA); otherwise one block of 64 features (KernelFlag kWgmmaTwoBlocks: two,
 //   so that every staged activation chunk feeds as many MMAs; slower on the H200, 2026-12-01;
-//   kWgmmaFourGroups: four warpgroups of one block, 256 features per CTA, for the same reason
-//   without more registers per thread).
+//   four warpgroups of one block, 2026-12-02: 6-12% slower layers).
 // - Weights (A) come from registers, as in the mma.sync kernel: each warp loads its 16 rows
 //   with 16-byte loads one 128-K chunk ahead and decodes FP4 -> bf16 in registers (the
 //   wgmma A-register fragment of a warp is the m16n8k16 A fragment). K is permuted the same
@@ -15,19 +14,31 @@
 //   and {k2, k6}, {k3, k7}. BW: weights in the blocked order (Pairing::kBlockedW: a warp's 16
 //   rows of a chunk are 1 KB of contiguous codes; K % 128 == 0, so no tail): 4-6% faster layers
 //   than on rows on the H200 (2026-12-01).
-// - Activations (B) are staged in shared memory, 64 rows x 128 K per chunk, double
-//   buffered, in the wgmma K-major 128-byte-swizzle layout *with the same permutation*: each
-//   thread loads 16 bytes (8 actual k) of one row and stores its four 4-byte k pairs at their
-//   logical positions (conflict-free 4-byte stores). So the checkpoint layout needs no repack.
+// - Activations (B) are staged in shared memory, 64 rows x 128 K per chunk, in the wgmma K-major
+//   128-byte-swizzle layout *with the same permutation* (the logical k order), two ways:
+//   - staged by the MMA warps (W4A16WgmmaStaged): double buffered; each thread loads 16 bytes (8
+//     actual k) of one row and stores its four 4-byte k pairs at their logical positions
+//     (conflict-free 4-byte stores), so the checkpoint layout needs no repack. One __syncthreads
+//     per chunk hands over the buffers. (H200, 2026-12-02: three buffers, so that the wgmmas keep
+//     running across that barrier, gained nothing; activations copied by cp.async two chunks
+//     ahead into a raw shared-memory ring, so that no register waits on an L2 load, were 4-9%
+//     slower.)
+//   - copied by the tensor memory accelerator (W4A16WgmmaTma), when `a` is already in the logical
+//     order (Pairing::kChunkA, ChunkPos: moe's w4a16 intermediate, written so by GEMM1's
+//     epilogue) and not gathered: one thread issues the two 2-D tensor copies of each chunk
+//     into a ring of kStages buffers, two chunks ahead (mbarriers: full when the bytes land,
+//     empty when the MMAs that read it are done), so the MMA warps spend almost no instruction
+//     and no register on activations.
 // - A warpgroup decodes the next piece's A words (two 16-K steps) while the previous
-//   piece's wgmmas run (two register sets, wait_group 1); one __syncthreads per chunk hands
-//   over the activation buffers. (H200, 2026-12-02: three buffers, so that the wgmmas keep
-//   running across that barrier, gained nothing; activations copied by cp.async two chunks ahead
-//   into a raw shared-memory ring, so that no register waits on an L2 load, were 4-9% slower.)
+//   piece's wgmmas run (two register sets, wait_group 1).
 // - The epilogue (global and row scales, activation, bf16/fp32 store) is the shared one.
 // Only built for sm_90a (wgmma does not exist on sm_100); elsewhere LaunchWgmmaGemm returns
 // false and the mma.sync kernel runs.
+#include <cuda.h>  // CUtensorMap (a type only: the encoder comes from the runtime)
+#include <cudaTypedefs.h>
+
 #include <atomic>
+#include <string>
 
 #include "cuda/cuda_util.h"
 #include "cuda/gemm_common.cuh"
@@ -83,33 +94,27 @@ __device__ __forceinline__ void Wgmma64x64(float (&d)[8][4], const uint32_t (&a)
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
 }
 
-// This thread's share of the activation chunk: row n = 8 * (warp % 8) + g of the tile, span t,
-// pieces pp = p0 + PS * i < CH / 32 (16 bytes each): all four (two warpgroups: PS = 1, p0 = 0) or
-// every other one (four warpgroups: PS = 2, p0 = warp / 8).
-template <int PS>
+// This thread's share of the activation chunk: row n = 8 * warp + g of the tile, span t, its
+// CH / 32 pieces of 16 bytes.
 struct ActivationRegs {
-  uint4 v[4 / PS];
+  uint4 v[4];
 
-  __device__ __forceinline__ void Load(const uint16_t* row, int64_t kc, int ch, int t, int p0) {
+  __device__ __forceinline__ void Load(const uint16_t* row, int64_t kc, int ch, int t) {
 #pragma unroll
-    for (int i = 0; i < 4 / PS; ++i) {
-      const int pp = p0 + PS * i;
+    for (int pp = 0; pp < 4; ++pp)
       if (pp < ch / 32)
-        v[i] = row ? __ldg(reinterpret_cast<const uint4*>(row + kc + (ch / 4) * t + 8 * pp))
-                   : make_uint4(0, 0, 0, 0);
-    }
+        v[pp] = row ? __ldg(reinterpret_cast<const uint4*>(row + kc + (ch / 4) * t + 8 * pp)) : make_uint4(0, 0, 0, 0);
   }
 
   // Piece pp's k pairs i = 0..3 ({x0, x4}, {x1, x5}, {x2, x6}, {x3, x7}: PairActivations) go
   // to logical k L = 32pp + 2t + 8i: panel L / 64, 16-byte chunk (L % 64) / 8 swizzled with the
   // row (^ n % 8), byte 4t inside it.
-  __device__ __forceinline__ void Store(uint8_t* buf, int ch, int n, int t, bool paired, int p0) const {
+  __device__ __forceinline__ void Store(uint8_t* buf, int ch, int n, int t, bool paired) const {
 #pragma unroll
-    for (int i = 0; i < 4 / PS; ++i) {
-      const int pp = p0 + PS * i;
+    for (int pp = 0; pp < 4; ++pp) {
       if (pp < ch / 32) {
-        uint32_t w[4] = {v[i].x, v[i].y, v[i].z, v[i].w};  // a paired piece as it is
-        if (!paired) PairActivations(v[i], w);
+        uint32_t w[4] = {v[pp].x, v[pp].y, v[pp].z, v[pp].w};  // a paired piece as it is
+        if (!paired) PairActivations(v[pp], w);
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
           const int c = 4 * pp + q;  // logical 16-byte chunk index within the 128-K chunk
@@ -120,6 +125,34 @@ struct ActivationRegs {
     }
   }
 };
+
+// mbarriers in shared memory (W4A16WgmmaTma's ring), by shared address.
+__device__ __forceinline__ void MbarInit(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void MbarArrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void MbarExpectBytes(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void MbarWait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred done;\nWAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+// The 2-D tensor copy of box {64 K, 64 rows} at (k, row) of the activation map into `dst`
+// (1024-aligned: the map's 128-byte swizzle is the wgmma one), completing on `bar`.
+__device__ __forceinline__ void TmaLoadPanel(uint32_t dst, const CUtensorMap* map, int32_t k, int32_t row,
+                                             uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
+      ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(k), "r"(row), "r"(bar)
+      : "memory");
+}
 
 // One chunk (CH = 128 or the 64 tail) of MMAs from registers w and the staged buffer at
 // `buf` (shared address). A piece (one code word per row) is two 16-K steps; its decoded A
@@ -163,53 +196,39 @@ __device__ __forceinline__ void ChunkMma(const WeightRegs<CH, NF>& w, uint32_t b
 #endif  // JAX_NVFP4_WGMMA
 
 // Output features of a CTA: 64 per warpgroup and feature block; gated GEMM1 pairs a gate and
-// an up block of the same 64 features, the others (GEMM2, relu2) take NB blocks of 64. WG
-// warpgroups per CTA: two, or four for the one-block kernel (KernelFlag kWgmmaFourGroups: each
-// staged activation chunk feeds twice the features, with each thread staging half of it).
-template <int WG, bool GATED, int NB>
-constexpr int CtaFeatures() { return WG * (GATED ? 64 : 64 * NB); }
+// an up block of the same 64 features, the others (GEMM2, relu2) take NB blocks of 64.
+template <bool GATED, int NB>
+constexpr int CtaFeatures() { return 2 * (GATED ? 64 : 64 * NB); }
 
-// CTAs per SM the register budget must allow: a one-block kernel fits two (<= 128 registers; the
-// blocked instance took 138 unbounded, so one CTA per SM and 1.5x slower GEMM2s, H200 2026-12-01);
-// with four warpgroups, one CTA of 512 threads (also <= 128 registers).
-template <int WG, bool GATED, int NB>
-constexpr int MinCtas() { return WG == 2 && !GATED && NB == 1 ? 2 : 1; }
-
-template <int WG, bool GATED, int NB, typename OutT, bool BW>
-__global__ void __launch_bounds__(WG * 128, MinCtas<WG, GATED, NB>()) W4A16WgmmaKernel(const GemmParams p) {
-#ifdef JAX_NVFP4_WGMMA
-  static_assert(WG == 2 || (WG == 4 && !GATED && NB == 1), "four warpgroups: the one-block kernel only");
-  constexpr int NF = GATED ? 2 : NB;  // weight blocks per warpgroup: [gate, up] or NB feature blocks
-  extern __shared__ uint8_t smem_raw[];
-  const uint32_t raw = SmemU32(smem_raw);
-  uint8_t* smem = smem_raw + (((raw + 1023) & ~1023u) - raw);  // 1024-aligned (swizzle atoms)
-  const uint32_t smem_addr = SmemU32(smem);
-
-  GridDependencyWait();
-  // slabs_first (the default): a 1-D grid where consecutive CTAs take the slabs of one row tile
-  // (a wave shares its activation tiles in L2, and an expert's weights across its row tiles).
-  // Otherwise (kRowTilesFirst, or a grid too large for 1-D): x = row tile, y = feature slab (a
-  // wave of CTAs shares a slab of several experts' weights).
-  int64_t tile = blockIdx.x, slab = blockIdx.y;
+// A CTA's row tile and feature slab from its block index (see GemmParams::slabs_first):
+// slabs_first (the default), a 1-D grid where consecutive CTAs take the slabs of one row tile (a
+// wave shares its activation tiles in L2, and an expert's weights across its row tiles);
+// otherwise (kRowTilesFirst, or a grid too large for 1-D) x = row tile, y = feature slab (a wave
+// of CTAs shares a slab of several experts' weights).
+template <bool GATED, int NB>
+__device__ __forceinline__ void TileAndSlab(const GemmParams& p, int64_t& tile, int64_t& slab) {
+  tile = blockIdx.x, slab = blockIdx.y;
   if (p.slabs_first) {
-    const int64_t slabs = CeilDiv<int64_t>(p.n_out, CtaFeatures<WG, GATED, NB>());
+    const int64_t slabs = CeilDiv<int64_t>(p.n_out, CtaFeatures<GATED, NB>());
     tile = blockIdx.x / slabs;
     slab = blockIdx.x % slabs;
   }
-  const int32_t e = p.tile_expert[tile];
-  if (e < 0 || e >= p.E) return;  // unused tile (uniform over the CTA)
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int g = lane >> 2, t = lane & 3;
-  const int wg = warp >> 2, wq = warp & 3;
-  // Features of block j of this warp: gated: feat[0] (gate rows feat, up rows n_out + feat);
-  // else feat[j] = base + 64j.
-  const int64_t base = slab * CtaFeatures<WG, GATED, NB>() + wg * (GATED ? 64 : 64 * NB) +
-                       wq * kWarpFeatures;
-  int64_t feat[NF];
-  bool active[NF];  // blocks past n_out take part in the warpgroup MMAs (any in-bounds rows), not the stores
-  const int64_t K = p.K;
-  const uint8_t* wrow[NF][2];
-  const uint8_t* srow[NF][2];
+}
+
+template <bool GATED, int NB>
+constexpr int BlocksPerGroup() { return GATED ? 2 : NB; }  // weight blocks per warpgroup: [gate, up] or NB
+
+// This MMA warp's weight rows (warps 0-7 of either kernel), into local arrays of the kernel (as
+// members of a struct, the loops of some instances took up to 7% more instructions: sm_90a SASS,
+// 2026-12-02). Features of block j: gated, feat[0] (gate rows feat, up rows n_out + feat); else
+// feat[j] = base + 64j. Blocks past n_out take part in the warpgroup MMAs (any in-bounds rows), not
+// the stores.
+template <bool GATED, int NB, bool BW, int NF>
+__device__ __forceinline__ void WarpRows(const GemmParams& p, int32_t e, int64_t slab, int warp, int g,
+                                         int64_t (&feat)[NF], bool (&active)[NF], const uint8_t* (&wrow)[NF][2],
+                                         const uint8_t* (&srow)[NF][2]) {
+  const int64_t base = slab * CtaFeatures<GATED, NB>() + (warp >> 2) * (GATED ? 64 : 64 * NB) +
+                       (warp & 3) * kWarpFeatures;
 #pragma unroll
   for (int j = 0; j < NF; ++j) {
     feat[j] = GATED ? base : base + 64 * j;
@@ -220,27 +239,76 @@ __global__ void __launch_bounds__(WG * 128, MinCtas<WG, GATED, NB>()) W4A16Wgmma
       WeightRow<BW>(p, e, n, wrow[j][h], srow[j][h]);
     }
   }
-  const int n = 8 * (WG == 4 ? warp % 8 : warp) + g;  // this thread's activation row in the tile
-  constexpr int PS = WG / 2;                          // and its pieces p0, p0 + PS, ... of a chunk
-  const int p0 = WG == 4 ? warp / 8 : 0;
-  const int64_t src = SourceRow(p, tile * kTokens + n);
-  const uint16_t* xrow = src >= 0 ? p.a + src * K : nullptr;
-  const bool paired = p.pairing & int32_t(Pairing::kA);
+}
 
-  float acc[NF][8][4];
+template <int NF>
+__device__ __forceinline__ void ZeroAcc(float (&acc)[NF][8][4]) {
 #pragma unroll
   for (int j = 0; j < NF; ++j)
 #pragma unroll
     for (int m = 0; m < 8; ++m)
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[j][m][i] = 0.0f;
+}
+
+template <bool GATED, int NF, typename OutT>
+__device__ __forceinline__ void StoreTile(const GemmParams& p, int32_t e, int64_t tile, const int64_t (&feat)[NF],
+                                          const bool (&active)[NF], float (&acc)[NF][8][4]) {
+  Hold(acc);
+  if constexpr (GATED) {
+    if (active[0]) Epilogue<8, NF, true, OutT>(p, e, tile, feat[0], acc);
+  } else {
+#pragma unroll
+    for (int j = 0; j < NF; ++j)
+      if (active[j])
+        Epilogue<8, 1, false, OutT>(p, e, tile, feat[j], reinterpret_cast<const float(&)[1][8][4]>(acc[j]));
+  }
+}
+
+// CTAs per SM the register budget must allow: a one-block kernel fits two (<= 128 registers; the
+// blocked instance took 138 unbounded, so one CTA per SM and 1.5x slower GEMM2s, H200 2026-12-01).
+template <bool GATED, int NB>
+constexpr int MinCtas() { return !GATED && NB == 1 ? 2 : 1; }
+
+__device__ __forceinline__ uint8_t* AlignedSmem(uint8_t* smem_raw) {  // 1024-aligned (swizzle atoms)
+  const uint32_t raw = SmemU32(smem_raw);
+  return smem_raw + (((raw + 1023) & ~1023u) - raw);
+}
+
+template <bool GATED, int NB, typename OutT, bool BW>
+__global__ void __launch_bounds__(256, MinCtas<GATED, NB>()) W4A16WgmmaStaged(const GemmParams p) {
+#ifdef JAX_NVFP4_WGMMA
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = AlignedSmem(smem_raw);
+  const uint32_t smem_addr = SmemU32(smem);
+
+  GridDependencyWait();
+  int64_t tile, slab;
+  TileAndSlab<GATED, NB>(p, tile, slab);
+  const int32_t e = p.tile_expert[tile];
+  if (e < 0 || e >= p.E) return;  // unused tile (uniform over the CTA)
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+  constexpr int NF = BlocksPerGroup<GATED, NB>();
+  int64_t feat[NF];
+  bool active[NF];
+  const uint8_t* wrow[NF][2];
+  const uint8_t* srow[NF][2];
+  WarpRows<GATED, NB, BW>(p, e, slab, warp, g, feat, active, wrow, srow);
+  const int64_t K = p.K;
+  const int n = 8 * warp + g;  // this thread's activation row in the tile
+  const int64_t src = SourceRow(p, tile * kTokens + n);
+  const uint16_t* xrow = src >= 0 ? p.a + src * K : nullptr;
+  const bool paired = p.pairing & int32_t(Pairing::kA);
+  float acc[NF][8][4];
+  ZeroAcc(acc);
 
   const int64_t full = K / 128;
   const bool tail = K % 128 != 0;
   const int64_t chunks = full + (tail ? 1 : 0);
-  ActivationRegs<PS> x;
-  x.Load(xrow, 0, full ? 128 : 64, t, p0);
-  x.Store(smem, full ? 128 : 64, n, t, paired, p0);
+  ActivationRegs x;
+  x.Load(xrow, 0, full ? 128 : 64, t);
+  x.Store(smem, full ? 128 : 64, n, t, paired);
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // generic stores -> wgmma reads
   WeightRegs<128, NF> cur;
   if (full) cur.template Load<false, BW>(wrow, srow, 0, t);
@@ -250,12 +318,12 @@ __global__ void __launch_bounds__(WG * 128, MinCtas<WG, GATED, NB>()) W4A16Wgmma
     const int64_t kc = c * 128;
     const bool more = c + 1 < chunks, wmore = c + 1 < full;
     const int next_ch = wmore ? 128 : 64;
-    if (more) x.Load(xrow, kc + 128, next_ch, t, p0);
+    if (more) x.Load(xrow, kc + 128, next_ch, t);
     WeightRegs<128, NF> next;
     if (wmore) next.template Load<false, BW>(wrow, srow, kc + 128, t);
     ChunkMma<128, NF>(cur, smem_addr + uint32_t(c & 1) * kChunkBytes, acc);
     if (more) {  // the other buffer was last read by chunk c - 1, complete before the last barrier
-      x.Store(smem + (~c & 1) * kChunkBytes, next_ch, n, t, paired, p0);
+      x.Store(smem + (~c & 1) * kChunkBytes, next_ch, n, t, paired);
       asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     }
     __syncthreads();
@@ -266,38 +334,150 @@ __global__ void __launch_bounds__(WG * 128, MinCtas<WG, GATED, NB>()) W4A16Wgmma
     w.Load(wrow, srow, full * 128, t);
     ChunkMma<64, NF>(w, smem_addr + uint32_t(full & 1) * kChunkBytes, acc);
   }
-  Hold(acc);
-  if constexpr (GATED) {
-    if (active[0]) Epilogue<8, NF, true, OutT>(p, e, tile, feat[0], acc);
-  } else {
-#pragma unroll
-    for (int j = 0; j < NF; ++j)
-      if (active[j])
-        Epilogue<8, 1, false, OutT>(p, e, tile, feat[j], reinterpret_cast<const float(&)[1][8][4]>(acc[j]));
-  }
+  StoreTile<GATED, NF, OutT>(p, e, tile, feat, active, acc);
 #endif
 }
 
-template <int WG, bool GATED, int NB, typename OutT, bool BW>
-void Launch(GemmParams p, bool slabs_first, bool pdl, cudaStream_t stream) {
-  static_assert(kSmemBytes <= 48 * 1024, "no opt-in attribute needed (none may be set during graph capture)");
-  const int64_t tiles = p.P / kTokens, slabs = CeilDiv<int64_t>(p.n_out, CtaFeatures<WG, GATED, NB>());
-  p.slabs_first = slabs_first && tiles * slabs <= 0x7FFFFFFF;  // else the 2-D grid (x up to 2^31 - 1)
-  const dim3 grid = p.slabs_first ? dim3(unsigned(tiles * slabs)) : dim3(unsigned(tiles), unsigned(slabs));
-  LaunchKernel(W4A16WgmmaKernel<WG, GATED, NB, OutT, BW>, grid, WG * 128, kSmemBytes, stream, pdl, p);
+constexpr int kStages = 4;                 // W4A16WgmmaTma's ring of activation chunks
+constexpr int kLookahead = kStages - 2;    // chunks copied ahead of the one being multiplied
+constexpr int kTmaSmemBytes = kStages * kChunkBytes + 2 * kStages * 8 + 1024;  // + mbarriers, alignment
+
+// K % 128 == 0, `a` in the chunk order and not gathered, bf16 out (LaunchWgmmaGemm's caller checks).
+// Thread 0 also issues the copies: chunk c + kLookahead into the stage that chunk c - 2 used, so
+// it waits only on MMAs that finished a chunk ago (a ninth, copier warp would cost registers: a
+// 288-thread CTA gets at most 168 per thread, two of them 96, as three or five warps share an SMSP).
+template <bool GATED, int NB, typename OutT, bool BW>
+__global__ void __launch_bounds__(256, MinCtas<GATED, NB>()) W4A16WgmmaTma(const GemmParams p,
+                                                                       const __grid_constant__ CUtensorMap amap) {
+#ifdef JAX_NVFP4_WGMMA
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = AlignedSmem(smem_raw);
+  const uint32_t ring = SmemU32(smem);
+  const uint32_t full_bar = ring + kStages * kChunkBytes, empty_bar = full_bar + 8 * kStages;
+
+  GridDependencyWait();
+  int64_t tile, slab;
+  TileAndSlab<GATED, NB>(p, tile, slab);
+  const int32_t e = p.tile_expert[tile];
+  if (e < 0 || e >= p.E) return;  // unused tile (uniform over the CTA)
+  const int64_t chunks = p.K / 128;
+  const bool copier = threadIdx.x == 0;
+  // Chunk c of the tile into its stage, once the MMAs of the chunk that stage held are done.
+  auto copy = [&](int64_t c) {
+    const int s = int(c % kStages);
+    const uint32_t round = uint32_t(c / kStages);
+    if (round > 0) MbarWait(empty_bar + 8 * s, (round - 1) & 1);
+    MbarExpectBytes(full_bar + 8 * s, kChunkBytes);
+#pragma unroll
+    for (int panel = 0; panel < 2; ++panel)
+      TmaLoadPanel(ring + s * kChunkBytes + panel * kPanelBytes, &amap, int32_t(c * 128 + 64 * panel),
+                   int32_t(tile * kTokens), full_bar + 8 * s);
+  };
+  if (copier) {
+    for (int s = 0; s < kStages; ++s) {
+      MbarInit(full_bar + 8 * s, 1);      // the copier's arrival (with the bytes it expects)
+      MbarInit(empty_bar + 8 * s, 256);  // every thread, once its wgmmas on the stage are done
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    for (int64_t c = 0; c < kLookahead && c < chunks; ++c) copy(c);
+  }
+  __syncthreads();
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+  constexpr int NF = BlocksPerGroup<GATED, NB>();
+  int64_t feat[NF];
+  bool active[NF];
+  const uint8_t* wrow[NF][2];
+  const uint8_t* srow[NF][2];
+  WarpRows<GATED, NB, BW>(p, e, slab, warp, g, feat, active, wrow, srow);
+  float acc[NF][8][4];
+  ZeroAcc(acc);
+  WeightRegs<128, NF> cur;
+  cur.template Load<false, BW>(wrow, srow, 0, t);
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int s = int(c % kStages);
+    if (copier && c + kLookahead < chunks) copy(c + kLookahead);
+    WeightRegs<128, NF> next;
+    if (c + 1 < chunks) next.template Load<false, BW>(wrow, srow, (c + 1) * 128, t);
+    MbarWait(full_bar + 8 * s, uint32_t(c / kStages) & 1);
+    ChunkMma<128, NF>(cur, ring + s * kChunkBytes, acc);
+    MbarArrive(empty_bar + 8 * s);
+    if (c + 1 < chunks) cur = next;
+  }
+  StoreTile<GATED, NF, OutT>(p, e, tile, feat, active, acc);
+#endif
 }
 
-template <int WG, bool BW>
-void LaunchOneBlock(const GemmParams& p, bool f32_out, bool sf, bool pdl, cudaStream_t stream) {
-  f32_out ? Launch<WG, false, 1, float, BW>(p, sf, pdl, stream) : Launch<WG, false, 1, uint16_t, BW>(p, sf, pdl, stream);
+// The grid of either kernel (slabs_first: 1-D when it fits).
+template <bool GATED, int NB>
+dim3 Grid(GemmParams& p, bool slabs_first) {
+  const int64_t tiles = p.P / kTokens, slabs = CeilDiv<int64_t>(p.n_out, CtaFeatures<GATED, NB>());
+  p.slabs_first = slabs_first && tiles * slabs <= 0x7FFFFFFF;  // else the 2-D grid (x up to 2^31 - 1)
+  return p.slabs_first ? dim3(unsigned(tiles * slabs)) : dim3(unsigned(tiles), unsigned(slabs));
+}
+
+template <bool GATED, int NB, typename OutT, bool BW>
+void Launch(GemmParams p, bool slabs_first, bool pdl, cudaStream_t stream) {
+  static_assert(kSmemBytes <= 48 * 1024, "no opt-in attribute needed");
+  const dim3 grid = Grid<GATED, NB>(p, slabs_first);
+  LaunchKernel(W4A16WgmmaStaged<GATED, NB, OutT, BW>, grid, 256, kSmemBytes, stream, pdl, p);
 }
 
 template <bool BW>
-void LaunchFor(const GemmParams& p, bool gated, bool f32_out, bool one_block, bool four, bool sf, bool pdl,
+void LaunchFor(const GemmParams& p, bool gated, bool f32_out, bool one_block, bool sf, bool pdl,
                cudaStream_t stream) {
-  if (gated) f32_out ? Launch<2, true, 2, float, BW>(p, sf, pdl, stream) : Launch<2, true, 2, uint16_t, BW>(p, sf, pdl, stream);
-  else if (one_block) four ? LaunchOneBlock<4, BW>(p, f32_out, sf, pdl, stream) : LaunchOneBlock<2, BW>(p, f32_out, sf, pdl, stream);
-  else f32_out ? Launch<2, false, 2, float, BW>(p, sf, pdl, stream) : Launch<2, false, 2, uint16_t, BW>(p, sf, pdl, stream);
+  if (gated) f32_out ? Launch<true, 2, float, BW>(p, sf, pdl, stream) : Launch<true, 2, uint16_t, BW>(p, sf, pdl, stream);
+  else if (one_block) f32_out ? Launch<false, 1, float, BW>(p, sf, pdl, stream) : Launch<false, 1, uint16_t, BW>(p, sf, pdl, stream);
+  else f32_out ? Launch<false, 2, float, BW>(p, sf, pdl, stream) : Launch<false, 2, uint16_t, BW>(p, sf, pdl, stream);
+}
+
+// The tensor map of `a` [a_rows, K] bf16 for W4A16WgmmaTma: boxes of 64 K x 64 rows, 128-byte
+// swizzle; rows past a_rows read as zeros. The encoder is the driver's, found through the runtime
+// (no link to libcuda); encoding is host-only work, so it is safe during CUDA-graph capture.
+std::string EncodeActivationMap(const GemmParams& p, CUtensorMap* map) {
+  static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found) !=
+            cudaSuccess ||
+        found != cudaDriverEntryPointSuccess)
+      fn = nullptr;
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }();
+  if (!encode) return "the driver has no cuTensorMapEncodeTiled";
+  const cuuint64_t dims[2] = {cuuint64_t(p.K), cuuint64_t(p.a_rows)};
+  const cuuint64_t strides[1] = {cuuint64_t(p.K) * 2};
+  const cuuint32_t box[2] = {64, kTokens}, elem_strides[2] = {1, 1};
+  const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<uint16_t*>(p.a), dims, strides, box,
+                            elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? "" : "cuTensorMapEncodeTiled failed with CUresult " + std::to_string(int(r));
+}
+
+template <bool GATED, int NB, bool BW>
+std::string LaunchTma(GemmParams p, bool slabs_first, bool pdl, cudaStream_t stream) {
+  CUtensorMap map;
+  if (std::string err = EncodeActivationMap(p, &map); !err.empty()) return err;
+  // Over 48 KB of shared memory needs the opt-in, once per kernel and device (a host call, also
+  // allowed while XLA captures a graph: H200, 2026-12-02).
+  static std::atomic<bool> opted_in[64];
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return "no current CUDA device (or over 64)";
+  if (!opted_in[dev].load(std::memory_order_acquire)) {
+    const cudaError_t attr = cudaFuncSetAttribute(W4A16WgmmaTma<GATED, NB, uint16_t, BW>,
+                                                  cudaFuncAttributeMaxDynamicSharedMemorySize, kTmaSmemBytes);
+    if (attr != cudaSuccess) return std::string("the shared-memory opt-in failed: ") + cudaGetErrorString(attr);
+    opted_in[dev].store(true, std::memory_order_release);
+  }
+  const dim3 grid = Grid<GATED, NB>(p, slabs_first);
+  LaunchKernel(W4A16WgmmaTma<GATED, NB, uint16_t, BW>, grid, 256, kTmaSmemBytes, stream, pdl, p, map);
+  return "";
+}
+
+template <bool BW>
+std::string LaunchTmaFor(const GemmParams& p, bool gated, bool one_block, bool sf, bool pdl, cudaStream_t stream) {
+  if (gated) return LaunchTma<true, 2, BW>(p, sf, pdl, stream);
+  return one_block ? LaunchTma<false, 1, BW>(p, sf, pdl, stream) : LaunchTma<false, 2, BW>(p, sf, pdl, stream);
 }
 
 // Compute capability major of the current device, cached per device (no stream operation,
@@ -316,17 +496,23 @@ int DeviceMajor() {
 
 }  // namespace
 
-bool LaunchWgmmaGemm(const GemmParams& p, bool gated, bool f32_out, int64_t kernel_flags, cudaStream_t stream) {
+bool LaunchWgmmaGemm(const GemmParams& p, bool gated, bool f32_out, int64_t kernel_flags, cudaStream_t stream,
+                     std::string* error) {
 #ifdef JAX_NVFP4_HAS_SM90A
   if (DeviceMajor() != 9 || p.P % kTokens != 0) return false;
   const bool one_block = !(kernel_flags & int64_t(KernelFlag::kWgmmaTwoBlocks));
   const bool sf = !(kernel_flags & int64_t(KernelFlag::kRowTilesFirst)), pdl = kernel_flags & int64_t(KernelFlag::kPdl);
-  const bool four = kernel_flags & int64_t(KernelFlag::kWgmmaFourGroups);
-  (p.pairing & int32_t(Pairing::kBlockedW)) ? LaunchFor<true>(p, gated, f32_out, one_block, four, sf, pdl, stream)
-                                            : LaunchFor<false>(p, gated, f32_out, one_block, four, sf, pdl, stream);
+  const bool bw = p.pairing & int32_t(Pairing::kBlockedW);
+  if (p.pairing & int32_t(Pairing::kChunkA)) {  // the handler checked: bf16 out, not gathered
+    *error = bw ? LaunchTmaFor<true>(p, gated, one_block, sf, pdl, stream)
+                : LaunchTmaFor<false>(p, gated, one_block, sf, pdl, stream);
+    return true;
+  }
+  bw ? LaunchFor<true>(p, gated, f32_out, one_block, sf, pdl, stream)
+     : LaunchFor<false>(p, gated, f32_out, one_block, sf, pdl, stream);
   return true;
 #else
-  (void)p, (void)gated, (void)f32_out, (void)kernel_flags, (void)stream, (void)DeviceMajor;
+  (void)p, (void)gated, (void)f32_out, (void)kernel_flags, (void)stream, (void)error, (void)DeviceMajor;
   return false;
 #endif
 }
