@@ -263,6 +263,8 @@ ffi::Error CheckGemm(const char* op, const A& a, const W& w, const WS& ws, const
   d->K = ad[1];
   d->E = wd[0];
   d->N = wd[1];
+  if (d->K <= 0)  // (the GPU kernels load their first K chunk unconditionally)
+    return Invalid(op, "K (a.shape[1]) must be positive, got " + std::to_string(d->K));
   if (d->K % k_multiple != 0)
     return Invalid(op, "K = " + std::to_string(d->K) + " (a.shape[1]) must be a multiple of " +
                            std::to_string(k_multiple) + " on this platform");

@@ -637,10 +637,12 @@ MODES = {"w4a16": Mode.W4A16, "w4a4": Mode.W4A4}
 
 @functools.cache
 def chunk_intermediate_supported() -> bool:
-    """Whether every device of this process can run a GEMM2 on a chunk-ordered intermediate: the
-    CPU handler always; CUDA devices only on sm_90 with an sm_90a build (the TMA-fed wgmma kernel)."""
+    """Whether every local device of this process can run a GEMM2 on a chunk-ordered intermediate:
+    the CPU handler always; CUDA devices only on sm_90 with an sm_90a build (the TMA-fed wgmma
+    kernel). Decided when moe is traced: an executable exported here and run on another GPU
+    generation fails with the handler's error (trace it there, or pass NATURAL_INTERMEDIATE)."""
     try:
-        gpus = jax.devices("cuda")
+        gpus = jax.local_devices(backend="cuda")
     except RuntimeError:  # no CUDA backend
         return True
     return ("sm_90a" in build_info().get("cuda_archs", ())

@@ -368,7 +368,8 @@ ffi::Error GroupedGemmCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> a, ff
     return Invalid("grouped_gemm", "chunk-ordered activations (pairing & 8) need the sm_90a wgmma kernel on "
                                    "the GPU: bfloat16 output, gather = False, tile_m = 64 and no NO_WGMMA flag");
   if (a_chunk && (d.P > 0x7FFFFFFF || d.a_rows > 0xFFFFFFFFll))  // the tensor copies' coordinates
-    return Invalid("grouped_gemm", "chunk-ordered activations (pairing & 8) need fewer than 2^31 rows");
+    return Invalid("grouped_gemm", "chunk-ordered activations (pairing & 8) need fewer than 2^31 sorted rows "
+                                   "and 2^32 rows of a");
   if (d.tiles == 0 || d.n_out == 0) return ffi::Error::Success();
   if (d.a_rows == 0) {  // every row is padding: zeros, without a launch
     const size_t bytes = size_t(d.P) * size_t(d.n_out) * ffi::ByteWidth(out->element_type());

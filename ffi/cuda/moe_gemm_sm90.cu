@@ -438,10 +438,16 @@ std::string EncodeActivationMap(const GemmParams& p, CUtensorMap* map) {
   static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
     void* fn = nullptr;
     cudaDriverEntryPointQueryResult found{};
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found) !=
-            cudaSuccess ||
-        found != cudaDriverEntryPointSuccess)
+#if CUDART_VERSION >= 12050
+    const cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault,
+                                                             &found);
+#else
+    const cudaError_t err = cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &fn, cudaEnableDefault, &found);
+#endif
+    if (err != cudaSuccess || found != cudaDriverEntryPointSuccess) {
+      (void)cudaGetLastError();  // not a launch error of a later call
       fn = nullptr;
+    }
     return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
   }();
   if (!encode) return "the driver has no cuTensorMapEncodeTiled";
@@ -466,7 +472,10 @@ std::string LaunchTma(GemmParams p, bool slabs_first, bool pdl, cudaStream_t str
   if (!opted_in[dev].load(std::memory_order_acquire)) {
     const cudaError_t attr = cudaFuncSetAttribute(W4A16WgmmaTma<GATED, NB, uint16_t, BW>,
                                                   cudaFuncAttributeMaxDynamicSharedMemorySize, kTmaSmemBytes);
-    if (attr != cudaSuccess) return std::string("the shared-memory opt-in failed: ") + cudaGetErrorString(attr);
+    if (attr != cudaSuccess) {
+      (void)cudaGetLastError();  // not a launch error of a later call
+      return std::string("the shared-memory opt-in failed: ") + cudaGetErrorString(attr);
+    }
     opted_in[dev].store(true, std::memory_order_release);
   }
   const dim3 grid = Grid<GATED, NB>(p, slabs_first);
