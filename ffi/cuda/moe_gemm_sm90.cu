@@ -270,7 +270,7 @@ __device__ __forceinline__ void StoreTile(const GemmParams& p, int32_t e, int64_
 template <bool GATED, int NB>
 constexpr int MinCtas() { return !GATED && NB == 1 ? 2 : 1; }
 
-__device__ __forceinline__ uint8_t* AlignedSmem(uint8_t* smem_raw) {  // 1024-aligned (swizzle atoms)
+__device__ __forceinline__ uint8_t* AlignedSmem(uint8_t* smem_raw) {  // 1024-aligned (TMA-fed kernel)
   const uint32_t raw = SmemU32(smem_raw);
   return smem_raw + (((raw + 1023) & ~1023u) - raw);
 }
@@ -279,7 +279,11 @@ template <bool GATED, int NB, typename OutT, bool BW>
 __global__ void __launch_bounds__(256, MinCtas<GATED, NB>()) W4A16WgmmaStaged(const GemmParams p) {
 #ifdef JAX_NVFP4_WGMMA
   extern __shared__ uint8_t smem_raw[];
-  uint8_t* smem = AlignedSmem(smem_raw);
+  // 1024-aligned (swizzle atoms); computed here, on the shared array itself, the stores to it stay
+  // shared-memory stores without generic address arithmetic (through AlignedSmem, the GEMM1 loop
+  // took 16 more instructions: sm_90a SASS, 2026-12-02).
+  const uint32_t raw = SmemU32(smem_raw);
+  uint8_t* smem = smem_raw + (((raw + 1023) & ~1023u) - raw);
   const uint32_t smem_addr = SmemU32(smem);
 
   GridDependencyWait();
