@@ -51,6 +51,7 @@ namespace jax_nvfp4 {
 namespace {
 
 constexpr int kTokens = 64;                    // tile_m of this kernel
+constexpr int kWgThreadsPerCta = 8 * 32;       // two warpgroups
 constexpr int kPanelBytes = kTokens * 128;     // 64 rows x 64 K bf16: one 128-byte-swizzle panel
 constexpr int kChunkBytes = 2 * kPanelBytes;   // 128 K
 constexpr int kSmemBytes = 2 * kChunkBytes + 1024;  // double buffer, +1 KB to align to 1024
@@ -198,7 +199,7 @@ __device__ __forceinline__ void ChunkMma(const WeightRegs<CH, NF>& w, uint32_t b
 // Output features of a CTA: 64 per warpgroup and feature block; gated GEMM1 pairs a gate and
 // an up block of the same 64 features, the others (GEMM2, relu2) take NB blocks of 64.
 template <bool GATED, int NB>
-constexpr int CtaFeatures() { return 2 * (GATED ? 64 : 64 * NB); }
+constexpr int CtaFeatures() { return GATED ? 128 : 128 * NB; }
 
 // A CTA's row tile and feature slab from its block index (see GemmParams::slabs_first):
 // slabs_first (the default), a 1-D grid where consecutive CTAs take the slabs of one row tile (a
@@ -270,18 +271,13 @@ __device__ __forceinline__ void StoreTile(const GemmParams& p, int32_t e, int64_
 template <bool GATED, int NB>
 constexpr int MinCtas() { return !GATED && NB == 1 ? 2 : 1; }
 
-__device__ __forceinline__ uint8_t* AlignedSmem(uint8_t* smem_raw) {  // 1024-aligned (TMA-fed kernel)
-  const uint32_t raw = SmemU32(smem_raw);
-  return smem_raw + (((raw + 1023) & ~1023u) - raw);
-}
-
 template <bool GATED, int NB, typename OutT, bool BW>
-__global__ void __launch_bounds__(256, MinCtas<GATED, NB>()) W4A16WgmmaStaged(const GemmParams p) {
+__global__ void __launch_bounds__(kWgThreadsPerCta, MinCtas<GATED, NB>()) W4A16WgmmaStaged(const GemmParams p) {
 #ifdef JAX_NVFP4_WGMMA
   extern __shared__ uint8_t smem_raw[];
   // 1024-aligned (swizzle atoms); computed here, on the shared array itself, the stores to it stay
-  // shared-memory stores without generic address arithmetic (through AlignedSmem, the GEMM1 loop
-  // took 16 more instructions: sm_90a SASS, 2026-12-02).
+  // shared-memory stores without generic address arithmetic (through a helper function, the GEMM1
+  // loop took 16 more instructions: sm_90a SASS, 2026-12-02).
   const uint32_t raw = SmemU32(smem_raw);
   uint8_t* smem = smem_raw + (((raw + 1023) & ~1023u) - raw);
   const uint32_t smem_addr = SmemU32(smem);
@@ -351,12 +347,11 @@ constexpr int kTmaSmemBytes = kStages * kChunkBytes + 2 * kStages * 8 + 1024;  /
 // it waits only on MMAs that finished a chunk ago (a ninth, copier warp would cost registers: a
 // 288-thread CTA gets at most 168 per thread, two of them 96, as three or five warps share an SMSP).
 template <bool GATED, int NB, typename OutT, bool BW>
-__global__ void __launch_bounds__(256, MinCtas<GATED, NB>()) W4A16WgmmaTma(const GemmParams p,
+__global__ void __launch_bounds__(kWgThreadsPerCta, MinCtas<GATED, NB>()) W4A16WgmmaTma(const GemmParams p,
                                                                        const __grid_constant__ CUtensorMap amap) {
 #ifdef JAX_NVFP4_WGMMA
   extern __shared__ uint8_t smem_raw[];
-  uint8_t* smem = AlignedSmem(smem_raw);
-  const uint32_t ring = SmemU32(smem);
+  const uint32_t ring = (SmemU32(smem_raw) + 1023) & ~1023u;  // 1024-aligned (swizzle atoms)
   const uint32_t full_bar = ring + kStages * kChunkBytes, empty_bar = full_bar + 8 * kStages;
 
   GridDependencyWait();
@@ -380,7 +375,7 @@ __global__ void __launch_bounds__(256, MinCtas<GATED, NB>()) W4A16WgmmaTma(const
   if (copier) {
     for (int s = 0; s < kStages; ++s) {
       MbarInit(full_bar + 8 * s, 1);      // the copier's arrival (with the bytes it expects)
-      MbarInit(empty_bar + 8 * s, 256);  // every thread, once its wgmmas on the stage are done
+      MbarInit(empty_bar + 8 * s, kWgThreadsPerCta);  // every thread, once its wgmmas on the stage are done
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     for (int64_t c = 0; c < kLookahead && c < chunks; ++c) copy(c);
@@ -424,7 +419,7 @@ template <bool GATED, int NB, typename OutT, bool BW>
 void Launch(GemmParams p, bool slabs_first, bool pdl, cudaStream_t stream) {
   static_assert(kSmemBytes <= 48 * 1024, "no opt-in attribute needed");
   const dim3 grid = Grid<GATED, NB>(p, slabs_first);
-  LaunchKernel(W4A16WgmmaStaged<GATED, NB, OutT, BW>, grid, 256, kSmemBytes, stream, pdl, p);
+  LaunchKernel(W4A16WgmmaStaged<GATED, NB, OutT, BW>, grid, kWgThreadsPerCta, kSmemBytes, stream, pdl, p);
 }
 
 template <bool BW>
@@ -483,7 +478,7 @@ std::string LaunchTma(GemmParams p, bool slabs_first, bool pdl, cudaStream_t str
     opted_in[dev].store(true, std::memory_order_release);
   }
   const dim3 grid = Grid<GATED, NB>(p, slabs_first);
-  LaunchKernel(W4A16WgmmaTma<GATED, NB, uint16_t, BW>, grid, 256, kTmaSmemBytes, stream, pdl, p, map);
+  LaunchKernel(W4A16WgmmaTma<GATED, NB, uint16_t, BW>, grid, kWgThreadsPerCta, kTmaSmemBytes, stream, pdl, p, map);
   return "";
 }
 
