@@ -169,6 +169,11 @@ if stage sanitize; then
     XLA_PYTHON_CLIENT_ALLOCATOR=${SAN_ALLOCATOR:-platform} compute-sanitizer --tool memcheck --error-exitcode 99 \
       --print-limit 20 "${san_filter[@]}" python3 -m pytest -v -p no:cacheprovider -m gpu "$@"
   }
+  # san_timed <seconds> <pytest args...>: san under timeout (which runs programs, not functions).
+  san_timed() {
+    local t=$1; shift
+    timeout "$t" bash -c "$(declare -p san_filter); $(declare -f san); san \"\$@\"" _ "$@"
+  }
   san_end=$(( $(date +%s) + $(left ${SAN_S:-400}) ))
   if [[ ${SAN_EACH:-0} != 0 ]]; then
     # shellcheck disable=SC2086
@@ -181,7 +186,7 @@ if stage sanitize; then
     san_run() {  # san_run <label> <pytest ids...>: one sanitizer process; 200 when out of time
       local rest=$(( san_end - $(date +%s) )) label=$1; shift
       (( rest < 10 )) && { echo "budget: stopped before $label" | tee -a "$OUT/ffi_sanitize.log" >>"$OUT/san_rc.txt"; return 200; }
-      timeout "$rest" bash -c "$(declare -p san_filter); $(declare -f san); san \"\$@\"" _ "$@" >"$OUT/san_last.log" 2>&1
+      san_timed "$rest" "$@" >"$OUT/san_last.log" 2>&1
       local rc=$?; cat "$OUT/san_last.log" >>"$OUT/ffi_sanitize.log"
       # A segfaulted sanitizer can leave its python child running with its GPU memory (on
       # 2026-12-01 the process after two such crashes ran out of device memory): end it.
@@ -234,7 +239,7 @@ if stage sanitize; then
     rm -f "$OUT/san_ids.txt" "$OUT/san_last.log"
   else
     # shellcheck disable=SC2086
-    timeout $(( san_end - $(date +%s) )) san $TEST_NODES -x "${kargs[@]}" >"$OUT/ffi_sanitize.log" 2>&1
+    san_timed $(( san_end - $(date +%s) )) $TEST_NODES -x "${kargs[@]}" >"$OUT/ffi_sanitize.log" 2>&1
     log "sanitizer rc=$? (0: no errors and tests passed; 99: memcheck errors)"
   fi
   grep -E "ERROR SUMMARY|passed|failed|Invalid|out of bounds" "$OUT/ffi_sanitize.log" | tail -20 | tee -a "$OUT/ffi_summary.txt"
