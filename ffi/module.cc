@@ -130,7 +130,6 @@ NB_MODULE(_ffi, m) {
     kf["pdl"] = int64_t(KernelFlag::kPdl);
     kf["natural_intermediate"] = int64_t(KernelFlag::kNaturalIntermediate);
     kf["plain_weight_loads"] = int64_t(KernelFlag::kPlainWeightLoads);
-    kf["wgmma_tile_pairs"] = int64_t(KernelFlag::kWgmmaTilePairs);
     c["KernelFlag"] = kf;
     nb::dict pairing;
     pairing["none"] = int64_t(Pairing::kNone);

@@ -62,11 +62,10 @@ enum class KernelFlag : int64_t {
   // 4096 / 8192: kWgmmaFourGroups (four warpgroups per one-block wgmma CTA) / kTmaGemm1 (GEMM1 on the
   // TMA-fed wgmma kernel, its rows gathered into the chunk order by XLA first) for H200 A/Bs on
   // 2026-12-02, removed: 6-12% / 4-12% slower prefill layers.
-  kWgmmaTilePairs = 16384,  // the TMA-fed GEMM2 (one block) on pairs of one expert's 64-row tiles
-                            // (m64n128 wgmmas, one CTA per SM) instead of one tile per CTA: 23-30%
-                            // slower layers on the H200 (2026-12-02)
+  // 16384: kWgmmaTilePairs (the TMA-fed GEMM2 on pairs of one expert's 64-row tiles, m64n128 wgmmas,
+  // one CTA per SM) for one H200 A/B on 2026-12-02, removed: 23-30% slower layers (dabc4ef).
 };
-constexpr int64_t kAllKernelFlags = 17150;
+constexpr int64_t kAllKernelFlags = 766;
 // grouped_gemm's `pairing` bits: which operands hold a kernel order instead of the natural one.
 // kA / kOut: a's K axis / out's feature axis in the paired order (PairedPos). moe's intermediate
 // uses it on mma.sync tiles (but with KernelFlag kNaturalIntermediate): GEMM1 writes it paired,

@@ -83,7 +83,8 @@ class KernelFlag(enum.IntFlag):
     # 1024 / 2048: L2_PREFETCH / SPLIT_GATE_UP (decode tiles) for one A/B on 2026-12-01, removed: slower on the H200
     # 4096 / 8192: WGMMA_FOUR_GROUPS (four-warpgroup one-block wgmma CTAs) / TMA_GEMM1 (GEMM1 on the TMA-fed
     # wgmma kernel after an XLA gather into the chunk order) for A/Bs on 2026-12-02, removed: slower on the H200
-    WGMMA_TILE_PAIRS = 16384  # the TMA-fed GEMM2 (one block) on pairs of one expert's tiles: slower on the H200
+    # 16384: WGMMA_TILE_PAIRS (the TMA-fed GEMM2 on pairs of one expert's tiles, m64n128) for one A/B on
+    # 2026-12-02, removed: 23-30% slower on the H200 (one CTA per SM)
 
 
 class Pairing(enum.IntFlag):

@@ -819,16 +819,16 @@ def test_chunk_order_positions():
 @pytest.mark.parametrize("on_gpu", [False, pytest.param(True, marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("h", [128, 1280])
 @pytest.mark.parametrize("flags", [0, int(ops.KernelFlag.WGMMA_TWO_BLOCKS), int(ops.KernelFlag.ROW_TILES_FIRST),
-                                   int(ops.KernelFlag.PDL), int(ops.KernelFlag.WGMMA_TILE_PAIRS)])
+                                   int(ops.KernelFlag.PDL)])
 @pytest.mark.parametrize("gated", [False, True])
 def test_gemm_chunk_order_is_the_same_function(on_gpu, h, flags, gated):
     """GEMM2's case (identity, not gathered, bf16 out) and a gated one (GEMM1's, rows gathered
     beforehand) on 64-row tiles with ``a`` in the chunk order (Pairing.CHUNK_A: on the GPU the
     TMA-fed wgmma kernel, here over one chunk and over ten, round its ring of four) give bitwise the
     natural-order output of the same tiling (rows and blocked weights; 384 features: a half-used
-    slab for the two-block kernel; ``a`` ends 70 rows before the last used tile does; 200 tokens x
-    4 over 5 experts: two or three tiles an expert, so WGMMA_TILE_PAIRS runs pairs of one expert's
-    tiles and lone tiles), and CHUNK_OUT writes that output in the chunk order."""
+    slab for the two-block kernel; 200 tokens x 4 over 5 experts: two or three tiles an expert;
+    ``a`` ends 70 rows before the last used tile does), and CHUNK_OUT writes that output in the
+    chunk order."""
     if on_gpu and not has_gpu():
         pytest.skip("needs an NVIDIA GPU")
     if not on_gpu and flags:
@@ -898,8 +898,7 @@ def test_gpu_moe_chunk_intermediate_is_bitwise_natural(i):
     """w4a16 moe on 64-row tiles (600 tokens x 4 of 16 experts) with I % 128 == 0 writes its
     intermediate in the chunk order and runs GEMM2 on the TMA-fed wgmma kernel: bitwise the layer
     with the natural intermediate (NATURAL_INTERMEDIATE: the staged kernel), on rows and blocked
-    weights, and close to the twin. About three tiles an expert: GEMM2 with WGMMA_TILE_PAIRS runs
-    pairs of one expert's tiles and lone tiles, bitwise too."""
+    weights, and close to the twin."""
     if not has_gpu() or not ops.chunk_intermediate_supported():
         pytest.skip("needs an sm_90 GPU and an sm_90a build")
     assert ops.choose_tile_m(600 * 4, 16) == 64
@@ -911,8 +910,6 @@ def test_gpu_moe_chunk_intermediate_is_bitwise_natural(i):
         want = f32(ops.moe(x, experts, ids, w, kernel_flags=int(ops.KernelFlag.NATURAL_INTERMEDIATE)))
         assert np.isfinite(want).all() and (want != 0).any()
         np.testing.assert_array_equal(got, want, err_msg=experts.gate_up.order)
-        pairs = f32(ops.moe(x, experts, ids, w, kernel_flags=int(ops.KernelFlag.WGMMA_TILE_PAIRS)))
-        np.testing.assert_array_equal(pairs, want, err_msg=f"{experts.gate_up.order} WGMMA_TILE_PAIRS")
         assert relerr(got, f32(ops.moe(x, experts, ids, w, impl="jax"))) < 1e-2
 
 

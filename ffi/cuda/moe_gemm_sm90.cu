@@ -39,7 +39,6 @@
 
 #include <atomic>
 #include <string>
-#include <type_traits>
 
 #include "cuda/cuda_util.h"
 #include "cuda/gemm_common.cuh"
@@ -80,7 +79,7 @@ __device__ __forceinline__ void Hold(T (&values)[N]) {  // every element of a (n
 }
 
 // d[64 features x 64 rows] += a (registers) x B (shared memory, descriptor), fp32 accumulate.
-__device__ __forceinline__ void Wgmma(float (&d)[8][4], const uint32_t (&a)[4], uint64_t desc) {
+__device__ __forceinline__ void Wgmma64x64(float (&d)[8][4], const uint32_t (&a)[4], uint64_t desc) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
@@ -93,25 +92,6 @@ __device__ __forceinline__ void Wgmma(float (&d)[8][4], const uint32_t (&a)[4], 
         "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
         "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]),
         "+f"(d[7][2]), "+f"(d[7][3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
-}
-
-// d[64 features x 128 rows] += a x B: the D layout of two 64-row ones side by side (d[0..7] rows
-// 0-63, d[8..15] rows 64-127).
-__device__ __forceinline__ void Wgmma(float (&d)[16][4], const uint32_t (&a)[4], uint64_t desc) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-      "{%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
-      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
-        "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
-        "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
-        "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]),
-        "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]),
-        "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]),
-        "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]),
-        "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
 }
 
@@ -176,29 +156,25 @@ __device__ __forceinline__ void TmaLoadPanel(uint32_t dst, const CUtensorMap* ma
 }
 
 // One chunk (CH = 128 or the 64 tail) of MMAs from registers w and the staged buffer at
-// `buf` (shared address: two panels of N rows x 64 K). A piece (one code word per row) is two
-// 16-K steps; its decoded A words (a: [buffer][block][row g, g + 8][word]) are double buffered
-// across pieces, so piece pp + 1 decodes while pp multiplies. DRAIN: ends with every wgmma of the
-// chunk complete; otherwise the last piece's wgmmas stay in flight into the next chunk's call
-// (the same `a`), which calls prev_done() once the previous chunk's wgmmas are all complete (at
-// its second piece), so that the MMA pipe never empties between chunks.
-template <int CH, int NF, int N = kTokens, bool DRAIN = true, typename PrevDone>
-__device__ __forceinline__ void ChunkMma(const WeightRegs<CH, NF>& w, uint32_t buf, float (&acc)[NF][N / 8][4],
-                                         uint32_t (&a)[2][NF][2][4], PrevDone&& prev_done) {
-  static_assert(CH / 32 % 2 == 0 || DRAIN, "an even number of pieces keeps the buffer parity across chunks");
+// `buf` (shared address). A piece (one code word per row) is two 16-K steps; its decoded A
+// words are double buffered across pieces, so piece pp + 1 decodes while pp multiplies.
+// Ends with every wgmma of the chunk complete.
+template <int CH, int NF>
+__device__ __forceinline__ void ChunkMma(const WeightRegs<CH, NF>& w, uint32_t buf, float (&acc)[NF][8][4]) {
   constexpr int kPieces = CH / 32;
   uint32_t scale[NF][2][2];
   w.BlockScales(scale);
   // Step s's descriptor is the chunk's plus its byte offset / 16: the address field (14 bits of
-  // address / 16) cannot carry, shared memory being under 256 KB.
+  // address / 16) cannot carry, shared memory being under 256 KB (sm_90a SASS, 2026-12-02: 5-9%
+  // fewer loop instructions than a descriptor built per step).
   const uint64_t desc0 = SmemDesc(buf);
+  uint32_t a[2][NF][2][4];  // [buffer][block][row g, g + 8][decoded word]
 #pragma unroll
   for (int pp = 0; pp < kPieces; ++pp) {
     const int b = pp & 1;
-    if (!DRAIN || pp >= 2) {  // the piece before the last one (which read a[b]) is complete
+    if (pp >= 2) {  // piece pp - 2 (which read a[b]) is complete
       WgmmaWait<1>();
       Hold(a[b]);
-      if (!DRAIN && pp == 1) prev_done();
     }
 #pragma unroll
     for (int j = 0; j < NF; ++j)
@@ -208,25 +184,19 @@ __device__ __forceinline__ void ChunkMma(const WeightRegs<CH, NF>& w, uint32_t b
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int s = 2 * pp + half;  // 16-K step
-      const uint64_t desc = desc0 + (((s >> 2) * (N * 128) + (s & 3) * 32) >> 4);
+      const uint64_t desc = desc0 + (((s >> 2) * kPanelBytes + (s & 3) * 32) >> 4);
 #pragma unroll
       for (int j = 0; j < NF; ++j) {
         uint32_t frag[4];
         AFragment(a[b][j], half, frag);
-        Wgmma(acc[j], frag, desc);
+        Wgmma64x64(acc[j], frag, desc);
       }
     }
     WgmmaCommit();
   }
-  if (DRAIN) {
-    WgmmaWait<0>();
-    Hold(a);
-  }
-}
-template <int CH, int NF>
-__device__ __forceinline__ void ChunkMma(const WeightRegs<CH, NF>& w, uint32_t buf, float (&acc)[NF][8][4]) {
-  uint32_t a[2][NF][2][4];
-  ChunkMma<CH, NF>(w, buf, acc, a, [] {});
+  WgmmaWait<0>();
+  Hold(a[0]);
+  Hold(a[1]);
 }
 #endif  // JAX_NVFP4_WGMMA
 
@@ -441,127 +411,12 @@ __global__ void __launch_bounds__(kWgThreadsPerCta, MinCtas<GATED, NB>()) W4A16W
 #endif
 }
 
-// W4A16WgmmaTmaPairs: the TMA-fed GEMM2 (non-gated, one block) on pairs of row tiles. CTA u takes
-// row tiles 2u and 2u + 1: when one expert holds both, one pass over K with m64n128 wgmmas, so that
-// each decoded weight feeds 128 rows instead of 64 (the decode is most of the MMA warps'
-// instructions); otherwise each used tile alone, one pass after the other, as the one-tile kernel
-// does. A ring stage holds 128 rows x 128 K (two panels of 128 rows; a lone tile uses the first
-// 64 rows of 64-row panels), so one CTA per SM.
-constexpr int kPairStages = 4;
-constexpr int kPairLookahead = kPairStages - 2;
-constexpr int kPairChunkBytes = 2 * kChunkBytes;
-constexpr int kPairSmemBytes = kPairStages * kPairChunkBytes + 2 * kPairStages * 8 + 1024;
-
-struct TilePass {
-  int64_t tile;  // the first row tile
-  int32_t e;     // its expert
-  bool pair;     // tile + 1 too
-};
-
-template <bool BW>
-__global__ void __launch_bounds__(kWgThreadsPerCta, 1) W4A16WgmmaTmaPairs(const GemmParams p,
-                                                                       const __grid_constant__ CUtensorMap amap) {
-#ifdef JAX_NVFP4_WGMMA
-  extern __shared__ uint8_t smem_raw[];
-  const uint32_t ring = (SmemU32(smem_raw) + 1023) & ~1023u;
-  const uint32_t full_bar = ring + kPairStages * kPairChunkBytes, empty_bar = full_bar + 8 * kPairStages;
-
-  GridDependencyWait();
-  int64_t unit, slab;
-  TileAndSlab<false, 1>(p, unit, slab);
-  const int64_t tiles = p.P / kTokens, t0 = 2 * unit;
-  auto expert = [&](int64_t tile) -> int32_t {  // -1: past P, unused or another shard's expert
-    const int32_t e = tile < tiles ? p.tile_expert[tile] : -1;
-    return e >= 0 && e < p.E ? e : -1;
-  };
-  const int32_t e0 = expert(t0), e1 = expert(t0 + 1);
-  // Up to two passes, uniform over the CTA (as locals: a dynamically indexed array would live in
-  // local memory). The choices go through warp votes, which the compiler knows to be uniform (on
-  // loaded values, it would keep the K loop's shared-memory addresses in per-thread registers and
-  // move them to uniform ones before every wgmma: 32-40 more instructions per chunk).
-  const bool used0 = __all_sync(~0u, e0 >= 0), used1 = __all_sync(~0u, e1 >= 0);
-  const bool pair = __all_sync(~0u, e0 >= 0 && e1 == e0);
-  const TilePass pass0 = used0 ? TilePass{t0, e0, pair} : TilePass{t0 + 1, e1, false};
-  const TilePass pass1{t0 + 1, e1, false};
-  const int passes = (used0 || used1 ? 1 : 0) + (used0 && used1 && !pair ? 1 : 0);
-  if (passes == 0) return;
-  const int64_t chunks = p.K / 128, total = passes * chunks;
-  const bool copier = threadIdx.x == 0;
-  // Global chunk i (pass i / chunks) into its stage, once the MMAs of the chunk it held are done.
-  auto copy = [&](int64_t i) {
-    const TilePass ps = i < chunks ? pass0 : pass1;
-    const int64_t kc = (i < chunks ? i : i - chunks) * 128;
-    const int s = int(i % kPairStages), rows = ps.pair ? 2 : 1;
-    const uint32_t round = uint32_t(i / kPairStages);
-    if (round > 0) MbarWait(empty_bar + 8 * s, (round - 1) & 1);
-    MbarExpectBytes(full_bar + 8 * s, rows * kChunkBytes);
-    for (int panel = 0; panel < 2; ++panel)
-      for (int r = 0; r < rows; ++r)
-        TmaLoadPanel(ring + s * kPairChunkBytes + (panel * rows + r) * kPanelBytes, &amap, int32_t(kc + 64 * panel),
-                     int32_t((ps.tile + r) * kTokens), full_bar + 8 * s);
-  };
-  if (copier) {
-    for (int s = 0; s < kPairStages; ++s) {
-      MbarInit(full_bar + 8 * s, 1);
-      MbarInit(empty_bar + 8 * s, kWgThreadsPerCta);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    for (int64_t i = 0; i < kPairLookahead && i < total; ++i) copy(i);
-  }
-  __syncthreads();
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int g = lane >> 2, t = lane & 3;
-  int64_t i = 0;  // global chunk
-  for (int pi = 0; pi < passes; ++pi) {
-    const TilePass ps = pi ? pass1 : pass0;
-    int64_t feat[1];
-    bool active[1];
-    const uint8_t* wrow[1][2];
-    const uint8_t* srow[1][2];
-    WarpRows<false, 1, BW>(p, ps.e, slab, warp, g, feat, active, wrow, srow);
-    float acc[1][16][4];
-    ZeroAcc(reinterpret_cast<float(&)[2][8][4]>(acc));
-    WeightRegs<128, 1> cur;
-    cur.template Load<false, BW>(wrow, srow, 0, t);
-    uint32_t a[2][1][2][4];
-    auto k_loop = [&](auto rows) {  // rows: 64 or 128 (std::integral_constant)
-      constexpr int N = decltype(rows)::value;
-      for (int64_t c = 0; c < chunks; ++c, ++i) {
-        const int s = int(i % kPairStages);
-        if (copier && i + kPairLookahead < total) copy(i + kPairLookahead);
-        WeightRegs<128, 1> next;
-        if (c + 1 < chunks) next.template Load<false, BW>(wrow, srow, (c + 1) * 128, t);
-        MbarWait(full_bar + 8 * s, uint32_t(i / kPairStages) & 1);
-        // The wgmmas stay in flight across chunks; the previous chunk's stage is handed back
-        // once they are done.
-        ChunkMma<128, 1, N, false>(cur, ring + s * kPairChunkBytes, reinterpret_cast<float(&)[1][N / 8][4]>(acc), a,
-                                   [&] {
-                                     if (c > 0) MbarArrive(empty_bar + 8 * int((i - 1) % kPairStages));
-                                   });
-        if (c + 1 < chunks) cur = next;
-      }
-    };
-    ps.pair ? k_loop(std::integral_constant<int, 128>{}) : k_loop(std::integral_constant<int, 64>{});
-    WgmmaWait<0>();
-    Hold(a);
-    MbarArrive(empty_bar + 8 * int((i - 1) % kPairStages));
-    Hold(acc);
-    if (active[0]) {
-      const auto& half = reinterpret_cast<const float(&)[2][1][8][4]>(acc);
-      Epilogue<8, 1, false, uint16_t>(p, ps.e, ps.tile, feat[0], half[0]);
-      if (ps.pair) Epilogue<8, 1, false, uint16_t>(p, ps.e, ps.tile + 1, feat[0], half[1]);
-    }
-  }
-#endif
-}
-
-// The grid of every kernel here: a CTA per feature slab and row tile (or pair of row tiles:
-// TILES = 2), slabs_first: 1-D when it fits.
-template <bool GATED, int NB, int TILES = 1>
+// The grid of either kernel (slabs_first: 1-D when it fits).
+template <bool GATED, int NB>
 dim3 Grid(GemmParams& p, bool slabs_first) {
-  const int64_t units = CeilDiv<int64_t>(p.P / kTokens, TILES), slabs = CeilDiv<int64_t>(p.n_out, CtaFeatures<GATED, NB>());
-  p.slabs_first = slabs_first && units * slabs <= 0x7FFFFFFF;  // else the 2-D grid (x up to 2^31 - 1)
-  return p.slabs_first ? dim3(unsigned(units * slabs)) : dim3(unsigned(units), unsigned(slabs));
+  const int64_t tiles = p.P / kTokens, slabs = CeilDiv<int64_t>(p.n_out, CtaFeatures<GATED, NB>());
+  p.slabs_first = slabs_first && tiles * slabs <= 0x7FFFFFFF;  // else the 2-D grid (x up to 2^31 - 1)
+  return p.slabs_first ? dim3(unsigned(tiles * slabs)) : dim3(unsigned(tiles), unsigned(slabs));
 }
 
 template <bool GATED, int NB, typename OutT, bool BW>
@@ -608,36 +463,33 @@ std::string EncodeActivationMap(const GemmParams& p, CUtensorMap* map) {
   return r == CUDA_SUCCESS ? "" : "cuTensorMapEncodeTiled failed with CUresult " + std::to_string(int(r));
 }
 
-// Launches a TMA-fed kernel with `smem` bytes of shared memory (TILES row tiles per CTA). Over 48
-// KB needs the opt-in, once per kernel and device (a host call, also allowed while XLA captures a
-// graph: H200, 2026-12-02).
-template <auto Kernel, bool GATED, int NB, int TILES = 1>
-std::string LaunchTma(GemmParams p, int smem, bool slabs_first, bool pdl, cudaStream_t stream) {
+template <bool GATED, int NB, bool BW>
+std::string LaunchTma(GemmParams p, bool slabs_first, bool pdl, cudaStream_t stream) {
   CUtensorMap map;
   if (std::string err = EncodeActivationMap(p, &map); !err.empty()) return err;
+  // Over 48 KB of shared memory needs the opt-in, once per kernel and device (a host call, also
+  // allowed while XLA captures a graph: H200, 2026-12-02).
   static std::atomic<bool> opted_in[64];
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return "no current CUDA device (or over 64)";
   if (!opted_in[dev].load(std::memory_order_acquire)) {
-    const cudaError_t attr = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    const cudaError_t attr = cudaFuncSetAttribute(W4A16WgmmaTma<GATED, NB, uint16_t, BW>,
+                                                  cudaFuncAttributeMaxDynamicSharedMemorySize, kTmaSmemBytes);
     if (attr != cudaSuccess) {
       (void)cudaGetLastError();  // not a launch error of a later call
       return std::string("the shared-memory opt-in failed: ") + cudaGetErrorString(attr);
     }
     opted_in[dev].store(true, std::memory_order_release);
   }
-  const dim3 grid = Grid<GATED, NB, TILES>(p, slabs_first);
-  LaunchKernel(Kernel, grid, kWgThreadsPerCta, smem, stream, pdl, p, map);
+  const dim3 grid = Grid<GATED, NB>(p, slabs_first);
+  LaunchKernel(W4A16WgmmaTma<GATED, NB, uint16_t, BW>, grid, kWgThreadsPerCta, kTmaSmemBytes, stream, pdl, p, map);
   return "";
 }
 
 template <bool BW>
-std::string LaunchTmaFor(const GemmParams& p, bool gated, bool one_block, bool pairs, bool sf, bool pdl,
-                         cudaStream_t stream) {
-  if (gated) return LaunchTma<W4A16WgmmaTma<true, 2, uint16_t, BW>, true, 2>(p, kTmaSmemBytes, sf, pdl, stream);
-  if (!one_block) return LaunchTma<W4A16WgmmaTma<false, 2, uint16_t, BW>, false, 2>(p, kTmaSmemBytes, sf, pdl, stream);
-  if (pairs) return LaunchTma<W4A16WgmmaTmaPairs<BW>, false, 1, 2>(p, kPairSmemBytes, sf, pdl, stream);
-  return LaunchTma<W4A16WgmmaTma<false, 1, uint16_t, BW>, false, 1>(p, kTmaSmemBytes, sf, pdl, stream);
+std::string LaunchTmaFor(const GemmParams& p, bool gated, bool one_block, bool sf, bool pdl, cudaStream_t stream) {
+  if (gated) return LaunchTma<true, 2, BW>(p, sf, pdl, stream);
+  return one_block ? LaunchTma<false, 1, BW>(p, sf, pdl, stream) : LaunchTma<false, 2, BW>(p, sf, pdl, stream);
 }
 
 // Compute capability major of the current device, cached per device (no stream operation,
@@ -664,9 +516,8 @@ bool LaunchWgmmaGemm(const GemmParams& p, bool gated, bool f32_out, int64_t kern
   const bool sf = !(kernel_flags & int64_t(KernelFlag::kRowTilesFirst)), pdl = kernel_flags & int64_t(KernelFlag::kPdl);
   const bool bw = p.pairing & int32_t(Pairing::kBlockedW);
   if (p.pairing & int32_t(Pairing::kChunkA)) {  // the handler checked: bf16 out, not gathered
-    const bool pairs = kernel_flags & int64_t(KernelFlag::kWgmmaTilePairs);
-    *error = bw ? LaunchTmaFor<true>(p, gated, one_block, pairs, sf, pdl, stream)
-                : LaunchTmaFor<false>(p, gated, one_block, pairs, sf, pdl, stream);
+    *error = bw ? LaunchTmaFor<true>(p, gated, one_block, sf, pdl, stream)
+                : LaunchTmaFor<false>(p, gated, one_block, sf, pdl, stream);
     return true;
   }
   bw ? LaunchFor<true>(p, gated, f32_out, one_block, sf, pdl, stream)
