@@ -289,7 +289,8 @@ if stage ab; then
   # 4096 (four-warpgroup CTAs) and 8192 (GEMM1 on the TMA-fed kernel after an XLA gather) removed on
   # 2026-12-02 (BENCHMARKS.md sessions 14-15), 16384 (GEMM2 on pairs of one expert's tiles, m64n128,
   # one CTA per SM: 1.23-1.30x slower) too (session 16).
-  abpart prefill 240 "--modes w4a16 --tokens 1024,4096 --ffi-flags 4,128 --ffi-rows" "${AB_PREFILL:-}"
+  # 32768: GEMM1 on the warp-specialized kernel (session 16: bitwise the default, not yet timed).
+  abpart prefill 240 "--modes w4a16 --tokens 1024,4096 --ffi-flags 128,32768" "${AB_PREFILL:-}"
   log "A/B verdicts (variant time / default time, same run)"
   python3 benchmarks/ab_summary.py $(ls "$OUT"/ab_*.json 2>/dev/null) 2>&1 | tee -a "$OUT/ffi_summary.txt"
 fi

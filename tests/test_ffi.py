@@ -853,6 +853,29 @@ def test_gemm_chunk_order_is_the_same_function(on_gpu, h, flags, gated):
             np.testing.assert_array_equal(out, want, err_msg=f"{impl} {ww.order} CHUNK_OUT")
 
 
+@pytest.mark.parametrize("on_gpu", [False, pytest.param(True, marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("h", [128, 1280])
+def test_gemm_warp_specialized_is_the_same_function(on_gpu, h):
+    """GEMM1's case (gated, rows gathered, bf16 out) on 64-row tiles with blocked weights and ``x``
+    in the chunk order, KernelFlag.WARP_SPECIALIZED (on the GPU the warp-specialized kernel: weights
+    by tensor copies, rows by cp.async into a ring, over one chunk and over ten): bitwise the
+    natural-order output of the staged kernel (320 features: the second slab of 192 has one idle
+    MMA warpgroup; 200 tokens x 4 over 5 experts, some pairs dropped)."""
+    if on_gpu and not has_gpu():
+        pytest.skip("needs an NVIDIA GPU")
+    act, mode, out_dtype = ops.Activation.SWIGLU, ops.RowScale.NONE, BF16
+    a, w, sid, te, rs = _gemm_problem(act, True, mode, t=200, k=4, e=5, h=h, n=320, tile_m=64, seed=h + 1)
+    wb = nv.to_blocked_weights(w)
+    used = used_rows(sid, te, 64)
+    dev = jax.devices()[0] if on_gpu else jax.devices("cpu")[0]
+    with jax.default_device(dev):
+        want = f32(_run_gemm("ffi", a, wb, sid, te, rs, act, True, mode, out_dtype, 64, 4))[used]
+        got = f32(_run_gemm("ffi", ops.to_chunk_order(a), wb, sid, te, rs, act, True, mode, out_dtype, 64, 4,
+                            kernel_flags=int(ops.KernelFlag.WARP_SPECIALIZED), pairing=ops.Pairing.CHUNK_A))[used]
+    assert np.isfinite(want).all() and (want != 0).any()
+    np.testing.assert_array_equal(got, want)
+
+
 def test_gemm_chunk_order_needs_whole_chunks():
     act, gather, mode, out_dtype = GEMM_CASES[4]
     a, w, sid, te, rs = _gemm_problem(act, gather, mode, h=192, n=64, tile_m=64)
@@ -886,10 +909,12 @@ def test_moe_chunk_intermediate_is_the_same_layer_on_cpu(monkeypatch):
     ex = make_experts(21, 8, 256, 128)
     x, (ids, w) = make_x(22, 100, 256), make_routing(23, 100, 4, 8)
     with jax.default_device(jax.devices("cpu")[0]):
-        run = lambda flags: f32(ops.moe(x, ex, ids, w, tile_m=64, kernel_flags=int(flags)))
+        run = lambda flags, e=ex: f32(ops.moe(x, e, ids, w, tile_m=64, kernel_flags=int(flags)))
         want = run(ops.KernelFlag.NATURAL_INTERMEDIATE)
         assert np.isfinite(want).all() and (want != 0).any()
         np.testing.assert_array_equal(run(0), want)
+        # GEMM1 reading x in the chunk order (blocked weights): the same bytes too.
+        np.testing.assert_array_equal(run(ops.KernelFlag.WARP_SPECIALIZED, nv.to_blocked_experts(ex)), want)
 
 
 @pytest.mark.gpu
@@ -898,7 +923,8 @@ def test_gpu_moe_chunk_intermediate_is_bitwise_natural(i):
     """w4a16 moe on 64-row tiles (600 tokens x 4 of 16 experts) with I % 128 == 0 writes its
     intermediate in the chunk order and runs GEMM2 on the TMA-fed wgmma kernel: bitwise the layer
     with the natural intermediate (NATURAL_INTERMEDIATE: the staged kernel), on rows and blocked
-    weights, and close to the twin."""
+    weights, and close to the twin; so is the layer whose GEMM1 runs on the warp-specialized kernel
+    (WARP_SPECIALIZED)."""
     if not has_gpu() or not ops.chunk_intermediate_supported():
         pytest.skip("needs an sm_90 GPU and an sm_90a build")
     assert ops.choose_tile_m(600 * 4, 16) == 64
@@ -911,6 +937,9 @@ def test_gpu_moe_chunk_intermediate_is_bitwise_natural(i):
         assert np.isfinite(want).all() and (want != 0).any()
         np.testing.assert_array_equal(got, want, err_msg=experts.gate_up.order)
         assert relerr(got, f32(ops.moe(x, experts, ids, w, impl="jax"))) < 1e-2
+        # GEMM1 on the warp-specialized kernel (blocked weights; on rows the flag changes nothing).
+        ws = f32(ops.moe(x, experts, ids, w, kernel_flags=int(ops.KernelFlag.WARP_SPECIALIZED)))
+        np.testing.assert_array_equal(ws, want, err_msg=f"{experts.gate_up.order} WARP_SPECIALIZED")
 
 
 @pytest.mark.parametrize("on_gpu", [False, pytest.param(True, marks=pytest.mark.gpu)])

@@ -145,13 +145,12 @@ __device__ __forceinline__ void MbarWait(uint32_t bar, uint32_t parity) {
       "r"(parity)
       : "memory");
 }
-// The 2-D tensor copy of box {64 K, 64 rows} at (k, row) of the activation map into `dst`
-// (1024-aligned: the map's 128-byte swizzle is the wgmma one), completing on `bar`.
-__device__ __forceinline__ void TmaLoadPanel(uint32_t dst, const CUtensorMap* map, int32_t k, int32_t row,
-                                             uint32_t bar) {
+// The 2-D tensor copy of the box at (x, y) of `map` into `dst` (the activation map: box {64 K, 64
+// rows} at (k, row), 1024-aligned `dst`, its 128-byte swizzle the wgmma one), completing on `bar`.
+__device__ __forceinline__ void TmaLoad2d(uint32_t dst, const CUtensorMap* map, int32_t x, int32_t y, uint32_t bar) {
   asm volatile(
       "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
-      ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(k), "r"(row), "r"(bar)
+      ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(bar)
       : "memory");
 }
 
@@ -373,7 +372,7 @@ __global__ void __launch_bounds__(kWgThreadsPerCta, MinCtas<GATED, NB>()) W4A16W
     MbarExpectBytes(full_bar + 8 * s, kChunkBytes);
 #pragma unroll
     for (int panel = 0; panel < 2; ++panel)
-      TmaLoadPanel(ring + s * kChunkBytes + panel * kPanelBytes, &amap, int32_t(c * 128 + 64 * panel),
+      TmaLoad2d(ring + s * kChunkBytes + panel * kPanelBytes, &amap, int32_t(c * 128 + 64 * panel),
                    int32_t(tile * kTokens), full_bar + 8 * s);
   };
   if (copier) {
@@ -411,6 +410,135 @@ __global__ void __launch_bounds__(kWgThreadsPerCta, MinCtas<GATED, NB>()) W4A16W
 #endif
 }
 
+// W4A16WgmmaWs: gated GEMM1 (KernelFlag::kWarpSpecialized; blocked weights, `a` in the chunk order,
+// gathered or not, bf16 out) with warp-specialized roles. A CTA is kWsConsumers MMA warpgroups (64
+// features each: its gate and up rows) and one producer warpgroup, which fills a ring of kWsStages
+// stages per 128-K chunk: the weight blocks of the CTA's gate and up rows by four 2-D tensor copies
+// (one thread), the tile's 64 activation rows by 16-byte cp.async copies (each producer thread half a
+// row, gathered through sorted_ids, zeros for padding rows). The MMA warps load their weights from
+// shared memory (no global load in flight), decode and issue wgmmas; the roles' register budgets
+// are set apart (setmaxnreg), so three MMA warpgroups fit where the staged kernel has two.
+constexpr int kWsConsumers = 3;
+constexpr int kWsThreads = (kWsConsumers + 1) * 128;
+constexpr int kWsFrags = 4 * kWsConsumers;  // 16-row weight fragments of the gate (or up) rows of a CTA
+constexpr int kWsFeatures = 16 * kWsFrags;
+constexpr int kWsCodeBytes = kWsFrags * kBlockRows * kBlockCodeBytes;   // one 128-K block per fragment
+constexpr int kWsScaleBytes = kWsFrags * kBlockRows * kBlockScaleBytes;
+constexpr int kWsWeightBytes = 2 * (kWsCodeBytes + kWsScaleBytes);     // gate and up
+constexpr int kWsStageBytes = kChunkBytes + kWsWeightBytes;           // [activations][codes g, u][scales g, u]
+constexpr int kWsStages = 4;
+constexpr int kWsSmemBytes = kWsStages * kWsStageBytes + 2 * kWsStages * 8 + 1024;
+static_assert(kWsStageBytes % 1024 == 0, "stages keep the 1024-byte alignment of the swizzled activations");
+constexpr int kWsProducerRegs = 40, kWsConsumerRegs = 152;  // (3 * 152 + 40) * 128 <= 64 K registers
+static_assert((kWsConsumers * kWsConsumerRegs + kWsProducerRegs) * 128 <= 65536, "one CTA per SM");
+
+#ifdef JAX_NVFP4_WGMMA
+// cp.async of 16 bytes (src_bytes of them read, the rest zero), completing on the thread's next
+// CpAsyncArrive.
+__device__ __forceinline__ void CpAsync16(uint32_t dst, const void* src, uint32_t src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void CpAsyncArrive(uint32_t bar) {  // one expected arrival, once they land
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+#endif
+
+__global__ void __launch_bounds__(kWsThreads, 1)
+    W4A16WgmmaWs(const GemmParams p, const __grid_constant__ CUtensorMap codes,
+                 const __grid_constant__ CUtensorMap scales) {
+#ifdef JAX_NVFP4_WGMMA
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t ring = (SmemU32(smem_raw) + 1023) & ~1023u;
+  const uint32_t full_bar = ring + kWsStages * kWsStageBytes, empty_bar = full_bar + 8 * kWsStages;
+
+  GridDependencyWait();
+  const int64_t slabs = CeilDiv<int64_t>(p.n_out, kWsFeatures);
+  const int64_t tile = blockIdx.x / slabs, slab = blockIdx.x % slabs;
+  const int32_t e = p.tile_expert[tile];
+  if (e < 0 || e >= p.E) return;  // unused tile (uniform over the CTA)
+  const int64_t chunks = p.K / 128;
+  const int wg = threadIdx.x >> 7;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kWsStages; ++s) {
+      MbarInit(full_bar + 8 * s, 1 + 128);  // the weight copies' thread, and each producer's cp.async
+      MbarInit(empty_bar + 8 * s, 128 * kWsConsumers);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  if (wg == kWsConsumers) {  // the producer warpgroup
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kWsProducerRegs));
+    const int pt = threadIdx.x & 127, n = pt >> 1, panel = pt & 1;  // row n, K half `panel` of each chunk
+    const int64_t src = SourceRow(p, tile * kTokens + n);
+    const uint16_t* xrow = p.a + (src >= 0 ? src : 0) * p.K + 64 * panel;
+    const uint32_t x_bytes = src >= 0 ? 16 : 0;
+    // Rows of the CTA's gate and up fragments in the weight maps ([E * N / 16] fragments).
+    const int32_t gate_frag = int32_t((int64_t(e) * p.N + slab * kWsFeatures) / kBlockRows);
+    const int32_t up_frag = gate_frag + int32_t(p.n_out / kBlockRows);
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int s = int(c % kWsStages);
+      const uint32_t round = uint32_t(c / kWsStages), stage = ring + s * kWsStageBytes;
+      if (round > 0) MbarWait(empty_bar + 8 * s, (round - 1) & 1);
+      if (pt == 0) {
+        MbarExpectBytes(full_bar + 8 * s, kWsWeightBytes);
+        const uint32_t w = stage + kChunkBytes, sc = w + 2 * kWsCodeBytes;
+        const int32_t kc = int32_t(c * kBlockRows * kBlockCodeBytes / 4);  // (32-bit words)
+        const int32_t ks = int32_t(c * kBlockRows * kBlockScaleBytes / 4);
+        TmaLoad2d(w, &codes, kc, gate_frag, full_bar + 8 * s);
+        TmaLoad2d(w + kWsCodeBytes, &codes, kc, up_frag, full_bar + 8 * s);
+        TmaLoad2d(sc, &scales, ks, gate_frag, full_bar + 8 * s);
+        TmaLoad2d(sc + kWsScaleBytes, &scales, ks, up_frag, full_bar + 8 * s);
+      }
+      // Logical 16-byte piece q of this half (a is in the chunk order) to its swizzled place.
+#pragma unroll
+      for (int q = 0; q < 8; ++q)
+        CpAsync16(stage + panel * kPanelBytes + n * 128 + ((q ^ (n & 7)) << 4), xrow + c * 128 + 8 * q, x_bytes);
+      CpAsyncArrive(full_bar + 8 * s);
+    }
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+    return;
+  }
+
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kWsConsumerRegs));
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;  // warp: the CTA's fragment of gate / up rows
+  const int g = lane >> 2, t = lane & 3;
+  const int64_t feat[2] = {slab * kWsFeatures + 16 * warp, slab * kWsFeatures + 16 * warp};
+  const bool active[2] = {feat[0] < p.n_out, feat[0] < p.n_out};
+  float acc[2][8][4];
+  ZeroAcc(acc);
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int s = int(c % kWsStages);
+    const uint32_t stage = ring + s * kWsStageBytes;
+    MbarWait(full_bar + 8 * s, uint32_t(c / kWsStages) & 1);
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // cp.async writes -> wgmma reads
+    WeightRegs<128, 2> w;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {  // gate, up
+      const uint32_t code = stage + kChunkBytes + j * kWsCodeBytes + uint32_t(warp * kBlockRows * kBlockCodeBytes);
+      const uint32_t scale = stage + kChunkBytes + 2 * kWsCodeBytes + j * kWsScaleBytes +
+                             uint32_t(warp * kBlockRows * kBlockScaleBytes);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        uint4 v;
+        asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                     : "r"(code + uint32_t((g + 8 * h) * kBlockCodeBytes + 16 * t)));
+        w.SetCodes(j, h, v);
+        unsigned short sv;
+        asm volatile("ld.shared.u16 %0, [%1];\n"
+                     : "=h"(sv)
+                     : "r"(scale + uint32_t((g + 8 * h) * kBlockScaleBytes + 2 * t)));
+        w.s[j][h] = sv;
+      }
+    }
+    ChunkMma<128, 2>(w, stage, acc);
+    MbarArrive(empty_bar + 8 * s);
+  }
+  StoreTile<true, 2, uint16_t>(p, e, tile, feat, active, acc);
+#endif
+}
+
 // The grid of either kernel (slabs_first: 1-D when it fits).
 template <bool GATED, int NB>
 dim3 Grid(GemmParams& p, bool slabs_first) {
@@ -434,10 +562,11 @@ void LaunchFor(const GemmParams& p, bool gated, bool f32_out, bool one_block, bo
   else f32_out ? Launch<false, 2, float, BW>(p, sf, pdl, stream) : Launch<false, 2, uint16_t, BW>(p, sf, pdl, stream);
 }
 
-// The tensor map of `a` [a_rows, K] bf16 for W4A16WgmmaTma: boxes of 64 K x 64 rows, 128-byte
-// swizzle; rows past a_rows read as zeros. The encoder is the driver's, found through the runtime
-// (no link to libcuda); encoding is host-only work, so it is safe during CUDA-graph capture.
-std::string EncodeActivationMap(const GemmParams& p, CUtensorMap* map) {
+// A 2-D tensor map [outer, inner] of `type` elements, rows row_bytes apart, boxes box_inner x
+// box_outer; elements past the bounds read as zeros. The encoder is the driver's, found through the
+// runtime (no link to libcuda); encoding is host-only work, so it is safe during CUDA-graph capture.
+std::string Encode2d(CUtensorMap* map, CUtensorMapDataType type, const void* ptr, uint64_t inner, uint64_t outer,
+                     uint64_t row_bytes, uint32_t box_inner, uint32_t box_outer, CUtensorMapSwizzle swizzle) {
   static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
     void* fn = nullptr;
     cudaDriverEntryPointQueryResult found{};
@@ -454,33 +583,44 @@ std::string EncodeActivationMap(const GemmParams& p, CUtensorMap* map) {
     return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
   }();
   if (!encode) return "the driver has no cuTensorMapEncodeTiled";
-  const cuuint64_t dims[2] = {cuuint64_t(p.K), cuuint64_t(p.a_rows)};
-  const cuuint64_t strides[1] = {cuuint64_t(p.K) * 2};
-  const cuuint32_t box[2] = {64, kTokens}, elem_strides[2] = {1, 1};
-  const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<uint16_t*>(p.a), dims, strides, box,
-                            elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  const cuuint64_t dims[2] = {inner, outer}, strides[1] = {row_bytes};
+  const cuuint32_t box[2] = {box_inner, box_outer}, elem_strides[2] = {1, 1};
+  const CUresult r = encode(map, type, 2, const_cast<void*>(ptr), dims, strides, box, elem_strides,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return r == CUDA_SUCCESS ? "" : "cuTensorMapEncodeTiled failed with CUresult " + std::to_string(int(r));
 }
 
-template <bool GATED, int NB, bool BW>
-std::string LaunchTma(GemmParams p, bool slabs_first, bool pdl, cudaStream_t stream) {
-  CUtensorMap map;
-  if (std::string err = EncodeActivationMap(p, &map); !err.empty()) return err;
-  // Over 48 KB of shared memory needs the opt-in, once per kernel and device (a host call, also
-  // allowed while XLA captures a graph: H200, 2026-12-02).
+// The tensor map of `a` [a_rows, K] bf16 for W4A16WgmmaTma: boxes of 64 K x 64 rows, 128-byte
+// swizzle; rows past a_rows read as zeros.
+std::string EncodeActivationMap(const GemmParams& p, CUtensorMap* map) {
+  return Encode2d(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, p.a, uint64_t(p.K), uint64_t(p.a_rows), uint64_t(p.K) * 2,
+                  64, kTokens, CU_TENSOR_MAP_SWIZZLE_128B);
+}
+
+// Over 48 KB of shared memory needs the opt-in, once per kernel and device (a host call, also
+// allowed while XLA captures a graph: H200, 2026-12-02).
+template <auto Kernel>
+std::string OptInSmem(int bytes) {
   static std::atomic<bool> opted_in[64];
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return "no current CUDA device (or over 64)";
   if (!opted_in[dev].load(std::memory_order_acquire)) {
-    const cudaError_t attr = cudaFuncSetAttribute(W4A16WgmmaTma<GATED, NB, uint16_t, BW>,
-                                                  cudaFuncAttributeMaxDynamicSharedMemorySize, kTmaSmemBytes);
+    const cudaError_t attr = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
     if (attr != cudaSuccess) {
       (void)cudaGetLastError();  // not a launch error of a later call
       return std::string("the shared-memory opt-in failed: ") + cudaGetErrorString(attr);
     }
     opted_in[dev].store(true, std::memory_order_release);
   }
+  return "";
+}
+
+template <bool GATED, int NB, bool BW>
+std::string LaunchTma(GemmParams p, bool slabs_first, bool pdl, cudaStream_t stream) {
+  CUtensorMap map;
+  if (std::string err = EncodeActivationMap(p, &map); !err.empty()) return err;
+  if (std::string err = OptInSmem<W4A16WgmmaTma<GATED, NB, uint16_t, BW>>(kTmaSmemBytes); !err.empty()) return err;
   const dim3 grid = Grid<GATED, NB>(p, slabs_first);
   LaunchKernel(W4A16WgmmaTma<GATED, NB, uint16_t, BW>, grid, kWgThreadsPerCta, kTmaSmemBytes, stream, pdl, p, map);
   return "";
@@ -490,6 +630,27 @@ template <bool BW>
 std::string LaunchTmaFor(const GemmParams& p, bool gated, bool one_block, bool sf, bool pdl, cudaStream_t stream) {
   if (gated) return LaunchTma<true, 2, BW>(p, sf, pdl, stream);
   return one_block ? LaunchTma<false, 1, BW>(p, sf, pdl, stream) : LaunchTma<false, 2, BW>(p, sf, pdl, stream);
+}
+
+// W4A16WgmmaWs: the tensor maps of the blocked weights as [E * N / 16 fragments, a fragment's
+// blocks] of 32-bit words, boxes of one 128-K block of kWsFrags fragments.
+std::string LaunchWs(GemmParams p, bool pdl, cudaStream_t stream) {
+  const int64_t frags = p.E * p.N / kBlockRows, slabs = CeilDiv<int64_t>(p.n_out, kWsFeatures);
+  if (p.P / kTokens * slabs > 0x7FFFFFFF || frags > 0x7FFFFFFF) return "too many row tiles or weight rows";
+  CUtensorMap codes, scales;
+  const uint64_t code_row = uint64_t(kBlockRows) * (p.K / 2), scale_row = uint64_t(kBlockRows) * (p.K / 16);
+  if (std::string err = Encode2d(&codes, CU_TENSOR_MAP_DATA_TYPE_UINT32, p.w, code_row / 4, uint64_t(frags), code_row,
+                                 kBlockRows * kBlockCodeBytes / 4, kWsFrags, CU_TENSOR_MAP_SWIZZLE_NONE);
+      !err.empty())
+    return err;
+  if (std::string err = Encode2d(&scales, CU_TENSOR_MAP_DATA_TYPE_UINT32, p.ws, scale_row / 4, uint64_t(frags),
+                                 scale_row, kBlockRows * kBlockScaleBytes / 4, kWsFrags, CU_TENSOR_MAP_SWIZZLE_NONE);
+      !err.empty())
+    return err;
+  if (std::string err = OptInSmem<W4A16WgmmaWs>(kWsSmemBytes); !err.empty()) return err;
+  LaunchKernel(W4A16WgmmaWs, dim3(unsigned(p.P / kTokens * slabs)), kWsThreads, kWsSmemBytes, stream, pdl, p, codes,
+               scales);
+  return "";
 }
 
 // Compute capability major of the current device, cached per device (no stream operation,
@@ -515,6 +676,10 @@ bool LaunchWgmmaGemm(const GemmParams& p, bool gated, bool f32_out, int64_t kern
   const bool one_block = !(kernel_flags & int64_t(KernelFlag::kWgmmaTwoBlocks));
   const bool sf = !(kernel_flags & int64_t(KernelFlag::kRowTilesFirst)), pdl = kernel_flags & int64_t(KernelFlag::kPdl);
   const bool bw = p.pairing & int32_t(Pairing::kBlockedW);
+  if (p.pairing & int32_t(Pairing::kChunkA) && gated && bw && (kernel_flags & int64_t(KernelFlag::kWarpSpecialized))) {
+    *error = LaunchWs(p, pdl, stream);  // the handler checked: bf16 out
+    return true;
+  }
   if (p.pairing & int32_t(Pairing::kChunkA)) {  // the handler checked: bf16 out, not gathered
     *error = bw ? LaunchTmaFor<true>(p, gated, one_block, sf, pdl, stream)
                 : LaunchTmaFor<false>(p, gated, one_block, sf, pdl, stream);
@@ -524,7 +689,8 @@ bool LaunchWgmmaGemm(const GemmParams& p, bool gated, bool f32_out, int64_t kern
      : LaunchFor<false>(p, gated, f32_out, one_block, sf, pdl, stream);
   return true;
 #else
-  (void)p, (void)gated, (void)f32_out, (void)kernel_flags, (void)stream, (void)error, (void)DeviceMajor;
+  (void)p, (void)gated, (void)f32_out, (void)kernel_flags, (void)stream, (void)error;
+  (void)DeviceMajor, (void)LaunchWs;
   return false;
 #endif
 }
