@@ -67,7 +67,7 @@ enum class KernelFlag : int64_t {
                              // weights and activations; bitwise the staged kernel in the GPU tests,
                              // not yet timed: 2026-12-02)
   // 16384: kWgmmaTilePairs (the TMA-fed GEMM2 on pairs of one expert's 64-row tiles, m64n128 wgmmas,
-  // one CTA per SM) for one H200 A/B on 2026-12-02, removed: 23-30% slower layers (dabc4ef).
+  // one CTA per SM) for one H200 A/B on 2026-12-02, removed: 1.25-1.42x slower layers (dabc4ef).
 };
 constexpr int64_t kAllKernelFlags = 33534;
 // grouped_gemm's `pairing` bits: which operands hold a kernel order instead of the natural one.

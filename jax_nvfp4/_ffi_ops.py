@@ -55,6 +55,9 @@ class Activation(enum.IntEnum):
     SWIGLU_OAI = 4
 
 
+GATED_ACTIVATIONS = (Activation.SWIGLU, Activation.GEGLU, Activation.SWIGLU_OAI)  # gate and up rows per feature
+
+
 class RowScale(enum.IntEnum):
     """Where a GEMM reads its per-row fp32 scale for sorted row ``r`` holding pair ``p``."""
 
@@ -86,7 +89,7 @@ class KernelFlag(enum.IntFlag):
     # 4096 / 8192: WGMMA_FOUR_GROUPS (four-warpgroup one-block wgmma CTAs) / TMA_GEMM1 (GEMM1 on the TMA-fed
     # wgmma kernel after an XLA gather into the chunk order) for A/Bs on 2026-12-02, removed: slower on the H200
     # 16384: WGMMA_TILE_PAIRS (the TMA-fed GEMM2 on pairs of one expert's tiles, m64n128) for one A/B on
-    # 2026-12-02, removed: 23-30% slower on the H200 (one CTA per SM)
+    # 2026-12-02, removed: 1.25-1.42x slower layers on the H200 (one CTA per SM)
 
 
 class Pairing(enum.IntFlag):
@@ -440,7 +443,7 @@ def grouped_gemm(a, w: NVFP4Array, sorted_ids, tile_expert, *, tile_m: int,
     sorted_ids = jnp.asarray(sorted_ids, jnp.int32)
     tile_expert = jnp.asarray(tile_expert, jnp.int32)
     e, n, kk = w.shape
-    gated = activation in (Activation.SWIGLU, Activation.GEGLU, Activation.SWIGLU_OAI)
+    gated = activation in GATED_ACTIVATIONS
     n_out = n // 2 if gated else n
     out_dtype = jnp.dtype(out_dtype)
     if out_dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
@@ -524,7 +527,7 @@ def _grouped_gemm_jax(a, w, sorted_ids, tile_expert, tile_m, activation, top_k, 
         ok = (idx >= 0) & (idx < row_scale.shape[0])
         scale = scale * jnp.where(ok, row_scale[jnp.clip(idx, 0, row_scale.shape[0] - 1)], 0.0)
     v = acc * scale[:, None]
-    if activation in (Activation.SWIGLU, Activation.GEGLU, Activation.SWIGLU_OAI):
+    if activation in GATED_ACTIVATIONS:
         v = apply_activation(activation, v[:, : n // 2], v[:, n // 2:])
     else:
         v = apply_activation(activation, v)
@@ -729,9 +732,8 @@ def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str =
 
     if MODES[mode] == Mode.W4A16:
         # WARP_SPECIALIZED: GEMM1's rows gathered from x in the chunk order (one permutation of x's K axis).
-        gated = act in (Activation.SWIGLU, Activation.GEGLU, Activation.SWIGLU_OAI)
-        ws = (kernel_flags & KernelFlag.WARP_SPECIALIZED and tile_m == TILE_MS[-1] and h % CHUNK_K == 0 and gated
-              and experts.gate_up.order == "blocked" and not kernel_flags & KernelFlag.NO_WGMMA
+        ws = (kernel_flags & KernelFlag.WARP_SPECIALIZED and tile_m == TILE_MS[-1] and h % CHUNK_K == 0
+              and gated and experts.gate_up.order == "blocked" and not kernel_flags & KernelFlag.NO_WGMMA
               and chunk_intermediate_supported())
         x1 = to_chunk_order(x.astype(jnp.bfloat16)) if ws else x.astype(jnp.bfloat16)
         h1 = grouped_gemm(x1, experts.gate_up, sorted_ids, tile_expert, activation=act,

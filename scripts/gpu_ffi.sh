@@ -288,7 +288,7 @@ if stage ab; then
   # first (16/20) and 256 settled; 128-row wgmma tiles tried (1.4-2.0x slower; 2026-12-01 and -02);
   # 4096 (four-warpgroup CTAs) and 8192 (GEMM1 on the TMA-fed kernel after an XLA gather) removed on
   # 2026-12-02 (BENCHMARKS.md sessions 14-15), 16384 (GEMM2 on pairs of one expert's tiles, m64n128,
-  # one CTA per SM: 1.23-1.30x slower) too (session 16).
+  # one CTA per SM: 1.25-1.42x slower) too (session 16).
   # 32768: GEMM1 on the warp-specialized kernel (session 16: bitwise the default, not yet timed).
   abpart prefill 240 "--modes w4a16 --tokens 1024,4096 --ffi-flags 128,32768" "${AB_PREFILL:-}"
   log "A/B verdicts (variant time / default time, same run)"

@@ -223,6 +223,12 @@ __device__ __forceinline__ void Epilogue(const GemmParams& p, int32_t e, int64_t
   }
 }
 
+// KernelFlag::kWarpSpecialized applies (W4A16WgmmaWs: gated, blocked weights; with chunk-ordered `a`,
+// gathered or not): the handler's checks and LaunchWgmmaGemm's choice.
+inline bool WarpSpecializedGemm(int64_t kernel_flags, bool gated, int64_t pairing) {
+  return (kernel_flags & int64_t(KernelFlag::kWarpSpecialized)) && gated && (pairing & int64_t(Pairing::kBlockedW));
+}
+
 // The sm_90a wgmma kernels for 64-row tiles (moe_gemm_sm90.cu), with the variants of
 // `kernel_flags` (kWgmmaTwoBlocks, kRowTilesFirst); Pairing::kChunkA runs the TMA-fed one, which
 // the caller must only ask for bf16-out, ungathered calls. Returns false when this build

@@ -366,8 +366,7 @@ ffi::Error GroupedGemmCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> a, ff
   // KernelFlag::kWarpSpecialized: the warp-specialized kernel also gathers chunk-ordered rows (gated,
   // blocked weights).
   const bool a_chunk = pairing & int64_t(Pairing::kChunkA);
-  const bool ws = (kernel_flags & int64_t(KernelFlag::kWarpSpecialized)) && gated &&
-                  (pairing & int64_t(Pairing::kBlockedW));
+  const bool ws = WarpSpecializedGemm(kernel_flags, gated, pairing);
   if (a_chunk && (f32_out || (gather && !ws) || tile_m != 64 || (kernel_flags & int64_t(KernelFlag::kNoWgmma))))
     return Invalid("grouped_gemm", "chunk-ordered activations (pairing & 8) need the sm_90a wgmma kernel on "
                                    "the GPU: bfloat16 output, gather = False (or WARP_SPECIALIZED, gated, "

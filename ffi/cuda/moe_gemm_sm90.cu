@@ -676,7 +676,7 @@ bool LaunchWgmmaGemm(const GemmParams& p, bool gated, bool f32_out, int64_t kern
   const bool one_block = !(kernel_flags & int64_t(KernelFlag::kWgmmaTwoBlocks));
   const bool sf = !(kernel_flags & int64_t(KernelFlag::kRowTilesFirst)), pdl = kernel_flags & int64_t(KernelFlag::kPdl);
   const bool bw = p.pairing & int32_t(Pairing::kBlockedW);
-  if (p.pairing & int32_t(Pairing::kChunkA) && gated && bw && (kernel_flags & int64_t(KernelFlag::kWarpSpecialized))) {
+  if (p.pairing & int32_t(Pairing::kChunkA) && WarpSpecializedGemm(kernel_flags, gated, p.pairing)) {
     *error = LaunchWs(p, pdl, stream);  // the handler checked: bf16 out
     return true;
   }
