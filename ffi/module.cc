@@ -130,7 +130,8 @@ NB_MODULE(_ffi, m) {
     kf["pdl"] = int64_t(KernelFlag::kPdl);
     kf["natural_intermediate"] = int64_t(KernelFlag::kNaturalIntermediate);
     kf["plain_weight_loads"] = int64_t(KernelFlag::kPlainWeightLoads);
-    kf["warp_specialized"] = int64_t(KernelFlag::kWarpSpecialized);
+    kf["no_warp_specialized"] = int64_t(KernelFlag::kNoWarpSpecialized);
+    kf["ws_gemm2"] = int64_t(KernelFlag::kWsGemm2);
     c["KernelFlag"] = kf;
     nb::dict pairing;
     pairing["none"] = int64_t(Pairing::kNone);

@@ -62,14 +62,16 @@ enum class KernelFlag : int64_t {
   // 4096 / 8192: kWgmmaFourGroups (four warpgroups per one-block wgmma CTA) / kTmaGemm1 (GEMM1 on the
   // TMA-fed wgmma kernel, its rows gathered into the chunk order by XLA first) for H200 A/Bs on
   // 2026-12-02, removed: 6-12% / 4-12% slower prefill layers.
-  kWarpSpecialized = 32768,  // gated 64-row tiles with blocked weights and chunk-ordered `a` (gathered or
-                             // not): the warp-specialized wgmma kernel (a producer warpgroup stages
-                             // weights and activations; bitwise the staged kernel in the GPU tests,
-                             // not yet timed: 2026-12-02)
+  kNoWarpSpecialized = 32768,  // w4a16 64-row tiles with blocked weights: GEMM1 on the staged wgmma kernel
+                               // instead of the warp-specialized one (a producer warpgroup stages weights
+                               // and gathered rows: 14-17% faster prefill layers on the H200, 2026-12-02)
+  kWsGemm2 = 65536,            // moe's w4a16 GEMM2 (chunk-ordered `a`, not gathered) on the warp-specialized
+                               // kernel too, instead of the TMA-fed one (1.12-1.20x slower layers on the
+                               // H200, 2026-12-02)
   // 16384: kWgmmaTilePairs (the TMA-fed GEMM2 on pairs of one expert's 64-row tiles, m64n128 wgmmas,
   // one CTA per SM) for one H200 A/B on 2026-12-02, removed: 1.25-1.42x slower layers (dabc4ef).
 };
-constexpr int64_t kAllKernelFlags = 33534;
+constexpr int64_t kAllKernelFlags = 99070;
 // grouped_gemm's `pairing` bits: which operands hold a kernel order instead of the natural one.
 // kA / kOut: a's K axis / out's feature axis in the paired order (PairedPos). moe's intermediate
 // uses it on mma.sync tiles (but with KernelFlag kNaturalIntermediate): GEMM1 writes it paired,

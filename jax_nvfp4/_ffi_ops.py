@@ -83,8 +83,11 @@ class KernelFlag(enum.IntFlag):
     # the chunk order on 64-row w4a16 ones where I % 128 == 0 and the GPU is sm_90)
     # 256: PAIRED_INPUT (GEMM1's input paired by a transpose of x) until 2026-12-01, removed: no gain on the H200
     PLAIN_WEIGHT_LOADS = 512  # decode tiles: never the streaming hints (the default where K per warp >= 768)
-    WARP_SPECIALIZED = 32768  # moe's w4a16 GEMM1 on 64-row tiles (blocked weights, H % 128 == 0, sm_90): x in the
-    # chunk order and the warp-specialized wgmma kernel (a producer warpgroup stages weights and rows); not yet timed
+    NO_WARP_SPECIALIZED = 32768  # w4a16 64-row tiles with blocked weights (sm_90): GEMM1 on the staged wgmma kernel
+    # (x in the natural order), not the warp-specialized one (a producer warpgroup stages weights and gathered rows
+    # for three MMA warpgroups; 14-17% faster prefill layers on the H200)
+    WS_GEMM2 = 65536  # GEMM2 too (chunk-ordered a, not gathered) on the warp-specialized kernel, not the TMA-fed one
+    # (1.12-1.20x slower layers on the H200, 2026-12-02)
     # 1024 / 2048: L2_PREFETCH / SPLIT_GATE_UP (decode tiles) for one A/B on 2026-12-01, removed: slower on the H200
     # 4096 / 8192: WGMMA_FOUR_GROUPS (four-warpgroup one-block wgmma CTAs) / TMA_GEMM1 (GEMM1 on the TMA-fed
     # wgmma kernel after an XLA gather into the chunk order) for A/Bs on 2026-12-02, removed: slower on the H200
@@ -419,8 +422,8 @@ def grouped_gemm(a, w: NVFP4Array, sorted_ids, tile_expert, *, tile_m: int,
         non-gated activation with bfloat16 output); ``OUT``: write ``out``'s features in it;
         ``CHUNK_A`` / ``CHUNK_OUT``: the same in the wgmma chunk order (:func:`to_chunk_order`; K or
         the features a multiple of 128; on the GPU ``CHUNK_A`` needs the sm_90a wgmma kernel:
-        ``tile_m=64``, ``gather=False`` (or ``WARP_SPECIALIZED`` with a gated activation and blocked
-        weights), not ``NO_WGMMA``);
+        ``tile_m=64``, ``gather=False`` (or blocked weights without ``NO_WARP_SPECIALIZED``), not
+        ``NO_WGMMA``);
         ``BLOCKED_W``: ``w`` is in the blocked order (:func:`~jax_nvfp4.to_blocked_weights`; set from
         ``w.order``, and an error for a ``w`` in the ``"rows"`` order).
     kernel_flags : :class:`KernelFlag` bits
@@ -731,9 +734,10 @@ def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str =
               else (Pairing.NONE, Pairing.NONE))
 
     if MODES[mode] == Mode.W4A16:
-        # WARP_SPECIALIZED: GEMM1's rows gathered from x in the chunk order (one permutation of x's K axis).
-        ws = (kernel_flags & KernelFlag.WARP_SPECIALIZED and tile_m == TILE_MS[-1] and h % CHUNK_K == 0
-              and gated and experts.gate_up.order == "blocked" and not kernel_flags & KernelFlag.NO_WGMMA
+        # GEMM1 on the warp-specialized kernel (blocked weights): rows gathered from x in the chunk
+        # order (one permutation of x's K axis; H200, 2026-12-02: 14-17% faster prefill layers).
+        ws = (not kernel_flags & KernelFlag.NO_WARP_SPECIALIZED and tile_m == TILE_MS[-1] and h % CHUNK_K == 0
+              and experts.gate_up.order == "blocked" and not kernel_flags & KernelFlag.NO_WGMMA
               and chunk_intermediate_supported())
         x1 = to_chunk_order(x.astype(jnp.bfloat16)) if ws else x.astype(jnp.bfloat16)
         h1 = grouped_gemm(x1, experts.gate_up, sorted_ids, tile_expert, activation=act,

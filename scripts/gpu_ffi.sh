@@ -289,8 +289,9 @@ if stage ab; then
   # 4096 (four-warpgroup CTAs) and 8192 (GEMM1 on the TMA-fed kernel after an XLA gather) removed on
   # 2026-12-02 (BENCHMARKS.md sessions 14-15), 16384 (GEMM2 on pairs of one expert's tiles, m64n128,
   # one CTA per SM: 1.25-1.42x slower) too (session 16).
-  # 32768: GEMM1 on the warp-specialized kernel (session 16: bitwise the default, not yet timed).
-  abpart prefill 240 "--modes w4a16 --tokens 1024,4096 --ffi-flags 128,32768" "${AB_PREFILL:-}"
+  # 32768: GEMM1 on the staged kernel instead of the warp-specialized one (the default since 2026-12-02:
+  # 14-17% faster layers); 65536: GEMM2 on the warp-specialized kernel too (1.12-1.20x slower layers).
+  abpart prefill 240 "--modes w4a16 --tokens 1024,4096 --ffi-flags 32768,65536" "${AB_PREFILL:-}"
   log "A/B verdicts (variant time / default time, same run)"
   python3 benchmarks/ab_summary.py $(ls "$OUT"/ab_*.json 2>/dev/null) 2>&1 | tee -a "$OUT/ffi_summary.txt"
 fi
@@ -352,14 +353,15 @@ sys.path.insert(0, "tests")
 from test_ffi import make_experts, make_routing, make_x
 from jax_nvfp4 import _ffi_ops as ops
 ex = make_experts(1, 32, 512, 256)
+exb = nv.to_blocked_experts(ex)  # 64-row w4a16 tiles: both GEMMs on the warp-specialized kernel
 # Every opt-in variant but the alternatives of the defaults it would replace (JAX_QUANT: the w4a4
 # layer keeps the quant_dequant_rows kernel in the graph).
-opt_in = sum(ops.KernelFlag) & ~(ops.KernelFlag.NO_WGMMA
+opt_in = sum(ops.KernelFlag) & ~(ops.KernelFlag.NO_WGMMA | ops.KernelFlag.NO_WARP_SPECIALIZED
                                  | ops.KernelFlag.WGMMA_TWO_BLOCKS | ops.KernelFlag.JAX_QUANT)
-layers = [jax.jit(lambda x, i, w: nv.moe(x, ex, topk_ids=i, topk_weights=w, backend="ffi")),
+layers = [jax.jit(lambda x, i, w: nv.moe(x, exb, topk_ids=i, topk_weights=w, backend="ffi")),
           jax.jit(lambda x, i, w: ops.moe(x, ex, i, w, mode="w4a4", kernel_flags=opt_in)),  # PDL in graphs too
-          jax.jit(lambda x, i, w: ops.moe(x, ex, i, w, kernel_flags=opt_in)),
-          # (opt_in has the natural intermediate: the TMA-fed GEMM2 of the chunk order here)
+          jax.jit(lambda x, i, w: ops.moe(x, exb, i, w, kernel_flags=opt_in)),
+          # (rows: the TMA-fed GEMM2 of the chunk order)
           jax.jit(lambda x, i, w: ops.moe(x, ex, i, w, kernel_flags=ops.KernelFlag.PDL))]
 outs = []
 for f in layers:

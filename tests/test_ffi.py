@@ -853,25 +853,42 @@ def test_gemm_chunk_order_is_the_same_function(on_gpu, h, flags, gated):
             np.testing.assert_array_equal(out, want, err_msg=f"{impl} {ww.order} CHUNK_OUT")
 
 
+WS_CASES = [  # (activation, gather, row_scale_mode): moe's GEMM1, its GEMM2, a gated GEMM on rows not
+    # gathered (activations by tensor copies) and relu2's GEMM1 (non-gated, gathered)
+    (ops.Activation.SWIGLU, True, ops.RowScale.NONE),
+    (ops.Activation.IDENTITY, False, ops.RowScale.PAIR),
+    (ops.Activation.SWIGLU, False, ops.RowScale.NONE),
+    (ops.Activation.RELU2, True, ops.RowScale.TOKEN),
+]
+
+
 @pytest.mark.parametrize("on_gpu", [False, pytest.param(True, marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("h", [128, 1280])
-def test_gemm_warp_specialized_is_the_same_function(on_gpu, h):
-    """GEMM1's case (gated, rows gathered, bf16 out) on 64-row tiles with blocked weights and ``x``
-    in the chunk order, KernelFlag.WARP_SPECIALIZED (on the GPU the warp-specialized kernel: weights
-    by tensor copies, rows by cp.async into a ring, over one chunk and over ten): bitwise the
-    natural-order output of the staged kernel (320 features: the second slab of 192 has one idle
-    MMA warpgroup; 200 tokens x 4 over 5 experts, some pairs dropped)."""
+@pytest.mark.parametrize("flags", [0, int(ops.KernelFlag.PDL)])
+@pytest.mark.parametrize("case", range(len(WS_CASES)))
+def test_gemm_warp_specialized_is_the_same_function(on_gpu, h, flags, case):
+    """64-row tiles with blocked weights and ``a`` in the chunk order (on the GPU the warp-specialized
+    kernel, ungathered ``a`` with WS_GEMM2: weights by tensor copies into a ring, rows by cp.async
+    (gathered) or tensor copies, over one chunk and over ten, round the ring; launched plainly and
+    with PDL): bitwise the natural-order output of the staged kernel. 320 features: the last slab is
+    partly idle (192 features a gated CTA, else 384); 200 tokens x 4 over 5 experts, some pairs
+    dropped; an ungathered ``a`` ends 70 rows before the last used tile does (the copies' bounds)."""
     if on_gpu and not has_gpu():
         pytest.skip("needs an NVIDIA GPU")
-    act, mode, out_dtype = ops.Activation.SWIGLU, ops.RowScale.NONE, BF16
-    a, w, sid, te, rs = _gemm_problem(act, True, mode, t=200, k=4, e=5, h=h, n=320, tile_m=64, seed=h + 1)
+    if not on_gpu and flags:
+        pytest.skip("kernel flags are CUDA variants")
+    act, gather, mode = WS_CASES[case]
+    a, w, sid, te, rs = _gemm_problem(act, gather, mode, t=200, k=4, e=5, h=h, n=320, tile_m=64, seed=h + case)
     wb = nv.to_blocked_weights(w)
     used = used_rows(sid, te, 64)
+    if not gather:
+        a = a[:used.sum() - 70]
+        flags |= int(ops.KernelFlag.WS_GEMM2)
     dev = jax.devices()[0] if on_gpu else jax.devices("cpu")[0]
     with jax.default_device(dev):
-        want = f32(_run_gemm("ffi", a, wb, sid, te, rs, act, True, mode, out_dtype, 64, 4))[used]
-        got = f32(_run_gemm("ffi", ops.to_chunk_order(a), wb, sid, te, rs, act, True, mode, out_dtype, 64, 4,
-                            kernel_flags=int(ops.KernelFlag.WARP_SPECIALIZED), pairing=ops.Pairing.CHUNK_A))[used]
+        want = f32(_run_gemm("ffi", a, wb, sid, te, rs, act, gather, mode, BF16, 64, 4))[used]
+        got = f32(_run_gemm("ffi", ops.to_chunk_order(a), wb, sid, te, rs, act, gather, mode, BF16, 64, 4,
+                            kernel_flags=flags, pairing=ops.Pairing.CHUNK_A))[used]
     assert np.isfinite(want).all() and (want != 0).any()
     np.testing.assert_array_equal(got, want)
 
@@ -913,33 +930,32 @@ def test_moe_chunk_intermediate_is_the_same_layer_on_cpu(monkeypatch):
         want = run(ops.KernelFlag.NATURAL_INTERMEDIATE)
         assert np.isfinite(want).all() and (want != 0).any()
         np.testing.assert_array_equal(run(0), want)
-        # GEMM1 reading x in the chunk order (blocked weights): the same bytes too.
-        np.testing.assert_array_equal(run(ops.KernelFlag.WARP_SPECIALIZED, nv.to_blocked_experts(ex)), want)
+        # Blocked weights: GEMM1 reads x in the chunk order too; the same bytes.
+        np.testing.assert_array_equal(run(0, nv.to_blocked_experts(ex)), want)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("i", [256, 1280])
 def test_gpu_moe_chunk_intermediate_is_bitwise_natural(i):
     """w4a16 moe on 64-row tiles (600 tokens x 4 of 16 experts) with I % 128 == 0 writes its
-    intermediate in the chunk order and runs GEMM2 on the TMA-fed wgmma kernel: bitwise the layer
-    with the natural intermediate (NATURAL_INTERMEDIATE: the staged kernel), on rows and blocked
-    weights, and close to the twin; so is the layer whose GEMM1 runs on the warp-specialized kernel
-    (WARP_SPECIALIZED)."""
+    intermediate in the chunk order and runs GEMM2 on it on the TMA-fed wgmma kernel (blocked weights:
+    GEMM1 on the warp-specialized kernel, reading x in the chunk order): bitwise
+    the layer of the staged kernels (NATURAL_INTERMEDIATE | NO_WARP_SPECIALIZED), as are the variants
+    in between (GEMM2 on the warp-specialized kernel too: WS_GEMM2), and close to the twin."""
     if not has_gpu() or not ops.chunk_intermediate_supported():
         pytest.skip("needs an sm_90 GPU and an sm_90a build")
     assert ops.choose_tile_m(600 * 4, 16) == 64
     ex = make_experts(11, 16, 512, i)
     x = make_x(12, 600, 512)
     ids, w = make_routing(13, 600, 4, 16)
+    kf = ops.KernelFlag
     for experts in (ex, nv.to_blocked_experts(ex)):
-        got = f32(ops.moe(x, experts, ids, w))
-        want = f32(ops.moe(x, experts, ids, w, kernel_flags=int(ops.KernelFlag.NATURAL_INTERMEDIATE)))
+        want = f32(ops.moe(x, experts, ids, w, kernel_flags=int(kf.NATURAL_INTERMEDIATE | kf.NO_WARP_SPECIALIZED)))
         assert np.isfinite(want).all() and (want != 0).any()
-        np.testing.assert_array_equal(got, want, err_msg=experts.gate_up.order)
+        for flags in (0, kf.NATURAL_INTERMEDIATE, kf.NO_WARP_SPECIALIZED, kf.WS_GEMM2):
+            got = f32(ops.moe(x, experts, ids, w, kernel_flags=int(flags)))
+            np.testing.assert_array_equal(got, want, err_msg=f"{experts.gate_up.order} {flags!r}")
         assert relerr(got, f32(ops.moe(x, experts, ids, w, impl="jax"))) < 1e-2
-        # GEMM1 on the warp-specialized kernel (blocked weights; on rows the flag changes nothing).
-        ws = f32(ops.moe(x, experts, ids, w, kernel_flags=int(ops.KernelFlag.WARP_SPECIALIZED)))
-        np.testing.assert_array_equal(ws, want, err_msg=f"{experts.gate_up.order} WARP_SPECIALIZED")
 
 
 @pytest.mark.parametrize("on_gpu", [False, pytest.param(True, marks=pytest.mark.gpu)])

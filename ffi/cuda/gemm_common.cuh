@@ -223,10 +223,13 @@ __device__ __forceinline__ void Epilogue(const GemmParams& p, int32_t e, int64_t
   }
 }
 
-// KernelFlag::kWarpSpecialized applies (W4A16WgmmaWs: gated, blocked weights; with chunk-ordered `a`,
-// gathered or not): the handler's checks and LaunchWgmmaGemm's choice.
-inline bool WarpSpecializedGemm(int64_t kernel_flags, bool gated, int64_t pairing) {
-  return (kernel_flags & int64_t(KernelFlag::kWarpSpecialized)) && gated && (pairing & int64_t(Pairing::kBlockedW));
+// The warp-specialized wgmma kernel (W4A16WgmmaWs) applies: chunk-ordered `a`, gathered (or not, with
+// KernelFlag::kWsGemm2), and blocked weights, unless kNoWarpSpecialized; the handler's checks and
+// LaunchWgmmaGemm's choice.
+inline bool WarpSpecializedGemm(int64_t kernel_flags, int64_t pairing, bool gather) {
+  return !(kernel_flags & int64_t(KernelFlag::kNoWarpSpecialized)) &&
+         (gather || (kernel_flags & int64_t(KernelFlag::kWsGemm2))) && (pairing & int64_t(Pairing::kChunkA)) &&
+         (pairing & int64_t(Pairing::kBlockedW));
 }
 
 // The sm_90a wgmma kernels for 64-row tiles (moe_gemm_sm90.cu), with the variants of

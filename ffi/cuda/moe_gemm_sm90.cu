@@ -32,6 +32,9 @@
 // - A warpgroup decodes the next piece's A words (two 16-K steps) while the previous
 //   piece's wgmmas run (two register sets, wait_group 1).
 // - The epilogue (global and row scales, activation, bf16/fp32 store) is the shared one.
+// - W4A16WgmmaWs (the default for chunk-ordered `a` gathered with blocked weights: moe's GEMM1 after
+//   XLA permutes x into the chunk order) splits the roles: a producer warpgroup stages weights and
+//   rows in shared memory for three MMA warpgroups (see there).
 // Only built for sm_90a (wgmma does not exist on sm_100); elsewhere LaunchWgmmaGemm returns
 // false and the mma.sync kernel runs.
 #include <cuda.h>  // CUtensorMap (a type only: the encoder comes from the runtime)
@@ -410,27 +413,37 @@ __global__ void __launch_bounds__(kWgThreadsPerCta, MinCtas<GATED, NB>()) W4A16W
 #endif
 }
 
-// W4A16WgmmaWs: gated GEMM1 (KernelFlag::kWarpSpecialized; blocked weights, `a` in the chunk order,
-// gathered or not, bf16 out) with warp-specialized roles. A CTA is kWsConsumers MMA warpgroups (64
-// features each: its gate and up rows) and one producer warpgroup, which fills a ring of kWsStages
-// stages per 128-K chunk: the weight blocks of the CTA's gate and up rows by four 2-D tensor copies
-// (one thread), the tile's 64 activation rows by 16-byte cp.async copies (each producer thread half a
-// row, gathered through sorted_ids, zeros for padding rows). The MMA warps load their weights from
-// shared memory (no global load in flight), decode and issue wgmmas; the roles' register budgets
-// are set apart (setmaxnreg), so three MMA warpgroups fit where the staged kernel has two.
+// W4A16WgmmaWs: a GEMM on chunk-ordered `a` and blocked weights (moe's w4a16 GEMM1 on gathered rows;
+// GEMM2 with KernelFlag::kWsGemm2; bf16 out) with warp-specialized roles. A CTA is kWsConsumers MMA warpgroups
+// and one producer warpgroup, which fills a ring of kWsStages stages per 128-K chunk:
+// - the weight blocks of the CTA's rows, by 2-D tensor copies (one thread): per warpgroup two
+//   blocks of 64 rows, gated the gate and the up rows of 64 features, otherwise 128 features;
+// - the tile's 64 activation rows: gathered (through sorted_ids, zeros for padding rows), by
+//   16-byte cp.async copies of each producer thread (half a row); otherwise by two tensor copies.
+// The MMA warps load their weights from shared memory (no global load in flight), decode and issue
+// wgmmas; the roles' register budgets are set apart (setmaxnreg), so three MMA warpgroups fit
+// where the staged kernel has two. (H200, 2026-12-02: as GEMM1, 14-17% faster prefill layers than
+// the staged kernel; as GEMM2, 1.12-1.20x slower ones than the TMA-fed kernel, whose one-block CTAs
+// fit two to an SM.)
+// (Two MMA warpgroups, six stages: 1.22-1.31x slower layers, H200 2026-12-02.)
 constexpr int kWsConsumers = 3;
 constexpr int kWsThreads = (kWsConsumers + 1) * 128;
-constexpr int kWsFrags = 4 * kWsConsumers;  // 16-row weight fragments of the gate (or up) rows of a CTA
-constexpr int kWsFeatures = 16 * kWsFrags;
-constexpr int kWsCodeBytes = kWsFrags * kBlockRows * kBlockCodeBytes;   // one 128-K block per fragment
-constexpr int kWsScaleBytes = kWsFrags * kBlockRows * kBlockScaleBytes;
-constexpr int kWsWeightBytes = 2 * (kWsCodeBytes + kWsScaleBytes);     // gate and up
-constexpr int kWsStageBytes = kChunkBytes + kWsWeightBytes;           // [activations][codes g, u][scales g, u]
+constexpr int kWsCopyFrags = 4 * kWsConsumers;  // 16-row fragments per weight copy: a 64-row block per warpgroup
+constexpr int kWsCopyCodeBytes = kWsCopyFrags * kBlockRows * kBlockCodeBytes;  // one 128-K block each
+constexpr int kWsCopyScaleBytes = kWsCopyFrags * kBlockRows * kBlockScaleBytes;
+constexpr int kWsWeightBytes = 2 * (kWsCopyCodeBytes + kWsCopyScaleBytes);  // two copies of each
+constexpr int kWsStageBytes = kChunkBytes + kWsWeightBytes;  // [activations][codes 0, 1][scales 0, 1]
+// Four stages of 43 KB, and a stage's full and empty mbarriers (five, all that fit in 227 KB: 3-6%
+// slower layers, H200 2026-12-02).
 constexpr int kWsStages = 4;
-constexpr int kWsSmemBytes = kWsStages * kWsStageBytes + 2 * kWsStages * 8 + 1024;
+constexpr int kWsSmemBytes = kWsStages * (kWsStageBytes + 16) + 1024;
 static_assert(kWsStageBytes % 1024 == 0, "stages keep the 1024-byte alignment of the swizzled activations");
-constexpr int kWsProducerRegs = 40, kWsConsumerRegs = 152;  // (3 * 152 + 40) * 128 <= 64 K registers
+constexpr int kWsProducerRegs = 40, kWsConsumerRegs = 152;
 static_assert((kWsConsumers * kWsConsumerRegs + kWsProducerRegs) * 128 <= 65536, "one CTA per SM");
+
+// Output features of a warp-specialized CTA.
+template <bool GATED>
+constexpr int WsFeatures() { return (GATED ? 64 : 128) * kWsConsumers; }
 
 #ifdef JAX_NVFP4_WGMMA
 // cp.async of 16 bytes (src_bytes of them read, the rest zero), completing on the thread's next
@@ -443,24 +456,27 @@ __device__ __forceinline__ void CpAsyncArrive(uint32_t bar) {  // one expected a
 }
 #endif
 
+template <bool GATED>
 __global__ void __launch_bounds__(kWsThreads, 1)
     W4A16WgmmaWs(const GemmParams p, const __grid_constant__ CUtensorMap codes,
-                 const __grid_constant__ CUtensorMap scales) {
+                 const __grid_constant__ CUtensorMap scales, const __grid_constant__ CUtensorMap amap) {
 #ifdef JAX_NVFP4_WGMMA
   extern __shared__ uint8_t smem_raw[];
   const uint32_t ring = (SmemU32(smem_raw) + 1023) & ~1023u;
   const uint32_t full_bar = ring + kWsStages * kWsStageBytes, empty_bar = full_bar + 8 * kWsStages;
 
   GridDependencyWait();
-  const int64_t slabs = CeilDiv<int64_t>(p.n_out, kWsFeatures);
+  const int64_t slabs = CeilDiv<int64_t>(p.n_out, WsFeatures<GATED>());
   const int64_t tile = blockIdx.x / slabs, slab = blockIdx.x % slabs;
   const int32_t e = p.tile_expert[tile];
   if (e < 0 || e >= p.E) return;  // unused tile (uniform over the CTA)
   const int64_t chunks = p.K / 128;
   const int wg = threadIdx.x >> 7;
+  const bool gather = p.gather;
   if (threadIdx.x == 0) {
     for (int s = 0; s < kWsStages; ++s) {
-      MbarInit(full_bar + 8 * s, 1 + 128);  // the weight copies' thread, and each producer's cp.async
+      // The tensor copies' thread, and with gathered rows each producer thread's cp.async.
+      MbarInit(full_bar + 8 * s, gather ? 1 + 128 : 1);
       MbarInit(empty_bar + 8 * s, 128 * kWsConsumers);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -470,41 +486,53 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   if (wg == kWsConsumers) {  // the producer warpgroup
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kWsProducerRegs));
     const int pt = threadIdx.x & 127, n = pt >> 1, panel = pt & 1;  // row n, K half `panel` of each chunk
-    const int64_t src = SourceRow(p, tile * kTokens + n);
+    if (!gather && pt != 0) return;
+    const int64_t src = gather ? SourceRow(p, tile * kTokens + n) : -1;
     const uint16_t* xrow = p.a + (src >= 0 ? src : 0) * p.K + 64 * panel;
     const uint32_t x_bytes = src >= 0 ? 16 : 0;
-    // Rows of the CTA's gate and up fragments in the weight maps ([E * N / 16] fragments).
-    const int32_t gate_frag = int32_t((int64_t(e) * p.N + slab * kWsFeatures) / kBlockRows);
-    const int32_t up_frag = gate_frag + int32_t(p.n_out / kBlockRows);
+    // The first rows of the CTA's two weight copies in the maps ([E * N / 16] fragments): gated,
+    // its gate and its up rows; otherwise two consecutive blocks.
+    const int32_t frag0 = int32_t((int64_t(e) * p.N + slab * WsFeatures<GATED>()) / kBlockRows);
+    const int32_t frag1 = frag0 + int32_t(GATED ? p.n_out / kBlockRows : kWsCopyFrags);
     for (int64_t c = 0; c < chunks; ++c) {
       const int s = int(c % kWsStages);
       const uint32_t round = uint32_t(c / kWsStages), stage = ring + s * kWsStageBytes;
       if (round > 0) MbarWait(empty_bar + 8 * s, (round - 1) & 1);
       if (pt == 0) {
-        MbarExpectBytes(full_bar + 8 * s, kWsWeightBytes);
-        const uint32_t w = stage + kChunkBytes, sc = w + 2 * kWsCodeBytes;
+        MbarExpectBytes(full_bar + 8 * s, kWsWeightBytes + (gather ? 0 : kChunkBytes));
+        const uint32_t w = stage + kChunkBytes, sc = w + 2 * kWsCopyCodeBytes;
         const int32_t kc = int32_t(c * kBlockRows * kBlockCodeBytes / 4);  // (32-bit words)
         const int32_t ks = int32_t(c * kBlockRows * kBlockScaleBytes / 4);
-        TmaLoad2d(w, &codes, kc, gate_frag, full_bar + 8 * s);
-        TmaLoad2d(w + kWsCodeBytes, &codes, kc, up_frag, full_bar + 8 * s);
-        TmaLoad2d(sc, &scales, ks, gate_frag, full_bar + 8 * s);
-        TmaLoad2d(sc + kWsScaleBytes, &scales, ks, up_frag, full_bar + 8 * s);
-      }
-      // Logical 16-byte piece q of this half (a is in the chunk order) to its swizzled place.
+        TmaLoad2d(w, &codes, kc, frag0, full_bar + 8 * s);
+        TmaLoad2d(w + kWsCopyCodeBytes, &codes, kc, frag1, full_bar + 8 * s);
+        TmaLoad2d(sc, &scales, ks, frag0, full_bar + 8 * s);
+        TmaLoad2d(sc + kWsCopyScaleBytes, &scales, ks, frag1, full_bar + 8 * s);
+        if (!gather) {
 #pragma unroll
-      for (int q = 0; q < 8; ++q)
-        CpAsync16(stage + panel * kPanelBytes + n * 128 + ((q ^ (n & 7)) << 4), xrow + c * 128 + 8 * q, x_bytes);
-      CpAsyncArrive(full_bar + 8 * s);
+          for (int h = 0; h < 2; ++h)
+            TmaLoad2d(stage + h * kPanelBytes, &amap, int32_t(c * 128 + 64 * h), int32_t(tile * kTokens),
+                      full_bar + 8 * s);
+        }
+      }
+      if (gather) {
+        // Logical 16-byte piece q of this half (a is in the chunk order) to its swizzled place.
+#pragma unroll
+        for (int q = 0; q < 8; ++q)
+          CpAsync16(stage + panel * kPanelBytes + n * 128 + ((q ^ (n & 7)) << 4), xrow + c * 128 + 8 * q, x_bytes);
+        CpAsyncArrive(full_bar + 8 * s);
+      }
     }
-    asm volatile("cp.async.wait_all;\n" ::: "memory");
+    if (gather) asm volatile("cp.async.wait_all;\n" ::: "memory");
     return;
   }
 
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kWsConsumerRegs));
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;  // warp: the CTA's fragment of gate / up rows
+  // warp: the CTA's fragment in each weight copy (gated: gate / up rows of the same features).
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
-  const int64_t feat[2] = {slab * kWsFeatures + 16 * warp, slab * kWsFeatures + 16 * warp};
-  const bool active[2] = {feat[0] < p.n_out, feat[0] < p.n_out};
+  const int64_t base = slab * WsFeatures<GATED>() + 16 * warp;
+  const int64_t feat[2] = {base, GATED ? base : base + 16 * kWsCopyFrags};
+  const bool active[2] = {feat[0] < p.n_out, feat[1] < p.n_out};
   float acc[2][8][4];
   ZeroAcc(acc);
   for (int64_t c = 0; c < chunks; ++c) {
@@ -514,9 +542,10 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // cp.async writes -> wgmma reads
     WeightRegs<128, 2> w;
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {  // gate, up
-      const uint32_t code = stage + kChunkBytes + j * kWsCodeBytes + uint32_t(warp * kBlockRows * kBlockCodeBytes);
-      const uint32_t scale = stage + kChunkBytes + 2 * kWsCodeBytes + j * kWsScaleBytes +
+    for (int j = 0; j < 2; ++j) {  // weight copy j
+      const uint32_t code =
+          stage + kChunkBytes + j * kWsCopyCodeBytes + uint32_t(warp * kBlockRows * kBlockCodeBytes);
+      const uint32_t scale = stage + kChunkBytes + 2 * kWsCopyCodeBytes + j * kWsCopyScaleBytes +
                              uint32_t(warp * kBlockRows * kBlockScaleBytes);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
@@ -535,7 +564,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     ChunkMma<128, 2>(w, stage, acc);
     MbarArrive(empty_bar + 8 * s);
   }
-  StoreTile<true, 2, uint16_t>(p, e, tile, feat, active, acc);
+  StoreTile<GATED, 2, uint16_t>(p, e, tile, feat, active, acc);
 #endif
 }
 
@@ -632,24 +661,28 @@ std::string LaunchTmaFor(const GemmParams& p, bool gated, bool one_block, bool s
   return one_block ? LaunchTma<false, 1, BW>(p, sf, pdl, stream) : LaunchTma<false, 2, BW>(p, sf, pdl, stream);
 }
 
-// W4A16WgmmaWs: the tensor maps of the blocked weights as [E * N / 16 fragments, a fragment's
-// blocks] of 32-bit words, boxes of one 128-K block of kWsFrags fragments.
+// W4A16WgmmaWs<GATED>: the tensor maps of the blocked weights as [E * N / 16 fragments, a
+// fragment's blocks] of 32-bit words, boxes of one 128-K block of kWsCopyFrags fragments; of `a`
+// when it is not gathered.
+template <bool GATED>
 std::string LaunchWs(GemmParams p, bool pdl, cudaStream_t stream) {
-  const int64_t frags = p.E * p.N / kBlockRows, slabs = CeilDiv<int64_t>(p.n_out, kWsFeatures);
+  const int64_t frags = p.E * p.N / kBlockRows, slabs = CeilDiv<int64_t>(p.n_out, WsFeatures<GATED>());
   if (p.P / kTokens * slabs > 0x7FFFFFFF || frags > 0x7FFFFFFF) return "too many row tiles or weight rows";
-  CUtensorMap codes, scales;
+  CUtensorMap codes, scales, amap{};
   const uint64_t code_row = uint64_t(kBlockRows) * (p.K / 2), scale_row = uint64_t(kBlockRows) * (p.K / 16);
   if (std::string err = Encode2d(&codes, CU_TENSOR_MAP_DATA_TYPE_UINT32, p.w, code_row / 4, uint64_t(frags), code_row,
-                                 kBlockRows * kBlockCodeBytes / 4, kWsFrags, CU_TENSOR_MAP_SWIZZLE_NONE);
+                                 kBlockRows * kBlockCodeBytes / 4, kWsCopyFrags, CU_TENSOR_MAP_SWIZZLE_NONE);
       !err.empty())
     return err;
   if (std::string err = Encode2d(&scales, CU_TENSOR_MAP_DATA_TYPE_UINT32, p.ws, scale_row / 4, uint64_t(frags),
-                                 scale_row, kBlockRows * kBlockScaleBytes / 4, kWsFrags, CU_TENSOR_MAP_SWIZZLE_NONE);
+                                 scale_row, kBlockRows * kBlockScaleBytes / 4, kWsCopyFrags, CU_TENSOR_MAP_SWIZZLE_NONE);
       !err.empty())
     return err;
-  if (std::string err = OptInSmem<W4A16WgmmaWs>(kWsSmemBytes); !err.empty()) return err;
-  LaunchKernel(W4A16WgmmaWs, dim3(unsigned(p.P / kTokens * slabs)), kWsThreads, kWsSmemBytes, stream, pdl, p, codes,
-               scales);
+  if (!p.gather)
+    if (std::string err = EncodeActivationMap(p, &amap); !err.empty()) return err;
+  if (std::string err = OptInSmem<W4A16WgmmaWs<GATED>>(kWsSmemBytes); !err.empty()) return err;
+  LaunchKernel(W4A16WgmmaWs<GATED>, dim3(unsigned(p.P / kTokens * slabs)), kWsThreads, kWsSmemBytes, stream, pdl, p,
+               codes, scales, amap);
   return "";
 }
 
@@ -676,8 +709,8 @@ bool LaunchWgmmaGemm(const GemmParams& p, bool gated, bool f32_out, int64_t kern
   const bool one_block = !(kernel_flags & int64_t(KernelFlag::kWgmmaTwoBlocks));
   const bool sf = !(kernel_flags & int64_t(KernelFlag::kRowTilesFirst)), pdl = kernel_flags & int64_t(KernelFlag::kPdl);
   const bool bw = p.pairing & int32_t(Pairing::kBlockedW);
-  if (p.pairing & int32_t(Pairing::kChunkA) && WarpSpecializedGemm(kernel_flags, gated, p.pairing)) {
-    *error = LaunchWs(p, pdl, stream);  // the handler checked: bf16 out
+  if (WarpSpecializedGemm(kernel_flags, p.pairing, p.gather)) {  // the handler checked: bf16 out
+    *error = gated ? LaunchWs<true>(p, pdl, stream) : LaunchWs<false>(p, pdl, stream);
     return true;
   }
   if (p.pairing & int32_t(Pairing::kChunkA)) {  // the handler checked: bf16 out, not gathered
@@ -690,7 +723,7 @@ bool LaunchWgmmaGemm(const GemmParams& p, bool gated, bool f32_out, int64_t kern
   return true;
 #else
   (void)p, (void)gated, (void)f32_out, (void)kernel_flags, (void)stream, (void)error;
-  (void)DeviceMajor, (void)LaunchWs;
+  (void)DeviceMajor, (void)LaunchWs<true>, (void)LaunchWs<false>;
   return false;
 #endif
 }
