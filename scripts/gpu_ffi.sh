@@ -353,7 +353,7 @@ sys.path.insert(0, "tests")
 from test_ffi import make_experts, make_routing, make_x
 from jax_nvfp4 import _ffi_ops as ops
 ex = make_experts(1, 32, 512, 256)
-exb = nv.to_blocked_experts(ex)  # 64-row w4a16 tiles: both GEMMs on the warp-specialized kernel
+exb = nv.to_blocked_experts(ex)  # 64-row w4a16 tiles: GEMM1 on the warp-specialized kernel
 # Every opt-in variant but the alternatives of the defaults it would replace (JAX_QUANT: the w4a4
 # layer keeps the quant_dequant_rows kernel in the graph).
 opt_in = sum(ops.KernelFlag) & ~(ops.KernelFlag.NO_WGMMA | ops.KernelFlag.NO_WARP_SPECIALIZED
