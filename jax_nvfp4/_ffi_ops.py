@@ -739,7 +739,8 @@ def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str =
         ws = (not kernel_flags & KernelFlag.NO_WARP_SPECIALIZED and tile_m == TILE_MS[-1] and h % CHUNK_K == 0
               and experts.gate_up.order == "blocked" and not kernel_flags & KernelFlag.NO_WGMMA
               and chunk_intermediate_supported())
-        x1 = to_chunk_order(x.astype(jnp.bfloat16)) if ws else x.astype(jnp.bfloat16)
+        x1 = x.astype(jnp.bfloat16)
+        x1 = to_chunk_order(x1) if ws else x1
         h1 = grouped_gemm(x1, experts.gate_up, sorted_ids, tile_expert, activation=act,
                           gather=True, k_split=ks1, pairing=p1 | (Pairing.CHUNK_A if ws else Pairing.NONE), **common)
         y = grouped_gemm(h1, experts.down, sorted_ids, tile_expert, activation=Activation.IDENTITY,

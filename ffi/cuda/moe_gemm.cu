@@ -362,8 +362,8 @@ ffi::Error GroupedGemmCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> a, ff
                                    "bfloat16 output on the GPU");
   // Chunk-ordered activations are moe's w4a16 GEMM input on 64-row tiles (GEMM2's intermediate, and
   // GEMM1's x on blocked weights): only the sm_90a wgmma kernels read them, the warp-specialized
-  // one (blocked weights, unless KernelFlag::kNoWarpSpecialized) gathered or not, the TMA-fed one
-  // not gathered.
+  // one (WarpSpecializedGemm: blocked weights, gathered or with kWsGemm2 not) and the TMA-fed one
+  // (not gathered).
   const bool a_chunk = pairing & int64_t(Pairing::kChunkA);
   const bool ws = WarpSpecializedGemm(kernel_flags, pairing, gather);
   if (a_chunk && (f32_out || (gather && !ws) || tile_m != 64 || (kernel_flags & int64_t(KernelFlag::kNoWgmma))))

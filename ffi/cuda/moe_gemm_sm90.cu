@@ -156,6 +156,14 @@ __device__ __forceinline__ void TmaLoad2d(uint32_t dst, const CUtensorMap* map, 
       ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(bar)
       : "memory");
 }
+// Chunk c (128 K) of row tile `tile` of a chunk-ordered `a` into the buffer at `dst`: its two 64-K
+// panels, by tensor copies of the activation map (kChunkBytes, completing on `bar`).
+__device__ __forceinline__ void TmaLoadChunk(uint32_t dst, const CUtensorMap* amap, int64_t c, int64_t tile,
+                                             uint32_t bar) {
+#pragma unroll
+  for (int panel = 0; panel < 2; ++panel)
+    TmaLoad2d(dst + panel * kPanelBytes, amap, int32_t(c * 128 + 64 * panel), int32_t(tile * kTokens), bar);
+}
 
 // One chunk (CH = 128 or the 64 tail) of MMAs from registers w and the staged buffer at
 // `buf` (shared address). A piece (one code word per row) is two 16-K steps; its decoded A
@@ -373,10 +381,7 @@ __global__ void __launch_bounds__(kWgThreadsPerCta, MinCtas<GATED, NB>()) W4A16W
     const uint32_t round = uint32_t(c / kStages);
     if (round > 0) MbarWait(empty_bar + 8 * s, (round - 1) & 1);
     MbarExpectBytes(full_bar + 8 * s, kChunkBytes);
-#pragma unroll
-    for (int panel = 0; panel < 2; ++panel)
-      TmaLoad2d(ring + s * kChunkBytes + panel * kPanelBytes, &amap, int32_t(c * 128 + 64 * panel),
-                   int32_t(tile * kTokens), full_bar + 8 * s);
+    TmaLoadChunk(ring + s * kChunkBytes, &amap, c, tile, full_bar + 8 * s);
   };
   if (copier) {
     for (int s = 0; s < kStages; ++s) {
@@ -507,12 +512,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
         TmaLoad2d(w + kWsCopyCodeBytes, &codes, kc, frag1, full_bar + 8 * s);
         TmaLoad2d(sc, &scales, ks, frag0, full_bar + 8 * s);
         TmaLoad2d(sc + kWsCopyScaleBytes, &scales, ks, frag1, full_bar + 8 * s);
-        if (!gather) {
-#pragma unroll
-          for (int h = 0; h < 2; ++h)
-            TmaLoad2d(stage + h * kPanelBytes, &amap, int32_t(c * 128 + 64 * h), int32_t(tile * kTokens),
-                      full_bar + 8 * s);
-        }
+        if (!gather) TmaLoadChunk(stage, &amap, c, tile, full_bar + 8 * s);
       }
       if (gather) {
         // Logical 16-byte piece q of this half (a is in the chunk order) to its swizzled place.
