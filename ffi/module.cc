@@ -132,6 +132,7 @@ NB_MODULE(_ffi, m) {
     kf["plain_weight_loads"] = int64_t(KernelFlag::kPlainWeightLoads);
     kf["no_warp_specialized"] = int64_t(KernelFlag::kNoWarpSpecialized);
     kf["ws_gemm2"] = int64_t(KernelFlag::kWsGemm2);
+    kf["no_persistent"] = int64_t(KernelFlag::kNoPersistent);
     c["KernelFlag"] = kf;
     nb::dict pairing;
     pairing["none"] = int64_t(Pairing::kNone);

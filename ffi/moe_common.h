@@ -68,10 +68,13 @@ enum class KernelFlag : int64_t {
   kWsGemm2 = 65536,            // moe's w4a16 GEMM2 (chunk-ordered `a`, not gathered) on the warp-specialized
                                // kernel too, instead of the TMA-fed one (1.12-1.20x slower layers on the
                                // H200, 2026-12-02)
+  kNoPersistent = 131072,      // the warp-specialized kernel with a CTA per work item instead of a persistent
+                               // grid (a CTA per SM walks the work items, its ring running on across them:
+                               // prefill layers up to 1.8% faster, at most 0.6% slower on the H200, 2026-12-02)
   // 16384: kWgmmaTilePairs (the TMA-fed GEMM2 on pairs of one expert's 64-row tiles, m64n128 wgmmas,
   // one CTA per SM) for one H200 A/B on 2026-12-02, removed: 1.25-1.42x slower layers (dabc4ef).
 };
-constexpr int64_t kAllKernelFlags = 99070;
+constexpr int64_t kAllKernelFlags = 230142;
 // grouped_gemm's `pairing` bits: which operands hold a kernel order instead of the natural one.
 // kA / kOut: a's K axis / out's feature axis in the paired order (PairedPos). moe's intermediate
 // uses it on mma.sync tiles (but with KernelFlag kNaturalIntermediate): GEMM1 writes it paired,

@@ -88,6 +88,9 @@ class KernelFlag(enum.IntFlag):
     # for three MMA warpgroups; 14-17% faster prefill layers on the H200)
     WS_GEMM2 = 65536  # GEMM2 too (chunk-ordered a, not gathered) on the warp-specialized kernel, not the TMA-fed one
     # (1.12-1.20x slower layers on the H200, 2026-12-02)
+    NO_PERSISTENT = 131072  # the warp-specialized kernel with a CTA per work item, not on a persistent grid (a CTA
+    # per SM walks the work items, its ring running on across them: prefill layers up to 1.8% faster, at most 0.6%
+    # slower on the H200)
     # 1024 / 2048: L2_PREFETCH / SPLIT_GATE_UP (decode tiles) for one A/B on 2026-12-01, removed: slower on the H200
     # 4096 / 8192: WGMMA_FOUR_GROUPS (four-warpgroup one-block wgmma CTAs) / TMA_GEMM1 (GEMM1 on the TMA-fed
     # wgmma kernel after an XLA gather into the chunk order) for A/Bs on 2026-12-02, removed: slower on the H200

@@ -864,21 +864,25 @@ WS_CASES = [  # (activation, gather, row_scale_mode): moe's GEMM1, its GEMM2, a 
 
 @pytest.mark.parametrize("on_gpu", [False, pytest.param(True, marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("h", [128, 1280])
-@pytest.mark.parametrize("flags", [0, int(ops.KernelFlag.PDL)])
+@pytest.mark.parametrize("flags", [0, int(ops.KernelFlag.PDL), int(ops.KernelFlag.NO_PERSISTENT),
+                                   int(ops.KernelFlag.NO_PERSISTENT | ops.KernelFlag.PDL)])
 @pytest.mark.parametrize("case", range(len(WS_CASES)))
 def test_gemm_warp_specialized_is_the_same_function(on_gpu, h, flags, case):
     """64-row tiles with blocked weights and ``a`` in the chunk order (on the GPU the warp-specialized
     kernel, ungathered ``a`` with WS_GEMM2: weights by tensor copies into a ring, rows by cp.async
     (gathered) or tensor copies, over one chunk and over ten, round the ring; launched plainly and
-    with PDL): bitwise the natural-order output of the staged kernel. 320 features: the last slab is
-    partly idle (192 features a gated CTA, else 384); 200 tokens x 4 over 5 experts, some pairs
+    with PDL; on the persistent grid, where CTAs walk several work items and the ring runs on across
+    them, or with a CTA per item, NO_PERSISTENT): bitwise the natural-order output of the staged
+    kernel. 320 features: the last slab is partly idle (192 features a gated CTA, else 384); 2400
+    tokens x 4 over 5 experts on the GPU's persistent grid (over 132 items), else 200, some pairs
     dropped; an ungathered ``a`` ends 70 rows before the last used tile does (the copies' bounds)."""
     if on_gpu and not has_gpu():
         pytest.skip("needs an NVIDIA GPU")
     if not on_gpu and flags:
         pytest.skip("kernel flags are CUDA variants")
     act, gather, mode = WS_CASES[case]
-    a, w, sid, te, rs = _gemm_problem(act, gather, mode, t=200, k=4, e=5, h=h, n=320, tile_m=64, seed=h + case)
+    t = 2400 if on_gpu and not flags & ops.KernelFlag.NO_PERSISTENT else 200
+    a, w, sid, te, rs = _gemm_problem(act, gather, mode, t=t, k=4, e=5, h=h, n=320, tile_m=64, seed=h + case)
     wb = nv.to_blocked_weights(w)
     used = used_rows(sid, te, 64)
     if not gather:
@@ -941,7 +945,8 @@ def test_gpu_moe_chunk_intermediate_is_bitwise_natural(i):
     intermediate in the chunk order and runs GEMM2 on it on the TMA-fed wgmma kernel (blocked weights:
     GEMM1 on the warp-specialized kernel, reading x in the chunk order): bitwise
     the layer of the staged kernels (NATURAL_INTERMEDIATE | NO_WARP_SPECIALIZED), as are the variants
-    in between (GEMM2 on the warp-specialized kernel too: WS_GEMM2), and close to the twin."""
+    in between (GEMM2 on the warp-specialized kernel too: WS_GEMM2; either with a CTA per work item,
+    not the persistent grid: NO_PERSISTENT), and close to the twin."""
     if not has_gpu() or not ops.chunk_intermediate_supported():
         pytest.skip("needs an sm_90 GPU and an sm_90a build")
     assert ops.choose_tile_m(600 * 4, 16) == 64
@@ -952,7 +957,8 @@ def test_gpu_moe_chunk_intermediate_is_bitwise_natural(i):
     for experts in (ex, nv.to_blocked_experts(ex)):
         want = f32(ops.moe(x, experts, ids, w, kernel_flags=int(kf.NATURAL_INTERMEDIATE | kf.NO_WARP_SPECIALIZED)))
         assert np.isfinite(want).all() and (want != 0).any()
-        for flags in (0, kf.NATURAL_INTERMEDIATE, kf.NO_WARP_SPECIALIZED, kf.WS_GEMM2):
+        for flags in (0, kf.NATURAL_INTERMEDIATE, kf.NO_WARP_SPECIALIZED, kf.WS_GEMM2, kf.NO_PERSISTENT,
+                      kf.NO_PERSISTENT | kf.WS_GEMM2):
             got = f32(ops.moe(x, experts, ids, w, kernel_flags=int(flags)))
             np.testing.assert_array_equal(got, want, err_msg=f"{experts.gate_up.order} {flags!r}")
         assert relerr(got, f32(ops.moe(x, experts, ids, w, impl="jax"))) < 1e-2

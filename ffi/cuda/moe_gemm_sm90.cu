@@ -40,6 +40,7 @@
 #include <cuda.h>  // CUtensorMap (a type only: the encoder comes from the runtime)
 #include <cudaTypedefs.h>
 
+#include <algorithm>
 #include <atomic>
 #include <string>
 
@@ -429,7 +430,10 @@ __global__ void __launch_bounds__(kWgThreadsPerCta, MinCtas<GATED, NB>()) W4A16W
 // wgmmas; the roles' register budgets are set apart (setmaxnreg), so three MMA warpgroups fit
 // where the staged kernel has two. (H200, 2026-12-02: as GEMM1, 14-17% faster prefill layers than
 // the staged kernel; as GEMM2, 1.12-1.20x slower ones than the TMA-fed kernel, whose one-block CTAs
-// fit two to an SM.)
+// fit two to an SM.) The grid is persistent: a CTA per SM walks the work items, so the ring's fill
+// and the epilogue's stores of one item overlap the next (prefill layers up to 1.8% faster, at most
+// 0.6% slower; a warpgroup whose rows of the last slab are all past n_out skipping its MMAs gained
+// nothing and was not kept; H200, 2026-12-02).
 // (Two MMA warpgroups, six stages: 1.22-1.31x slower layers, H200 2026-12-02.)
 constexpr int kWsConsumers = 3;
 constexpr int kWsThreads = (kWsConsumers + 1) * 128;
@@ -439,7 +443,7 @@ constexpr int kWsCopyScaleBytes = kWsCopyFrags * kBlockRows * kBlockScaleBytes;
 constexpr int kWsWeightBytes = 2 * (kWsCopyCodeBytes + kWsCopyScaleBytes);  // two copies of each
 constexpr int kWsStageBytes = kChunkBytes + kWsWeightBytes;  // [activations][codes 0, 1][scales 0, 1]
 // Four stages of 43 KB, and a stage's full and empty mbarriers (five, all that fit in 227 KB: 3-6%
-// slower layers, H200 2026-12-02).
+// slower layers; three: 0.6-2.6% slower; H200 2026-12-02).
 constexpr int kWsStages = 4;
 constexpr int kWsSmemBytes = kWsStages * (kWsStageBytes + 16) + 1024;
 static_assert(kWsStageBytes % 1024 == 0, "stages keep the 1024-byte alignment of the swizzled activations");
@@ -471,10 +475,11 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   const uint32_t full_bar = ring + kWsStages * kWsStageBytes, empty_bar = full_bar + 8 * kWsStages;
 
   GridDependencyWait();
-  const int64_t slabs = CeilDiv<int64_t>(p.n_out, WsFeatures<GATED>());
-  const int64_t tile = blockIdx.x / slabs, slab = blockIdx.x % slabs;
-  const int32_t e = p.tile_expert[tile];
-  if (e < 0 || e >= p.E) return;  // unused tile (uniform over the CTA)
+  // Work items (row tile, feature slab), slabs first, walked gridDim.x apart: a CTA per SM (the
+  // persistent grid) or, with KernelFlag::kNoPersistent, per item. Both roles skip the same unused tiles and count
+  // chunks over the CTA's items (`it`), so the ring runs on across items: the producer fills the
+  // next item's first stages while the MMA warpgroups store the last one's tile.
+  const int64_t slabs = CeilDiv<int64_t>(p.n_out, WsFeatures<GATED>()), items = p.P / kTokens * slabs;
   const int64_t chunks = p.K / 128;
   const int wg = threadIdx.x >> 7;
   const bool gather = p.gather;
@@ -492,34 +497,40 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kWsProducerRegs));
     const int pt = threadIdx.x & 127, n = pt >> 1, panel = pt & 1;  // row n, K half `panel` of each chunk
     if (!gather && pt != 0) return;
-    const int64_t src = gather ? SourceRow(p, tile * kTokens + n) : -1;
-    const uint16_t* xrow = p.a + (src >= 0 ? src : 0) * p.K + 64 * panel;
-    const uint32_t x_bytes = src >= 0 ? 16 : 0;
-    // The first rows of the CTA's two weight copies in the maps ([E * N / 16] fragments): gated,
-    // its gate and its up rows; otherwise two consecutive blocks.
-    const int32_t frag0 = int32_t((int64_t(e) * p.N + slab * WsFeatures<GATED>()) / kBlockRows);
-    const int32_t frag1 = frag0 + int32_t(GATED ? p.n_out / kBlockRows : kWsCopyFrags);
-    for (int64_t c = 0; c < chunks; ++c) {
-      const int s = int(c % kWsStages);
-      const uint32_t round = uint32_t(c / kWsStages), stage = ring + s * kWsStageBytes;
-      if (round > 0) MbarWait(empty_bar + 8 * s, (round - 1) & 1);
-      if (pt == 0) {
-        MbarExpectBytes(full_bar + 8 * s, kWsWeightBytes + (gather ? 0 : kChunkBytes));
-        const uint32_t w = stage + kChunkBytes, sc = w + 2 * kWsCopyCodeBytes;
-        const int32_t kc = int32_t(c * kBlockRows * kBlockCodeBytes / 4);  // (32-bit words)
-        const int32_t ks = int32_t(c * kBlockRows * kBlockScaleBytes / 4);
-        TmaLoad2d(w, &codes, kc, frag0, full_bar + 8 * s);
-        TmaLoad2d(w + kWsCopyCodeBytes, &codes, kc, frag1, full_bar + 8 * s);
-        TmaLoad2d(sc, &scales, ks, frag0, full_bar + 8 * s);
-        TmaLoad2d(sc + kWsCopyScaleBytes, &scales, ks, frag1, full_bar + 8 * s);
-        if (!gather) TmaLoadChunk(stage, &amap, c, tile, full_bar + 8 * s);
-      }
-      if (gather) {
-        // Logical 16-byte piece q of this half (a is in the chunk order) to its swizzled place.
+    int64_t it = 0;
+    for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
+      const int64_t tile = item / slabs, slab = item % slabs;
+      const int32_t e = p.tile_expert[tile];
+      if (e < 0 || e >= p.E) continue;  // unused tile
+      const int64_t src = gather ? SourceRow(p, tile * kTokens + n) : -1;
+      const uint16_t* xrow = p.a + (src >= 0 ? src : 0) * p.K + 64 * panel;
+      const uint32_t x_bytes = src >= 0 ? 16 : 0;
+      // The first rows of the CTA's two weight copies in the maps ([E * N / 16] fragments): gated,
+      // its gate and its up rows; otherwise two consecutive blocks.
+      const int32_t frag0 = int32_t((int64_t(e) * p.N + slab * WsFeatures<GATED>()) / kBlockRows);
+      const int32_t frag1 = frag0 + int32_t(GATED ? p.n_out / kBlockRows : kWsCopyFrags);
+      for (int64_t c = 0; c < chunks; ++c, ++it) {
+        const int s = int(it % kWsStages);
+        const uint32_t stage = ring + s * kWsStageBytes;
+        if (it >= kWsStages) MbarWait(empty_bar + 8 * s, uint32_t(it / kWsStages - 1) & 1);
+        if (pt == 0) {
+          MbarExpectBytes(full_bar + 8 * s, kWsWeightBytes + (gather ? 0 : kChunkBytes));
+          const uint32_t w = stage + kChunkBytes, sc = w + 2 * kWsCopyCodeBytes;
+          const int32_t kc = int32_t(c * kBlockRows * kBlockCodeBytes / 4);  // (32-bit words)
+          const int32_t ks = int32_t(c * kBlockRows * kBlockScaleBytes / 4);
+          TmaLoad2d(w, &codes, kc, frag0, full_bar + 8 * s);
+          TmaLoad2d(w + kWsCopyCodeBytes, &codes, kc, frag1, full_bar + 8 * s);
+          TmaLoad2d(sc, &scales, ks, frag0, full_bar + 8 * s);
+          TmaLoad2d(sc + kWsCopyScaleBytes, &scales, ks, frag1, full_bar + 8 * s);
+          if (!gather) TmaLoadChunk(stage, &amap, c, tile, full_bar + 8 * s);
+        }
+        if (gather) {
+          // Logical 16-byte piece q of this half (a is in the chunk order) to its swizzled place.
 #pragma unroll
-        for (int q = 0; q < 8; ++q)
-          CpAsync16(stage + panel * kPanelBytes + n * 128 + ((q ^ (n & 7)) << 4), xrow + c * 128 + 8 * q, x_bytes);
-        CpAsyncArrive(full_bar + 8 * s);
+          for (int q = 0; q < 8; ++q)
+            CpAsync16(stage + panel * kPanelBytes + n * 128 + ((q ^ (n & 7)) << 4), xrow + c * 128 + 8 * q, x_bytes);
+          CpAsyncArrive(full_bar + 8 * s);
+        }
       }
     }
     if (gather) asm volatile("cp.async.wait_all;\n" ::: "memory");
@@ -530,41 +541,49 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   // warp: the CTA's fragment in each weight copy (gated: gate / up rows of the same features).
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
-  const int64_t base = slab * WsFeatures<GATED>() + 16 * warp;
-  const int64_t feat[2] = {base, GATED ? base : base + 16 * kWsCopyFrags};
-  const bool active[2] = {feat[0] < p.n_out, feat[1] < p.n_out};
-  float acc[2][8][4];
-  ZeroAcc(acc);
-  for (int64_t c = 0; c < chunks; ++c) {
-    const int s = int(c % kWsStages);
-    const uint32_t stage = ring + s * kWsStageBytes;
-    MbarWait(full_bar + 8 * s, uint32_t(c / kWsStages) & 1);
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // cp.async writes -> wgmma reads
-    WeightRegs<128, 2> w;
+  int64_t it = 0;
+  for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
+    const int64_t tile = item / slabs, slab = item % slabs;
+    const int32_t e = p.tile_expert[tile];
+    // Unused tile; a vote, so that the compiler knows the branch is warp-uniform (a plain test
+    // added 46 instructions to the loop below: sm_90a SASS, 2026-12-02).
+    if (__all_sync(~0u, e < 0 || e >= p.E)) continue;
+    const int64_t base = slab * WsFeatures<GATED>() + 16 * warp;
+    const int64_t feat[2] = {base, GATED ? base : base + 16 * kWsCopyFrags};
+    const bool active[2] = {feat[0] < p.n_out, feat[1] < p.n_out};
+    float acc[2][8][4];
+    ZeroAcc(acc);
+    for (int64_t c = 0; c < chunks; ++c, ++it) {
+      const int s = int(it % kWsStages);
+      const uint32_t stage = ring + s * kWsStageBytes;
+      MbarWait(full_bar + 8 * s, uint32_t(it / kWsStages) & 1);
+      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // cp.async writes -> wgmma reads
+      WeightRegs<128, 2> w;
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {  // weight copy j
-      const uint32_t code =
-          stage + kChunkBytes + j * kWsCopyCodeBytes + uint32_t(warp * kBlockRows * kBlockCodeBytes);
-      const uint32_t scale = stage + kChunkBytes + 2 * kWsCopyCodeBytes + j * kWsCopyScaleBytes +
-                             uint32_t(warp * kBlockRows * kBlockScaleBytes);
+      for (int j = 0; j < 2; ++j) {  // weight copy j
+        const uint32_t code =
+            stage + kChunkBytes + j * kWsCopyCodeBytes + uint32_t(warp * kBlockRows * kBlockCodeBytes);
+        const uint32_t scale = stage + kChunkBytes + 2 * kWsCopyCodeBytes + j * kWsCopyScaleBytes +
+                               uint32_t(warp * kBlockRows * kBlockScaleBytes);
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        uint4 v;
-        asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                     : "r"(code + uint32_t((g + 8 * h) * kBlockCodeBytes + 16 * t)));
-        w.SetCodes(j, h, v);
-        unsigned short sv;
-        asm volatile("ld.shared.u16 %0, [%1];\n"
-                     : "=h"(sv)
-                     : "r"(scale + uint32_t((g + 8 * h) * kBlockScaleBytes + 2 * t)));
-        w.s[j][h] = sv;
+        for (int h = 0; h < 2; ++h) {
+          uint4 v;
+          asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                       : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                       : "r"(code + uint32_t((g + 8 * h) * kBlockCodeBytes + 16 * t)));
+          w.SetCodes(j, h, v);
+          unsigned short sv;
+          asm volatile("ld.shared.u16 %0, [%1];\n"
+                       : "=h"(sv)
+                       : "r"(scale + uint32_t((g + 8 * h) * kBlockScaleBytes + 2 * t)));
+          w.s[j][h] = sv;
+        }
       }
+      ChunkMma<128, 2>(w, stage, acc);
+      MbarArrive(empty_bar + 8 * s);
     }
-    ChunkMma<128, 2>(w, stage, acc);
-    MbarArrive(empty_bar + 8 * s);
+    StoreTile<GATED, 2, uint16_t>(p, e, tile, feat, active, acc);
   }
-  StoreTile<GATED, 2, uint16_t>(p, e, tile, feat, active, acc);
 #endif
 }
 
@@ -664,8 +683,24 @@ std::string LaunchTmaFor(const GemmParams& p, bool gated, bool one_block, bool s
 // W4A16WgmmaWs<GATED>: the tensor maps of the blocked weights as [E * N / 16 fragments, a
 // fragment's blocks] of 32-bit words, boxes of one 128-K block of kWsCopyFrags fragments; of `a`
 // when it is not gathered.
+// Compute capability major / SM count of the current device, cached per device and attribute (no
+// stream operation, so it is safe while XLA captures a CUDA graph); 0 when unknown.
+template <cudaDeviceAttr ATTR>
+int CachedDeviceAttribute() {
+  static std::atomic<int> cache[64];
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 0;
+  int v = cache[dev].load(std::memory_order_relaxed);
+  if (v == 0) {
+    if (cudaDeviceGetAttribute(&v, ATTR, dev) != cudaSuccess) return 0;
+    cache[dev].store(v, std::memory_order_relaxed);
+  }
+  return v;
+}
+
+// persistent: one CTA per SM (at most), each walking work items gridDim.x apart.
 template <bool GATED>
-std::string LaunchWs(GemmParams p, bool pdl, cudaStream_t stream) {
+std::string LaunchWs(GemmParams p, bool persistent, bool pdl, cudaStream_t stream) {
   const int64_t frags = p.E * p.N / kBlockRows, slabs = CeilDiv<int64_t>(p.n_out, WsFeatures<GATED>());
   if (p.P / kTokens * slabs > 0x7FFFFFFF || frags > 0x7FFFFFFF) return "too many row tiles or weight rows";
   CUtensorMap codes, scales, amap{};
@@ -681,23 +716,11 @@ std::string LaunchWs(GemmParams p, bool pdl, cudaStream_t stream) {
   if (!p.gather)
     if (std::string err = EncodeActivationMap(p, &amap); !err.empty()) return err;
   if (std::string err = OptInSmem<W4A16WgmmaWs<GATED>>(kWsSmemBytes); !err.empty()) return err;
-  LaunchKernel(W4A16WgmmaWs<GATED>, dim3(unsigned(p.P / kTokens * slabs)), kWsThreads, kWsSmemBytes, stream, pdl, p,
-               codes, scales, amap);
+  const int64_t items = p.P / kTokens * slabs;
+  const int sms = CachedDeviceAttribute<cudaDevAttrMultiProcessorCount>();
+  const int64_t ctas = persistent && sms > 0 ? std::min<int64_t>(items, sms) : items;
+  LaunchKernel(W4A16WgmmaWs<GATED>, dim3(unsigned(ctas)), kWsThreads, kWsSmemBytes, stream, pdl, p, codes, scales, amap);
   return "";
-}
-
-// Compute capability major of the current device, cached per device (no stream operation,
-// so it is safe while XLA captures a CUDA graph).
-int DeviceMajor() {
-  static std::atomic<int> cache[64];
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 0;
-  int v = cache[dev].load(std::memory_order_relaxed);
-  if (v == 0) {
-    if (cudaDeviceGetAttribute(&v, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) return 0;
-    cache[dev].store(v, std::memory_order_relaxed);
-  }
-  return v;
 }
 
 }  // namespace
@@ -705,12 +728,13 @@ int DeviceMajor() {
 bool LaunchWgmmaGemm(const GemmParams& p, bool gated, bool f32_out, int64_t kernel_flags, cudaStream_t stream,
                      std::string* error) {
 #ifdef JAX_NVFP4_HAS_SM90A
-  if (DeviceMajor() != 9 || p.P % kTokens != 0) return false;
+  if (CachedDeviceAttribute<cudaDevAttrComputeCapabilityMajor>() != 9 || p.P % kTokens != 0) return false;
   const bool one_block = !(kernel_flags & int64_t(KernelFlag::kWgmmaTwoBlocks));
   const bool sf = !(kernel_flags & int64_t(KernelFlag::kRowTilesFirst)), pdl = kernel_flags & int64_t(KernelFlag::kPdl);
   const bool bw = p.pairing & int32_t(Pairing::kBlockedW);
   if (WarpSpecializedGemm(kernel_flags, p.pairing, p.gather)) {  // the handler checked: bf16 out
-    *error = gated ? LaunchWs<true>(p, pdl, stream) : LaunchWs<false>(p, pdl, stream);
+    const bool persistent = !(kernel_flags & int64_t(KernelFlag::kNoPersistent));
+    *error = gated ? LaunchWs<true>(p, persistent, pdl, stream) : LaunchWs<false>(p, persistent, pdl, stream);
     return true;
   }
   if (p.pairing & int32_t(Pairing::kChunkA)) {  // the handler checked: bf16 out, not gathered
@@ -723,7 +747,7 @@ bool LaunchWgmmaGemm(const GemmParams& p, bool gated, bool f32_out, int64_t kern
   return true;
 #else
   (void)p, (void)gated, (void)f32_out, (void)kernel_flags, (void)stream, (void)error;
-  (void)DeviceMajor, (void)LaunchWs<true>, (void)LaunchWs<false>;
+  (void)CachedDeviceAttribute<cudaDevAttrComputeCapabilityMajor>, (void)LaunchWs<true>, (void)LaunchWs<false>;
   return false;
 #endif
 }
