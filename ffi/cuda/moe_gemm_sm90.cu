@@ -680,25 +680,31 @@ std::string LaunchTmaFor(const GemmParams& p, bool gated, bool one_block, bool s
   return one_block ? LaunchTma<false, 1, BW>(p, sf, pdl, stream) : LaunchTma<false, 2, BW>(p, sf, pdl, stream);
 }
 
-// W4A16WgmmaWs<GATED>: the tensor maps of the blocked weights as [E * N / 16 fragments, a
-// fragment's blocks] of 32-bit words, boxes of one 128-K block of kWsCopyFrags fragments; of `a`
-// when it is not gathered.
 // Compute capability major / SM count of the current device, cached per device and attribute (no
 // stream operation, so it is safe while XLA captures a CUDA graph); 0 when unknown.
 template <cudaDeviceAttr ATTR>
 int CachedDeviceAttribute() {
   static std::atomic<int> cache[64];
   int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) {
+    (void)cudaGetLastError();  // not a launch error of a later call
+    return 0;
+  }
   int v = cache[dev].load(std::memory_order_relaxed);
   if (v == 0) {
-    if (cudaDeviceGetAttribute(&v, ATTR, dev) != cudaSuccess) return 0;
+    if (cudaDeviceGetAttribute(&v, ATTR, dev) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return 0;
+    }
     cache[dev].store(v, std::memory_order_relaxed);
   }
   return v;
 }
 
-// persistent: one CTA per SM (at most), each walking work items gridDim.x apart.
+// W4A16WgmmaWs<GATED>: the tensor maps of the blocked weights as [E * N / 16 fragments, a
+// fragment's blocks] of 32-bit words, boxes of one 128-K block of kWsCopyFrags fragments; of `a`
+// when it is not gathered. persistent: min(work items, SMs) CTAs, each walking the items
+// gridDim.x apart (else a CTA per item).
 template <bool GATED>
 std::string LaunchWs(GemmParams p, bool persistent, bool pdl, cudaStream_t stream) {
   const int64_t frags = p.E * p.N / kBlockRows, slabs = CeilDiv<int64_t>(p.n_out, WsFeatures<GATED>());
