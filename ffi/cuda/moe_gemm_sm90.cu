@@ -476,9 +476,9 @@ __global__ void __launch_bounds__(kWsThreads, 1)
 
   GridDependencyWait();
   // Work items (row tile, feature slab), slabs first, walked gridDim.x apart: a CTA per SM (the
-  // persistent grid) or, with KernelFlag::kNoPersistent, per item. Both roles skip the same unused tiles and count
-  // chunks over the CTA's items (`it`), so the ring runs on across items: the producer fills the
-  // next item's first stages while the MMA warpgroups store the last one's tile.
+  // persistent grid) or, with KernelFlag::kNoPersistent, per item. Both roles skip the same unused
+  // tiles and count chunks over the CTA's items (`it`), so the ring runs on across items: the
+  // producer fills the next item's first stages while the MMA warpgroups store the last one's tile.
   const int64_t slabs = CeilDiv<int64_t>(p.n_out, WsFeatures<GATED>()), items = p.P / kTokens * slabs;
   const int64_t chunks = p.K / 128;
   const int wg = threadIdx.x >> 7;
@@ -707,8 +707,8 @@ int CachedDeviceAttribute() {
 // gridDim.x apart (else a CTA per item).
 template <bool GATED>
 std::string LaunchWs(GemmParams p, bool persistent, bool pdl, cudaStream_t stream) {
-  const int64_t frags = p.E * p.N / kBlockRows, slabs = CeilDiv<int64_t>(p.n_out, WsFeatures<GATED>());
-  if (p.P / kTokens * slabs > 0x7FFFFFFF || frags > 0x7FFFFFFF) return "too many row tiles or weight rows";
+  const int64_t frags = p.E * p.N / kBlockRows, items = p.P / kTokens * CeilDiv<int64_t>(p.n_out, WsFeatures<GATED>());
+  if (items > 0x7FFFFFFF || frags > 0x7FFFFFFF) return "too many row tiles or weight rows";
   CUtensorMap codes, scales, amap{};
   const uint64_t code_row = uint64_t(kBlockRows) * (p.K / 2), scale_row = uint64_t(kBlockRows) * (p.K / 16);
   if (std::string err = Encode2d(&codes, CU_TENSOR_MAP_DATA_TYPE_UINT32, p.w, code_row / 4, uint64_t(frags), code_row,
@@ -722,7 +722,6 @@ std::string LaunchWs(GemmParams p, bool persistent, bool pdl, cudaStream_t strea
   if (!p.gather)
     if (std::string err = EncodeActivationMap(p, &amap); !err.empty()) return err;
   if (std::string err = OptInSmem<W4A16WgmmaWs<GATED>>(kWsSmemBytes); !err.empty()) return err;
-  const int64_t items = p.P / kTokens * slabs;
   const int sms = CachedDeviceAttribute<cudaDevAttrMultiProcessorCount>();
   const int64_t ctas = persistent && sms > 0 ? std::min<int64_t>(items, sms) : items;
   LaunchKernel(W4A16WgmmaWs<GATED>, dim3(unsigned(ctas)), kWsThreads, kWsSmemBytes, stream, pdl, p, codes, scales, amap);
