@@ -175,12 +175,19 @@ __device__ __forceinline__ void AFragment(const uint32_t (&rows)[2][4], int half
   a[3] = rows[1][2 * half + 1];
 }
 
-// Source row of a for sorted row r, or -1 (padding / out of range).
-__device__ __forceinline__ int64_t SourceRow(const GemmParams& p, int64_t r) {
-  const int32_t pair = p.sorted_ids[r];
+// Token of a non-negative pair: pair / top_k in 32 bits (no 64-bit division routine).
+__device__ __forceinline__ int64_t PairToken(const GemmParams& p, int32_t pair) {
+  return int64_t(uint32_t(pair) / uint32_t(p.top_k));
+}
+
+// Source row of a for sorted row r holding `pair` (sorted_ids[r]), or -1 (padding / out of range).
+__device__ __forceinline__ int64_t SourceRow(const GemmParams& p, int32_t pair, int64_t r) {
   if (pair < 0) return -1;
-  const int64_t src = p.gather ? int64_t(pair) / p.top_k : r;
+  const int64_t src = p.gather ? PairToken(p, pair) : r;
   return src < p.a_rows ? src : -1;
+}
+__device__ __forceinline__ int64_t SourceRow(const GemmParams& p, int64_t r) {
+  return SourceRow(p, p.sorted_ids[r], r);
 }
 
 __device__ __forceinline__ void Store(uint16_t* out, int64_t i, float v) {
@@ -200,19 +207,39 @@ __device__ __forceinline__ void Epilogue(const GemmParams& p, int32_t e, int64_t
   // This thread's two output columns, once (a PairingPos per store was 3-4% of a GEMM's instructions).
   const int64_t col[2] = {PairingPos(p.pairing, Pairing::kOut, feat0 + g),
                           PairingPos(p.pairing, Pairing::kOut, feat0 + g + 8)};
+  // The thread's 2FM rows (SourceRow, RowScaled) with every load issued before any use or store:
+  // a store may alias them, and a load behind its own branch waits in turn.
+  int32_t pair[FM][2];
+#pragma unroll
+  for (int m = 0; m < FM; ++m)
+#pragma unroll
+    for (int c = 0; c < 2; ++c) pair[m][c] = p.sorted_ids[tile * BM + 8 * m + 2 * t + c];
+  bool valid[FM][2];
+  float rs[FM][2];  // row_scale's factor (1 without one)
 #pragma unroll
   for (int m = 0; m < FM; ++m) {
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
       const int64_t r = tile * BM + 8 * m + 2 * t + c;
-      const bool valid = SourceRow(p, r) >= 0;
-      const float scale =
-          valid ? RowScaled(alpha, p.row_scale_mode, p.row_scale, p.row_scale_n, p.sorted_ids[r], p.top_k, r) : alpha;
+      valid[m][c] = SourceRow(p, pair[m][c], r) >= 0;
+      const bool by_token = p.row_scale_mode == int32_t(RowScale::kToken);  // top_k checked >= 1 then
+      const int64_t idx = RowScaleIndex(p.row_scale_mode, pair[m][c], by_token ? PairToken(p, pair[m][c]) : 0, r);
+      rs[m][c] = p.row_scale_mode == int32_t(RowScale::kNone) ? 1.0f
+                 : valid[m][c] && idx < p.row_scale_n     ? p.row_scale[idx]
+                                                          : 0.0f;
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < FM; ++m) {
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const int64_t r = tile * BM + 8 * m + 2 * t + c;
+      const float scale = alpha * rs[m][c];
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int i = 2 * h + c;
         float v = 0.0f;
-        if (valid) {
+        if (valid[m][c]) {
           const float gate = acc[0][m][i] * scale;
           const float up = GATED ? acc[NF - 1][m][i] * scale : 0.0f;
           v = ApplyActivation(p.activation, gate, up);
