@@ -117,18 +117,12 @@ NVFP4_HD bool IsGated(int64_t act) {
          act == int64_t(Activation::kSwigluOai);
 }
 
-// The row_scale index that `mode` (not kNone) selects for sorted row r holding pair `pair` of token
-// `token` (pair / top_k).
-NVFP4_HD int64_t RowScaleIndex(int64_t mode, int64_t pair, int64_t token, int64_t r) {
-  return mode == int64_t(RowScale::kToken) ? token : mode == int64_t(RowScale::kPair) ? pair : r;
-}
-
 // alpha times the per-row scale that `mode` selects for sorted row r holding pair `pair` (0
 // past the end of row_scale): the GEMM epilogue's scale on both platforms.
 NVFP4_HD float RowScaled(float alpha, int64_t mode, const float* row_scale, int64_t row_scale_n, int64_t pair,
                          int64_t top_k, int64_t r) {
   if (mode == int64_t(RowScale::kNone)) return alpha;
-  const int64_t idx = RowScaleIndex(mode, pair, pair / top_k, r);
+  const int64_t idx = mode == int64_t(RowScale::kToken) ? pair / top_k : mode == int64_t(RowScale::kPair) ? pair : r;
   return alpha * (idx < row_scale_n ? row_scale[idx] : 0.0f);
 }
 

@@ -180,14 +180,24 @@ __device__ __forceinline__ int64_t PairToken(const GemmParams& p, int32_t pair) 
   return int64_t(uint32_t(pair) / uint32_t(p.top_k));
 }
 
+// RowScaled's row_scale index for mode kToken / kPair / kRow, of sorted row r holding `pair` of `token`.
+__device__ __forceinline__ int64_t RowScaleIndex(int64_t mode, int64_t pair, int64_t token, int64_t r) {
+  return mode == int64_t(RowScale::kToken) ? token : mode == int64_t(RowScale::kPair) ? pair : r;
+}
+
 // Source row of a for sorted row r holding `pair` (sorted_ids[r]), or -1 (padding / out of range).
+// DIV32: pair / top_k by PairToken (the wgmma kernels). The mma.sync kernels keep the 64-bit
+// division: with it and the batched epilogue loads (Epilogue) their code changed and DeepSeek-V3
+// layers at T=64/128 ran 2-3% slower on the H200 (BENCHMARKS.md session 19).
+template <bool DIV32 = false>
 __device__ __forceinline__ int64_t SourceRow(const GemmParams& p, int32_t pair, int64_t r) {
   if (pair < 0) return -1;
-  const int64_t src = p.gather ? PairToken(p, pair) : r;
+  const int64_t src = p.gather ? (DIV32 ? PairToken(p, pair) : int64_t(pair) / p.top_k) : r;
   return src < p.a_rows ? src : -1;
 }
+template <bool DIV32 = false>
 __device__ __forceinline__ int64_t SourceRow(const GemmParams& p, int64_t r) {
-  return SourceRow(p, p.sorted_ids[r], r);
+  return SourceRow<DIV32>(p, p.sorted_ids[r], r);
 }
 
 __device__ __forceinline__ void Store(uint16_t* out, int64_t i, float v) {
@@ -207,26 +217,31 @@ __device__ __forceinline__ void Epilogue(const GemmParams& p, int32_t e, int64_t
   // This thread's two output columns, once (a PairingPos per store was 3-4% of a GEMM's instructions).
   const int64_t col[2] = {PairingPos(p.pairing, Pairing::kOut, feat0 + g),
                           PairingPos(p.pairing, Pairing::kOut, feat0 + g + 8)};
-  // The thread's 2FM rows (SourceRow, RowScaled) with every load issued before any use or store:
-  // a store may alias them, and a load behind its own branch waits in turn.
-  int32_t pair[FM][2];
-#pragma unroll
-  for (int m = 0; m < FM; ++m)
-#pragma unroll
-    for (int c = 0; c < 2; ++c) pair[m][c] = p.sorted_ids[tile * BM + 8 * m + 2 * t + c];
+  // 64-row tiles (the wgmma kernels) issue the loads of the thread's 2FM rows (SourceRow, RowScaled)
+  // before any use or store: a store may alias them, and each row's loads behind its own branch had
+  // waited in turn (H200: prefill layers 2-12% faster). The 8-32-row decode tiles keep the loads in
+  // the store loop, as SourceRow keeps their division: see there.
+  constexpr bool kBatched = FM >= 8;
   bool valid[FM][2];
-  float rs[FM][2];  // row_scale's factor (1 without one)
+  float rs[FM][2];  // row_scale's factor (1 without one), batched
+  if constexpr (kBatched) {
+    int32_t pair[FM][2];
 #pragma unroll
-  for (int m = 0; m < FM; ++m) {
+    for (int m = 0; m < FM; ++m)
 #pragma unroll
-    for (int c = 0; c < 2; ++c) {
-      const int64_t r = tile * BM + 8 * m + 2 * t + c;
-      valid[m][c] = SourceRow(p, pair[m][c], r) >= 0;
-      const bool by_token = p.row_scale_mode == int32_t(RowScale::kToken);  // top_k checked >= 1 then
-      const int64_t idx = RowScaleIndex(p.row_scale_mode, pair[m][c], by_token ? PairToken(p, pair[m][c]) : 0, r);
-      rs[m][c] = p.row_scale_mode == int32_t(RowScale::kNone) ? 1.0f
-                 : valid[m][c] && idx < p.row_scale_n     ? p.row_scale[idx]
-                                                          : 0.0f;
+      for (int c = 0; c < 2; ++c) pair[m][c] = p.sorted_ids[tile * BM + 8 * m + 2 * t + c];
+#pragma unroll
+    for (int m = 0; m < FM; ++m) {
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const int64_t r = tile * BM + 8 * m + 2 * t + c;
+        valid[m][c] = SourceRow<true>(p, pair[m][c], r) >= 0;
+        const bool by_token = p.row_scale_mode == int32_t(RowScale::kToken);  // top_k checked >= 1 then
+        const int64_t idx = RowScaleIndex(p.row_scale_mode, pair[m][c], by_token ? PairToken(p, pair[m][c]) : 0, r);
+        rs[m][c] = p.row_scale_mode == int32_t(RowScale::kNone) ? 1.0f
+                   : valid[m][c] && idx < p.row_scale_n     ? p.row_scale[idx]
+                                                            : 0.0f;
+      }
     }
   }
 #pragma unroll
@@ -234,7 +249,12 @@ __device__ __forceinline__ void Epilogue(const GemmParams& p, int32_t e, int64_t
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
       const int64_t r = tile * BM + 8 * m + 2 * t + c;
-      const float scale = alpha * rs[m][c];
+      if constexpr (!kBatched) valid[m][c] = SourceRow(p, r) >= 0;
+      const float scale =
+          kBatched ? alpha * rs[m][c]
+          : valid[m][c]
+              ? RowScaled(alpha, p.row_scale_mode, p.row_scale, p.row_scale_n, p.sorted_ids[r], p.top_k, r)
+              : alpha;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int i = 2 * h + c;

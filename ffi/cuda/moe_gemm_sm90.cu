@@ -312,7 +312,7 @@ __global__ void __launch_bounds__(kWgThreadsPerCta, MinCtas<GATED, NB>()) W4A16W
   WarpRows<GATED, NB, BW>(p, e, slab, warp, g, feat, active, wrow, srow);
   const int64_t K = p.K;
   const int n = 8 * warp + g;  // this thread's activation row in the tile
-  const int64_t src = SourceRow(p, tile * kTokens + n);
+  const int64_t src = SourceRow<true>(p, tile * kTokens + n);
   const uint16_t* xrow = src >= 0 ? p.a + src * K : nullptr;
   const bool paired = p.pairing & int32_t(Pairing::kA);
   float acc[NF][8][4];
@@ -502,7 +502,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
       const int64_t tile = item / slabs, slab = item % slabs;
       const int32_t e = p.tile_expert[tile];
       if (e < 0 || e >= p.E) continue;  // unused tile
-      const int64_t src = gather ? SourceRow(p, tile * kTokens + n) : -1;
+      const int64_t src = gather ? SourceRow<true>(p, tile * kTokens + n) : -1;
       const uint16_t* xrow = p.a + (src >= 0 ? src : 0) * p.K + 64 * panel;
       const uint32_t x_bytes = src >= 0 ? 16 : 0;
       // The first rows of the CTA's two weight copies in the maps ([E * N / 16] fragments): gated,
