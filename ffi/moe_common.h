@@ -66,8 +66,8 @@ enum class KernelFlag : int64_t {
                                // instead of the warp-specialized one (a producer warpgroup stages weights
                                // and gathered rows: 14-17% faster prefill layers on the H200, 2026-12-02)
   kWsGemm2 = 65536,            // moe's w4a16 GEMM2 (chunk-ordered `a`, not gathered) on the warp-specialized
-                               // kernel too, instead of the TMA-fed one (1.12-1.20x slower layers on the
-                               // H200, 2026-12-02)
+                               // kernel too, instead of the TMA-fed one (1.02-1.22x slower layers on the
+                               // H200, 2026-12-02, sessions 17-19)
   kNoPersistent = 131072,      // the warp-specialized kernel with a CTA per work item instead of a persistent
                                // grid (a CTA per SM walks the work items, its ring running on across them:
                                // prefill layers up to 1.8% faster, at most 0.6% slower on the H200, 2026-12-02)

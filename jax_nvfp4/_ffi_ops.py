@@ -87,7 +87,7 @@ class KernelFlag(enum.IntFlag):
     # (x in the natural order), not the warp-specialized one (a producer warpgroup stages weights and gathered rows
     # for three MMA warpgroups; 14-17% faster prefill layers on the H200)
     WS_GEMM2 = 65536  # GEMM2 too (chunk-ordered a, not gathered) on the warp-specialized kernel, not the TMA-fed one
-    # (1.12-1.20x slower layers on the H200, 2026-12-02)
+    # (1.02-1.22x slower layers on the H200, 2026-12-02, sessions 17-19)
     NO_PERSISTENT = 131072  # the warp-specialized kernel with a CTA per work item, not on a persistent grid (a CTA
     # per SM walks the work items, its ring running on across them: prefill layers up to 1.8% faster, at most 0.6%
     # slower on the H200)

@@ -429,7 +429,7 @@ __global__ void __launch_bounds__(kWgThreadsPerCta, MinCtas<GATED, NB>()) W4A16W
 // The MMA warps load their weights from shared memory (no global load in flight), decode and issue
 // wgmmas; the roles' register budgets are set apart (setmaxnreg), so three MMA warpgroups fit
 // where the staged kernel has two. (H200, 2026-12-02: as GEMM1, 14-17% faster prefill layers than
-// the staged kernel; as GEMM2, 1.12-1.20x slower ones than the TMA-fed kernel, whose one-block CTAs
+// the staged kernel; as GEMM2, 1.02-1.22x slower ones than the TMA-fed kernel, whose one-block CTAs
 // fit two to an SM.) The grid is persistent: a CTA per SM walks the work items, so the ring's fill
 // and the epilogue's stores of one item overlap the next (prefill layers up to 1.8% faster, at most
 // 0.6% slower; a warpgroup whose rows of the last slab are all past n_out skipping its MMAs gained
