@@ -175,7 +175,8 @@ __device__ __forceinline__ void AFragment(const uint32_t (&rows)[2][4], int half
   a[3] = rows[1][2 * half + 1];
 }
 
-// Token of a non-negative pair: pair / top_k in 32 bits (no 64-bit division routine).
+// pair / top_k in 32 bits (no 64-bit division routine): exact for pair >= 0 and top_k in
+// [1, 2^31 - 1] (the handlers' check); callers use it only for pair >= 0.
 __device__ __forceinline__ int64_t PairToken(const GemmParams& p, int32_t pair) {
   return int64_t(uint32_t(pair) / uint32_t(p.top_k));
 }
@@ -186,9 +187,10 @@ __device__ __forceinline__ int64_t RowScaleIndex(int64_t mode, int64_t pair, int
 }
 
 // Source row of a for sorted row r holding `pair` (sorted_ids[r]), or -1 (padding / out of range).
-// DIV32: pair / top_k by PairToken (the wgmma kernels). The mma.sync kernels keep the 64-bit
-// division: with it and the batched epilogue loads (Epilogue) their code changed and DeepSeek-V3
-// layers at T=64/128 ran 2-3% slower on the H200 (BENCHMARKS.md session 19).
+// DIV32: pair / top_k by PairToken (the wgmma kernels, and Epilogue on 64-row tiles). The mma.sync
+// kernels keep the 64-bit division elsewhere: with it and the batched epilogue loads everywhere,
+// their code changed and DeepSeek-V3 layers at T=64/128 ran 2-3% slower on the H200 (BENCHMARKS.md
+// session 19).
 template <bool DIV32 = false>
 __device__ __forceinline__ int64_t SourceRow(const GemmParams& p, int32_t pair, int64_t r) {
   if (pair < 0) return -1;
@@ -217,10 +219,11 @@ __device__ __forceinline__ void Epilogue(const GemmParams& p, int32_t e, int64_t
   // This thread's two output columns, once (a PairingPos per store was 3-4% of a GEMM's instructions).
   const int64_t col[2] = {PairingPos(p.pairing, Pairing::kOut, feat0 + g),
                           PairingPos(p.pairing, Pairing::kOut, feat0 + g + 8)};
-  // 64-row tiles (the wgmma kernels) issue the loads of the thread's 2FM rows (SourceRow, RowScaled)
-  // before any use or store: a store may alias them, and each row's loads behind its own branch had
-  // waited in turn (H200: prefill layers 2-12% faster). The 8-32-row decode tiles keep the loads in
-  // the store loop, as SourceRow keeps their division: see there.
+  // 64-row tiles (the wgmma kernels, and the mma.sync kernel's 64-row fallback) issue the loads of
+  // the thread's 2FM rows (SourceRow, RowScaled) before any use or store: a store may alias them, and
+  // each row's loads behind its own branch had waited in turn (H200: prefill layers 1.4-12% faster).
+  // The 8-32-row decode tiles keep the loads in the store loop, as SourceRow keeps their division:
+  // see there.
   constexpr bool kBatched = FM >= 8;
   bool valid[FM][2];
   float rs[FM][2];  // row_scale's factor (1 without one), batched
@@ -236,7 +239,7 @@ __device__ __forceinline__ void Epilogue(const GemmParams& p, int32_t e, int64_t
       for (int c = 0; c < 2; ++c) {
         const int64_t r = tile * BM + 8 * m + 2 * t + c;
         valid[m][c] = SourceRow<true>(p, pair[m][c], r) >= 0;
-        const bool by_token = p.row_scale_mode == int32_t(RowScale::kToken);  // top_k checked >= 1 then
+        const bool by_token = p.row_scale_mode == int32_t(RowScale::kToken);  // top_k checked in [1, 2^31 - 1] then
         const int64_t idx = RowScaleIndex(p.row_scale_mode, pair[m][c], by_token ? PairToken(p, pair[m][c]) : 0, r);
         rs[m][c] = p.row_scale_mode == int32_t(RowScale::kNone) ? 1.0f
                    : valid[m][c] && idx < p.row_scale_n     ? p.row_scale[idx]
