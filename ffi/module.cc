@@ -133,6 +133,7 @@ NB_MODULE(_ffi, m) {
     kf["no_warp_specialized"] = int64_t(KernelFlag::kNoWarpSpecialized);
     kf["ws_gemm2"] = int64_t(KernelFlag::kWsGemm2);
     kf["no_persistent"] = int64_t(KernelFlag::kNoPersistent);
+    kf["tma_persistent"] = int64_t(KernelFlag::kTmaPersistent);
     c["KernelFlag"] = kf;
     nb::dict pairing;
     pairing["none"] = int64_t(Pairing::kNone);

@@ -71,10 +71,14 @@ enum class KernelFlag : int64_t {
   kNoPersistent = 131072,      // the warp-specialized kernel with a CTA per work item instead of a persistent
                                // grid (a CTA per SM walks the work items, its ring running on across them:
                                // prefill layers up to 1.8% faster, at most 0.6% slower on the H200, 2026-12-02)
+  kTmaPersistent = 262144,     // the TMA-fed wgmma kernel (moe's w4a16 GEMM2) on a persistent grid: as many CTAs as
+                               // fit at once walk the work items, the next item's copies and first weight loads
+                               // overlapping the last one's epilogue, instead of a CTA per item (H200, 2026-12-02:
+                               // prefill layers x0.996-1.033, geomean x1.015; 38.7 items a CTA split unevenly)
   // 16384: kWgmmaTilePairs (the TMA-fed GEMM2 on pairs of one expert's 64-row tiles, m64n128 wgmmas,
   // one CTA per SM) for one H200 A/B on 2026-12-02, removed: 1.25-1.42x slower layers (dabc4ef).
 };
-constexpr int64_t kAllKernelFlags = 230142;
+constexpr int64_t kAllKernelFlags = 492286;
 // grouped_gemm's `pairing` bits: which operands hold a kernel order instead of the natural one.
 // kA / kOut: a's K axis / out's feature axis in the paired order (PairedPos). moe's intermediate
 // uses it on mma.sync tiles (but with KernelFlag kNaturalIntermediate): GEMM1 writes it paired,

@@ -819,7 +819,9 @@ def test_chunk_order_positions():
 @pytest.mark.parametrize("on_gpu", [False, pytest.param(True, marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("h", [128, 1280])
 @pytest.mark.parametrize("flags", [0, int(ops.KernelFlag.WGMMA_TWO_BLOCKS), int(ops.KernelFlag.ROW_TILES_FIRST),
-                                   int(ops.KernelFlag.PDL)])
+                                   int(ops.KernelFlag.PDL)] + [int(ops.KernelFlag.TMA_PERSISTENT | f) for f in (
+                                       0, ops.KernelFlag.WGMMA_TWO_BLOCKS, ops.KernelFlag.ROW_TILES_FIRST,
+                                       ops.KernelFlag.PDL)])
 @pytest.mark.parametrize("gated", [False, True])
 def test_gemm_chunk_order_is_the_same_function(on_gpu, h, flags, gated):
     """GEMM2's case (identity, not gathered, bf16 out) and a gated one (GEMM1's, rows gathered
@@ -828,13 +830,15 @@ def test_gemm_chunk_order_is_the_same_function(on_gpu, h, flags, gated):
     natural-order output of the same tiling (rows and blocked weights; 384 features: a half-used
     slab for the two-block kernel; 200 tokens x 4 over 5 experts: two or three tiles an expert;
     ``a`` ends 70 rows before the last used tile does), and CHUNK_OUT writes that output in the
-    chunk order."""
+    chunk order. TMA_PERSISTENT: on the persistent grid, with 2400 tokens (310-465 work items, so
+    that CTAs walk several and the ring runs on across them; with one chunk, across every chunk)."""
     if on_gpu and not has_gpu():
         pytest.skip("needs an NVIDIA GPU")
     if not on_gpu and flags:
         pytest.skip("kernel flags are CUDA variants")
     act, gather, mode, out_dtype = (ops.Activation.SWIGLU, False, ops.RowScale.NONE, BF16) if gated else GEMM_CASES[4]
-    a, w, sid, te, rs = _gemm_problem(act, gather, mode, t=200, k=4, e=5, h=h, n=384, tile_m=64, seed=h)
+    t = 2400 if flags & ops.KernelFlag.TMA_PERSISTENT else 200
+    a, w, sid, te, rs = _gemm_problem(act, gather, mode, t=t, k=4, e=5, h=h, n=384, tile_m=64, seed=h)
     used = used_rows(sid, te, 64)
     assert used.sum() < a.shape[0] and not used[used.sum():].any()  # the used tiles come first
     a = a[:used.sum() - 70]  # rows past a (not a whole tile) read as zeros: the tensor copy's bounds
@@ -958,7 +962,7 @@ def test_gpu_moe_chunk_intermediate_is_bitwise_natural(i):
         want = f32(ops.moe(x, experts, ids, w, kernel_flags=int(kf.NATURAL_INTERMEDIATE | kf.NO_WARP_SPECIALIZED)))
         assert np.isfinite(want).all() and (want != 0).any()
         for flags in (0, kf.NATURAL_INTERMEDIATE, kf.NO_WARP_SPECIALIZED, kf.WS_GEMM2, kf.NO_PERSISTENT,
-                      kf.NO_PERSISTENT | kf.WS_GEMM2):
+                      kf.NO_PERSISTENT | kf.WS_GEMM2, kf.TMA_PERSISTENT):
             got = f32(ops.moe(x, experts, ids, w, kernel_flags=int(flags)))
             np.testing.assert_array_equal(got, want, err_msg=f"{experts.gate_up.order} {flags!r}")
         assert relerr(got, f32(ops.moe(x, experts, ids, w, impl="jax"))) < 1e-2

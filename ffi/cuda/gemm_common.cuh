@@ -210,9 +210,10 @@ __device__ __forceinline__ void Store(float* out, int64_t i, float v) { out[i] =
 // Epilogue of both kernels: thread (g, t) of a warp holds, for its 16 features feat0..+15,
 // acc[j][m][2h + c] = feature feat0 + g + 8h of weight block j (gate / up), sorted row
 // tile * 8FM + 8m + 2t + c (the m16n8 C layout, and the wgmma m64nN D layout per warp).
-template <int FM, int NF, bool GATED, typename OutT>
-__device__ __forceinline__ void Epilogue(const GemmParams& p, int32_t e, int64_t tile, int64_t feat0,
-                                         const float (&acc)[NF][FM][4]) {
+// ACT: the activation, or -1 for p.activation (read per value).
+template <int FM, int NF, bool GATED, typename OutT, int ACT>
+__device__ __forceinline__ void EpilogueAct(const GemmParams& p, int32_t e, int64_t tile, int64_t feat0,
+                                            const float (&acc)[NF][FM][4]) {
   constexpr int BM = FM * 8;
   const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
   const float alpha = p.alpha[e] * kDecodeBias;  // the 2^-8 left in the decoded weights
@@ -265,11 +266,31 @@ __device__ __forceinline__ void Epilogue(const GemmParams& p, int32_t e, int64_t
         if (valid[m][c]) {
           const float gate = acc[0][m][i] * scale;
           const float up = GATED ? acc[NF - 1][m][i] * scale : 0.0f;
-          v = ApplyActivation(p.activation, gate, up);
+          v = ApplyActivation(ACT >= 0 ? ACT : p.activation, gate, up);
         }
         Store(static_cast<OutT*>(p.out), r * p.n_out + col[h], v);
       }
     }
+  }
+}
+
+template <int FM, int NF, bool GATED, typename OutT>
+__device__ __forceinline__ void Epilogue(const GemmParams& p, int32_t e, int64_t tile, int64_t feat0,
+                                         const float (&acc)[NF][FM][4]) {
+  // 64-row tiles pick their activation once (the handlers pair gated activations with gated kernels),
+  // not per value (H200 ncu, Qwen3 T=4096: GEMM2 503 -> 414 us, GEMM1 582 -> 555; 2026-12-02). The
+  // decode tiles keep the switch per value, as their SASS was measured (see kBatched).
+  using A = Activation;
+  if constexpr (FM < 8) {
+    EpilogueAct<FM, NF, GATED, OutT, -1>(p, e, tile, feat0, acc);
+  } else if constexpr (GATED) {
+    if (p.activation == int32_t(A::kGeglu)) EpilogueAct<FM, NF, GATED, OutT, int(A::kGeglu)>(p, e, tile, feat0, acc);
+    else if (p.activation == int32_t(A::kSwigluOai))
+      EpilogueAct<FM, NF, GATED, OutT, int(A::kSwigluOai)>(p, e, tile, feat0, acc);
+    else EpilogueAct<FM, NF, GATED, OutT, int(A::kSwiglu)>(p, e, tile, feat0, acc);
+  } else {
+    if (p.activation == int32_t(A::kRelu2)) EpilogueAct<FM, NF, GATED, OutT, int(A::kRelu2)>(p, e, tile, feat0, acc);
+    else EpilogueAct<FM, NF, GATED, OutT, int(A::kIdentity)>(p, e, tile, feat0, acc);
   }
 }
 

@@ -17,6 +17,18 @@ constexpr int kAlignWarps = 16;
 constexpr int kAlignThreads = kAlignWarps * 32;
 static_assert(kMaxAlignExperts <= kAlignThreads, "one expert per thread in the scan");
 
+// Local experts of pairs i, i + 32, ..., i + 32 (kAlignBatch - 1) (one lane's share of a warp's
+// batch), -2 past `end`: all loads are issued before any is used.
+constexpr int kAlignBatch = 8;
+__device__ __forceinline__ void LoadExperts(const int32_t* __restrict__ ids, int64_t i, int64_t end, int64_t offset,
+                                            int64_t num_experts, int32_t (&e)[kAlignBatch]) {
+  int32_t id[kAlignBatch];
+#pragma unroll
+  for (int b = 0; b < kAlignBatch; ++b) id[b] = i + 32 * b < end ? ids[i + 32 * b] : 0;
+#pragma unroll
+  for (int b = 0; b < kAlignBatch; ++b) e[b] = i + 32 * b < end ? LocalExpert(id[b], offset, num_experts) : -2;
+}
+
 __global__ void __launch_bounds__(kAlignThreads)
     MoeAlignKernel(const int32_t* __restrict__ ids, int64_t n, int64_t num_experts, int64_t offset,
                    int32_t tile_m, int64_t P, int32_t* __restrict__ sorted_ids,
@@ -37,9 +49,15 @@ __global__ void __launch_bounds__(kAlignThreads)
 
   const int64_t seg = (n + kAlignWarps - 1) / kAlignWarps;
   const int64_t begin = warp * seg, end = begin + seg < n ? begin + seg : n;
-  for (int64_t i = begin + lane; i < end; i += 32) {
-    const int32_t e = LocalExpert(ids[i], offset, num_experts);
-    if (e >= 0) atomicAdd(&hist[warp * E + e], 1);
+  // Both passes over the warp's pairs load kAlignBatch of them per lane before using any (one load in
+  // flight per lane: 54.4 us for 32768 pairs, Qwen3 T=4096; batched: 51.6, ncu on two H200s). What is
+  // left waits on the shared-memory atomics and the match steps (short-scoreboard stalls).
+  int32_t eb[kAlignBatch];
+  for (int64_t i0 = begin; i0 < end; i0 += 32 * kAlignBatch) {
+    LoadExperts(ids, i0 + lane, end, offset, num_experts, eb);
+#pragma unroll
+    for (int b = 0; b < kAlignBatch; ++b)
+      if (eb[b] >= 0) atomicAdd(&hist[warp * E + eb[b]], 1);
   }
   __syncthreads();
 
@@ -77,20 +95,24 @@ __global__ void __launch_bounds__(kAlignThreads)
 
   // Stable ranks, 32 pairs per step in order; the group's leader advances the warp's base.
   const unsigned lt_mask = (1u << lane) - 1u;
-  for (int64_t i0 = begin; i0 < end; i0 += 32) {
-    const int64_t i = i0 + lane;
-    const int32_t e = i < end ? LocalExpert(ids[i], offset, num_experts) : -2;
-    const unsigned same = __match_any_sync(0xFFFFFFFFu, e);
-    if (e >= 0) {
-      const int32_t row = off[e] + hist[warp * E + e] + __popc(same & lt_mask);
-      sorted_ids[row] = int32_t(i);
-      pair_to_row[i] = row;
-    } else if (e == -1) {
-      pair_to_row[i] = -1;
+  for (int64_t i00 = begin; i00 < end; i00 += 32 * kAlignBatch) {
+    LoadExperts(ids, i00 + lane, end, offset, num_experts, eb);
+#pragma unroll
+    for (int b = 0; b < kAlignBatch; ++b) {
+      const int64_t i = i00 + 32 * b + lane;
+      const int32_t e = eb[b];
+      const unsigned same = __match_any_sync(0xFFFFFFFFu, e);
+      if (e >= 0) {
+        const int32_t row = off[e] + hist[warp * E + e] + __popc(same & lt_mask);
+        sorted_ids[row] = int32_t(i);
+        pair_to_row[i] = row;
+      } else if (e == -1) {
+        pair_to_row[i] = -1;
+      }
+      __syncwarp();
+      if (e >= 0 && (same & lt_mask) == 0) hist[warp * E + e] += __popc(same);
+      __syncwarp();
     }
-    __syncwarp();
-    if (e >= 0 && (same & lt_mask) == 0) hist[warp * E + e] += __popc(same);
-    __syncwarp();
   }
 }
 
