@@ -383,8 +383,8 @@ __device__ __forceinline__ bool NextItem(const GemmParams& p, int64_t& item, int
 // and the loop before it unrolled twice (285 instructions a chunk against the plain loop's 292:
 // sm_90a SASS); with a CTA per item, H200 prefill layers ran 0.6-2.2% faster than on the plain loop
 // unrolled twice and -0.2-2.1% faster than on it as it was (2026-12-02). Thread 0 also issues the
-// copies, `ahead` chunks ahead (in this item or the next) into the stage that it - 2 used, so it
-// waits only on MMAs that finished a chunk ago (a ninth, copier warp would cost registers: a
+// copies, `ahead` chunks ahead (in this item or the next) into the stage that it - 2 used (it - 3
+// with one chunk an item), so it waits only on MMAs that finished a chunk ago (a ninth, copier warp would cost registers: a
 // 288-thread CTA gets at most 168 per thread, two of them 96, as three or five warps share an SMSP).
 template <bool GATED, int NB, typename OutT, bool BW>
 __global__ void __launch_bounds__(kWgThreadsPerCta, MinCtas<GATED, NB>()) W4A16WgmmaTma(const GemmParams p,
@@ -398,7 +398,7 @@ __global__ void __launch_bounds__(kWgThreadsPerCta, MinCtas<GATED, NB>()) W4A16W
   const int64_t chunks = p.K / 128, ahead = chunks < kLookahead ? chunks : kLookahead;
   const bool copier = threadIdx.x == 0;
   // Chunk c of row tile `tile` as sequence number i, once the MMAs of the chunk its stage held are done
-  // (i wraps at 2^32, a multiple of the ring's 2 kStages phases).
+  // (32-bit: a CTA's chunks stay far below 2^32).
   auto copy = [&](uint32_t i, int32_t tile, int64_t c) {
     const int s = int(i % kStages);
     const uint32_t round = uint32_t(i / kStages);
@@ -428,7 +428,7 @@ __global__ void __launch_bounds__(kWgThreadsPerCta, MinCtas<GATED, NB>()) W4A16W
   WarpRows<GATED, NB, BW>(p, e, slab, warp, g, feat, active, wrow, srow);
   WeightRegs<128, NF> cur;
   cur.template Load<false, BW>(wrow, srow, 0, t);
-  uint32_t it = 0;  // chunk sequence number (wrapping: see `copy`)
+  uint32_t it = 0;  // chunk sequence number (see `copy`)
   for (bool more = true; more;) {
     // The next item, known before its copies and weight loads start in this one's last chunks.
     int64_t nitem = item + gridDim.x;
