@@ -384,8 +384,9 @@ __device__ __forceinline__ bool NextItem(const GemmParams& p, int64_t& item, int
 // sm_90a SASS); with a CTA per item, H200 prefill layers ran 0.6-2.2% faster than on the plain loop
 // unrolled twice and -0.2-2.1% faster than on it as it was (2026-12-02). Thread 0 also issues the
 // copies, `ahead` chunks ahead (in this item or the next) into the stage that it - 2 used (it - 3
-// with one chunk an item), so it waits only on MMAs that finished a chunk ago (a ninth, copier warp would cost registers: a
-// 288-thread CTA gets at most 168 per thread, two of them 96, as three or five warps share an SMSP).
+// with one chunk an item), so it waits only on MMAs that finished a chunk ago (a ninth, copier warp
+// would cost registers: a 288-thread CTA gets at most 168 per thread, two of them 96, as three or
+// five warps share an SMSP).
 template <bool GATED, int NB, typename OutT, bool BW>
 __global__ void __launch_bounds__(kWgThreadsPerCta, MinCtas<GATED, NB>()) W4A16WgmmaTma(const GemmParams p,
                                                                        const __grid_constant__ CUtensorMap amap) {
@@ -397,14 +398,14 @@ __global__ void __launch_bounds__(kWgThreadsPerCta, MinCtas<GATED, NB>()) W4A16W
   GridDependencyWait();
   const int64_t chunks = p.K / 128, ahead = chunks < kLookahead ? chunks : kLookahead;
   const bool copier = threadIdx.x == 0;
-  // Chunk c of row tile `tile` as sequence number i, once the MMAs of the chunk its stage held are done
-  // (32-bit: a CTA's chunks stay far below 2^32).
-  auto copy = [&](uint32_t i, int32_t tile, int64_t c) {
+  // Chunk c of row tile `row_tile` as sequence number i, once the MMAs of the chunk its stage held are
+  // done (32-bit: a CTA's chunks stay far below 2^32).
+  auto copy = [&](uint32_t i, int32_t row_tile, int64_t c) {
     const int s = int(i % kStages);
     const uint32_t round = uint32_t(i / kStages);
     if (round > 0) MbarWait(empty_bar + 8 * s, (round - 1) & 1);
     MbarExpectBytes(full_bar + 8 * s, kChunkBytes);
-    TmaLoadChunk(ring + s * kChunkBytes, &amap, c, tile, full_bar + 8 * s);
+    TmaLoadChunk(ring + s * kChunkBytes, &amap, c, row_tile, full_bar + 8 * s);
   };
   int64_t item = blockIdx.x;
   int32_t tile, slab, e;
@@ -719,26 +720,32 @@ std::string OptInSmem(int bytes) {
   return "";
 }
 
-
-// Compute capability major / SM count of the current device, cached per device and attribute (no
-// stream operation, so it is safe while XLA captures a CUDA graph); 0 when unknown.
-template <cudaDeviceAttr ATTR>
-int CachedDeviceAttribute() {
-  static std::atomic<int> cache[64];
+// A positive value for the current device from `query(dev, &v)` (a cudaError_t), cached in `cache`
+// per device: no stream operation, so it is safe while XLA captures a CUDA graph. 0 when unknown (a
+// failed call's error is cleared, so it is not taken for a launch error of a later call).
+template <typename Query>
+int CachedPerDevice(std::atomic<int> (&cache)[64], Query query) {
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) {
-    (void)cudaGetLastError();  // not a launch error of a later call
+    (void)cudaGetLastError();
     return 0;
   }
   int v = cache[dev].load(std::memory_order_relaxed);
-  if (v == 0) {
-    if (cudaDeviceGetAttribute(&v, ATTR, dev) != cudaSuccess) {
+  if (v <= 0) {
+    if (query(dev, &v) != cudaSuccess || v <= 0) {
       (void)cudaGetLastError();
       return 0;
     }
     cache[dev].store(v, std::memory_order_relaxed);
   }
   return v;
+}
+
+// Compute capability major / SM count of the current device (cached); 0 when unknown.
+template <cudaDeviceAttr ATTR>
+int CachedDeviceAttribute() {
+  static std::atomic<int> cache[64];
+  return CachedPerDevice(cache, [](int dev, int* v) { return cudaDeviceGetAttribute(v, ATTR, dev); });
 }
 
 // W4A16WgmmaTma on a 1-D grid: a CTA per work item, or persistent: as many as fit on the device at once
@@ -754,22 +761,13 @@ std::string LaunchTma(GemmParams p, bool slabs_first, bool persistent, bool pdl,
   if (items > 0x7FFFFFFF) return "too many row tiles or feature slabs";
   int64_t ctas = items;
   if (persistent) {
-    static std::atomic<int> per_sm[64];  // CTAs per SM, per device
-    int dev = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) {
-      (void)cudaGetLastError();
-      return "no current CUDA device (or over 64)";
-    }
-    int n = per_sm[dev].load(std::memory_order_relaxed);
-    if (n == 0) {
-      if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kWgThreadsPerCta, kTmaSmemBytes) != cudaSuccess) {
-        (void)cudaGetLastError();
-        return "the occupancy query of the TMA-fed wgmma kernel failed";
-      }
-      per_sm[dev].store(n, std::memory_order_relaxed);
-    }
+    static std::atomic<int> per_sm[64];  // CTAs of this kernel per SM
+    const int n = CachedPerDevice(per_sm, [](int, int* v) {
+      return cudaOccupancyMaxActiveBlocksPerMultiprocessor(v, kernel, kWgThreadsPerCta, kTmaSmemBytes);
+    });
+    if (n == 0) return "the occupancy query of the TMA-fed wgmma kernel failed";
     const int sms = CachedDeviceAttribute<cudaDevAttrMultiProcessorCount>();
-    ctas = std::min<int64_t>(ctas, int64_t(std::max(n, 1)) * std::max(sms, 1));
+    ctas = std::min<int64_t>(ctas, int64_t(n) * std::max(sms, 1));
   }
   LaunchKernel(kernel, dim3(unsigned(ctas)), kWgThreadsPerCta, kTmaSmemBytes, stream, pdl, p, map);
   return "";
