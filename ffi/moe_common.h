@@ -74,7 +74,8 @@ enum class KernelFlag : int64_t {
   kTmaPersistent = 262144,     // the TMA-fed wgmma kernel (moe's w4a16 GEMM2) on a persistent grid: as many CTAs as
                                // fit at once walk the work items, the next item's copies and first weight loads
                                // overlapping the last one's epilogue, instead of a CTA per item (H200, 2026-12-02:
-                               // prefill layers x0.996-1.033, geomean x1.015; 38.7 items a CTA split unevenly)
+                               // prefill layers x0.996-1.033, geomean x1.015; 38.7 items a CTA split unevenly;
+                               // with the staged epilogue, session 21: x1.029-1.065, its loop 15% longer)
   // 16384: kWgmmaTilePairs (the TMA-fed GEMM2 on pairs of one expert's 64-row tiles, m64n128 wgmmas,
   // one CTA per SM) for one H200 A/B on 2026-12-02, removed: 1.25-1.42x slower layers (dabc4ef).
 };

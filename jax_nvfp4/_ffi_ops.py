@@ -93,7 +93,8 @@ class KernelFlag(enum.IntFlag):
     # slower on the H200)
     TMA_PERSISTENT = 262144  # the TMA-fed wgmma kernel (moe's w4a16 GEMM2) on a persistent grid (as many CTAs as
     # fit at once walk the work items; the next item's copies and first weight loads overlap the last one's epilogue),
-    # not a CTA per item (prefill layers x0.996-1.033 on the H200, 2026-12-02: the items split unevenly)
+    # not a CTA per item (prefill layers x0.996-1.033 on the H200, 2026-12-02: the items split unevenly; x1.029-1.065
+    # with the staged epilogue, session 21)
     # 1024 / 2048: L2_PREFETCH / SPLIT_GATE_UP (decode tiles) for one A/B on 2026-12-01, removed: slower on the H200
     # 4096 / 8192: WGMMA_FOUR_GROUPS (four-warpgroup one-block wgmma CTAs) / TMA_GEMM1 (GEMM1 on the TMA-fed
     # wgmma kernel after an XLA gather into the chunk order) for A/Bs on 2026-12-02, removed: slower on the H200

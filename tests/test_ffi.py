@@ -860,6 +860,49 @@ def test_gemm_chunk_order_is_the_same_function(on_gpu, h, flags, gated):
             np.testing.assert_array_equal(out, want, err_msg=f"{impl} {ww.order} CHUNK_OUT")
 
 
+TMA_CASES = [  # (activation, row_scale_mode) of non-gated GEMMs on the TMA-fed kernel, besides GEMM2's
+    (ops.Activation.IDENTITY, ops.RowScale.NONE),
+    (ops.Activation.IDENTITY, ops.RowScale.ROW),
+    (ops.Activation.IDENTITY, ops.RowScale.TOKEN),
+    (ops.Activation.RELU2, ops.RowScale.PAIR),
+]
+
+
+@pytest.mark.parametrize("on_gpu", [False, pytest.param(True, marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("flags", [0, int(ops.KernelFlag.TMA_PERSISTENT)])
+@pytest.mark.parametrize("case", range(len(TMA_CASES)))
+def test_gemm_tma_epilogue_row_scales(on_gpu, flags, case):
+    """The TMA-fed kernel's epilogue (on the GPU: each tile's row ids and row-scale factors fetched
+    into shared memory during the MMAs, values staged for 16-byte stores) under every row-scale mode
+    and relu2, with dropped pairs (padding rows) and ``a`` ending 70 rows before the last used tile:
+    bitwise the natural-order output of the staged kernel; with CHUNK_OUT too (the kernel's
+    unstaged stores), that output in the chunk order. 2400 tokens x 4 over 5 experts, so that
+    TMA_PERSISTENT's CTAs walk several items."""
+    if on_gpu and not has_gpu():
+        pytest.skip("needs an NVIDIA GPU")
+    if not on_gpu and flags:
+        pytest.skip("kernel flags are CUDA variants")
+    act, mode = TMA_CASES[case]
+    a, w, sid, te, rs = _gemm_problem(act, False, mode, t=2400 if on_gpu else 200, k=4, e=5, h=256, n=384,
+                                      tile_m=64, seed=case)
+    w = nv.to_blocked_weights(w)
+    used = used_rows(sid, te, 64)
+    a = a[:used.sum() - 70]
+    dev = jax.devices()[0] if on_gpu else jax.devices("cpu")[0]
+
+    def run(x, pairing):
+        with jax.default_device(dev):
+            return _run_gemm("ffi", x, w, sid, te, rs, act, False, mode, BF16, 64, 4, kernel_flags=flags,
+                             pairing=pairing)
+
+    want = f32(run(a, ops.Pairing.NONE))[used]
+    assert np.isfinite(want).all() and (want != 0).any() and (want == 0).any()  # (padding rows)
+    xa = ops.to_chunk_order(a)
+    np.testing.assert_array_equal(f32(run(xa, ops.Pairing.CHUNK_A))[used], want)
+    both = ops.Pairing.CHUNK_A | ops.Pairing.CHUNK_OUT
+    np.testing.assert_array_equal(f32(ops.from_chunk_order(run(xa, both)))[used], want)
+
+
 WS_CASES = [  # (activation, gather, row_scale_mode): moe's GEMM1, its GEMM2, a gated GEMM on rows not
     # gathered (activations by tensor copies) and relu2's GEMM1 (non-gated, gathered)
     (ops.Activation.SWIGLU, True, ops.RowScale.NONE),

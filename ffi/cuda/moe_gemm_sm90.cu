@@ -355,7 +355,134 @@ __global__ void __launch_bounds__(kWgThreadsPerCta, MinCtas<GATED, NB>()) W4A16W
 
 constexpr int kStages = 4;                 // W4A16WgmmaTma's ring of activation chunks
 constexpr int kLookahead = kStages - 2;    // chunks copied ahead of the one being multiplied
-constexpr int kTmaSmemBytes = kStages * kChunkBytes + 2 * kStages * 8 + 1024;  // + mbarriers, alignment
+// W4A16WgmmaTma's shared memory after the ring: the full and empty mbarriers of each stage, the row
+// mbarrier (16 bytes, alignment), the tile's rows (sorted_ids, then row_scale factors: 64 each) and
+// a warp's staged output (64 rows x 16 features bf16) per warp; + 1 KB to align the ring.
+constexpr int kTmaRowBar = kStages * kChunkBytes + 2 * kStages * 8;
+constexpr int kTmaRowIds = kTmaRowBar + 16, kTmaRowScales = kTmaRowIds + 4 * kTokens;
+constexpr int kTmaStaging = kTmaRowScales + 4 * kTokens, kStagingBytes = kTokens * kWarpFeatures * 2;
+constexpr int kTmaSmemBytes = kTmaStaging + 8 * kStagingBytes + 1024;
+
+#ifdef JAX_NVFP4_WGMMA
+// cp.async of `bytes` (4, 8 or 16) from src, src_bytes of them read and the rest zero (always 16-byte
+// and L2 only, as .cg, when bytes is 16).
+template <int BYTES>
+__device__ __forceinline__ void CpAsync(uint32_t dst, const void* src, uint32_t src_bytes) {
+  if constexpr (BYTES == 16)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+  else
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(dst), "l"(src), "n"(BYTES), "r"(src_bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void CpAsyncArrive(uint32_t bar) {  // one expected arrival, once they land
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+
+// The TMA-fed kernel's row info of a tile, fetched by one warp while the MMAs run, so that its
+// epilogue waits on no global load and reads no parameter but alpha: sorted_ids of the 64 rows
+// (RowIdsCopy, at the item's start) into `rows`, then (RowFactors, before the last chunk) each row's
+// validity over them (1 / 0: SourceRow) and its row_scale factor into `factors` (RowScaled's rules: 1
+// without a row scale, 0 for rows that are padding, past a_rows or past row_scale_n), completing on
+// `bar` (64 arrivals). Lane l takes rows 2l and 2l + 1.
+__device__ __forceinline__ void RowIdsCopy(const GemmParams& p, int64_t tile, uint32_t rows) {
+  const int lane = threadIdx.x & 31;
+  CpAsync<8>(rows + 8 * lane, p.sorted_ids + tile * kTokens + 2 * lane, 8);
+}
+__device__ __forceinline__ void RowFactors(const GemmParams& p, int64_t tile, uint32_t rows, uint32_t factors,
+                                           uint32_t bar) {
+  const int lane = threadIdx.x & 31;
+  asm volatile("cp.async.wait_all;\n" ::: "memory");  // this lane's ids
+  int2 pair;
+  asm volatile("ld.shared.v2.s32 {%0, %1}, [%2];\n" : "=r"(pair.x), "=r"(pair.y) : "r"(rows + 8 * lane));
+  int valid[2];
+#pragma unroll
+  for (int c = 0; c < 2; ++c) {
+    const int32_t pr = c ? pair.y : pair.x;
+    const int64_t r = tile * kTokens + 2 * lane + c;
+    valid[c] = SourceRow<true>(p, pr, r) >= 0;
+    const uint32_t dst = factors + 4 * (2 * lane + c);
+    if (p.row_scale_mode == int32_t(RowScale::kNone)) {
+      asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(dst), "f"(1.0f) : "memory");
+    } else {
+      const bool by_token = p.row_scale_mode == int32_t(RowScale::kToken);
+      const int64_t idx = RowScaleIndex(p.row_scale_mode, pr, by_token && valid[c] ? PairToken(p, pr) : 0, r);
+      const bool read = valid[c] && idx < p.row_scale_n;
+      CpAsync<4>(dst, read ? static_cast<const void*>(p.row_scale + idx) : p.sorted_ids, read ? 4 : 0);  // 0: none read
+    }
+  }
+  asm volatile("st.shared.v2.s32 [%0], {%1, %2};\n" ::"r"(rows + 8 * lane), "r"(valid[0]), "r"(valid[1]) : "memory");
+  MbarArrive(bar);     // (release: the stores above)
+  CpAsyncArrive(bar);  // once the factors land
+}
+
+// The TMA-fed kernel's epilogue of a warp's 16 features (block j) of a non-gated tile, when the output
+// columns are in their natural order and n_out % 16 == 0 (StagedStores): the values, as
+// EpilogueAct's, go to the warp's 2 KB of shared memory by stmatrix (transposed: a row's 16 features
+// are 32 contiguous bytes) and then out by 16-byte stores, 4 a thread instead of 32 of 2 bytes.
+// Staged rows are 32 bytes; their two 16-byte halves swap in rows 4-7 of every 8 (conflict-free
+// stmatrix).
+__device__ __forceinline__ uint32_t StagedHalf(int row, int half) {
+  return uint32_t(row * 32 + ((half ^ ((row >> 2) & 1)) << 4));
+}
+template <int ACT>
+__device__ __forceinline__ void StoreStaged(const GemmParams& p, float alpha, int64_t tile, int64_t feat0,
+                                            const float (&acc)[8][4], uint32_t rows, uint32_t factors,
+                                            uint32_t stage) {
+  // The lane index read here (volatile): lane-derived offsets hoisted out of the item loop had held
+  // registers across the MMA loop (sm_90a SASS).
+  int lane;
+  asm volatile("mov.u32 %0, %%laneid;\n" : "=r"(lane));
+  const int t = lane & 3;
+  uint32_t packed[8][2];  // rows 8m + 2t, +1 of features g + 8h, as bf16x2
+#pragma unroll
+  for (int m = 0; m < 8; ++m) {
+    const int row = 8 * m + 2 * t;
+    int2 valid;
+    float2 rs;
+    asm volatile("ld.shared.v2.s32 {%0, %1}, [%2];\n" : "=r"(valid.x), "=r"(valid.y) : "r"(rows + 4 * row));
+    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(rs.x), "=f"(rs.y) : "r"(factors + 4 * row));
+    const float scale[2] = {alpha * rs.x, alpha * rs.y};
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float v[2];
+#pragma unroll
+      for (int c = 0; c < 2; ++c)
+        v[c] = (c ? valid.y : valid.x) ? ApplyActivation(ACT, acc[m][2 * h + c] * scale[c], 0.0f) : 0.0f;
+      asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(packed[m][h]) : "f"(v[1]), "f"(v[0]));
+    }
+  }
+  __syncwarp();  // the stage's last reads (an earlier block) are done
+  const int i = lane >> 3, r8 = lane & 7;  // stmatrix: lane gives row r8 of matrix i
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {  // matrices (m, h) = (2q + i / 2, i % 2)
+    const int m = 2 * q + (i >> 1), row = 8 * m + r8;
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(
+                     stage + StagedHalf(row, i & 1)),
+                 "r"(packed[2 * q][0]), "r"(packed[2 * q][1]), "r"(packed[2 * q + 1][0]), "r"(packed[2 * q + 1][1])
+                 : "memory");
+  }
+  __syncwarp();
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {  // lanes 2i, 2i + 1: the halves of row 16k + i
+    const int row = 16 * k + (lane >> 1), half = lane & 1;
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "r"(stage + StagedHalf(row, half)));
+    // (one 16-byte store: as a uint4 assignment it became four 4-byte ones, sm_90a SASS)
+    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"l"(
+                     static_cast<uint16_t*>(p.out) + (tile * kTokens + row) * p.n_out + feat0 + 8 * half),
+                 "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+                 : "memory");
+  }
+}
+#endif
+
+// Whether the TMA-fed kernel stages its stores (StoreStaged): natural output columns, whole 16-feature
+// groups (and 32-byte rows).
+__device__ __forceinline__ bool StagedStores(const GemmParams& p) {
+  return !(p.pairing & (int32_t(Pairing::kOut) | int32_t(Pairing::kChunkOut))) && p.n_out % 16 == 0;
+}
 
 // The first used work item (its tile has an expert of this shard) at or after `item`, walking
 // gridDim.x apart; false past the last (LaunchTma checks that items fit in int32). Whole warps call
@@ -379,15 +506,21 @@ __device__ __forceinline__ bool NextItem(const GemmParams& p, int64_t& item, int
 // The CTAs walk the work items (row tile, feature slab) gridDim.x apart: one each (the default), or
 // with KernelFlag::kTmaPersistent as many CTAs as fit at once, the ring running on across items
 // (chunk sequence number `it`), so that the next item's copies and first weight loads overlap the
-// last one's epilogue (1.5% slower layers on the H200, 2026-12-02). An item's last chunk is peeled
-// and the loop before it unrolled twice (285 instructions a chunk against the plain loop's 292:
-// sm_90a SASS); with a CTA per item, H200 prefill layers ran 0.6-2.2% faster than on the plain loop
-// unrolled twice and -0.2-2.1% faster than on it as it was (2026-12-02). Thread 0 also issues the
+// last one's epilogue (1.5% slower layers on the H200, 2026-12-02; 3-6.5% with the staged epilogue).
+// PERSISTENT is a template argument: carried across items, the chunk counter had left the uniform
+// datapath and the loop of the one-item kernel took 627 instructions for two chunks, not 549 (sm_90a
+// SASS). An item's last chunk is peeled and the loop before it unrolled twice (285 instructions a
+// chunk against the plain loop's 292, before the staged epilogue); with a CTA per item, H200 prefill
+// layers ran 0.6-2.2% faster than on the plain loop unrolled twice and -0.2-2.1% faster than on it
+// as it was (2026-12-02). Non-gated tiles with plain output columns (StagedStores: moe's GEMM2) end
+// in StoreStaged: warp 7 fetches the tile's row ids and row-scale factors into shared memory during
+// the MMAs (RowIdsCopy, RowFactors), and each warp stages its values for 16-byte stores (H200,
+// session 21: prefill layers 5-10% faster, register use 125 -> 108). Thread 0 also issues the
 // copies, `ahead` chunks ahead (in this item or the next) into the stage that it - 2 used (it - 3
 // with one chunk an item), so it waits only on MMAs that finished a chunk ago (a ninth, copier warp
 // would cost registers: a 288-thread CTA gets at most 168 per thread, two of them 96, as three or
 // five warps share an SMSP).
-template <bool GATED, int NB, typename OutT, bool BW>
+template <bool GATED, int NB, typename OutT, bool BW, bool PERSISTENT>
 __global__ void __launch_bounds__(kWgThreadsPerCta, MinCtas<GATED, NB>()) W4A16WgmmaTma(const GemmParams p,
                                                                        const __grid_constant__ CUtensorMap amap) {
 #ifdef JAX_NVFP4_WGMMA
@@ -418,6 +551,9 @@ __global__ void __launch_bounds__(kWgThreadsPerCta, MinCtas<GATED, NB>()) W4A16W
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     for (int64_t c = 0; c < ahead; ++c) copy(c, tile, c);
   }
+  const uint32_t row_bar = ring + kTmaRowBar, row_ids = ring + kTmaRowIds, row_scales = ring + kTmaRowScales;
+  const bool staged = !GATED && StagedStores(p);
+  if (copier) MbarInit(row_bar, 64);  // (before the barrier below, with the ring's)
   __syncthreads();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
@@ -430,11 +566,14 @@ __global__ void __launch_bounds__(kWgThreadsPerCta, MinCtas<GATED, NB>()) W4A16W
   WeightRegs<128, NF> cur;
   cur.template Load<false, BW>(wrow, srow, 0, t);
   uint32_t it = 0;  // chunk sequence number (see `copy`)
-  for (bool more = true; more;) {
+  const bool row_warp = staged && warp == 7;  // fetches the row info (not warp 0: its thread 0 copies)
+  uint32_t done = 0;  // items done (the row mbarrier's phase)
+  for (bool more = true; more; ++done) {
+    if (row_warp) RowIdsCopy(p, tile, row_ids);
     // The next item, known before its copies and weight loads start in this one's last chunks.
     int64_t nitem = item + gridDim.x;
     int32_t ntile = 0, nslab = 0, ne = 0;
-    more = NextItem<GATED, NB>(p, nitem, ntile, nslab, ne);
+    more = PERSISTENT && NextItem<GATED, NB>(p, nitem, ntile, nslab, ne);
     float acc[NF][8][4];
     ZeroAcc(acc);
     // Chunk c: the copy `ahead` chunks on (in this item or the next), then the MMAs (weights in `cur`).
@@ -466,9 +605,31 @@ __global__ void __launch_bounds__(kWgThreadsPerCta, MinCtas<GATED, NB>()) W4A16W
       WarpRows<GATED, NB, BW>(p, ne, nslab, warp, g, nfeat, nactive, wrow, srow);
       next.template Load<false, BW>(wrow, srow, 0, t);
     }
+    if (row_warp) RowFactors(p, tile, row_ids, row_scales, row_bar);
     mma();
     if (more) cur = next;
-    StoreTile<GATED, NF, OutT>(p, e, tile, feat, active, acc);
+    if (staged) {
+      uint32_t base = ring;
+      Hold(base);
+      MbarWait(base + kTmaRowBar, done & 1);
+      Hold(acc);
+      const float alpha = p.alpha[e] * kDecodeBias;
+      uint32_t tid;
+      asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(tid));
+      const uint32_t stage = base + kTmaStaging + (tid >> 5) * kStagingBytes;
+#pragma unroll
+      for (int j = 0; j < NF; ++j) {
+        const float(&a)[8][4] = acc[j];
+        if (!active[j]) continue;
+        if (p.activation == int32_t(Activation::kRelu2))
+          StoreStaged<int(Activation::kRelu2)>(p, alpha, tile, feat[j], a, base + kTmaRowIds, base + kTmaRowScales, stage);
+        else
+          StoreStaged<int(Activation::kIdentity)>(p, alpha, tile, feat[j], a, base + kTmaRowIds, base + kTmaRowScales, stage);
+      }
+      if (more) __syncthreads();  // the row info is read before the next item's overwrites it
+    } else {
+      StoreTile<GATED, NF, OutT>(p, e, tile, feat, active, acc);
+    }
     item = nitem, tile = ntile, slab = nslab, e = ne;
     if (more) WarpRows<GATED, NB, BW>(p, e, slab, warp, g, feat, active, wrow, srow);  // (wrow / srow as they are)
   }
@@ -509,17 +670,6 @@ static_assert((kWsConsumers * kWsConsumerRegs + kWsProducerRegs) * 128 <= 65536,
 // Output features of a warp-specialized CTA.
 template <bool GATED>
 constexpr int WsFeatures() { return (GATED ? 64 : 128) * kWsConsumers; }
-
-#ifdef JAX_NVFP4_WGMMA
-// cp.async of 16 bytes (src_bytes of them read, the rest zero), completing on the thread's next
-// CpAsyncArrive.
-__device__ __forceinline__ void CpAsync16(uint32_t dst, const void* src, uint32_t src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
-}
-__device__ __forceinline__ void CpAsyncArrive(uint32_t bar) {  // one expected arrival, once they land
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
-}
-#endif
 
 template <bool GATED>
 __global__ void __launch_bounds__(kWsThreads, 1)
@@ -584,7 +734,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
           // Logical 16-byte piece q of this half (a is in the chunk order) to its swizzled place.
 #pragma unroll
           for (int q = 0; q < 8; ++q)
-            CpAsync16(stage + panel * kPanelBytes + n * 128 + ((q ^ (n & 7)) << 4), xrow + c * 128 + 8 * q, x_bytes);
+            CpAsync<16>(stage + panel * kPanelBytes + n * 128 + ((q ^ (n & 7)) << 4), xrow + c * 128 + 8 * q, x_bytes);
           CpAsyncArrive(full_bar + 8 * s);
         }
       }
@@ -750,9 +900,9 @@ int CachedDeviceAttribute() {
 
 // W4A16WgmmaTma on a 1-D grid: a CTA per work item, or persistent: as many as fit on the device at once
 // (occupancy, cached per device), each walking the items gridDim.x apart.
-template <bool GATED, int NB, bool BW>
-std::string LaunchTma(GemmParams p, bool slabs_first, bool persistent, bool pdl, cudaStream_t stream) {
-  constexpr auto kernel = W4A16WgmmaTma<GATED, NB, uint16_t, BW>;
+template <bool GATED, int NB, bool BW, bool PERSISTENT>
+std::string LaunchTma(GemmParams p, bool slabs_first, bool pdl, cudaStream_t stream) {
+  constexpr auto kernel = W4A16WgmmaTma<GATED, NB, uint16_t, BW, PERSISTENT>;
   CUtensorMap map;
   if (std::string err = EncodeActivationMap(p, &map); !err.empty()) return err;
   if (std::string err = OptInSmem<kernel>(kTmaSmemBytes); !err.empty()) return err;
@@ -760,7 +910,7 @@ std::string LaunchTma(GemmParams p, bool slabs_first, bool persistent, bool pdl,
   const int64_t items = p.P / kTokens * CeilDiv<int64_t>(p.n_out, CtaFeatures<GATED, NB>());
   if (items > 0x7FFFFFFF) return "too many row tiles or feature slabs";
   int64_t ctas = items;
-  if (persistent) {
+  if (PERSISTENT) {
     static std::atomic<int> per_sm[64];  // CTAs of this kernel per SM
     const int n = CachedPerDevice(per_sm, [](int, int* v) {
       return cudaOccupancyMaxActiveBlocksPerMultiprocessor(v, kernel, kWgThreadsPerCta, kTmaSmemBytes);
@@ -773,12 +923,11 @@ std::string LaunchTma(GemmParams p, bool slabs_first, bool persistent, bool pdl,
   return "";
 }
 
-template <bool BW>
-std::string LaunchTmaFor(const GemmParams& p, bool gated, bool one_block, bool sf, bool persistent, bool pdl,
-                         cudaStream_t stream) {
-  if (gated) return LaunchTma<true, 2, BW>(p, sf, persistent, pdl, stream);
-  return one_block ? LaunchTma<false, 1, BW>(p, sf, persistent, pdl, stream)
-                   : LaunchTma<false, 2, BW>(p, sf, persistent, pdl, stream);
+template <bool BW, bool PERSISTENT>
+std::string LaunchTmaFor(const GemmParams& p, bool gated, bool one_block, bool sf, bool pdl, cudaStream_t stream) {
+  if (gated) return LaunchTma<true, 2, BW, PERSISTENT>(p, sf, pdl, stream);
+  return one_block ? LaunchTma<false, 1, BW, PERSISTENT>(p, sf, pdl, stream)
+                   : LaunchTma<false, 2, BW, PERSISTENT>(p, sf, pdl, stream);
 }
 
 // W4A16WgmmaWs<GATED>: the tensor maps of the blocked weights as [E * N / 16 fragments, a
@@ -824,8 +973,10 @@ bool LaunchWgmmaGemm(const GemmParams& p, bool gated, bool f32_out, int64_t kern
   }
   if (p.pairing & int32_t(Pairing::kChunkA)) {  // the handler checked: bf16 out, not gathered
     const bool persistent = kernel_flags & int64_t(KernelFlag::kTmaPersistent);
-    *error = bw ? LaunchTmaFor<true>(p, gated, one_block, sf, persistent, pdl, stream)
-                : LaunchTmaFor<false>(p, gated, one_block, sf, persistent, pdl, stream);
+    *error = bw ? (persistent ? LaunchTmaFor<true, true>(p, gated, one_block, sf, pdl, stream)
+                              : LaunchTmaFor<true, false>(p, gated, one_block, sf, pdl, stream))
+                : (persistent ? LaunchTmaFor<false, true>(p, gated, one_block, sf, pdl, stream)
+                              : LaunchTmaFor<false, false>(p, gated, one_block, sf, pdl, stream));
     return true;
   }
   bw ? LaunchFor<true>(p, gated, f32_out, one_block, sf, pdl, stream)
