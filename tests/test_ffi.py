@@ -860,11 +860,14 @@ def test_gemm_chunk_order_is_the_same_function(on_gpu, h, flags, gated):
             np.testing.assert_array_equal(out, want, err_msg=f"{impl} {ww.order} CHUNK_OUT")
 
 
-TMA_CASES = [  # (activation, row_scale_mode) of non-gated GEMMs on the TMA-fed kernel, besides GEMM2's
-    (ops.Activation.IDENTITY, ops.RowScale.NONE),
-    (ops.Activation.IDENTITY, ops.RowScale.ROW),
-    (ops.Activation.IDENTITY, ops.RowScale.TOKEN),
-    (ops.Activation.RELU2, ops.RowScale.PAIR),
+TMA_CASES = [  # (activation, row_scale_mode, cut) of non-gated GEMMs on the TMA-fed kernel, besides GEMM2's;
+    # cut: used rows (ROW) or tokens (TOKEN) cut off row_scale's end, whose rows then scale by 0 (RowScaled)
+    (ops.Activation.IDENTITY, ops.RowScale.NONE, 0),
+    (ops.Activation.IDENTITY, ops.RowScale.ROW, 0),
+    (ops.Activation.IDENTITY, ops.RowScale.TOKEN, 0),
+    (ops.Activation.RELU2, ops.RowScale.PAIR, 0),
+    (ops.Activation.IDENTITY, ops.RowScale.ROW, 120),  # (the last 70 rows are past a's end: zeros anyway)
+    (ops.Activation.IDENTITY, ops.RowScale.TOKEN, 30),
 ]
 
 
@@ -876,13 +879,14 @@ def test_gemm_tma_epilogue_row_scales(on_gpu, flags, case):
     into shared memory during the MMAs, values staged for 16-byte stores) under every row-scale mode
     and relu2, with dropped pairs (padding rows) and ``a`` ending 70 rows before the last used tile:
     bitwise the natural-order output of the staged kernel; with CHUNK_OUT too (the kernel's
-    unstaged stores), that output in the chunk order. 2400 tokens x 4 over 5 experts, so that
+    unstaged stores), that output in the chunk order. ``row_scale`` cut short in two cases: rows past
+    its end scale by 0 (the zero-filled factor copies). 2400 tokens x 4 over 5 experts, so that
     TMA_PERSISTENT's CTAs walk several items."""
     if on_gpu and not has_gpu():
         pytest.skip("needs an NVIDIA GPU")
     if not on_gpu and flags:
         pytest.skip("kernel flags are CUDA variants")
-    act, mode = TMA_CASES[case]
+    act, mode, cut = TMA_CASES[case]
     a, w, sid, te, rs = _gemm_problem(act, False, mode, t=2400 if on_gpu else 200, k=4, e=5, h=256, n=384,
                                       tile_m=64, seed=case)
     w = nv.to_blocked_weights(w)
@@ -897,6 +901,11 @@ def test_gemm_tma_epilogue_row_scales(on_gpu, flags, case):
 
     want = f32(run(a, ops.Pairing.NONE))[used]
     assert np.isfinite(want).all() and (want != 0).any() and (want == 0).any()  # (padding rows)
+    if cut:  # row_scale ends `cut` used rows (ROW) or tokens (TOKEN) early: those rows become zeros
+        rs = rs[:(used.sum() if mode == ops.RowScale.ROW else rs.shape[0]) - cut]
+        cut_want = f32(run(a, ops.Pairing.NONE))[used]
+        assert ((cut_want == 0) & (want != 0)).any() and ((cut_want == want) | (cut_want == 0)).all()
+        want = cut_want
     xa = ops.to_chunk_order(a)
     np.testing.assert_array_equal(f32(run(xa, ops.Pairing.CHUNK_A))[used], want)
     both = ops.Pairing.CHUNK_A | ops.Pairing.CHUNK_OUT
