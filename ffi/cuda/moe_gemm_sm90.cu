@@ -428,11 +428,7 @@ template <int ACT>
 __device__ __forceinline__ void StoreStaged(const GemmParams& p, float alpha, int64_t tile, int64_t feat0,
                                             const float (&acc)[8][4], uint32_t rows, uint32_t factors,
                                             uint32_t stage) {
-  // The lane index read here (volatile): lane-derived offsets hoisted out of the item loop had held
-  // registers across the MMA loop (sm_90a SASS).
-  int lane;
-  asm volatile("mov.u32 %0, %%laneid;\n" : "=r"(lane));
-  const int t = lane & 3;
+  const int lane = threadIdx.x & 31, t = lane & 3;
   uint32_t packed[8][2];  // rows 8m + 2t, +1 of features g + 8h, as bf16x2
 #pragma unroll
   for (int m = 0; m < 8; ++m) {
@@ -609,22 +605,18 @@ __global__ void __launch_bounds__(kWgThreadsPerCta, MinCtas<GATED, NB>()) W4A16W
     mma();
     if (more) cur = next;
     if (staged) {
-      uint32_t base = ring;
-      Hold(base);
-      MbarWait(base + kTmaRowBar, done & 1);
+      MbarWait(row_bar, done & 1);
       Hold(acc);
       const float alpha = p.alpha[e] * kDecodeBias;
-      uint32_t tid;
-      asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(tid));
-      const uint32_t stage = base + kTmaStaging + (tid >> 5) * kStagingBytes;
+      const uint32_t stage = ring + kTmaStaging + warp * kStagingBytes;
 #pragma unroll
       for (int j = 0; j < NF; ++j) {
         const float(&a)[8][4] = acc[j];
         if (!active[j]) continue;
         if (p.activation == int32_t(Activation::kRelu2))
-          StoreStaged<int(Activation::kRelu2)>(p, alpha, tile, feat[j], a, base + kTmaRowIds, base + kTmaRowScales, stage);
+          StoreStaged<int(Activation::kRelu2)>(p, alpha, tile, feat[j], a, row_ids, row_scales, stage);
         else
-          StoreStaged<int(Activation::kIdentity)>(p, alpha, tile, feat[j], a, base + kTmaRowIds, base + kTmaRowScales, stage);
+          StoreStaged<int(Activation::kIdentity)>(p, alpha, tile, feat[j], a, row_ids, row_scales, stage);
       }
       if (more) __syncthreads();  // the row info is read before the next item's overwrites it
     } else {
