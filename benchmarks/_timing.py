@@ -66,8 +66,11 @@ def chained_time(fn, x, routing_sets, rest, *, n: int = 20, repeats: int = 3, cl
     """Seconds per call of a layer ``fn(x, ids, w, *rest) -> x'`` (same shape and dtype as ``x``),
     chained n times in one jit, so that JAX's per-call dispatch overhead does not count. The chain
     is unrolled (straight-line code, as a model's layers): an XLA while loop would add a host
-    round trip per step. Step i uses routing set i % S, so consecutive layers hit different
-    experts and small weight sets do not stay in L2 across steps.
+    round trip per step. Step i uses routing set i, so that layers hit different experts (small
+    weight sets do not stay in L2 across steps) and, as in a model, no two layers share their
+    routing: XLA would merge such layers' routing-only work (common subexpression elimination of
+    the MoE's align custom call: 3 aligns for 20 layers with 3 sets, before 2026-12-02). Hence
+    ``len(routing_sets) >= n`` (n + 1 with the host clock, which also times n + 1 layers).
 
     ``clock="device"``: two :func:`jax_nvfp4._ffi_ops.device_clock` readings around the n layers
     (on the GPU its ``%globaltimer``), the best of ``repeats`` runs of (t_end - t_start) / n; no host
@@ -77,6 +80,9 @@ def chained_time(fn, x, routing_sets, rest, *, n: int = 20, repeats: int = 3, cl
     if clock not in ("host", "device"):
         raise ValueError(f"clock must be 'host' or 'device', got {clock!r}")
     s = len(routing_sets)
+    if s < n + (clock == "host"):
+        raise ValueError(f"routing_sets must hold a routing per layer (n = {n}, clock {clock!r}), got {s}: "
+                         "layers sharing a routing would share their align (XLA merges equal custom calls)")
     if clock == "device":
         from jax_nvfp4 import _ffi_ops
         timed = clocked_chain(fn, n, s)

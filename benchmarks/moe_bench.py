@@ -96,10 +96,12 @@ def bench_shape(shape, tokens, modes, backends, args, log, on_tokens=None):
         w13t, w2t = jnp.swapaxes(b.gate_up, 1, 2), jnp.swapaxes(b.down, 1, 2)
     results = []
     for t in tokens:
-        sets = []
-        for i in range(args.sets):
+        sets, routings = [], []  # routings: one per chained layer (chained_time), the sets' first
+        for i in range(max(args.sets, args.chain + 1)):
             kx, kr = jax.random.split(jax.random.fold_in(key, 1000 * t + i))
-            sets.append((specs.random_hidden(kx, t, shape), *specs.random_routing(kr, t, shape)))
+            routings.append(specs.random_routing(kr, t, shape))
+            if i < args.sets:
+                sets.append((specs.random_hidden(kx, t, shape), *routings[i]))
         hit = float(np.mean([specs.experts_hit(s[1], shape) for s in sets]))
         rows = t * shape.top_k
         common = dict(shape=shape.name, tokens=t, rows=rows, experts_hit=hit, **floors(shape, rows, hit))
@@ -113,7 +115,7 @@ def bench_shape(shape, tokens, modes, backends, args, log, on_tokens=None):
                 chained = args.chain and name.split("[")[0] in args.chain_backends
                 timing = f"chain{args.chain}/{args.clock}" if chained else "median"
                 if timing != "median":  # layers chained in one jit: no per-call dispatch overhead
-                    sec = chained_time(fn, arg_sets[0][0], [a[1:3] for a in arg_sets], arg_sets[0][3:],
+                    sec = chained_time(fn, arg_sets[0][0], routings, arg_sets[0][3:],
                                        n=args.chain, repeats=args.repeats, clock=args.clock)
                 else:
                     sec = median_time(jax.jit(fn), arg_sets, warmup=args.warmup, repeats=args.repeats)

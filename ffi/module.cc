@@ -126,7 +126,6 @@ NB_MODULE(_ffi, m) {
     kf["wgmma_two_blocks"] = int64_t(KernelFlag::kWgmmaTwoBlocks);
     kf["jax_quant"] = int64_t(KernelFlag::kJaxQuant);
     kf["row_tiles_first"] = int64_t(KernelFlag::kRowTilesFirst);
-    kf["align_one_warp"] = int64_t(KernelFlag::kAlignOneWarp);
     kf["pdl"] = int64_t(KernelFlag::kPdl);
     kf["natural_intermediate"] = int64_t(KernelFlag::kNaturalIntermediate);
     kf["plain_weight_loads"] = int64_t(KernelFlag::kPlainWeightLoads);
@@ -134,6 +133,7 @@ NB_MODULE(_ffi, m) {
     kf["ws_gemm2"] = int64_t(KernelFlag::kWsGemm2);
     kf["no_persistent"] = int64_t(KernelFlag::kNoPersistent);
     kf["tma_persistent"] = int64_t(KernelFlag::kTmaPersistent);
+    kf["align_one_cta"] = int64_t(KernelFlag::kAlignOneCta);
     c["KernelFlag"] = kf;
     nb::dict pairing;
     pairing["none"] = int64_t(Pairing::kNone);

@@ -48,7 +48,8 @@ enum class KernelFlag : int64_t {
                          // kernel (the GEMMs ignore it)
   kRowTilesFirst = 16,   // wgmma: consecutive CTAs take one feature slab's row tiles (L2 reuse of
                          // weights) instead of one row tile's slabs (L2 reuse of activations)
-  kAlignOneWarp = 32,    // moe_align with <= 32 pairs: one warp, no block scan (the GEMMs ignore it)
+  // 32: kAlignOneWarp (moe_align with <= 32 pairs in one warp) opt-in until 2026-12-02, then the default
+  // (kAlignOneCta names the alternative).
   kPdl = 64,             // every kernel launched with programmatic dependent launch (overlaps launches)
   kNaturalIntermediate = 128,  // moe: the GEMM1 -> GEMM2 intermediate in the natural order; the
                                // default on mma.sync tiles (8-32 rows) is the paired order, on w4a16
@@ -75,11 +76,16 @@ enum class KernelFlag : int64_t {
                                // fit at once walk the work items, the next item's copies and first weight loads
                                // overlapping the last one's epilogue, instead of a CTA per item (H200, 2026-12-02:
                                // prefill layers x0.996-1.033, geomean x1.015; 38.7 items a CTA split unevenly;
-                               // with the staged epilogue, session 21: x1.029-1.065, its loop 15% longer)
+                               // with the staged epilogue, session 21: x1.029-1.065, its loop 15% longer; with
+                               // the chunk counter back on the uniform datapath, session 22: x0.993-1.012)
+  kAlignOneCta = 524288,       // moe_align in one 512-thread CTA at any size, not in one warp up to 32 pairs
+                               // (H200, 2026-12-02: Qwen3 T=1 layers 6% faster) nor on up to 64 CTAs from 2048
+                               // pairs on (three kernels: counts, group offsets, ranks; Qwen3 T=4096 layers 4%
+                               // faster, 957.6 -> 919.6 us: one CTA took 51 us for its 32768 pairs)
   // 16384: kWgmmaTilePairs (the TMA-fed GEMM2 on pairs of one expert's 64-row tiles, m64n128 wgmmas,
   // one CTA per SM) for one H200 A/B on 2026-12-02, removed: 1.25-1.42x slower layers (dabc4ef).
 };
-constexpr int64_t kAllKernelFlags = 492286;
+constexpr int64_t kAllKernelFlags = 1016542;
 // grouped_gemm's `pairing` bits: which operands hold a kernel order instead of the natural one.
 // kA / kOut: a's K axis / out's feature axis in the paired order (PairedPos). moe's intermediate
 // uses it on mma.sync tiles (but with KernelFlag kNaturalIntermediate): GEMM1 writes it paired,

@@ -77,7 +77,8 @@ class KernelFlag(enum.IntFlag):
     WGMMA_TWO_BLOCKS = 4  # wgmma, non-gated: two 64-feature blocks per warpgroup instead of one
     JAX_QUANT = 8  # w4a4: per-token quantization in pure JAX, not by the quant_dequant_rows kernel
     ROW_TILES_FIRST = 16  # wgmma: consecutive CTAs take one feature slab's row tiles, not one row tile's slabs
-    ALIGN_ONE_WARP = 32  # moe_align with <= ALIGN_ONE_WARP_PAIRS pairs: one warp, no block-wide scan
+    # 32: ALIGN_ONE_WARP (moe_align with <= ALIGN_ONE_WARP_PAIRS pairs in one warp) opt-in until 2026-12-02, then
+    # the default
     PDL = 64  # every kernel launched with programmatic dependent launch (its start overlaps the previous kernel)
     NATURAL_INTERMEDIATE = 128  # moe: the intermediate in the natural order (default: paired on 8-32-row tiles,
     # the chunk order on 64-row w4a16 ones where I % 128 == 0 and the GPU is sm_90)
@@ -94,7 +95,10 @@ class KernelFlag(enum.IntFlag):
     TMA_PERSISTENT = 262144  # the TMA-fed wgmma kernel (moe's w4a16 GEMM2) on a persistent grid (as many CTAs as
     # fit at once walk the work items; the next item's copies and first weight loads overlap the last one's epilogue),
     # not a CTA per item (prefill layers x0.996-1.033 on the H200, 2026-12-02: the items split unevenly; x1.029-1.065
-    # with the staged epilogue, session 21)
+    # with the staged epilogue, session 21; x0.993-1.012 with its chunk counter uniform again, session 22)
+    ALIGN_ONE_CTA = 524288  # moe_align in one 512-thread CTA at any size, not in one warp up to
+    # ALIGN_ONE_WARP_PAIRS pairs (H200, 2026-12-02: Qwen3 T=1 layers 6% faster) nor on up to 64 CTAs from 2048 pairs
+    # on (three kernels: counts, group offsets, ranks; Qwen3 T=4096 layers 4% faster)
     # 1024 / 2048: L2_PREFETCH / SPLIT_GATE_UP (decode tiles) for one A/B on 2026-12-01, removed: slower on the H200
     # 4096 / 8192: WGMMA_FOUR_GROUPS (four-warpgroup one-block wgmma CTAs) / TMA_GEMM1 (GEMM1 on the TMA-fed
     # wgmma kernel after an XLA gather into the chunk order) for A/Bs on 2026-12-02, removed: slower on the H200
@@ -160,7 +164,7 @@ K_SPLITS = (1, 2, 4)  # warps of a GEMM CTA that split K (GPU tiling; the result
 MAX_SPLIT_TILE_M = 16  # K splitting is for decode-sized tiles
 PAIRED_MAX_TILE_M = 32  # moe's intermediate is paired on tiles up to this size (KernelFlag.NATURAL_INTERMEDIATE)
 MAX_ALIGN_EXPERTS = 512  # local experts the GPU align kernel handles (one CTA, shared memory)
-ALIGN_ONE_WARP_PAIRS = 32  # pairs the one-warp align path (KernelFlag.ALIGN_ONE_WARP) handles
+ALIGN_ONE_WARP_PAIRS = 32  # pairs up to which the CUDA align runs in one warp (unless KernelFlag.ALIGN_ONE_CTA)
 CUDA_K_MULTIPLE = 64  # the CUDA GEMM's K chunk: H and I must be multiples of it on the GPU
 CUDA_N_MULTIPLE = 16  # output features per MMA fragment
 
@@ -334,8 +338,8 @@ def moe_align(topk_ids, num_experts: int, *, tile_m: int, expert_offset: int = 0
     expert_offset : int
         Global id of local expert 0 (expert parallelism).
     impl : ``"ffi"`` or ``"jax"``
-    kernel_flags : :class:`KernelFlag` bits (``ALIGN_ONE_WARP`` picks the CUDA one-warp path for
-        small batches; the result is the same)
+    kernel_flags : :class:`KernelFlag` bits (``ALIGN_ONE_CTA``: the CUDA one-CTA kernel at every
+        size, not one warp for small batches nor several CTAs for large ones; the result is the same)
 
     Returns
     -------

@@ -112,6 +112,8 @@ if stage ncu; then
   for cfg in ${NCU_CONFIGS:-deepseek_v3_ep8:1 qwen3_30b_a3b:1 deepseek_v3_ep8:64 qwen3_30b_a3b:4096 deepseek_v3_ep8:4096}; do
     profile_cmd "$cfg"
     n=4; [[ ${c_mode:-} == w4a4 ]] && ! (( ${c_flags:-0} & 8 )) && n=6  # kernels per call (+2 quantize)
+    tok=$(cut -d: -f2 <<<"$cfg")
+    (( !(${c_flags:-0} & 524288) && tok * 8 >= 2048 )) && n=$(( n + 2 ))  # the grid align: 3 kernels, not 1
     timeout $(left 120) ncu --clock-control none --kernel-name regex:"Moe|W4A16|Quant" "${kbase[@]}" --launch-skip $n \
       --launch-count $n --csv --print-units base --section SpeedOfLight --section Occupancy --section LaunchStats \
       --section SchedulerStats --section WarpStateStats --section MemoryWorkloadAnalysis --metrics "$metrics" \

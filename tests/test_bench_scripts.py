@@ -191,6 +191,14 @@ def test_clocked_chain_reads_the_clock_before_any_layer_work():
     assert routing_work and min(routing_work) > first_clock, entry
 
 
+def test_chained_time_wants_a_routing_per_layer():
+    """Layers sharing a routing would share their align (XLA merges equal custom calls), which
+    the chain would then time once for several layers."""
+    x, ids = _timing.jax.numpy.ones((4, 4)), _timing.jax.numpy.arange(4.0)
+    with pytest.raises(ValueError, match="routing per layer"):
+        _timing.chained_time(lambda x, ids: x + ids, x, [(ids,)] * 2, (), n=3)
+
+
 @pytest.mark.parametrize("script", sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "scripts", "*.sh"))),
                          ids=os.path.basename)
 def test_gpu_scripts_parse(script):

@@ -230,9 +230,9 @@ def test_gemm_rejects_bad_shapes_with_named_arguments():
 
 def test_align_takes_kernel_flags_and_checks_them():
     ids = jnp.asarray([[0, 3], [3, -1]], jnp.int32)
-    flags = int(ops.KernelFlag.ALIGN_ONE_WARP)
+    flags = int(ops.KernelFlag.ALIGN_ONE_CTA)
     f = jax.jit(lambda i: ops.moe_align(i, 4, tile_m=8, kernel_flags=flags))
-    assert "kernel_flags = 32" in f.lower(ids).as_text()
+    assert "kernel_flags = 524288" in f.lower(ids).as_text()
     for g, w in zip(f(ids), ops.moe_align(ids, 4, tile_m=8, impl="jax")):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
     ops.ensure_registered()
@@ -650,15 +650,50 @@ def test_gpu_align_matches_twin(t, k, e, offset, tile_m):
 @pytest.mark.parametrize("t,k,e,offset", [(1, 1, 8, 0), (1, 8, 32, 0), (4, 8, 32, 96), (3, 8, 5, 2), (8, 4, 256, 0),
                                           (7, 5, 16, 0), (5, 7, 8, 0)])
 def test_gpu_align_one_warp_matches_twin(t, k, e, offset, tile_m):
-    """KernelFlag.ALIGN_ONE_WARP: the one-warp path for <= 32 pairs (drops, foreign and repeated
-    experts), and the block path it falls back to above 32 pairs (5 x 7)."""
+    """The one-warp path for <= 32 pairs (the default; drops, foreign and repeated experts) writes
+    the bytes of the block kernel (KernelFlag.ALIGN_ONE_CTA), which it leaves above 32 pairs (5 x 7)."""
     rng = np.random.default_rng(t * k + e)
     ids = jnp.asarray(rng.integers(-2, e + offset + 3, (t, k)), jnp.int32)
-    flags = int(ops.KernelFlag.ALIGN_ONE_WARP)
-    got = ops.moe_align(ids, e, tile_m=tile_m, expert_offset=offset, kernel_flags=flags)
+    got = ops.moe_align(ids, e, tile_m=tile_m, expert_offset=offset, kernel_flags=0)
+    block = ops.moe_align(ids, e, tile_m=tile_m, expert_offset=offset, kernel_flags=int(ops.KernelFlag.ALIGN_ONE_CTA))
     want = ops.moe_align(ids, e, tile_m=tile_m, expert_offset=offset, impl="jax")
-    for g, w in zip(got, want):
+    for g, b, w in zip(got, block, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(b))
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,k,e,offset,tile_m,order", [
+    (256, 8, 32, 0, 64, "random"),      # 2048 pairs: 4 CTAs (the fewest)
+    (300, 7, 512, 3, 8, "random"),      # 2100 pairs over 512 experts: 4 CTAs of 525, each range >= E
+    (4096, 8, 128, 0, 64, "random"),    # Qwen3 T=4096: 64 CTAs of 512 pairs
+    (4096, 8, 512, 0, 32, "random"),    # 16 CTAs: 16 x 512 expert slots fill the offsets kernel's 32 KB
+    (4096, 8, 32, 96, 32, "sorted"),    # one expert per CTA range mostly; foreign ids; drops
+    (5003, 3, 16, 0, 16, "one"),        # every pair on one expert, n not a multiple of the CTAs
+    (2047, 1, 8, 0, 64, "random")])     # just below the threshold: the one-CTA kernel
+@pytest.mark.parametrize("pdl", [False, True])
+def test_gpu_align_grid_matches_twin(t, k, e, offset, tile_m, order, pdl):
+    """The grid align (the default from 2048 pairs on: counts, group offsets and ranks, three
+    kernels on up to 64 CTAs) writes the bytes of the one-CTA kernel (KernelFlag.ALIGN_ONE_CTA):
+    random ids with drops and foreign experts, ids sorted (so that each CTA sees few experts), and
+    all pairs on one expert."""
+    rng = np.random.default_rng(t * k + e)
+    if order == "one":
+        ids = np.full((t, k), offset + e // 2)
+    else:
+        ids = rng.integers(-2, e + offset + 3, (t, k))
+        if order == "sorted":
+            ids = np.sort(ids, axis=None).reshape(t, k)
+    ids = jnp.asarray(ids, jnp.int32)
+    pdl_flag = int(ops.KernelFlag.PDL) if pdl else 0
+    got = ops.moe_align(ids, e, tile_m=tile_m, expert_offset=offset, kernel_flags=pdl_flag)
+    one_cta = ops.moe_align(ids, e, tile_m=tile_m, expert_offset=offset,
+                            kernel_flags=int(ops.KernelFlag.ALIGN_ONE_CTA))
+    want = ops.moe_align(ids, e, tile_m=tile_m, expert_offset=offset, impl="jax")
+    for g, o, w in zip(got, one_cta, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(o))
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    _check_align_contract(ids, e, offset, tile_m, *got)
 
 
 @pytest.mark.gpu
@@ -1140,8 +1175,8 @@ def test_gpu_tile_sizes_are_bitwise_equal(gpu_experts, mode, gated):
 _MOE_JIT = jax.jit(ops.moe, static_argnames=("mode", "kernel_flags"))  # one jit cache for the tests below
 _OPT_IN_DEFAULTS = {}  # (t, mode) -> the default kernels' output
 
-OPT_IN_FLAGS = (ops.KernelFlag.JAX_QUANT, ops.KernelFlag.ROW_TILES_FIRST, ops.KernelFlag.ALIGN_ONE_WARP,
-                ops.KernelFlag.PDL, ops.KernelFlag.NATURAL_INTERMEDIATE, ops.KernelFlag.PLAIN_WEIGHT_LOADS)
+OPT_IN_FLAGS = (ops.KernelFlag.JAX_QUANT, ops.KernelFlag.ROW_TILES_FIRST, ops.KernelFlag.PDL,
+                ops.KernelFlag.NATURAL_INTERMEDIATE, ops.KernelFlag.PLAIN_WEIGHT_LOADS, ops.KernelFlag.ALIGN_ONE_CTA)
 
 
 @pytest.mark.gpu
@@ -1149,13 +1184,12 @@ OPT_IN_FLAGS = (ops.KernelFlag.JAX_QUANT, ops.KernelFlag.ROW_TILES_FIRST, ops.Ke
 @pytest.mark.parametrize("t", [1, 4, 48, 2000])
 @pytest.mark.parametrize("flags", [int(f) for f in OPT_IN_FLAGS] + [int(sum(OPT_IN_FLAGS))])
 def test_gpu_opt_in_variants_are_bitwise_the_default(gpu_experts, t, mode, flags):
-    """The pure-JAX quantizer, the row-tiles-first wgmma grid, one-warp align, PDL launches, plain
-    weight loads (the same K order per thread) and the natural intermediate (the same MMA
+    """The pure-JAX quantizer, the row-tiles-first wgmma grid, the one-CTA align, PDL launches,
+    plain weight loads (the same K order per thread) and the natural intermediate (the same MMA
     operands as the paired one and, on 64-row tiles, as the chunk-ordered one that the TMA-fed
-    wgmma GEMM2 reads) change
-    where and how the work runs, not a single output bit (t = 2000 x 8 pairs over 32 experts:
-    64-row wgmma tiles; t = 48: 16-row decode tiles; t = 4: 32 pairs, the one-warp align; t = 1:
-    8-row tiles)."""
+    wgmma GEMM2 reads) change where and how the work runs, not a single output bit (t = 2000 x 8
+    pairs over 32 experts: 64-row wgmma tiles, the grid align by default; t = 48: 16-row decode
+    tiles; t = 4: 32 pairs, the one-warp align by default; t = 1: 8-row tiles)."""
     ex = gpu_experts[(32, True)]
     x = make_x(t, t, 320)
     ids, w = make_routing(t, t, 8, 32)

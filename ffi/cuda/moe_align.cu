@@ -6,6 +6,8 @@
 // no host sync, group sizes never leave the device.
 #include <cub/block/block_scan.cuh>
 
+#include <algorithm>
+
 #include "cuda/cuda_util.h"
 #include "moe_common.h"
 #include "moe_handlers.h"
@@ -29,6 +31,93 @@ __device__ __forceinline__ void LoadExperts(const int32_t* __restrict__ ids, int
   for (int b = 0; b < kAlignBatch; ++b) e[b] = i + 32 * b < end ? LocalExpert(id[b], offset, num_experts) : -2;
 }
 
+// The passes of the block-wide align, shared by the one-CTA kernel and the grid's. A CTA owns the
+// pairs [begin, end); its 16 warps own consecutive segments of them. `hist` is [kAlignWarps][E].
+
+// Warp w's count of each expert over its segment into hist[w][e] (zeroed by the caller).
+__device__ __forceinline__ void WarpCounts(const int32_t* __restrict__ ids, int64_t wbegin, int64_t wend,
+                                           int64_t offset, int64_t num_experts, int32_t* hist, int lane) {
+  // Both passes over the warp's pairs load kAlignBatch of them per lane before using any (one load in
+  // flight per lane: 54.4 us for 32768 pairs, Qwen3 T=4096; batched: 51.6, ncu on two H200s).
+  int32_t eb[kAlignBatch];
+  for (int64_t i0 = wbegin; i0 < wend; i0 += 32 * kAlignBatch) {
+    LoadExperts(ids, i0 + lane, wend, offset, num_experts, eb);
+#pragma unroll
+    for (int b = 0; b < kAlignBatch; ++b)
+      if (eb[b] >= 0) atomicAdd(&hist[eb[b]], 1);
+  }
+}
+
+// Thread e < E: hist[.][e] becomes each warp's exclusive prefix inside expert e; returns the CTA's
+// count of e (0 for the other threads).
+__device__ __forceinline__ int32_t WarpPrefixes(int32_t* hist, int E, int tid) {
+  int32_t count = 0;
+  if (tid < E) {
+    for (int w = 0; w < kAlignWarps; ++w) {
+      const int32_t c = hist[w * E + tid];
+      hist[w * E + tid] = count;
+      count += c;
+    }
+  }
+  return count;
+}
+
+// tile_expert[i] for i = first, first + stride, ...: the last expert whose group (first row off[e])
+// starts at or before the tile (binary search), -1 past the used rows.
+__device__ __forceinline__ void TileOwners(const int32_t* off, int E, int32_t total, int32_t tile_m, int64_t P,
+                                           int64_t first, int64_t stride, int32_t* __restrict__ tile_expert) {
+  const int64_t tiles = P / tile_m;
+  for (int64_t i = first; i < tiles; i += stride) {
+    const int64_t row0 = i * tile_m;
+    int32_t owner = -1;
+    if (row0 < total) {
+      int lo = 0, hi = E - 1;  // off[lo] <= row0 always (off[0] = 0)
+      while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (off[mid] <= row0) lo = mid; else hi = mid - 1;
+      }
+      owner = lo;
+    }
+    tile_expert[i] = owner;
+  }
+}
+
+// Stable ranks over warp w's segment, 32 pairs per step in order: pair i of expert e goes to row
+// base[e] + hist[w][e] + (its rank among the step's pairs of e); the group's leader advances hist.
+__device__ __forceinline__ void WarpRanks(const int32_t* __restrict__ ids, int64_t wbegin, int64_t wend,
+                                          int64_t offset, int64_t num_experts, const int32_t* base, int32_t* hist,
+                                          int lane, int32_t* __restrict__ sorted_ids,
+                                          int32_t* __restrict__ pair_to_row) {
+  const unsigned lt_mask = (1u << lane) - 1u;
+  int32_t eb[kAlignBatch];
+  for (int64_t i00 = wbegin; i00 < wend; i00 += 32 * kAlignBatch) {
+    LoadExperts(ids, i00 + lane, wend, offset, num_experts, eb);
+#pragma unroll
+    for (int b = 0; b < kAlignBatch; ++b) {
+      const int64_t i = i00 + 32 * b + lane;
+      const int32_t e = eb[b];
+      const unsigned same = __match_any_sync(0xFFFFFFFFu, e);
+      if (e >= 0) {
+        const int32_t row = base[e] + hist[e] + __popc(same & lt_mask);
+        sorted_ids[row] = int32_t(i);
+        pair_to_row[i] = row;
+      } else if (e == -1) {
+        pair_to_row[i] = -1;
+      }
+      __syncwarp();
+      if (e >= 0 && (same & lt_mask) == 0) hist[e] += __popc(same);
+      __syncwarp();
+    }
+  }
+}
+
+// Warp `warp`'s segment of the CTA's pairs [begin, end).
+__device__ __forceinline__ void WarpSegment(int64_t begin, int64_t end, int warp, int64_t* wbegin, int64_t* wend) {
+  const int64_t seg = (end - begin + kAlignWarps - 1) / kAlignWarps;
+  *wbegin = begin + warp * seg < end ? begin + warp * seg : end;
+  *wend = *wbegin + seg < end ? *wbegin + seg : end;
+}
+
 __global__ void __launch_bounds__(kAlignThreads)
     MoeAlignKernel(const int32_t* __restrict__ ids, int64_t n, int64_t num_experts, int64_t offset,
                    int32_t tile_m, int64_t P, int32_t* __restrict__ sorted_ids,
@@ -46,74 +135,119 @@ __global__ void __launch_bounds__(kAlignThreads)
   for (int i = tid; i < kAlignWarps * E; i += kAlignThreads) hist[i] = 0;
   for (int64_t r = tid; r < P; r += kAlignThreads) sorted_ids[r] = -1;
   __syncthreads();
-
-  const int64_t seg = (n + kAlignWarps - 1) / kAlignWarps;
-  const int64_t begin = warp * seg, end = begin + seg < n ? begin + seg : n;
-  // Both passes over the warp's pairs load kAlignBatch of them per lane before using any (one load in
-  // flight per lane: 54.4 us for 32768 pairs, Qwen3 T=4096; batched: 51.6, ncu on two H200s). What is
-  // left waits on the shared-memory atomics and the match steps (short-scoreboard stalls).
-  int32_t eb[kAlignBatch];
-  for (int64_t i0 = begin; i0 < end; i0 += 32 * kAlignBatch) {
-    LoadExperts(ids, i0 + lane, end, offset, num_experts, eb);
-#pragma unroll
-    for (int b = 0; b < kAlignBatch; ++b)
-      if (eb[b] >= 0) atomicAdd(&hist[warp * E + eb[b]], 1);
-  }
+  int64_t wbegin, wend;
+  WarpSegment(0, n, warp, &wbegin, &wend);
+  WarpCounts(ids, wbegin, wend, offset, num_experts, hist + warp * E, lane);
   __syncthreads();
-
-  // Per expert (one per thread): total count, and each warp's exclusive prefix inside it.
-  int32_t count = 0;
-  if (tid < E) {
-    for (int w = 0; w < kAlignWarps; ++w) {
-      const int32_t c = hist[w * E + tid];
-      hist[w * E + tid] = count;
-      count += c;
-    }
-  }
+  const int32_t count = WarpPrefixes(hist, E, tid);
   const int32_t padded = (count + tile_m - 1) / tile_m * tile_m;
   int32_t start, total;
   BlockScan(scan_tmp).ExclusiveSum(padded, start, total);
   if (tid < E) off[tid] = start;
   if (tid == 0) s_total = total;
   __syncthreads();
+  TileOwners(off, E, s_total, tile_m, P, tid, kAlignThreads, tile_expert);
+  WarpRanks(ids, wbegin, wend, offset, num_experts, off, hist + warp * E, lane, sorted_ids, pair_to_row);
+}
 
-  // Tile owners: the last expert whose group starts at or before the tile (binary search).
-  const int64_t tiles = P / tile_m;
-  for (int64_t i = tid; i < tiles; i += kAlignThreads) {
-    const int64_t row0 = i * tile_m;
-    int32_t owner = -1;
-    if (row0 < s_total) {
-      int lo = 0, hi = E - 1;  // off[lo] <= row0 always (off[0] = 0)
-      while (lo < hi) {
-        const int mid = (lo + hi + 1) >> 1;
-        if (off[mid] <= row0) lo = mid; else hi = mid - 1;
-      }
-      owner = lo;
-    }
-    tile_expert[i] = owner;
-  }
+// The grid align (n >= kAlignGridMinPairs, but with KernelFlag::kAlignOneCta): three kernels, so that the
+// serial rank steps and the scattered row stores of a large batch spread over many SMs (one CTA
+// takes 51 us for 32768 pairs, ncu). CTA g of G owns the pairs [g n / G, (g + 1) n / G), at least
+// E of them (G <= n / E, and G E <= kAlignGridMaxSlots): the first E entries of pair_to_row in that range carry the CTA's
+// per-expert numbers from kernel to kernel, until its own pairs overwrite them in the third.
+// Same bytes as MoeAlignKernel.
+//  1. MoeAlignGridCount: the CTA's count of each expert; sorted_ids filled with -1.
+//  2. MoeAlignGridBases (one CTA): group offsets, tile owners, and for every CTA and expert the
+//     first row of the CTA's pairs of that expert.
+//  3. MoeAlignGridRanks: the one-CTA kernel's stable ranks from those rows.
+constexpr int64_t kAlignGridMinPairs = 2048;
+constexpr int64_t kAlignGridMaxCtas = 64;
+constexpr int64_t kAlignGridMaxSlots = 8192;  // CTAs x experts: MoeAlignGridBases' 32 KB of shared memory
+static_assert(kAlignGridMaxCtas <= kAlignThreads, "one CTA's first pair per thread in MoeAlignGridBases");
+constexpr int64_t kAlignGridPairsPerCta = 512;
 
-  // Stable ranks, 32 pairs per step in order; the group's leader advances the warp's base.
-  const unsigned lt_mask = (1u << lane) - 1u;
-  for (int64_t i00 = begin; i00 < end; i00 += 32 * kAlignBatch) {
-    LoadExperts(ids, i00 + lane, end, offset, num_experts, eb);
-#pragma unroll
-    for (int b = 0; b < kAlignBatch; ++b) {
-      const int64_t i = i00 + 32 * b + lane;
-      const int32_t e = eb[b];
-      const unsigned same = __match_any_sync(0xFFFFFFFFu, e);
-      if (e >= 0) {
-        const int32_t row = off[e] + hist[warp * E + e] + __popc(same & lt_mask);
-        sorted_ids[row] = int32_t(i);
-        pair_to_row[i] = row;
-      } else if (e == -1) {
-        pair_to_row[i] = -1;
-      }
-      __syncwarp();
-      if (e >= 0 && (same & lt_mask) == 0) hist[warp * E + e] += __popc(same);
-      __syncwarp();
+// The first pair of CTA g of `ctas` (ranges of floor(n / ctas) pairs or one more).
+__device__ __forceinline__ int64_t CtaBegin(int64_t n, int64_t g, int64_t ctas) { return g * n / ctas; }
+
+__global__ void __launch_bounds__(kAlignThreads)
+    MoeAlignGridCount(const int32_t* __restrict__ ids, int64_t n, int64_t num_experts, int64_t offset, int64_t P,
+                      int32_t* __restrict__ sorted_ids, int32_t* __restrict__ pair_to_row) {
+  GridDependencyWait();
+  extern __shared__ int32_t smem[];
+  const int E = int(num_experts);
+  int32_t* hist = smem;  // [kAlignWarps][E]
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  for (int i = tid; i < kAlignWarps * E; i += kAlignThreads) hist[i] = 0;
+  for (int64_t r = blockIdx.x * int64_t(kAlignThreads) + tid; r < P; r += int64_t(gridDim.x) * kAlignThreads)
+    sorted_ids[r] = -1;
+  __syncthreads();
+  const int64_t begin = CtaBegin(n, blockIdx.x, gridDim.x);
+  int64_t wbegin, wend;
+  WarpSegment(begin, CtaBegin(n, blockIdx.x + 1, gridDim.x), warp, &wbegin, &wend);
+  WarpCounts(ids, wbegin, wend, offset, num_experts, hist + warp * E, lane);
+  __syncthreads();
+  const int32_t count = WarpPrefixes(hist, E, tid);
+  if (tid < E) pair_to_row[begin + tid] = count;
+}
+
+// All of the grid's counts pass through shared memory: read at once (one CTA reading its 64
+// slots a thread one after another took 8.3 us, ncu), written back at once.
+__global__ void __launch_bounds__(kAlignThreads)
+    MoeAlignGridBases(int64_t n, int64_t num_experts, int32_t tile_m, int64_t P, int32_t ctas,
+                      int32_t* __restrict__ tile_expert, int32_t* __restrict__ pair_to_row) {
+  GridDependencyWait();
+  using BlockScan = cub::BlockScan<int32_t, kAlignThreads>;
+  __shared__ typename BlockScan::TempStorage scan_tmp;
+  __shared__ int32_t s_total;
+  __shared__ int32_t off[kMaxAlignExperts];
+  __shared__ int64_t begins[kAlignGridMaxCtas];  // (no 64-bit division per slot)
+  extern __shared__ int32_t slots[];             // [ctas][E]: counts, then first rows
+  const int E = int(num_experts), tid = threadIdx.x, nslots = ctas * E;
+  if (tid < ctas) begins[tid] = CtaBegin(n, tid, ctas);
+  __syncthreads();
+#pragma unroll 4
+  for (int i = tid; i < nslots; i += kAlignThreads) slots[i] = pair_to_row[begins[i / E] + i % E];
+  __syncthreads();
+  int32_t count = 0;
+  if (tid < E)
+    for (int g = 0; g < ctas; ++g) count += slots[g * E + tid];
+  const int32_t padded = (count + tile_m - 1) / tile_m * tile_m;
+  int32_t start, total;
+  BlockScan(scan_tmp).ExclusiveSum(padded, start, total);
+  if (tid < E) {
+    off[tid] = start;
+    for (int g = 0, row = start; g < ctas; ++g) {
+      const int32_t c = slots[g * E + tid];
+      slots[g * E + tid] = row;
+      row += c;
     }
   }
+  if (tid == 0) s_total = total;
+  __syncthreads();
+  TileOwners(off, E, s_total, tile_m, P, tid, kAlignThreads, tile_expert);
+  for (int i = tid; i < nslots; i += kAlignThreads) pair_to_row[begins[i / E] + i % E] = slots[i];
+}
+
+__global__ void __launch_bounds__(kAlignThreads)
+    MoeAlignGridRanks(const int32_t* __restrict__ ids, int64_t n, int64_t num_experts, int64_t offset,
+                      int32_t* __restrict__ sorted_ids, int32_t* __restrict__ pair_to_row) {
+  GridDependencyWait();
+  extern __shared__ int32_t smem[];
+  const int E = int(num_experts);
+  int32_t* hist = smem;                    // [kAlignWarps][E]
+  int32_t* base = smem + kAlignWarps * E;  // [E]: the first row of this CTA's pairs of each expert
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int64_t begin = CtaBegin(n, blockIdx.x, gridDim.x);
+  for (int i = tid; i < kAlignWarps * E; i += kAlignThreads) hist[i] = 0;
+  if (tid < E) base[tid] = pair_to_row[begin + tid];
+  int64_t wbegin, wend;
+  WarpSegment(begin, CtaBegin(n, blockIdx.x + 1, gridDim.x), warp, &wbegin, &wend);
+  __syncthreads();  // (the rows are read before any pair's row overwrites them)
+  WarpCounts(ids, wbegin, wend, offset, num_experts, hist + warp * E, lane);
+  __syncthreads();
+  WarpPrefixes(hist, E, tid);
+  __syncthreads();
+  WarpRanks(ids, wbegin, wend, offset, num_experts, base, hist + warp * E, lane, sorted_ids, pair_to_row);
 }
 
 // Small batches (n <= 32 pairs, e.g. decode with T * k <= 32): warp 0 holds one pair per lane and
@@ -186,13 +320,28 @@ ffi::Error MoeAlignCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> topk_ids,
     return err;
   if (P == 0) return ffi::Error::Success();  // empty batch: nothing to write
   const bool pdl = kernel_flags & int64_t(KernelFlag::kPdl);
-  if ((kernel_flags & int64_t(KernelFlag::kAlignOneWarp)) && n <= kAlignOneWarpPairs) {
+  const bool one_cta = kernel_flags & int64_t(KernelFlag::kAlignOneCta);
+  if (!one_cta && n <= kAlignOneWarpPairs) {
     LaunchKernel(MoeAlignOneWarpKernel, 1, kAlignSmallThreads, 0, stream, pdl, topk_ids.typed_data(), int32_t(n),
                  num_experts, expert_offset, int32_t(tile_m), P, sorted_ids->typed_data(),
                  tile_expert->typed_data(), pair_to_row->typed_data());
     return LaunchError("moe_align");
   }
   const size_t smem = sizeof(int32_t) * (kAlignWarps + 1) * num_experts;  // <= 34 KB
+  if (!one_cta && n >= kAlignGridMinPairs) {
+    // ctas <= n / E: each CTA's range holds its E per-expert numbers (MoeAlignGridCount).
+    const int64_t ctas = std::max<int64_t>(
+        1, std::min({kAlignGridMaxCtas, kAlignGridMaxSlots / num_experts, n / kAlignGridPairsPerCta, n / num_experts}));
+    const int32_t* ids = topk_ids.typed_data();
+    int32_t *sorted = sorted_ids->typed_data(), *rows = pair_to_row->typed_data();
+    LaunchKernel(MoeAlignGridCount, ctas, kAlignThreads, smem, stream, pdl, ids, n, num_experts, expert_offset, P,
+                 sorted, rows);
+    LaunchKernel(MoeAlignGridBases, 1, kAlignThreads, sizeof(int32_t) * ctas * num_experts, stream, pdl, n, num_experts, int32_t(tile_m), P,
+                 int32_t(ctas), tile_expert->typed_data(), rows);
+    LaunchKernel(MoeAlignGridRanks, ctas, kAlignThreads, smem, stream, pdl, ids, n, num_experts, expert_offset,
+                 sorted, rows);
+    return LaunchError("moe_align");
+  }
   LaunchKernel(MoeAlignKernel, 1, kAlignThreads, smem, stream, pdl, topk_ids.typed_data(), n, num_experts,
                expert_offset, int32_t(tile_m), P, sorted_ids->typed_data(), tile_expert->typed_data(),
                pair_to_row->typed_data());

@@ -502,7 +502,8 @@ __device__ __forceinline__ bool NextItem(const GemmParams& p, int64_t& item, int
 // The CTAs walk the work items (row tile, feature slab) gridDim.x apart: one each (the default), or
 // with KernelFlag::kTmaPersistent as many CTAs as fit at once, the ring running on across items
 // (chunk sequence number `it`), so that the next item's copies and first weight loads overlap the
-// last one's epilogue (1.5% slower layers on the H200, 2026-12-02; 3-6.5% with the staged epilogue).
+// last one's epilogue (1.5% slower layers on the H200, 2026-12-02; 3-6.5% with the staged epilogue,
+// x0.993-1.012 since its chunk counter is uniform again, session 22).
 // PERSISTENT is a template argument: carried across items, the chunk counter had left the uniform
 // datapath and the loop of the one-item kernel took 627 instructions for two chunks, not 549 (sm_90a
 // SASS). An item's last chunk is peeled and the loop before it unrolled twice (285 instructions a
@@ -565,6 +566,9 @@ __global__ void __launch_bounds__(kWgThreadsPerCta, MinCtas<GATED, NB>()) W4A16W
   const bool row_warp = staged && warp == 7;  // fetches the row info (not warp 0: its thread 0 copies)
   uint32_t done = 0;  // items done (the row mbarrier's phase)
   for (bool more = true; more; ++done) {
+    // Carried across items, the chunk counter would leave the uniform datapath (warp 0's value is
+    // every thread's): the persistent loop takes 563 instructions for two chunks, not 627 (sm_90a SASS).
+    if (PERSISTENT) it = __shfl_sync(~0u, it, 0);
     if (row_warp) RowIdsCopy(p, tile, row_ids);
     // The next item, known before its copies and weight loads start in this one's last chunks.
     int64_t nitem = item + gridDim.x;
