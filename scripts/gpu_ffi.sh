@@ -297,7 +297,8 @@ if stage ab; then
   # since 2026-12-02: layers up to 1.8% faster, at most 0.6% slower; with 65536 too, 2.5-16% slower
   # than the default). Three stages instead of four: 0.6-2.6% slower layers (abtree, 2026-12-02).
   # 262144: the TMA-fed GEMM2 on a persistent grid (x0.996-1.033, geomean x1.015, session 20;
-  # x1.029-1.065 with the staged epilogue, session 21).
+  # x1.029-1.065 with the staged epilogue, session 21; x0.993-1.012 with its chunk counter uniform,
+  # session 22).
   abpart prefill 240 "--modes w4a16 --tokens 1024,4096 --ffi-flags 32768,65536,131072,262144" "${AB_PREFILL:-}"
   log "A/B verdicts (variant time / default time, same run)"
   python3 benchmarks/ab_summary.py $(ls "$OUT"/ab_*.json 2>/dev/null) 2>&1 | tee -a "$OUT/ffi_summary.txt"

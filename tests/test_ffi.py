@@ -654,12 +654,20 @@ def test_gpu_align_one_warp_matches_twin(t, k, e, offset, tile_m):
     the bytes of the block kernel (KernelFlag.ALIGN_ONE_CTA), which it leaves above 32 pairs (5 x 7)."""
     rng = np.random.default_rng(t * k + e)
     ids = jnp.asarray(rng.integers(-2, e + offset + 3, (t, k)), jnp.int32)
-    got = ops.moe_align(ids, e, tile_m=tile_m, expert_offset=offset, kernel_flags=0)
-    block = ops.moe_align(ids, e, tile_m=tile_m, expert_offset=offset, kernel_flags=int(ops.KernelFlag.ALIGN_ONE_CTA))
+    _assert_align_is_one_cta_and_twin(ids, e, offset, tile_m, kernel_flags=0)
+
+
+def _assert_align_is_one_cta_and_twin(ids, e, offset, tile_m, kernel_flags):
+    """The CUDA align under kernel_flags writes the bytes of the one-CTA kernel and of the pure-JAX
+    twin; returns its outputs."""
+    got = ops.moe_align(ids, e, tile_m=tile_m, expert_offset=offset, kernel_flags=kernel_flags)
+    one_cta = ops.moe_align(ids, e, tile_m=tile_m, expert_offset=offset,
+                            kernel_flags=int(ops.KernelFlag.ALIGN_ONE_CTA))
     want = ops.moe_align(ids, e, tile_m=tile_m, expert_offset=offset, impl="jax")
-    for g, b, w in zip(got, block, want):
-        np.testing.assert_array_equal(np.asarray(g), np.asarray(b))
+    for g, o, w in zip(got, one_cta, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(o))
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    return got
 
 
 @pytest.mark.gpu
@@ -685,14 +693,7 @@ def test_gpu_align_grid_matches_twin(t, k, e, offset, tile_m, order, pdl):
         if order == "sorted":
             ids = np.sort(ids, axis=None).reshape(t, k)
     ids = jnp.asarray(ids, jnp.int32)
-    pdl_flag = int(ops.KernelFlag.PDL) if pdl else 0
-    got = ops.moe_align(ids, e, tile_m=tile_m, expert_offset=offset, kernel_flags=pdl_flag)
-    one_cta = ops.moe_align(ids, e, tile_m=tile_m, expert_offset=offset,
-                            kernel_flags=int(ops.KernelFlag.ALIGN_ONE_CTA))
-    want = ops.moe_align(ids, e, tile_m=tile_m, expert_offset=offset, impl="jax")
-    for g, o, w in zip(got, one_cta, want):
-        np.testing.assert_array_equal(np.asarray(g), np.asarray(o))
-        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    got = _assert_align_is_one_cta_and_twin(ids, e, offset, tile_m, int(ops.KernelFlag.PDL) if pdl else 0)
     _check_align_contract(ids, e, offset, tile_m, *got)
 
 

@@ -62,6 +62,20 @@ __device__ __forceinline__ int32_t WarpPrefixes(int32_t* hist, int E, int tid) {
   return count;
 }
 
+using AlignScan = cub::BlockScan<int32_t, kAlignThreads>;
+
+// Thread e < E holds expert e's count: off[e] becomes the first row of its tile-padded group and
+// *total (thread 0) the rows of all groups; returns off[e]. The caller syncs before reading them.
+__device__ __forceinline__ int32_t GroupOffsets(int32_t count, int32_t tile_m, int E, int tid,
+                                                AlignScan::TempStorage& scan_tmp, int32_t* off, int32_t* total) {
+  const int32_t padded = (count + tile_m - 1) / tile_m * tile_m;
+  int32_t start, all;
+  AlignScan(scan_tmp).ExclusiveSum(padded, start, all);
+  if (tid < E) off[tid] = start;
+  if (tid == 0) *total = all;
+  return start;
+}
+
 // tile_expert[i] for i = first, first + stride, ...: the last expert whose group (first row off[e])
 // starts at or before the tile (binary search), -1 past the used rows.
 __device__ __forceinline__ void TileOwners(const int32_t* off, int E, int32_t total, int32_t tile_m, int64_t P,
@@ -123,8 +137,7 @@ __global__ void __launch_bounds__(kAlignThreads)
                    int32_t tile_m, int64_t P, int32_t* __restrict__ sorted_ids,
                    int32_t* __restrict__ tile_expert, int32_t* __restrict__ pair_to_row) {
   GridDependencyWait();
-  using BlockScan = cub::BlockScan<int32_t, kAlignThreads>;
-  __shared__ typename BlockScan::TempStorage scan_tmp;
+  __shared__ AlignScan::TempStorage scan_tmp;
   __shared__ int32_t s_total;
   extern __shared__ int32_t smem[];
   const int E = int(num_experts);
@@ -139,23 +152,18 @@ __global__ void __launch_bounds__(kAlignThreads)
   WarpSegment(0, n, warp, &wbegin, &wend);
   WarpCounts(ids, wbegin, wend, offset, num_experts, hist + warp * E, lane);
   __syncthreads();
-  const int32_t count = WarpPrefixes(hist, E, tid);
-  const int32_t padded = (count + tile_m - 1) / tile_m * tile_m;
-  int32_t start, total;
-  BlockScan(scan_tmp).ExclusiveSum(padded, start, total);
-  if (tid < E) off[tid] = start;
-  if (tid == 0) s_total = total;
+  GroupOffsets(WarpPrefixes(hist, E, tid), tile_m, E, tid, scan_tmp, off, &s_total);
   __syncthreads();
   TileOwners(off, E, s_total, tile_m, P, tid, kAlignThreads, tile_expert);
   WarpRanks(ids, wbegin, wend, offset, num_experts, off, hist + warp * E, lane, sorted_ids, pair_to_row);
 }
 
-// The grid align (n >= kAlignGridMinPairs, but with KernelFlag::kAlignOneCta): three kernels, so that the
-// serial rank steps and the scattered row stores of a large batch spread over many SMs (one CTA
+// The grid align (n >= kAlignGridMinPairs, unless KernelFlag::kAlignOneCta): three kernels, so that
+// the serial rank steps and the scattered row stores of a large batch spread over many SMs (one CTA
 // takes 51 us for 32768 pairs, ncu). CTA g of G owns the pairs [g n / G, (g + 1) n / G), at least
-// E of them (G <= n / E, and G E <= kAlignGridMaxSlots): the first E entries of pair_to_row in that range carry the CTA's
-// per-expert numbers from kernel to kernel, until its own pairs overwrite them in the third.
-// Same bytes as MoeAlignKernel.
+// E of them (G <= n / E; G E <= kAlignGridMaxSlots): the first E entries of pair_to_row in that
+// range carry the CTA's per-expert numbers from kernel to kernel, until its own pairs overwrite
+// them in the third. Same bytes as MoeAlignKernel.
 //  1. MoeAlignGridCount: the CTA's count of each expert; sorted_ids filled with -1.
 //  2. MoeAlignGridBases (one CTA): group offsets, tile owners, and for every CTA and expert the
 //     first row of the CTA's pairs of that expert.
@@ -196,8 +204,7 @@ __global__ void __launch_bounds__(kAlignThreads)
     MoeAlignGridBases(int64_t n, int64_t num_experts, int32_t tile_m, int64_t P, int32_t ctas,
                       int32_t* __restrict__ tile_expert, int32_t* __restrict__ pair_to_row) {
   GridDependencyWait();
-  using BlockScan = cub::BlockScan<int32_t, kAlignThreads>;
-  __shared__ typename BlockScan::TempStorage scan_tmp;
+  __shared__ AlignScan::TempStorage scan_tmp;
   __shared__ int32_t s_total;
   __shared__ int32_t off[kMaxAlignExperts];
   __shared__ int64_t begins[kAlignGridMaxCtas];  // (no 64-bit division per slot)
@@ -211,18 +218,14 @@ __global__ void __launch_bounds__(kAlignThreads)
   int32_t count = 0;
   if (tid < E)
     for (int g = 0; g < ctas; ++g) count += slots[g * E + tid];
-  const int32_t padded = (count + tile_m - 1) / tile_m * tile_m;
-  int32_t start, total;
-  BlockScan(scan_tmp).ExclusiveSum(padded, start, total);
+  const int32_t start = GroupOffsets(count, tile_m, E, tid, scan_tmp, off, &s_total);
   if (tid < E) {
-    off[tid] = start;
     for (int g = 0, row = start; g < ctas; ++g) {
       const int32_t c = slots[g * E + tid];
       slots[g * E + tid] = row;
       row += c;
     }
   }
-  if (tid == 0) s_total = total;
   __syncthreads();
   TileOwners(off, E, s_total, tile_m, P, tid, kAlignThreads, tile_expert);
   for (int i = tid; i < nslots; i += kAlignThreads) pair_to_row[begins[i / E] + i % E] = slots[i];
@@ -336,8 +339,8 @@ ffi::Error MoeAlignCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> topk_ids,
     int32_t *sorted = sorted_ids->typed_data(), *rows = pair_to_row->typed_data();
     LaunchKernel(MoeAlignGridCount, ctas, kAlignThreads, smem, stream, pdl, ids, n, num_experts, expert_offset, P,
                  sorted, rows);
-    LaunchKernel(MoeAlignGridBases, 1, kAlignThreads, sizeof(int32_t) * ctas * num_experts, stream, pdl, n, num_experts, int32_t(tile_m), P,
-                 int32_t(ctas), tile_expert->typed_data(), rows);
+    LaunchKernel(MoeAlignGridBases, 1, kAlignThreads, sizeof(int32_t) * ctas * num_experts, stream, pdl, n,
+                 num_experts, int32_t(tile_m), P, int32_t(ctas), tile_expert->typed_data(), rows);
     LaunchKernel(MoeAlignGridRanks, ctas, kAlignThreads, smem, stream, pdl, ids, n, num_experts, expert_offset,
                  sorted, rows);
     return LaunchError("moe_align");
