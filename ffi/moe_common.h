@@ -52,8 +52,8 @@ enum class KernelFlag : int64_t {
   // (kAlignOneCta names the alternative).
   kPdl = 64,             // every kernel launched with programmatic dependent launch (overlaps launches)
   kNaturalIntermediate = 128,  // moe: the GEMM1 -> GEMM2 intermediate in the natural order; the
-                               // default on mma.sync tiles (8-32 rows) is the paired order, on w4a16
-                               // wgmma tiles the chunk order (Pairing)
+                               // default on mma.sync tiles (8-32 rows) is the paired order, on wgmma
+                               // tiles the chunk order (Pairing)
   // 256: kPairedInput (GEMM1's input paired) until 2026-12-01, removed: no gain on the H200.
   kPlainWeightLoads = 512,     // decode tiles (register loop): plain read-only weight loads everywhere,
                                // not the streaming hints (skip L1, prefetch 256 bytes into L2) where
@@ -63,16 +63,16 @@ enum class KernelFlag : int64_t {
   // 4096 / 8192: kWgmmaFourGroups (four warpgroups per one-block wgmma CTA) / kTmaGemm1 (GEMM1 on the
   // TMA-fed wgmma kernel, its rows gathered into the chunk order by XLA first) for H200 A/Bs on
   // 2026-12-02, removed: 6-12% / 4-12% slower prefill layers.
-  kNoWarpSpecialized = 32768,  // w4a16 64-row tiles with blocked weights: GEMM1 on the staged wgmma kernel
+  kNoWarpSpecialized = 32768,  // 64-row tiles with blocked weights: GEMM1 on the staged wgmma kernel
                                // instead of the warp-specialized one (a producer warpgroup stages weights
                                // and gathered rows: 14-17% faster prefill layers on the H200, 2026-12-02)
-  kWsGemm2 = 65536,            // moe's w4a16 GEMM2 (chunk-ordered `a`, not gathered) on the warp-specialized
+  kWsGemm2 = 65536,            // moe's GEMM2 (chunk-ordered `a`, not gathered) on the warp-specialized
                                // kernel too, instead of the TMA-fed one (1.02-1.22x slower layers on the
                                // H200, 2026-12-02, sessions 17-19)
   kNoPersistent = 131072,      // the warp-specialized kernel with a CTA per work item instead of a persistent
                                // grid (a CTA per SM walks the work items, its ring running on across them:
                                // prefill layers up to 1.8% faster, at most 0.6% slower on the H200, 2026-12-02)
-  kTmaPersistent = 262144,     // the TMA-fed wgmma kernel (moe's w4a16 GEMM2) on a persistent grid: as many CTAs as
+  kTmaPersistent = 262144,     // the TMA-fed wgmma kernel (moe's GEMM2) on a persistent grid: as many CTAs as
                                // fit at once walk the work items, the next item's copies and first weight loads
                                // overlapping the last one's epilogue, instead of a CTA per item (H200, 2026-12-02:
                                // prefill layers x0.996-1.033, geomean x1.015; 38.7 items a CTA split unevenly;
@@ -90,7 +90,7 @@ constexpr int64_t kAllKernelFlags = 1016542;
 // kA / kOut: a's K axis / out's feature axis in the paired order (PairedPos). moe's intermediate
 // uses it on mma.sync tiles (but with KernelFlag kNaturalIntermediate): GEMM1 writes it paired,
 // GEMM2 reads it paired and skips its activation byte permutes. kChunkA / kChunkOut: the same axes
-// in the wgmma chunk order (ChunkPos), moe's w4a16 intermediate on 64-row tiles: a 128-K chunk of
+// in the wgmma chunk order (ChunkPos), moe's intermediate on 64-row tiles: a 128-K chunk of
 // GEMM2's input is then its wgmma B tile as it is, which the tensor memory accelerator copies
 // (moe_gemm_sm90.cu). kBlockedW: w_data and w_scales in the blocked order (BlockedOffset; same
 // shapes, each expert's bytes permuted), so that a GPU warp's weight loads read contiguous bytes.

@@ -61,6 +61,7 @@ auto QuantDequantRows(B b) {
       .template Arg<ffi::Buffer<ffi::S32>>()  // row_ids [R] (< 0: unused row) or [0]
       .template Ret<ffi::Buffer<ffi::BF16>>()  // out [R, K] e2m1 * block scale
       .template Ret<ffi::Buffer<ffi::F32>>()  // scale [R] per-row global decode scale
+      .template Attr<bool>("chunk_out")  // out's K axis in the wgmma chunk order (ChunkPos)
       .template Attr<int64_t>("kernel_flags");  // KernelFlag bits (GPU launch variants; 0: default)
 }
 

@@ -154,12 +154,15 @@ NVFP4_HD float QuantDequant(float x, const BlockScale& bs) {
 // out [R, K] bf16; scale [R] f32.
 template <typename X, typename I, typename O, typename S>
 ffi::Error CheckQuantRows(const char* op, const X& x, const I& row_ids, const O& out, const S& scale,
-                          int64_t* R, int64_t* K) {
+                          bool chunk_out, int64_t* R, int64_t* K) {
   auto xd = x.dimensions();
   if (xd.size() != 2) return Invalid(op, "x must be 2-D [R, K], got " + ShapeStr(xd));
   *R = xd[0];
   *K = xd[1];
   if (*K % 16 != 0) return Invalid(op, "K = " + std::to_string(*K) + " (x.shape[1]) must be a multiple of 16");
+  if (chunk_out && *K % kChunkK != 0)
+    return Invalid(op, "chunk_out needs K = " + std::to_string(*K) + " (x.shape[1]) to be a multiple of " +
+                           std::to_string(kChunkK));
   if (x.element_type() != ffi::DataType::BF16 && x.element_type() != ffi::DataType::F32)
     return Invalid(op, "x must be bfloat16 or float32");
   auto id = row_ids.dimensions();

@@ -1,6 +1,7 @@
 // quant_dequant_rows on the CPU: each row of x quantized to NVFP4 with its own global scale
 // (per token) and decoded back without that scale (e2m1 * E4M3 block scale, exact in bf16),
-// which is what the W4A16 GEMMs consume in mode w4a4. Arithmetic in nvfp4_quant.h.
+// which is what the W4A16 GEMMs consume in mode w4a4; with chunk_out, each row's values are written in
+// the wgmma chunk order (ChunkPos), where the sm_90a kernels read it. Arithmetic in nvfp4_quant.h.
 #include <algorithm>
 
 #if defined(__SSE__) || defined(__x86_64__)
@@ -56,7 +57,8 @@ float Load<float>(const float* p, int64_t i) {
 }
 
 template <typename T>
-void QuantRows(const T* x, const int32_t* row_ids, int64_t R, int64_t K, uint16_t* out, float* scale) {
+void QuantRows(const T* x, const int32_t* row_ids, int64_t R, int64_t K, bool chunk_out, uint16_t* out,
+               float* scale) {
   for (int64_t r = 0; r < R; ++r) {
     const T* xr = x + r * K;
     uint16_t* orow = out + r * K;
@@ -73,23 +75,27 @@ void QuantRows(const T* x, const int32_t* row_ids, int64_t R, int64_t K, uint16_
       uint32_t vmax = 0;
       for (int i = 0; i < 16; ++i) vmax = std::max(vmax, quant::AbsBits(Load(xr, b + i)));
       const quant::BlockScale bs = quant::BlockScaleFromVmax(vmax, rs);
-      for (int i = 0; i < 16; ++i) orow[b + i] = FloatToBf16(quant::QuantDequant(Load(xr, b + i), bs));
+      for (int i = 0; i < 16; ++i)
+        orow[chunk_out ? ChunkPos(b + i) : b + i] = FloatToBf16(quant::QuantDequant(Load(xr, b + i), bs));
     }
   }
 }
 
 ffi::Error QuantDequantRowsCpuImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> row_ids,
                                    ffi::Result<ffi::Buffer<ffi::BF16>> out, ffi::Result<ffi::Buffer<ffi::F32>> scale,
-                                   int64_t kernel_flags) {
+                                   bool chunk_out, int64_t kernel_flags) {
   int64_t R, K;
   if (auto err = CheckKernelFlags("quant_dequant_rows", kernel_flags); err.failure()) return err;
-  if (auto err = CheckQuantRows("quant_dequant_rows", x, row_ids, *out, *scale, &R, &K); err.failure()) return err;
+  if (auto err = CheckQuantRows("quant_dequant_rows", x, row_ids, *out, *scale, chunk_out, &R, &K); err.failure())
+    return err;
   const int32_t* ids = row_ids.dimensions()[0] ? row_ids.typed_data() : nullptr;
   IeeeSubnormals ieee;
   if (x.element_type() == ffi::DataType::BF16) {
-    QuantRows(reinterpret_cast<const uint16_t*>(x.untyped_data()), ids, R, K, out->typed_data(), scale->typed_data());
+    QuantRows(reinterpret_cast<const uint16_t*>(x.untyped_data()), ids, R, K, chunk_out, out->typed_data(),
+              scale->typed_data());
   } else {
-    QuantRows(reinterpret_cast<const float*>(x.untyped_data()), ids, R, K, out->typed_data(), scale->typed_data());
+    QuantRows(reinterpret_cast<const float*>(x.untyped_data()), ids, R, K, chunk_out, out->typed_data(),
+              scale->typed_data());
   }
   return ffi::Error::Success();
 }

@@ -81,10 +81,10 @@ class KernelFlag(enum.IntFlag):
     # the default
     PDL = 64  # every kernel launched with programmatic dependent launch (its start overlaps the previous kernel)
     NATURAL_INTERMEDIATE = 128  # moe: the intermediate in the natural order (default: paired on 8-32-row tiles,
-    # the chunk order on 64-row w4a16 ones where I % 128 == 0 and the GPU is sm_90)
+    # the chunk order on 64-row ones where I % 128 == 0 and the GPU is sm_90)
     # 256: PAIRED_INPUT (GEMM1's input paired by a transpose of x) until 2026-12-01, removed: no gain on the H200
     PLAIN_WEIGHT_LOADS = 512  # decode tiles: never the streaming hints (the default where K per warp >= 768)
-    NO_WARP_SPECIALIZED = 32768  # w4a16 64-row tiles with blocked weights (sm_90): GEMM1 on the staged wgmma kernel
+    NO_WARP_SPECIALIZED = 32768  # 64-row tiles with blocked weights (sm_90): GEMM1 on the staged wgmma kernel
     # (x in the natural order), not the warp-specialized one (a producer warpgroup stages weights and gathered rows
     # for three MMA warpgroups; 14-17% faster prefill layers on the H200)
     WS_GEMM2 = 65536  # GEMM2 too (chunk-ordered a, not gathered) on the warp-specialized kernel, not the TMA-fed one
@@ -92,7 +92,7 @@ class KernelFlag(enum.IntFlag):
     NO_PERSISTENT = 131072  # the warp-specialized kernel with a CTA per work item, not on a persistent grid (a CTA
     # per SM walks the work items, its ring running on across them: prefill layers up to 1.8% faster, at most 0.6%
     # slower on the H200)
-    TMA_PERSISTENT = 262144  # the TMA-fed wgmma kernel (moe's w4a16 GEMM2) on a persistent grid (as many CTAs as
+    TMA_PERSISTENT = 262144  # the TMA-fed wgmma kernel (moe's GEMM2) on a persistent grid (as many CTAs as
     # fit at once walk the work items; the next item's copies and first weight loads overlap the last one's epilogue),
     # not a CTA per item (prefill layers x0.996-1.033 on the H200, 2026-12-02: the items split unevenly; x1.029-1.065
     # with the staged epilogue, session 21; x0.993-1.012 with its chunk counter uniform again, session 22)
@@ -582,7 +582,7 @@ def moe_finalize(y, pair_to_row, *, impl: str = "ffi", kernel_flags: int = 0):
                             vmap_method="sequential")(y, pair_to_row, kernel_flags=np.int64(kernel_flags))
 
 
-def quant_dequant_rows(x, row_ids=None, *, impl: str = "ffi", kernel_flags: int = 0):
+def quant_dequant_rows(x, row_ids=None, *, chunk_out: bool = False, impl: str = "ffi", kernel_flags: int = 0):
     """Per-token NVFP4 quantization of each row, decoded back without its global scale.
 
     ``out = e2m1 * block_scale`` of ``quantize(x, per_token=True)``, which has at most 6
@@ -596,6 +596,9 @@ def quant_dequant_rows(x, row_ids=None, *, impl: str = "ffi", kernel_flags: int 
     row_ids : optional int32 ``[R]``
         Rows with a negative id are unused (e.g. the padding rows of the sorted layout): their
         output is zero and their scale 0, whatever ``x`` holds there.
+    chunk_out : bool
+        Write each output row in the wgmma chunk order (:func:`to_chunk_order`; K a multiple of
+        128), which the sm_90a kernels read as it is. The scales are the same.
     impl : ``"ffi"`` or ``"jax"``
     kernel_flags : :class:`KernelFlag` bits (``PDL``; the result is the same)
 
@@ -615,17 +618,22 @@ def quant_dequant_rows(x, row_ids=None, *, impl: str = "ffi", kernel_flags: int 
         if row_ids.shape != x.shape[:1] or not jnp.issubdtype(row_ids.dtype, jnp.integer):
             raise ValueError(f"row_ids must be integer [R] = [{x.shape[0]}], got {row_ids.dtype}{list(row_ids.shape)}")
         row_ids = row_ids.astype(jnp.int32)
+    chunk_out = bool(chunk_out)
+    if chunk_out and x.shape[1] % CHUNK_K:
+        raise ValueError(f"chunk_out needs K = x.shape[1] to be a multiple of {CHUNK_K}, got {x.shape[1]}")
     if impl == "jax":
         if row_ids is not None:
             x = jnp.where(row_ids[:, None] >= 0, x, jnp.zeros((), x.dtype))
         q = quantize(x, per_token=True)
-        return dequantize(q, jnp.bfloat16, apply_global_scale=False), q.global_scale
+        out = dequantize(q, jnp.bfloat16, apply_global_scale=False)
+        return (to_chunk_order(out) if chunk_out else out), q.global_scale
     ensure_registered()
     ids = jnp.zeros((0,), jnp.int32) if row_ids is None else row_ids
     r, kk = x.shape
     return jax.ffi.ffi_call(TARGET_QUANT, (jax.ShapeDtypeStruct((r, kk), jnp.bfloat16),
                                            jax.ShapeDtypeStruct((r,), jnp.float32)),
-                            vmap_method="sequential")(x, ids, kernel_flags=np.int64(kernel_flags))
+                            vmap_method="sequential")(x, ids, chunk_out=chunk_out,
+                                                      kernel_flags=np.int64(kernel_flags))
 
 
 def device_clock(x):
@@ -736,38 +744,40 @@ def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str =
     ks2 = ks2 or choose_k_split(tiles, h, inter, tile_m)
     # The intermediate in the paired order on the mma.sync tiles: GEMM2 then loads its activation
     # pairs as they are (H200, 2026-12-01: decode layers 1-2% faster; wgmma prefill 0.3-1% slower).
-    # On 64-row w4a16 tiles, the chunk order where the sm_90a TMA-fed wgmma GEMM2 can read it.
+    # On 64-row tiles, the chunk order where the sm_90a TMA-fed wgmma GEMM2 can read it.
     natural = bool(kernel_flags & KernelFlag.NATURAL_INTERMEDIATE)
     paired = tile_m <= PAIRED_MAX_TILE_M and not natural
-    chunk = (tile_m == TILE_MS[-1] and MODES[mode] == Mode.W4A16 and inter % CHUNK_K == 0 and not natural
-             and not kernel_flags & KernelFlag.NO_WGMMA and chunk_intermediate_supported())
+    wgmma = tile_m == TILE_MS[-1] and not kernel_flags & KernelFlag.NO_WGMMA and chunk_intermediate_supported()
+    chunk = wgmma and inter % CHUNK_K == 0 and not natural
     p1, p2 = ((Pairing.OUT, Pairing.A) if paired else (Pairing.CHUNK_OUT, Pairing.CHUNK_A) if chunk
               else (Pairing.NONE, Pairing.NONE))
+    # GEMM1 on the warp-specialized kernel (blocked weights): rows gathered from x in the chunk order
+    # (one permutation of x's K axis; H200, 2026-12-02: 14-17% faster w4a16 prefill layers).
+    ws = (wgmma and not kernel_flags & KernelFlag.NO_WARP_SPECIALIZED and h % CHUNK_K == 0
+          and experts.gate_up.order == "blocked")
+    a1 = Pairing.CHUNK_A if ws else Pairing.NONE
 
     if MODES[mode] == Mode.W4A16:
-        # GEMM1 on the warp-specialized kernel (blocked weights): rows gathered from x in the chunk
-        # order (one permutation of x's K axis; H200, 2026-12-02: 14-17% faster prefill layers).
-        ws = (not kernel_flags & KernelFlag.NO_WARP_SPECIALIZED and tile_m == TILE_MS[-1] and h % CHUNK_K == 0
-              and experts.gate_up.order == "blocked" and not kernel_flags & KernelFlag.NO_WGMMA
-              and chunk_intermediate_supported())
         x1 = x.astype(jnp.bfloat16)
         x1 = to_chunk_order(x1) if ws else x1
         h1 = grouped_gemm(x1, experts.gate_up, sorted_ids, tile_expert, activation=act,
-                          gather=True, k_split=ks1, pairing=p1 | (Pairing.CHUNK_A if ws else Pairing.NONE), **common)
+                          gather=True, k_split=ks1, pairing=p1 | a1, **common)
         y = grouped_gemm(h1, experts.down, sorted_ids, tile_expert, activation=Activation.IDENTITY,
                          row_scale=w_flat, row_scale_mode=RowScale.PAIR, k_split=ks2, pairing=p2, **common)
     else:  # w4a4: per-token NVFP4 activations, decoded exactly to bf16, scales in the epilogues
         # The quant_dequant_rows kernel (the default: 3-13% faster layers on the H200, 2026-12-01) or
-        # the pure-JAX quantizer (JAX_QUANT): the same bytes.
+        # the pure-JAX quantizer (JAX_QUANT): the same bytes. Each writes its rows in the chunk order
+        # where the next GEMM reads them so (x for the warp-specialized GEMM1, the intermediate for
+        # the TMA-fed GEMM2).
         q_impl = "jax" if kernel_flags & KernelFlag.JAX_QUANT else impl
-        xq, x_scale = quant_dequant_rows(x.astype(jnp.bfloat16), impl=q_impl, kernel_flags=kernel_flags)
-        # fp32 intermediate: it is quantized from its unrounded values (spec section 5).
+        xq, x_scale = quant_dequant_rows(x.astype(jnp.bfloat16), chunk_out=ws, impl=q_impl, kernel_flags=kernel_flags)
+        # fp32 intermediate: it is quantized from its unrounded values (spec section 5). Natural or
+        # paired (the paired order keeps every 16-value block whole: the same quantization per value).
         h1 = grouped_gemm(xq, experts.gate_up, sorted_ids, tile_expert, activation=act, gather=True,
                           row_scale=x_scale, row_scale_mode=RowScale.TOKEN, out_dtype=jnp.float32, k_split=ks1,
-                          pairing=p1, **common)
-        # Rows of unused tiles are never written by the GPU: row_ids makes them zeros. The paired
-        # order keeps every 16-value block whole, so the quantization is the same per value.
-        aq, a_scale = quant_dequant_rows(h1, sorted_ids, impl=q_impl, kernel_flags=kernel_flags)
+                          pairing=(p1 & ~Pairing.CHUNK_OUT) | a1, **common)
+        # Rows of unused tiles are never written by the GPU: row_ids makes them zeros.
+        aq, a_scale = quant_dequant_rows(h1, sorted_ids, chunk_out=chunk, impl=q_impl, kernel_flags=kernel_flags)
         used = sorted_ids >= 0
         rs = jnp.where(used, w_flat[jnp.clip(sorted_ids, 0, t * k - 1)], 0.0) * a_scale
         y = grouped_gemm(aq, experts.down, sorted_ids, tile_expert, activation=Activation.IDENTITY,

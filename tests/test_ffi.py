@@ -948,12 +948,15 @@ def test_gemm_tma_epilogue_row_scales(on_gpu, flags, case):
     np.testing.assert_array_equal(f32(ops.from_chunk_order(run(xa, both)))[used], want)
 
 
-WS_CASES = [  # (activation, gather, row_scale_mode): moe's GEMM1, its GEMM2, a gated GEMM on rows not
-    # gathered (activations by tensor copies) and relu2's GEMM1 (non-gated, gathered)
-    (ops.Activation.SWIGLU, True, ops.RowScale.NONE),
-    (ops.Activation.IDENTITY, False, ops.RowScale.PAIR),
-    (ops.Activation.SWIGLU, False, ops.RowScale.NONE),
-    (ops.Activation.RELU2, True, ops.RowScale.TOKEN),
+WS_CASES = [  # (activation, gather, row_scale_mode, out_dtype): moe's GEMM1, its GEMM2, a gated GEMM on rows
+    # not gathered (activations by tensor copies), relu2's GEMM1 (non-gated, gathered) and w4a4's GEMM1s
+    # (token scales, float32 out)
+    (ops.Activation.SWIGLU, True, ops.RowScale.NONE, BF16),
+    (ops.Activation.IDENTITY, False, ops.RowScale.PAIR, BF16),
+    (ops.Activation.SWIGLU, False, ops.RowScale.NONE, BF16),
+    (ops.Activation.RELU2, True, ops.RowScale.TOKEN, BF16),
+    (ops.Activation.GEGLU, True, ops.RowScale.TOKEN, jnp.float32),
+    (ops.Activation.RELU2, True, ops.RowScale.TOKEN, jnp.float32),
 ]
 
 
@@ -964,7 +967,7 @@ WS_CASES = [  # (activation, gather, row_scale_mode): moe's GEMM1, its GEMM2, a 
 @pytest.mark.parametrize("case", range(len(WS_CASES)))
 def test_gemm_warp_specialized_is_the_same_function(on_gpu, h, flags, case):
     """64-row tiles with blocked weights and ``a`` in the chunk order (on the GPU the warp-specialized
-    kernel, ungathered ``a`` with WS_GEMM2: weights by tensor copies into a ring, rows by cp.async
+    kernel, bfloat16 or float32 out, ungathered ``a`` with WS_GEMM2: weights by tensor copies into a ring, rows by cp.async
     (gathered) or tensor copies, over one chunk and over ten, round the ring; launched plainly and
     with PDL; on the persistent grid, where CTAs walk several work items and the ring runs on across
     them, or with a CTA per item, NO_PERSISTENT): bitwise the natural-order output of the staged
@@ -975,7 +978,7 @@ def test_gemm_warp_specialized_is_the_same_function(on_gpu, h, flags, case):
         pytest.skip("needs an NVIDIA GPU")
     if not on_gpu and flags:
         pytest.skip("kernel flags are CUDA variants")
-    act, gather, mode = WS_CASES[case]
+    act, gather, mode, out_dtype = WS_CASES[case]
     t = 2400 if on_gpu and not flags & ops.KernelFlag.NO_PERSISTENT else 200
     a, w, sid, te, rs = _gemm_problem(act, gather, mode, t=t, k=4, e=5, h=h, n=320, tile_m=64, seed=h + case)
     wb = nv.to_blocked_weights(w)
@@ -985,8 +988,8 @@ def test_gemm_warp_specialized_is_the_same_function(on_gpu, h, flags, case):
         flags |= int(ops.KernelFlag.WS_GEMM2)
     dev = jax.devices()[0] if on_gpu else jax.devices("cpu")[0]
     with jax.default_device(dev):
-        want = f32(_run_gemm("ffi", a, wb, sid, te, rs, act, gather, mode, BF16, 64, 4))[used]
-        got = f32(_run_gemm("ffi", ops.to_chunk_order(a), wb, sid, te, rs, act, gather, mode, BF16, 64, 4,
+        want = f32(_run_gemm("ffi", a, wb, sid, te, rs, act, gather, mode, out_dtype, 64, 4))[used]
+        got = f32(_run_gemm("ffi", ops.to_chunk_order(a), wb, sid, te, rs, act, gather, mode, out_dtype, 64, 4,
                             kernel_flags=flags, pairing=ops.Pairing.CHUNK_A))[used]
     assert np.isfinite(want).all() and (want != 0).any()
     np.testing.assert_array_equal(got, want)
@@ -1007,8 +1010,9 @@ def test_gemm_chunk_order_needs_whole_chunks():
 @pytest.mark.gpu
 @pytest.mark.parametrize("case,tile_m,flags", [(0, 64, 0), (2, 64, 0), (4, 16, 0), (4, 64, 2)])
 def test_gpu_gemm_rejects_chunk_order_it_has_no_kernel_for(case, tile_m, flags):
-    """Only the TMA-fed wgmma kernel reads chunk-ordered activations: a gathered, float32-out,
-    decode-tile or NO_WGMMA call with Pairing.CHUNK_A is an error, not a silent wrong result."""
+    """Only the wgmma kernels read chunk-ordered activations: on weights in the rows order (no
+    warp-specialized kernel), a gathered, float32-out, decode-tile or NO_WGMMA call with
+    Pairing.CHUNK_A is an error, not a silent wrong result."""
     if not has_gpu():
         pytest.skip("needs an NVIDIA GPU")
     act, gather, mode, out_dtype = GEMM_CASES[case]
@@ -1018,14 +1022,16 @@ def test_gpu_gemm_rejects_chunk_order_it_has_no_kernel_for(case, tile_m, flags):
                   kernel_flags=flags, pairing=ops.Pairing.CHUNK_A).block_until_ready()
 
 
-def test_moe_chunk_intermediate_is_the_same_layer_on_cpu(monkeypatch):
-    """On the CPU handler too, moe's chunk-ordered intermediate (64-row w4a16 tiles, I % 128 == 0)
-    gives the natural-order layer's bytes (forced on: a GPU of another generation turns it off)."""
+@pytest.mark.parametrize("mode", MODES)
+def test_moe_chunk_intermediate_is_the_same_layer_on_cpu(monkeypatch, mode):
+    """On the CPU handler too, moe's chunk-ordered intermediate (64-row tiles, I % 128 == 0; in w4a4
+    written so by quant_dequant_rows) gives the natural-order layer's bytes (forced on: a GPU of
+    another generation turns it off)."""
     monkeypatch.setattr(ops, "chunk_intermediate_supported", lambda: True)
     ex = make_experts(21, 8, 256, 128)
     x, (ids, w) = make_x(22, 100, 256), make_routing(23, 100, 4, 8)
     with jax.default_device(jax.devices("cpu")[0]):
-        run = lambda flags, e=ex: f32(ops.moe(x, e, ids, w, tile_m=64, kernel_flags=int(flags)))
+        run = lambda flags, e=ex: f32(ops.moe(x, e, ids, w, mode=mode, tile_m=64, kernel_flags=int(flags)))
         want = run(ops.KernelFlag.NATURAL_INTERMEDIATE)
         assert np.isfinite(want).all() and (want != 0).any()
         np.testing.assert_array_equal(run(0), want)
@@ -1034,14 +1040,16 @@ def test_moe_chunk_intermediate_is_the_same_layer_on_cpu(monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("i", [256, 1280])
-def test_gpu_moe_chunk_intermediate_is_bitwise_natural(i):
-    """w4a16 moe on 64-row tiles (600 tokens x 4 of 16 experts) with I % 128 == 0 writes its
-    intermediate in the chunk order and runs GEMM2 on it on the TMA-fed wgmma kernel (blocked weights:
-    GEMM1 on the warp-specialized kernel, reading x in the chunk order): bitwise
-    the layer of the staged kernels (NATURAL_INTERMEDIATE | NO_WARP_SPECIALIZED), as are the variants
-    in between (GEMM2 on the warp-specialized kernel too: WS_GEMM2; either with a CTA per work item,
-    not the persistent grid: NO_PERSISTENT), and close to the twin."""
+def test_gpu_moe_chunk_intermediate_is_bitwise_natural(i, mode):
+    """moe on 64-row tiles (600 tokens x 4 of 16 experts) with I % 128 == 0 writes its intermediate
+    in the chunk order (w4a16: GEMM1's epilogue; w4a4: quant_dequant_rows) and runs GEMM2 on it on the
+    TMA-fed wgmma kernel (blocked weights: GEMM1 on the warp-specialized kernel, reading x in the
+    chunk order; w4a4: fp32 out): bitwise the layer of the staged kernels (NATURAL_INTERMEDIATE |
+    NO_WARP_SPECIALIZED), as are the variants in between (GEMM2 on the warp-specialized kernel too:
+    WS_GEMM2; either with a CTA per work item, not the persistent grid: NO_PERSISTENT), and close to
+    the twin."""
     if not has_gpu() or not ops.chunk_intermediate_supported():
         pytest.skip("needs an sm_90 GPU and an sm_90a build")
     assert ops.choose_tile_m(600 * 4, 16) == 64
@@ -1050,13 +1058,13 @@ def test_gpu_moe_chunk_intermediate_is_bitwise_natural(i):
     ids, w = make_routing(13, 600, 4, 16)
     kf = ops.KernelFlag
     for experts in (ex, nv.to_blocked_experts(ex)):
-        want = f32(ops.moe(x, experts, ids, w, kernel_flags=int(kf.NATURAL_INTERMEDIATE | kf.NO_WARP_SPECIALIZED)))
+        run = lambda flags, **kw: f32(ops.moe(x, experts, ids, w, mode=mode, kernel_flags=int(flags), **kw))  # noqa: E731
+        want = run(kf.NATURAL_INTERMEDIATE | kf.NO_WARP_SPECIALIZED)
         assert np.isfinite(want).all() and (want != 0).any()
         for flags in (0, kf.NATURAL_INTERMEDIATE, kf.NO_WARP_SPECIALIZED, kf.WS_GEMM2, kf.NO_PERSISTENT,
                       kf.NO_PERSISTENT | kf.WS_GEMM2, kf.TMA_PERSISTENT):
-            got = f32(ops.moe(x, experts, ids, w, kernel_flags=int(flags)))
-            np.testing.assert_array_equal(got, want, err_msg=f"{experts.gate_up.order} {flags!r}")
-        assert relerr(got, f32(ops.moe(x, experts, ids, w, impl="jax"))) < 1e-2
+            np.testing.assert_array_equal(run(flags), want, err_msg=f"{experts.gate_up.order} {flags!r}")
+        assert relerr(run(0), run(0, impl="jax")) < (1e-2 if mode == "w4a16" else 5e-2)
 
 
 @pytest.mark.parametrize("on_gpu", [False, pytest.param(True, marks=pytest.mark.gpu)])

@@ -57,6 +57,19 @@ def test_matches_pure_jax_quantizer(dtype, r, k):
     assert_same_bytes(ops.quant_dequant_rows(x), ops.quant_dequant_rows(x, impl="jax"))
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("r,k", [(3, 128), (5, 768)])
+def test_chunk_out_is_the_natural_rows_in_the_chunk_order(dtype, r, k):
+    rng = np.random.default_rng(r + k)
+    x = rows_with_wide_range(rng, r, k, dtype, -30, 30)
+    ids = jnp.asarray(np.where(np.arange(r) == 1, -1, np.arange(r)), jnp.int32)
+    out, scale = ops.quant_dequant_rows(x, ids)
+    want = (ops.to_chunk_order(out), scale)
+    assert_same_bytes(ops.quant_dequant_rows(x, ids, chunk_out=True), want)
+    assert_same_bytes(ops.quant_dequant_rows(x, ids, chunk_out=True, impl="jax"), want)
+    assert not np.array_equal(bits(want[0]), bits(out))  # the order moved values
+
+
 def test_twin_is_quantize_then_decode():
     x = rows_with_wide_range(np.random.default_rng(1), 9, 48, jnp.bfloat16, -20, 20)
     q = nv.quantize(x, per_token=True)
@@ -120,15 +133,17 @@ def test_bad_arguments_are_named():
         ops.quant_dequant_rows(jnp.zeros((2, 32), jnp.bfloat16), jnp.zeros((3,), jnp.int32))
     with pytest.raises(ValueError, match="impl"):
         ops.quant_dequant_rows(jnp.zeros((2, 32), jnp.bfloat16), impl="cuda")
+    with pytest.raises(ValueError, match="chunk_out needs K = x.shape.1. to be a multiple of 128, got 96"):
+        ops.quant_dequant_rows(jnp.zeros((2, 96), jnp.bfloat16), chunk_out=True)
 
 
 def test_handler_rejects_bad_shapes_with_named_arguments():
     """The C++ checks behind the Python ones (shared by the CPU and CUDA handlers)."""
-    def call(x, ids, out_shape=None, scale_shape=None):
+    def call(x, ids, out_shape=None, scale_shape=None, chunk_out=False):
         r, k = x.shape
         return jax.ffi.ffi_call(ops.TARGET_QUANT, (jax.ShapeDtypeStruct(out_shape or (r, k), jnp.bfloat16),
                                                    jax.ShapeDtypeStruct(scale_shape or (r,), jnp.float32)),
-                                vmap_method="sequential")(x, ids, kernel_flags=np.int64(0))
+                                vmap_method="sequential")(x, ids, chunk_out=chunk_out, kernel_flags=np.int64(0))
     ops.ensure_registered()
     x = jnp.zeros((3, 32), jnp.bfloat16)
     with pytest.raises(Exception, match=r"row_ids must be \[R\] = \[3\] or \[0\]"):
@@ -141,6 +156,8 @@ def test_handler_rejects_bad_shapes_with_named_arguments():
         call(x, jnp.zeros((0,), jnp.int32), scale_shape=(4,))
     with pytest.raises(Exception, match="output must be"):
         call(x, jnp.zeros((0,), jnp.int32), out_shape=(3, 16))
+    with pytest.raises(Exception, match=r"chunk_out needs K = 32 \(x.shape\[1\]\) to be a multiple of 128"):
+        call(x, jnp.zeros((0,), jnp.int32), chunk_out=True)
     with pytest.raises(ValueError, match="kernel_flags must combine"):
         ops.quant_dequant_rows(x, kernel_flags=UNKNOWN_FLAG)
 
@@ -174,6 +191,9 @@ def test_gpu_matches_pure_jax_quantizer(dtype, r, k):
     assert_same_bytes(ops.quant_dequant_rows(x), ops.quant_dequant_rows(x, impl="jax"))
     ids = jnp.asarray(np.where(rng.random(r) < 0.3, -1, np.arange(r)), jnp.int32)
     assert_same_bytes(ops.quant_dequant_rows(x, ids), ops.quant_dequant_rows(x, ids, impl="jax"))
+    if k % ops.CHUNK_K == 0:  # the chunk-ordered stores
+        assert_same_bytes(ops.quant_dequant_rows(x, ids, chunk_out=True),
+                          ops.quant_dequant_rows(x, ids, chunk_out=True, impl="jax"))
 
 
 @pytest.mark.gpu

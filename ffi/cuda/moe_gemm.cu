@@ -360,16 +360,16 @@ ffi::Error GroupedGemmCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> a, ff
   if (a_paired && (gated || f32_out))
     return Invalid("grouped_gemm", "paired activations (pairing & 1) need a non-gated activation and "
                                    "bfloat16 output on the GPU");
-  // Chunk-ordered activations are moe's w4a16 GEMM input on 64-row tiles (GEMM2's intermediate, and
-  // GEMM1's x on blocked weights): only the sm_90a wgmma kernels read them, the warp-specialized
-  // one (WarpSpecializedGemm: blocked weights, gathered or with kWsGemm2 not) and the TMA-fed one
-  // (not gathered).
+  // Chunk-ordered activations are moe's GEMM input on 64-row tiles (GEMM2's intermediate, and GEMM1's
+  // x on blocked weights): only the sm_90a wgmma kernels read them, the warp-specialized one
+  // (WarpSpecializedGemm: blocked weights, gathered or with kWsGemm2 not; bf16 or fp32 out) and the
+  // TMA-fed one (not gathered, bf16 out).
   const bool a_chunk = pairing & int64_t(Pairing::kChunkA);
   const bool ws = WarpSpecializedGemm(kernel_flags, pairing, gather);
-  if (a_chunk && (f32_out || (gather && !ws) || tile_m != 64 || (kernel_flags & int64_t(KernelFlag::kNoWgmma))))
+  if (a_chunk && (((f32_out || gather) && !ws) || tile_m != 64 || (kernel_flags & int64_t(KernelFlag::kNoWgmma))))
     return Invalid("grouped_gemm", "chunk-ordered activations (pairing & 8) need the sm_90a wgmma kernel on "
-                                   "the GPU: bfloat16 output, gather = False (or blocked weights without "
-                                   "NO_WARP_SPECIALIZED), tile_m = 64 and no NO_WGMMA flag");
+                                   "the GPU: tile_m = 64, no NO_WGMMA flag, and bfloat16 output with gather = "
+                                   "False unless on blocked weights without NO_WARP_SPECIALIZED");
   if (a_chunk && (d.P > 0x7FFFFFFF || d.a_rows > 0xFFFFFFFFll))  // the tensor copies' coordinates
     return Invalid("grouped_gemm", "chunk-ordered activations (pairing & 8) need fewer than 2^31 sorted rows "
                                    "and 2^32 rows of a");

@@ -24,8 +24,8 @@
 //     ahead into a raw shared-memory ring, so that no register waits on an L2 load, were 4-9%
 //     slower.)
 //   - copied by the tensor memory accelerator (W4A16WgmmaTma), when `a` is already in the logical
-//     order (Pairing::kChunkA, ChunkPos: moe's w4a16 intermediate, written so by GEMM1's
-//     epilogue) and not gathered: one thread issues the two 2-D tensor copies of each chunk
+//     order (Pairing::kChunkA, ChunkPos: moe's intermediate, written so by GEMM1's
+//     epilogue in w4a16, by quant_dequant_rows in w4a4) and not gathered: one thread issues the two 2-D tensor copies of each chunk
 //     into a ring of kStages buffers, two chunks ahead (mbarriers: full when the bytes land,
 //     empty when the MMAs that read it are done), so the MMA warps spend almost no instruction
 //     and no register on activations.
@@ -632,8 +632,8 @@ __global__ void __launch_bounds__(kWgThreadsPerCta, MinCtas<GATED, NB>()) W4A16W
 #endif
 }
 
-// W4A16WgmmaWs: a GEMM on chunk-ordered `a` and blocked weights (moe's w4a16 GEMM1 on gathered rows;
-// GEMM2 with KernelFlag::kWsGemm2; bf16 out) with warp-specialized roles. A CTA is kWsConsumers MMA warpgroups
+// W4A16WgmmaWs: a GEMM on chunk-ordered `a` and blocked weights (moe's GEMM1 on gathered rows, bf16 out,
+// or fp32 in w4a4; GEMM2 with KernelFlag::kWsGemm2) with warp-specialized roles. A CTA is kWsConsumers MMA warpgroups
 // and one producer warpgroup, which fills a ring of kWsStages stages per 128-K chunk:
 // - the weight blocks of the CTA's rows, by 2-D tensor copies (one thread): per warpgroup two
 //   blocks of 64 rows, gated the gate and the up rows of 64 features, otherwise 128 features;
@@ -667,7 +667,7 @@ static_assert((kWsConsumers * kWsConsumerRegs + kWsProducerRegs) * 128 <= 65536,
 template <bool GATED>
 constexpr int WsFeatures() { return (GATED ? 64 : 128) * kWsConsumers; }
 
-template <bool GATED>
+template <bool GATED, typename OutT>
 __global__ void __launch_bounds__(kWsThreads, 1)
     W4A16WgmmaWs(const GemmParams p, const __grid_constant__ CUtensorMap codes,
                  const __grid_constant__ CUtensorMap scales, const __grid_constant__ CUtensorMap amap) {
@@ -784,7 +784,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
       ChunkMma<128, 2>(w, stage, acc);
       MbarArrive(empty_bar + 8 * s);
     }
-    StoreTile<GATED, 2, uint16_t>(p, e, tile, feat, active, acc);
+    StoreTile<GATED, 2, OutT>(p, e, tile, feat, active, acc);
   }
 #endif
 }
@@ -926,11 +926,11 @@ std::string LaunchTmaFor(const GemmParams& p, bool gated, bool one_block, bool s
                    : LaunchTma<false, 2, BW, PERSISTENT>(p, sf, pdl, stream);
 }
 
-// W4A16WgmmaWs<GATED>: the tensor maps of the blocked weights as [E * N / 16 fragments, a
+// W4A16WgmmaWs<GATED, OutT>: the tensor maps of the blocked weights as [E * N / 16 fragments, a
 // fragment's blocks] of 32-bit words, boxes of one 128-K block of kWsCopyFrags fragments; of `a`
 // when it is not gathered. persistent: min(work items, SMs) CTAs, each walking the items
 // gridDim.x apart (else a CTA per item).
-template <bool GATED>
+template <bool GATED, typename OutT>
 std::string LaunchWs(GemmParams p, bool persistent, bool pdl, cudaStream_t stream) {
   const int64_t frags = p.E * p.N / kBlockRows, items = p.P / kTokens * CeilDiv<int64_t>(p.n_out, WsFeatures<GATED>());
   if (items > 0x7FFFFFFF || frags > 0x7FFFFFFF) return "too many row tiles or weight rows";
@@ -946,10 +946,10 @@ std::string LaunchWs(GemmParams p, bool persistent, bool pdl, cudaStream_t strea
     return err;
   if (!p.gather)
     if (std::string err = EncodeActivationMap(p, &amap); !err.empty()) return err;
-  if (std::string err = OptInSmem<W4A16WgmmaWs<GATED>>(kWsSmemBytes); !err.empty()) return err;
+  if (std::string err = OptInSmem<W4A16WgmmaWs<GATED, OutT>>(kWsSmemBytes); !err.empty()) return err;
   const int sms = CachedDeviceAttribute<cudaDevAttrMultiProcessorCount>();
   const int64_t ctas = persistent && sms > 0 ? std::min<int64_t>(items, sms) : items;
-  LaunchKernel(W4A16WgmmaWs<GATED>, dim3(unsigned(ctas)), kWsThreads, kWsSmemBytes, stream, pdl, p, codes, scales, amap);
+  LaunchKernel(W4A16WgmmaWs<GATED, OutT>, dim3(unsigned(ctas)), kWsThreads, kWsSmemBytes, stream, pdl, p, codes, scales, amap);
   return "";
 }
 
@@ -962,9 +962,13 @@ bool LaunchWgmmaGemm(const GemmParams& p, bool gated, bool f32_out, int64_t kern
   const bool one_block = !(kernel_flags & int64_t(KernelFlag::kWgmmaTwoBlocks));
   const bool sf = !(kernel_flags & int64_t(KernelFlag::kRowTilesFirst)), pdl = kernel_flags & int64_t(KernelFlag::kPdl);
   const bool bw = p.pairing & int32_t(Pairing::kBlockedW);
-  if (WarpSpecializedGemm(kernel_flags, p.pairing, p.gather)) {  // the handler checked: bf16 out
+  if (WarpSpecializedGemm(kernel_flags, p.pairing, p.gather)) {
     const bool persistent = !(kernel_flags & int64_t(KernelFlag::kNoPersistent));
-    *error = gated ? LaunchWs<true>(p, persistent, pdl, stream) : LaunchWs<false>(p, persistent, pdl, stream);
+    // fp32 out: mode w4a4's GEMM1, whose intermediate is quantized from unrounded values.
+    *error = gated ? (f32_out ? LaunchWs<true, float>(p, persistent, pdl, stream)
+                              : LaunchWs<true, uint16_t>(p, persistent, pdl, stream))
+                   : (f32_out ? LaunchWs<false, float>(p, persistent, pdl, stream)
+                              : LaunchWs<false, uint16_t>(p, persistent, pdl, stream));
     return true;
   }
   if (p.pairing & int32_t(Pairing::kChunkA)) {  // the handler checked: bf16 out, not gathered
@@ -980,7 +984,8 @@ bool LaunchWgmmaGemm(const GemmParams& p, bool gated, bool f32_out, int64_t kern
   return true;
 #else
   (void)p, (void)gated, (void)f32_out, (void)kernel_flags, (void)stream, (void)error;
-  (void)CachedDeviceAttribute<cudaDevAttrComputeCapabilityMajor>, (void)LaunchWs<true>, (void)LaunchWs<false>;
+  (void)CachedDeviceAttribute<cudaDevAttrComputeCapabilityMajor>, (void)LaunchWs<true, float>,
+      (void)LaunchWs<false, float>, (void)LaunchWs<true, uint16_t>, (void)LaunchWs<false, uint16_t>;
   return false;
 #endif
 }

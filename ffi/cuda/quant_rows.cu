@@ -1,7 +1,8 @@
 // quant_dequant_rows on the GPU (see quant_rows.cc for the contract; arithmetic in
 // nvfp4_quant.h, shared with the CPU handler). ROW_THREADS threads own one row: pass 1 reduces the
 // row's abs-max, pass 2 reloads each 16-element block (from L1/L2), quantizes and writes its 16
-// decoded bf16 values with two 16-byte stores. One launch, no atomics, no workspace.
+// decoded bf16 values with two 16-byte stores, or, in the chunk order (CHUNK), as eight pairs of
+// values that sit side by side there. One launch, no atomics, no workspace.
 #include "cuda/cuda_util.h"
 #include "moe_common.h"
 #include "moe_handlers.h"
@@ -39,7 +40,7 @@ __device__ __forceinline__ void LoadBlock(const float* p, float (&v)[16]) {
   }
 }
 
-template <typename T, int ROW_THREADS>
+template <typename T, int ROW_THREADS, bool CHUNK>
 __global__ void __launch_bounds__(kQuantThreads)
     QuantDequantRowsKernel(const T* __restrict__ x, const int32_t* __restrict__ row_ids, int64_t R, int64_t K,
                            uint16_t* __restrict__ out, float* __restrict__ scale) {
@@ -81,43 +82,63 @@ __global__ void __launch_bounds__(kQuantThreads)
 #pragma unroll
     for (int i = 0; i < 16; ++i) vmax = max(vmax, quant::AbsBits(v[i]));
     const quant::BlockScale bs = quant::BlockScaleFromVmax(vmax, rs);
-    uint32_t w[8];
+    float d[16];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) w[i] = PackBf16x2(quant::QuantDequant(v[2 * i], bs), quant::QuantDequant(v[2 * i + 1], bs));
-    orow[2 * b] = make_uint4(w[0], w[1], w[2], w[3]);
-    orow[2 * b + 1] = make_uint4(w[4], w[5], w[6], w[7]);
+    for (int i = 0; i < 16; ++i) d[i] = quant::QuantDequant(v[i], bs);
+    if constexpr (CHUNK) {
+      // Natural 16b + i and 16b + i + 4 (i = 8h + q, q < 4) are neighbours in the chunk order.
+      uint32_t* o32 = reinterpret_cast<uint32_t*>(out + r * K);
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) o32[ChunkPos(16 * b + 8 * h + q) / 2] = PackBf16x2(d[8 * h + q], d[8 * h + q + 4]);
+    } else {
+      uint32_t w[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) w[i] = PackBf16x2(d[2 * i], d[2 * i + 1]);
+      orow[2 * b] = make_uint4(w[0], w[1], w[2], w[3]);
+      orow[2 * b + 1] = make_uint4(w[4], w[5], w[6], w[7]);
+    }
+  }
+}
+
+template <typename T, bool CHUNK>
+void Launch(const T* x, const int32_t* row_ids, int64_t R, int64_t K, uint16_t* out, float* scale, bool pdl,
+            cudaStream_t stream) {
+  if (K / 16 >= kQuantThreads) {  // long rows: a CTA per row
+    LaunchKernel(QuantDequantRowsKernel<T, kQuantThreads, CHUNK>, unsigned(R), kQuantThreads, 0, stream, pdl, x,
+                 row_ids, R, K, out, scale);
+  } else {  // short rows: a warp per row
+    const int64_t rows_per_cta = kQuantThreads / 32;
+    LaunchKernel(QuantDequantRowsKernel<T, 32, CHUNK>, unsigned(CeilDiv(R, rows_per_cta)), kQuantThreads, 0, stream,
+                 pdl, x, row_ids, R, K, out, scale);
   }
 }
 
 template <typename T>
-void Launch(const T* x, const int32_t* row_ids, int64_t R, int64_t K, uint16_t* out, float* scale, bool pdl,
-            cudaStream_t stream) {
-  if (K / 16 >= kQuantThreads) {  // long rows: a CTA per row
-    LaunchKernel(QuantDequantRowsKernel<T, kQuantThreads>, unsigned(R), kQuantThreads, 0, stream, pdl, x, row_ids,
-                 R, K, out, scale);
-  } else {  // short rows: a warp per row
-    const int64_t rows_per_cta = kQuantThreads / 32;
-    LaunchKernel(QuantDequantRowsKernel<T, 32>, unsigned(CeilDiv(R, rows_per_cta)), kQuantThreads, 0, stream, pdl,
-                 x, row_ids, R, K, out, scale);
-  }
+void Launch(const T* x, const int32_t* row_ids, int64_t R, int64_t K, bool chunk_out, uint16_t* out, float* scale,
+            bool pdl, cudaStream_t stream) {
+  chunk_out ? Launch<T, true>(x, row_ids, R, K, out, scale, pdl, stream)
+            : Launch<T, false>(x, row_ids, R, K, out, scale, pdl, stream);
 }
 
 ffi::Error QuantDequantRowsCudaImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> row_ids,
                                     ffi::Result<ffi::Buffer<ffi::BF16>> out,
-                                    ffi::Result<ffi::Buffer<ffi::F32>> scale, int64_t kernel_flags) {
+                                    ffi::Result<ffi::Buffer<ffi::F32>> scale, bool chunk_out, int64_t kernel_flags) {
   int64_t R, K;
   if (auto err = CheckKernelFlags("quant_dequant_rows", kernel_flags); err.failure()) return err;
-  if (auto err = CheckQuantRows("quant_dequant_rows", x, row_ids, *out, *scale, &R, &K); err.failure()) return err;
+  if (auto err = CheckQuantRows("quant_dequant_rows", x, row_ids, *out, *scale, chunk_out, &R, &K); err.failure())
+    return err;
   if (R == 0) return ffi::Error::Success();
   if (R > 0x7FFFFFFF) return Invalid("quant_dequant_rows", "R = x.shape[0] must be < 2^31");
   const int32_t* ids = row_ids.dimensions()[0] ? row_ids.typed_data() : nullptr;
   const bool pdl = kernel_flags & int64_t(KernelFlag::kPdl);
   if (x.element_type() == ffi::DataType::BF16) {
-    Launch(reinterpret_cast<const uint16_t*>(x.untyped_data()), ids, R, K, out->typed_data(), scale->typed_data(),
-           pdl, stream);
+    Launch(reinterpret_cast<const uint16_t*>(x.untyped_data()), ids, R, K, chunk_out, out->typed_data(),
+           scale->typed_data(), pdl, stream);
   } else {
-    Launch(reinterpret_cast<const float*>(x.untyped_data()), ids, R, K, out->typed_data(), scale->typed_data(), pdl,
-           stream);
+    Launch(reinterpret_cast<const float*>(x.untyped_data()), ids, R, K, chunk_out, out->typed_data(),
+           scale->typed_data(), pdl, stream);
   }
   return LaunchError("quant_dequant_rows");
 }
