@@ -128,6 +128,13 @@ NVFP4_HD RowScales RowScalesFromAmax(uint32_t amax_bits) {
   return {enc, dec, amax_bits == 0 ? 0.0f : dec};
 }
 
+// The scale written for used row r: its stored global scale, times row_weights[id] (id = row_ids[r])
+// when given, 0 past row_weights' end: mode w4a4's GEMM2 row scale (routing weight x decode scale).
+NVFP4_HD float WeightedScale(float stored, const float* row_weights, int64_t n_weights, int32_t id) {
+  if (row_weights == nullptr) return stored;
+  return id < n_weights ? row_weights[id] * stored : 0.0f;
+}
+
 // One block of 16: its E4M3 scale (bits and value) and the element multiplier 1 / (s8 * dec).
 struct BlockScale {
   uint8_t bits;
@@ -151,10 +158,10 @@ NVFP4_HD float QuantDequant(float x, const BlockScale& bs) {
 
 // Shapes of quant_dequant_rows, checked alike on both platforms: x [R, K] bf16 or f32 with K a
 // multiple of 16; row_ids [R] (rows with a negative id are unused) or [0] (all rows used);
-// out [R, K] bf16; scale [R] f32.
-template <typename X, typename I, typename O, typename S>
-ffi::Error CheckQuantRows(const char* op, const X& x, const I& row_ids, const O& out, const S& scale,
-                          bool chunk_out, int64_t* R, int64_t* K) {
+// row_weights [n] (with row_ids) or [0]; out [R, K] bf16; scale [R] f32.
+template <typename X, typename I, typename W, typename O, typename S>
+ffi::Error CheckQuantRows(const char* op, const X& x, const I& row_ids, const W& row_weights, const O& out,
+                          const S& scale, bool chunk_out, int64_t* R, int64_t* K) {
   auto xd = x.dimensions();
   if (xd.size() != 2) return Invalid(op, "x must be 2-D [R, K], got " + ShapeStr(xd));
   *R = xd[0];
@@ -169,6 +176,9 @@ ffi::Error CheckQuantRows(const char* op, const X& x, const I& row_ids, const O&
   if (id.size() != 1 || (id[0] != 0 && id[0] != *R))
     return Invalid(op, "row_ids must be [R] = [" + std::to_string(*R) + "] or [0] (every row used), got " +
                            ShapeStr(id));
+  if (row_weights.dimensions().size() != 1 || (row_weights.dimensions()[0] != 0 && id[0] == 0))
+    return Invalid(op, "row_weights must be 1-D, and empty unless row_ids is given, got " +
+                           ShapeStr(row_weights.dimensions()));
   auto od = out.dimensions(), sd = scale.dimensions();
   if (od.size() != 2 || od[0] != *R || od[1] != *K)
     return Invalid(op, "output must be [R, K] = " + ShapeStr(xd) + ", got " + ShapeStr(od));

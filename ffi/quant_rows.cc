@@ -57,8 +57,8 @@ float Load<float>(const float* p, int64_t i) {
 }
 
 template <typename T>
-void QuantRows(const T* x, const int32_t* row_ids, int64_t R, int64_t K, bool chunk_out, uint16_t* out,
-               float* scale) {
+void QuantRows(const T* x, const int32_t* row_ids, const float* row_weights, int64_t n_weights, int64_t R,
+               int64_t K, bool chunk_out, uint16_t* out, float* scale) {
   for (int64_t r = 0; r < R; ++r) {
     const T* xr = x + r * K;
     uint16_t* orow = out + r * K;
@@ -70,7 +70,7 @@ void QuantRows(const T* x, const int32_t* row_ids, int64_t R, int64_t K, bool ch
     uint32_t amax = 0;
     for (int64_t i = 0; i < K; ++i) amax = std::max(amax, quant::AbsBits(Load(xr, i)));
     const quant::RowScales rs = quant::RowScalesFromAmax(amax);
-    scale[r] = rs.stored;
+    scale[r] = quant::WeightedScale(rs.stored, row_weights, n_weights, row_ids ? row_ids[r] : 0);
     for (int64_t b = 0; b < K; b += 16) {
       uint32_t vmax = 0;
       for (int i = 0; i < 16; ++i) vmax = std::max(vmax, quant::AbsBits(Load(xr, b + i)));
@@ -82,20 +82,23 @@ void QuantRows(const T* x, const int32_t* row_ids, int64_t R, int64_t K, bool ch
 }
 
 ffi::Error QuantDequantRowsCpuImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> row_ids,
-                                   ffi::Result<ffi::Buffer<ffi::BF16>> out, ffi::Result<ffi::Buffer<ffi::F32>> scale,
+                                   ffi::Buffer<ffi::F32> row_weights, ffi::Result<ffi::Buffer<ffi::BF16>> out, ffi::Result<ffi::Buffer<ffi::F32>> scale,
                                    bool chunk_out, int64_t kernel_flags) {
   int64_t R, K;
   if (auto err = CheckKernelFlags("quant_dequant_rows", kernel_flags); err.failure()) return err;
-  if (auto err = CheckQuantRows("quant_dequant_rows", x, row_ids, *out, *scale, chunk_out, &R, &K); err.failure())
+  if (auto err = CheckQuantRows("quant_dequant_rows", x, row_ids, row_weights, *out, *scale, chunk_out, &R, &K);
+      err.failure())
     return err;
   const int32_t* ids = row_ids.dimensions()[0] ? row_ids.typed_data() : nullptr;
+  const int64_t n_weights = row_weights.dimensions()[0];
+  const float* weights = n_weights ? row_weights.typed_data() : nullptr;
   IeeeSubnormals ieee;
   if (x.element_type() == ffi::DataType::BF16) {
-    QuantRows(reinterpret_cast<const uint16_t*>(x.untyped_data()), ids, R, K, chunk_out, out->typed_data(),
-              scale->typed_data());
+    QuantRows(reinterpret_cast<const uint16_t*>(x.untyped_data()), ids, weights, n_weights, R, K, chunk_out,
+              out->typed_data(), scale->typed_data());
   } else {
-    QuantRows(reinterpret_cast<const float*>(x.untyped_data()), ids, R, K, chunk_out, out->typed_data(),
-              scale->typed_data());
+    QuantRows(reinterpret_cast<const float*>(x.untyped_data()), ids, weights, n_weights, R, K, chunk_out,
+              out->typed_data(), scale->typed_data());
   }
   return ffi::Error::Success();
 }

@@ -582,7 +582,8 @@ def moe_finalize(y, pair_to_row, *, impl: str = "ffi", kernel_flags: int = 0):
                             vmap_method="sequential")(y, pair_to_row, kernel_flags=np.int64(kernel_flags))
 
 
-def quant_dequant_rows(x, row_ids=None, *, chunk_out: bool = False, impl: str = "ffi", kernel_flags: int = 0):
+def quant_dequant_rows(x, row_ids=None, *, row_weights=None, chunk_out: bool = False, impl: str = "ffi",
+                       kernel_flags: int = 0):
     """Per-token NVFP4 quantization of each row, decoded back without its global scale.
 
     ``out = e2m1 * block_scale`` of ``quantize(x, per_token=True)``, which has at most 6
@@ -596,6 +597,9 @@ def quant_dequant_rows(x, row_ids=None, *, chunk_out: bool = False, impl: str = 
     row_ids : optional int32 ``[R]``
         Rows with a negative id are unused (e.g. the padding rows of the sorted layout): their
         output is zero and their scale 0, whatever ``x`` holds there.
+    row_weights : optional float32 ``[n]`` (with ``row_ids``)
+        Each used row's scale is multiplied by ``row_weights[row_ids[r]]`` (0 where the id is
+        ``>= n``): mode w4a4's GEMM2 row scale, routing weight times decode scale, in the same launch.
     chunk_out : bool
         Write each output row in the wgmma chunk order (:func:`to_chunk_order`; K a multiple of
         128), which the sm_90a kernels read as it is. The scales are the same.
@@ -618,6 +622,12 @@ def quant_dequant_rows(x, row_ids=None, *, chunk_out: bool = False, impl: str = 
         if row_ids.shape != x.shape[:1] or not jnp.issubdtype(row_ids.dtype, jnp.integer):
             raise ValueError(f"row_ids must be integer [R] = [{x.shape[0]}], got {row_ids.dtype}{list(row_ids.shape)}")
         row_ids = row_ids.astype(jnp.int32)
+    if row_weights is not None:
+        row_weights = jnp.asarray(row_weights)
+        if row_ids is None or row_weights.ndim != 1 or not row_weights.size or row_weights.dtype != jnp.float32:
+            raise ValueError(f"row_weights must be float32 [n], n >= 1, and come with row_ids; got "
+                             f"{row_weights.dtype}{list(row_weights.shape)}"
+                             f"{' without row_ids' if row_ids is None else ''}")
     chunk_out = bool(chunk_out)
     if chunk_out and x.shape[1] % CHUNK_K:
         raise ValueError(f"chunk_out needs K = x.shape[1] to be a multiple of {CHUNK_K}, got {x.shape[1]}")
@@ -626,13 +636,19 @@ def quant_dequant_rows(x, row_ids=None, *, chunk_out: bool = False, impl: str = 
             x = jnp.where(row_ids[:, None] >= 0, x, jnp.zeros((), x.dtype))
         q = quantize(x, per_token=True)
         out = dequantize(q, jnp.bfloat16, apply_global_scale=False)
-        return (to_chunk_order(out) if chunk_out else out), q.global_scale
+        scale = q.global_scale
+        if row_weights is not None:  # row_weights[id] * scale, as the kernels multiply
+            n = row_weights.shape[0]
+            used = (row_ids >= 0) & (row_ids < n)
+            scale = jnp.where(used, row_weights[jnp.clip(row_ids, 0, n - 1)], 0.0) * scale
+        return (to_chunk_order(out) if chunk_out else out), scale
     ensure_registered()
     ids = jnp.zeros((0,), jnp.int32) if row_ids is None else row_ids
+    weights = jnp.zeros((0,), jnp.float32) if row_weights is None else row_weights
     r, kk = x.shape
     return jax.ffi.ffi_call(TARGET_QUANT, (jax.ShapeDtypeStruct((r, kk), jnp.bfloat16),
                                            jax.ShapeDtypeStruct((r,), jnp.float32)),
-                            vmap_method="sequential")(x, ids, chunk_out=chunk_out,
+                            vmap_method="sequential")(x, ids, weights, chunk_out=chunk_out,
                                                       kernel_flags=np.int64(kernel_flags))
 
 
@@ -776,10 +792,10 @@ def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str =
         h1 = grouped_gemm(xq, experts.gate_up, sorted_ids, tile_expert, activation=act, gather=True,
                           row_scale=x_scale, row_scale_mode=RowScale.TOKEN, out_dtype=jnp.float32, k_split=ks1,
                           pairing=(p1 & ~Pairing.CHUNK_OUT) | a1, **common)
-        # Rows of unused tiles are never written by the GPU: row_ids makes them zeros.
-        aq, a_scale = quant_dequant_rows(h1, sorted_ids, chunk_out=chunk, impl=q_impl, kernel_flags=kernel_flags)
-        used = sorted_ids >= 0
-        rs = jnp.where(used, w_flat[jnp.clip(sorted_ids, 0, t * k - 1)], 0.0) * a_scale
+        # Rows of unused tiles are never written by the GPU: row_ids makes them zeros. The scales
+        # come out times the rows' routing weights: GEMM2's row scales.
+        aq, rs = quant_dequant_rows(h1, sorted_ids, row_weights=w_flat, chunk_out=chunk, impl=q_impl,
+                                    kernel_flags=kernel_flags)
         y = grouped_gemm(aq, experts.down, sorted_ids, tile_expert, activation=Activation.IDENTITY,
                          row_scale=rs, row_scale_mode=RowScale.ROW, k_split=ks2, pairing=p2, **common)
     return moe_finalize(y, pair_to_row, impl=impl, kernel_flags=kernel_flags)

@@ -70,6 +70,22 @@ def test_chunk_out_is_the_natural_rows_in_the_chunk_order(dtype, r, k):
     assert not np.array_equal(bits(want[0]), bits(out))  # the order moved values
 
 
+def test_row_weights_scale_the_used_rows():
+    """scale[r] = row_weights[row_ids[r]] * the row's decode scale (0 for unused rows and ids past
+    the weights' end), in the kernels as in the twin; the values are those without weights."""
+    rng = np.random.default_rng(7)
+    x = rows_with_wide_range(rng, 7, 64, jnp.float32, -30, 30)
+    ids = jnp.asarray([3, -1, 0, 5, 9, 2, 3], jnp.int32)  # 9: past the end of 6 weights
+    wts = jnp.asarray(rng.uniform(0.1, 2.0, 6), jnp.float32)
+    out, scale = ops.quant_dequant_rows(x, ids)
+    got = ops.quant_dequant_rows(x, ids, row_weights=wts)
+    assert_same_bytes(got, ops.quant_dequant_rows(x, ids, row_weights=wts, impl="jax"))
+    want = np.where(np.asarray(ids) >= 0, np.asarray(wts)[np.clip(ids, 0, 5)], 0) * np.asarray(scale)
+    want[4] = 0.0
+    assert_same_bytes(got, (out, want.astype(np.float32)))
+    assert (np.asarray(got[1])[[0, 2, 3, 5, 6]] != 0).all()
+
+
 def test_twin_is_quantize_then_decode():
     x = rows_with_wide_range(np.random.default_rng(1), 9, 48, jnp.bfloat16, -20, 20)
     q = nv.quantize(x, per_token=True)
@@ -135,15 +151,21 @@ def test_bad_arguments_are_named():
         ops.quant_dequant_rows(jnp.zeros((2, 32), jnp.bfloat16), impl="cuda")
     with pytest.raises(ValueError, match="chunk_out needs K = x.shape.1. to be a multiple of 128, got 96"):
         ops.quant_dequant_rows(jnp.zeros((2, 96), jnp.bfloat16), chunk_out=True)
+    with pytest.raises(ValueError, match="row_weights must be float32 .n., n >= 1, and come with row_ids"):
+        ops.quant_dequant_rows(jnp.zeros((2, 32), jnp.bfloat16), row_weights=jnp.ones((2,), jnp.float32))
+    with pytest.raises(ValueError, match=r"row_weights must be float32 .*got float32\[0\]"):
+        ops.quant_dequant_rows(jnp.zeros((2, 32), jnp.bfloat16), jnp.zeros((2,), jnp.int32),
+                               row_weights=jnp.ones((0,), jnp.float32))
 
 
 def test_handler_rejects_bad_shapes_with_named_arguments():
     """The C++ checks behind the Python ones (shared by the CPU and CUDA handlers)."""
-    def call(x, ids, out_shape=None, scale_shape=None, chunk_out=False):
+    def call(x, ids, out_shape=None, scale_shape=None, chunk_out=False, weights=jnp.zeros((0,), jnp.float32)):
         r, k = x.shape
         return jax.ffi.ffi_call(ops.TARGET_QUANT, (jax.ShapeDtypeStruct(out_shape or (r, k), jnp.bfloat16),
                                                    jax.ShapeDtypeStruct(scale_shape or (r,), jnp.float32)),
-                                vmap_method="sequential")(x, ids, chunk_out=chunk_out, kernel_flags=np.int64(0))
+                                vmap_method="sequential")(x, ids, weights, chunk_out=chunk_out,
+                                                          kernel_flags=np.int64(0))
     ops.ensure_registered()
     x = jnp.zeros((3, 32), jnp.bfloat16)
     with pytest.raises(Exception, match=r"row_ids must be \[R\] = \[3\] or \[0\]"):
@@ -158,6 +180,10 @@ def test_handler_rejects_bad_shapes_with_named_arguments():
         call(x, jnp.zeros((0,), jnp.int32), out_shape=(3, 16))
     with pytest.raises(Exception, match=r"chunk_out needs K = 32 \(x.shape\[1\]\) to be a multiple of 128"):
         call(x, jnp.zeros((0,), jnp.int32), chunk_out=True)
+    with pytest.raises(Exception, match="row_weights must be 1-D, and empty unless row_ids is given"):
+        call(x, jnp.zeros((0,), jnp.int32), weights=jnp.ones((3,), jnp.float32))
+    with pytest.raises(Exception, match="row_weights must be 1-D"):
+        call(x, jnp.zeros((3,), jnp.int32), weights=jnp.ones((3, 1), jnp.float32))
     with pytest.raises(ValueError, match="kernel_flags must combine"):
         ops.quant_dequant_rows(x, kernel_flags=UNKNOWN_FLAG)
 
@@ -183,9 +209,11 @@ def test_moe_w4a4_kernel_quant_is_the_jax_quantizer(act):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-@pytest.mark.parametrize("r,k", [(1, 16), (1, 7168), (8, 768), (37, 2048), (4096, 7168), (32768, 768), (5, 4096)])
+@pytest.mark.parametrize("r,k", [(1, 16), (1, 7168), (8, 768), (37, 2048), (4096, 7168), (32768, 768), (5, 4096),
+                                 (3, 8448)])
 def test_gpu_matches_pure_jax_quantizer(dtype, r, k):
-    """CTA-per-row (K >= 2048) and warp-per-row (shorter) launches, partial last CTAs."""
+    """CTA-per-row (K >= 2048; over 8192, read twice) and warp-per-row (shorter) launches, partial
+    last CTAs."""
     rng = np.random.default_rng(r + k)
     x = rows_with_wide_range(rng, r, k, dtype)
     assert_same_bytes(ops.quant_dequant_rows(x), ops.quant_dequant_rows(x, impl="jax"))
@@ -194,6 +222,9 @@ def test_gpu_matches_pure_jax_quantizer(dtype, r, k):
     if k % ops.CHUNK_K == 0:  # the chunk-ordered stores
         assert_same_bytes(ops.quant_dequant_rows(x, ids, chunk_out=True),
                           ops.quant_dequant_rows(x, ids, chunk_out=True, impl="jax"))
+    wts = jnp.asarray(rng.uniform(0.5, 1.5, r), jnp.float32)  # GEMM2's row scales
+    assert_same_bytes(ops.quant_dequant_rows(x, ids, row_weights=wts),
+                      ops.quant_dequant_rows(x, ids, row_weights=wts, impl="jax"))
 
 
 @pytest.mark.gpu

@@ -1,8 +1,8 @@
 // quant_dequant_rows on the GPU (see quant_rows.cc for the contract; arithmetic in
 // nvfp4_quant.h, shared with the CPU handler). ROW_THREADS threads own one row: pass 1 reduces the
-// row's abs-max, pass 2 reloads each 16-element block (from L1/L2), quantizes and writes its 16
-// decoded bf16 values with two 16-byte stores, or, in the chunk order (CHUNK), as eight pairs of
-// values that sit side by side there. One launch, no atomics, no workspace.
+// row's abs-max over the blocks each thread holds in registers, pass 2 quantizes each 16-element
+// block and writes its 16 decoded bf16 values with two 16-byte stores, or, in the chunk order
+// (CHUNK), as eight pairs of values that sit side by side there. One launch, no atomics, no workspace.
 #include "cuda/cuda_util.h"
 #include "moe_common.h"
 #include "moe_handlers.h"
@@ -40,31 +40,90 @@ __device__ __forceinline__ void LoadBlock(const float* p, float (&v)[16]) {
   }
 }
 
-template <typename T, int ROW_THREADS, bool CHUNK>
-__global__ void __launch_bounds__(kQuantThreads)
-    QuantDequantRowsKernel(const T* __restrict__ x, const int32_t* __restrict__ row_ids, int64_t R, int64_t K,
-                           uint16_t* __restrict__ out, float* __restrict__ scale) {
+// Quantizes the 16 values of block b (natural k 16b..16b+15) with the row's scales and stores
+// their decoded bf16 values in out's row: two 16-byte stores, or in the chunk order (CHUNK), where
+// natural 16b + i and 16b + i + 4 (i = 8h + q, q < 4) are neighbours, eight 4-byte ones.
+template <bool CHUNK>
+__device__ __forceinline__ void QuantStoreBlock(uint16_t* orow, int64_t b, const float (&v)[16],
+                                                const quant::RowScales& rs) {
+  uint32_t vmax = 0;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) vmax = max(vmax, quant::AbsBits(v[i]));
+  const quant::BlockScale bs = quant::BlockScaleFromVmax(vmax, rs);
+  float d[16];
+#pragma unroll
+  for (int i = 0; i < 16; ++i) d[i] = quant::QuantDequant(v[i], bs);
+  if constexpr (CHUNK) {
+    uint32_t* o32 = reinterpret_cast<uint32_t*>(orow);
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) o32[ChunkPos(16 * b + 8 * h + q) / 2] = PackBf16x2(d[8 * h + q], d[8 * h + q + 4]);
+  } else {
+    uint32_t w[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) w[i] = PackBf16x2(d[2 * i], d[2 * i + 1]);
+    uint4* o = reinterpret_cast<uint4*>(orow) + 2 * b;
+    o[0] = make_uint4(w[0], w[1], w[2], w[3]);
+    o[1] = make_uint4(w[4], w[5], w[6], w[7]);
+  }
+}
+
+// Everything of a call but x (whose type is a template parameter).
+struct QuantRowsArgs {
+  const int32_t* row_ids;    // [R] or nullptr (every row used)
+  const float* row_weights;  // [n_weights] or nullptr (see quant::WeightedScale)
+  int64_t n_weights, R, K;
+  uint16_t* out;
+  float* scale;
+};
+
+// HELD > 0: each thread keeps its (at most HELD) blocks of the row in registers, so the row is read
+// once, all its loads in flight together; HELD = 0: rows too long for that are read twice (abs-max,
+// then quantize; the second read mostly from L1/L2).
+
+template <typename T, int ROW_THREADS, int HELD, bool CHUNK>
+__global__ void __launch_bounds__(kQuantThreads) QuantDequantRowsKernel(const T* __restrict__ x, const QuantRowsArgs a) {
   GridDependencyWait();
   static_assert(ROW_THREADS == 32 || ROW_THREADS == kQuantThreads, "a row is one warp or the whole CTA");
   constexpr int kWarpsPerRow = ROW_THREADS / 32;
   __shared__ uint32_t warp_amax[kWarpsPerRow];
   const int lane = threadIdx.x % ROW_THREADS;
   const int64_t r = int64_t(blockIdx.x) * (kQuantThreads / ROW_THREADS) + threadIdx.x / ROW_THREADS;
-  if (r >= R) return;  // uniform over the row's threads (a CTA-wide row always has r < R)
-  const int64_t nb = K / 16;
-  uint4* orow = reinterpret_cast<uint4*>(out + r * K);
-  if (row_ids != nullptr && row_ids[r] < 0) {  // unused row: zeros and scale 0
-    for (int64_t b = lane; b < nb; b += ROW_THREADS) orow[2 * b] = orow[2 * b + 1] = make_uint4(0, 0, 0, 0);
-    if (lane == 0) scale[r] = 0.0f;
+  if (r >= a.R) return;  // uniform over the row's threads (a CTA-wide row always has r < R)
+  const int64_t nb = a.K / 16;
+  uint16_t* orow = a.out + r * a.K;
+  const int32_t id = a.row_ids != nullptr ? a.row_ids[r] : 0;
+  if (id < 0) {  // unused row: zeros and scale 0
+    uint4* o = reinterpret_cast<uint4*>(orow);
+    for (int64_t b = lane; b < nb; b += ROW_THREADS) o[2 * b] = o[2 * b + 1] = make_uint4(0, 0, 0, 0);
+    if (lane == 0) a.scale[r] = 0.0f;
     return;
   }
-  const T* xr = x + r * K;
+  const T* xr = x + r * a.K;
   uint32_t amax = 0;
-  for (int64_t b = lane; b < nb; b += ROW_THREADS) {
-    float v[16];
-    LoadBlock(xr + 16 * b, v);
+  float held[HELD > 0 ? HELD : 1][16];
+  if constexpr (HELD > 0) {
 #pragma unroll
-    for (int i = 0; i < 16; ++i) amax = max(amax, quant::AbsBits(v[i]));
+    for (int i = 0; i < HELD; ++i) {
+      const int64_t b = lane + i * ROW_THREADS;
+      if (b < nb) {
+        LoadBlock(xr + 16 * b, held[i]);
+      } else {
+#pragma unroll
+        for (int j = 0; j < 16; ++j) held[i][j] = 0.0f;
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < HELD; ++i)
+#pragma unroll
+      for (int j = 0; j < 16; ++j) amax = max(amax, quant::AbsBits(held[i][j]));
+  } else {
+    for (int64_t b = lane; b < nb; b += ROW_THREADS) {
+      LoadBlock(xr + 16 * b, held[0]);
+#pragma unroll
+      for (int j = 0; j < 16; ++j) amax = max(amax, quant::AbsBits(held[0][j]));
+    }
   }
   amax = __reduce_max_sync(0xFFFFFFFFu, amax);
   if constexpr (kWarpsPerRow > 1) {
@@ -74,71 +133,66 @@ __global__ void __launch_bounds__(kQuantThreads)
     for (int w = 0; w < kWarpsPerRow; ++w) amax = max(amax, warp_amax[w]);
   }
   const quant::RowScales rs = quant::RowScalesFromAmax(amax);
-  if (lane == 0) scale[r] = rs.stored;
-  for (int64_t b = lane; b < nb; b += ROW_THREADS) {
-    float v[16];
-    LoadBlock(xr + 16 * b, v);
-    uint32_t vmax = 0;
+  if (lane == 0) a.scale[r] = quant::WeightedScale(rs.stored, a.row_weights, a.n_weights, id);
+  if constexpr (HELD > 0) {
 #pragma unroll
-    for (int i = 0; i < 16; ++i) vmax = max(vmax, quant::AbsBits(v[i]));
-    const quant::BlockScale bs = quant::BlockScaleFromVmax(vmax, rs);
-    float d[16];
-#pragma unroll
-    for (int i = 0; i < 16; ++i) d[i] = quant::QuantDequant(v[i], bs);
-    if constexpr (CHUNK) {
-      // Natural 16b + i and 16b + i + 4 (i = 8h + q, q < 4) are neighbours in the chunk order.
-      uint32_t* o32 = reinterpret_cast<uint32_t*>(out + r * K);
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-#pragma unroll
-        for (int q = 0; q < 4; ++q) o32[ChunkPos(16 * b + 8 * h + q) / 2] = PackBf16x2(d[8 * h + q], d[8 * h + q + 4]);
-    } else {
-      uint32_t w[8];
-#pragma unroll
-      for (int i = 0; i < 8; ++i) w[i] = PackBf16x2(d[2 * i], d[2 * i + 1]);
-      orow[2 * b] = make_uint4(w[0], w[1], w[2], w[3]);
-      orow[2 * b + 1] = make_uint4(w[4], w[5], w[6], w[7]);
+    for (int i = 0; i < HELD; ++i) {
+      const int64_t b = lane + i * ROW_THREADS;
+      if (b < nb) QuantStoreBlock<CHUNK>(orow, b, held[i], rs);
+    }
+  } else {
+    for (int64_t b = lane; b < nb; b += ROW_THREADS) {
+      LoadBlock(xr + 16 * b, held[0]);
+      QuantStoreBlock<CHUNK>(orow, b, held[0], rs);
     }
   }
 }
 
+// Blocks a thread holds in registers (HELD): rows of up to kHeldBlocks * ROW_THREADS blocks are read once.
+constexpr int kHeldBlocks = 4;
+
 template <typename T, bool CHUNK>
-void Launch(const T* x, const int32_t* row_ids, int64_t R, int64_t K, uint16_t* out, float* scale, bool pdl,
-            cudaStream_t stream) {
-  if (K / 16 >= kQuantThreads) {  // long rows: a CTA per row
-    LaunchKernel(QuantDequantRowsKernel<T, kQuantThreads, CHUNK>, unsigned(R), kQuantThreads, 0, stream, pdl, x,
-                 row_ids, R, K, out, scale);
-  } else {  // short rows: a warp per row
+void Launch(const T* x, const QuantRowsArgs& a, bool pdl, cudaStream_t stream) {
+  const int64_t nb = a.K / 16;
+  if (nb > kHeldBlocks * kQuantThreads) {  // very long rows: a CTA per row, read twice
+    LaunchKernel(QuantDequantRowsKernel<T, kQuantThreads, 0, CHUNK>, unsigned(a.R), kQuantThreads, 0, stream, pdl, x,
+                 a);
+  } else if (nb >= kQuantThreads) {  // long rows: a CTA per row
+    LaunchKernel(QuantDequantRowsKernel<T, kQuantThreads, kHeldBlocks, CHUNK>, unsigned(a.R), kQuantThreads, 0,
+                 stream, pdl, x, a);
+  } else {  // short rows (under 128 blocks, so at most kHeldBlocks per lane): a warp per row
+    static_assert(kHeldBlocks * 32 >= kQuantThreads, "a warp holds every block of a short row");
     const int64_t rows_per_cta = kQuantThreads / 32;
-    LaunchKernel(QuantDequantRowsKernel<T, 32, CHUNK>, unsigned(CeilDiv(R, rows_per_cta)), kQuantThreads, 0, stream,
-                 pdl, x, row_ids, R, K, out, scale);
+    LaunchKernel(QuantDequantRowsKernel<T, 32, kHeldBlocks, CHUNK>, unsigned(CeilDiv(a.R, rows_per_cta)),
+                 kQuantThreads, 0, stream, pdl, x, a);
   }
 }
 
 template <typename T>
-void Launch(const T* x, const int32_t* row_ids, int64_t R, int64_t K, bool chunk_out, uint16_t* out, float* scale,
-            bool pdl, cudaStream_t stream) {
-  chunk_out ? Launch<T, true>(x, row_ids, R, K, out, scale, pdl, stream)
-            : Launch<T, false>(x, row_ids, R, K, out, scale, pdl, stream);
+void Launch(const T* x, const QuantRowsArgs& a, bool chunk_out, bool pdl, cudaStream_t stream) {
+  chunk_out ? Launch<T, true>(x, a, pdl, stream) : Launch<T, false>(x, a, pdl, stream);
 }
 
 ffi::Error QuantDequantRowsCudaImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> row_ids,
-                                    ffi::Result<ffi::Buffer<ffi::BF16>> out,
+                                    ffi::Buffer<ffi::F32> row_weights, ffi::Result<ffi::Buffer<ffi::BF16>> out,
                                     ffi::Result<ffi::Buffer<ffi::F32>> scale, bool chunk_out, int64_t kernel_flags) {
-  int64_t R, K;
+  QuantRowsArgs a{};
   if (auto err = CheckKernelFlags("quant_dequant_rows", kernel_flags); err.failure()) return err;
-  if (auto err = CheckQuantRows("quant_dequant_rows", x, row_ids, *out, *scale, chunk_out, &R, &K); err.failure())
+  if (auto err = CheckQuantRows("quant_dequant_rows", x, row_ids, row_weights, *out, *scale, chunk_out, &a.R, &a.K);
+      err.failure())
     return err;
-  if (R == 0) return ffi::Error::Success();
-  if (R > 0x7FFFFFFF) return Invalid("quant_dequant_rows", "R = x.shape[0] must be < 2^31");
-  const int32_t* ids = row_ids.dimensions()[0] ? row_ids.typed_data() : nullptr;
+  if (a.R == 0) return ffi::Error::Success();
+  if (a.R > 0x7FFFFFFF) return Invalid("quant_dequant_rows", "R = x.shape[0] must be < 2^31");
+  a.row_ids = row_ids.dimensions()[0] ? row_ids.typed_data() : nullptr;
+  a.n_weights = row_weights.dimensions()[0];
+  a.row_weights = a.n_weights ? row_weights.typed_data() : nullptr;
+  a.out = out->typed_data();
+  a.scale = scale->typed_data();
   const bool pdl = kernel_flags & int64_t(KernelFlag::kPdl);
   if (x.element_type() == ffi::DataType::BF16) {
-    Launch(reinterpret_cast<const uint16_t*>(x.untyped_data()), ids, R, K, chunk_out, out->typed_data(),
-           scale->typed_data(), pdl, stream);
+    Launch(reinterpret_cast<const uint16_t*>(x.untyped_data()), a, chunk_out, pdl, stream);
   } else {
-    Launch(reinterpret_cast<const float*>(x.untyped_data()), ids, R, K, chunk_out, out->typed_data(),
-           scale->typed_data(), pdl, stream);
+    Launch(reinterpret_cast<const float*>(x.untyped_data()), a, chunk_out, pdl, stream);
   }
   return LaunchError("quant_dequant_rows");
 }
