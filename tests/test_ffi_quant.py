@@ -210,10 +210,10 @@ def test_moe_w4a4_kernel_quant_is_the_jax_quantizer(act):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("r,k", [(1, 16), (1, 7168), (8, 768), (37, 2048), (4096, 7168), (32768, 768), (5, 4096),
-                                 (3, 8448)])
+                                 (3, 8448), (9, 1536)])
 def test_gpu_matches_pure_jax_quantizer(dtype, r, k):
-    """CTA-per-row (K >= 2048; over 8192, read twice) and warp-per-row (shorter) launches, partial
-    last CTAs."""
+    """CTA-per-row (K >= 2048; over 8192, read twice) and warp-per-row (shorter) launches, each
+    holding 1, 2 or 4 blocks a thread; partial last CTAs."""
     rng = np.random.default_rng(r + k)
     x = rows_with_wide_range(rng, r, k, dtype)
     assert_same_bytes(ops.quant_dequant_rows(x), ops.quant_dequant_rows(x, impl="jax"))
