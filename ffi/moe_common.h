@@ -65,7 +65,8 @@ enum class KernelFlag : int64_t {
   // 2026-12-02, removed: 6-12% / 4-12% slower prefill layers.
   kNoWarpSpecialized = 32768,  // 64-row tiles with blocked weights: GEMM1 on the staged wgmma kernel
                                // instead of the warp-specialized one (a producer warpgroup stages weights
-                               // and gathered rows: 14-17% faster prefill layers on the H200, 2026-12-02)
+                               // and gathered rows; H200, 2026-12-02: 14-17% faster w4a16 prefill layers,
+                               // 1.33-1.45x faster w4a4 ones)
   kWsGemm2 = 65536,            // moe's GEMM2 (chunk-ordered `a`, not gathered) on the warp-specialized
                                // kernel too, instead of the TMA-fed one (1.02-1.22x slower layers on the
                                // H200, 2026-12-02, sessions 17-19)

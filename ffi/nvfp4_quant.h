@@ -176,7 +176,7 @@ ffi::Error CheckQuantRows(const char* op, const X& x, const I& row_ids, const W&
   if (id.size() != 1 || (id[0] != 0 && id[0] != *R))
     return Invalid(op, "row_ids must be [R] = [" + std::to_string(*R) + "] or [0] (every row used), got " +
                            ShapeStr(id));
-  if (row_weights.dimensions().size() != 1 || (row_weights.dimensions()[0] != 0 && id[0] == 0))
+  if (row_weights.dimensions().size() != 1 || (row_weights.dimensions()[0] != 0 && id[0] != *R))
     return Invalid(op, "row_weights must be 1-D, and empty unless row_ids is given, got " +
                            ShapeStr(row_weights.dimensions()));
   auto od = out.dimensions(), sd = scale.dimensions();

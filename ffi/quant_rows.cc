@@ -1,7 +1,8 @@
 // quant_dequant_rows on the CPU: each row of x quantized to NVFP4 with its own global scale
 // (per token) and decoded back without that scale (e2m1 * E4M3 block scale, exact in bf16),
 // which is what the W4A16 GEMMs consume in mode w4a4; with chunk_out, each row's values are written in
-// the wgmma chunk order (ChunkPos), where the sm_90a kernels read it. Arithmetic in nvfp4_quant.h.
+// the wgmma chunk order (ChunkPos), where the sm_90a kernels read it; with row_weights, each used row's
+// scale is times its weight (quant::WeightedScale). Arithmetic in nvfp4_quant.h.
 #include <algorithm>
 
 #if defined(__SSE__) || defined(__x86_64__)

@@ -86,7 +86,7 @@ class KernelFlag(enum.IntFlag):
     PLAIN_WEIGHT_LOADS = 512  # decode tiles: never the streaming hints (the default where K per warp >= 768)
     NO_WARP_SPECIALIZED = 32768  # 64-row tiles with blocked weights (sm_90): GEMM1 on the staged wgmma kernel
     # (x in the natural order), not the warp-specialized one (a producer warpgroup stages weights and gathered rows
-    # for three MMA warpgroups; 14-17% faster prefill layers on the H200)
+    # for three MMA warpgroups; H200: 14-17% faster w4a16 prefill layers, 1.33-1.45x faster w4a4 ones)
     WS_GEMM2 = 65536  # GEMM2 too (chunk-ordered a, not gathered) on the warp-specialized kernel, not the TMA-fed one
     # (1.02-1.22x slower layers on the H200, 2026-12-02, sessions 17-19)
     NO_PERSISTENT = 131072  # the warp-specialized kernel with a CTA per work item, not on a persistent grid (a CTA
@@ -114,7 +114,7 @@ class Pairing(enum.IntFlag):
     A = 1  # a's K axis in the paired order (to_paired; the CUDA kernels skip their activation byte permutes)
     OUT = 2  # out's feature axis in the paired order
     BLOCKED_W = 4  # w's codes and scales in the blocked order (jax_nvfp4.to_blocked_weights)
-    CHUNK_A = 8  # a's K axis in the wgmma chunk order (to_chunk_order; on the GPU the TMA-fed wgmma kernel)
+    CHUNK_A = 8  # a's K axis in the wgmma chunk order (to_chunk_order; on the GPU the sm_90a wgmma kernels)
     CHUNK_OUT = 16  # out's feature axis in the wgmma chunk order
 
 
@@ -432,9 +432,10 @@ def grouped_gemm(a, w: NVFP4Array, sorted_ids, tile_expert, *, tile_m: int,
         ``A``: ``a``'s K axis is in the paired order (:func:`to_paired`; on the GPU only for a
         non-gated activation with bfloat16 output); ``OUT``: write ``out``'s features in it;
         ``CHUNK_A`` / ``CHUNK_OUT``: the same in the wgmma chunk order (:func:`to_chunk_order`; K or
-        the features a multiple of 128; on the GPU ``CHUNK_A`` needs the sm_90a wgmma kernel:
-        ``tile_m=64``, ``gather=False`` (or blocked weights without ``NO_WARP_SPECIALIZED``), not
-        ``NO_WGMMA``);
+        the features a multiple of 128; on the GPU ``CHUNK_A`` needs an sm_90a wgmma kernel,
+        ``tile_m=64`` and not ``NO_WGMMA``: the TMA-fed one (``gather=False``, bfloat16 out) or, on
+        blocked weights without ``NO_WARP_SPECIALIZED``, the warp-specialized one (gathered, or with
+        ``WS_GEMM2``; bfloat16 or float32 out));
         ``BLOCKED_W``: ``w`` is in the blocked order (:func:`~jax_nvfp4.to_blocked_weights`; set from
         ``w.order``, and an error for a ``w`` in the ``"rows"`` order).
     kernel_flags : :class:`KernelFlag` bits
@@ -588,8 +589,8 @@ def quant_dequant_rows(x, row_ids=None, *, row_weights=None, chunk_out: bool = F
 
     ``out = e2m1 * block_scale`` of ``quantize(x, per_token=True)``, which has at most 6
     significant bits and so is exact in bfloat16: the rows the W4A16 GEMMs consume in mode
-    ``w4a4``, with ``scale`` (the per-row global decode scale) applied in their epilogues.
-    Bit-exact with the pure-JAX quantizer on both platforms.
+    ``w4a4``, with ``scale`` (the per-row global decode scale, times ``row_weights`` when given)
+    applied in their epilogues. Bit-exact with the pure-JAX twin (``impl="jax"``) on both platforms.
 
     Parameters
     ----------
@@ -637,10 +638,10 @@ def quant_dequant_rows(x, row_ids=None, *, row_weights=None, chunk_out: bool = F
         q = quantize(x, per_token=True)
         out = dequantize(q, jnp.bfloat16, apply_global_scale=False)
         scale = q.global_scale
-        if row_weights is not None:  # row_weights[id] * scale, as the kernels multiply
+        if row_weights is not None:  # row_weights[id] * scale, as the kernels multiply (0 past the end)
             n = row_weights.shape[0]
             used = (row_ids >= 0) & (row_ids < n)
-            scale = jnp.where(used, row_weights[jnp.clip(row_ids, 0, n - 1)], 0.0) * scale
+            scale = jnp.where(used, row_weights[jnp.clip(row_ids, 0, n - 1)] * scale, 0.0)
         return (to_chunk_order(out) if chunk_out else out), scale
     ensure_registered()
     ids = jnp.zeros((0,), jnp.int32) if row_ids is None else row_ids

@@ -84,6 +84,9 @@ def test_row_weights_scale_the_used_rows():
     want[4] = 0.0
     assert_same_bytes(got, (out, want.astype(np.float32)))
     assert (np.asarray(got[1])[[0, 2, 3, 5, 6]] != 0).all()
+    empty = (jnp.zeros((0, 32), jnp.bfloat16), jnp.zeros((0,), jnp.int32))  # no rows: nothing to weigh
+    assert_same_bytes(ops.quant_dequant_rows(*empty, row_weights=wts),
+                      ops.quant_dequant_rows(*empty, row_weights=wts, impl="jax"))
 
 
 def test_twin_is_quantize_then_decode():

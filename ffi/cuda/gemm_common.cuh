@@ -305,8 +305,8 @@ inline bool WarpSpecializedGemm(int64_t kernel_flags, int64_t pairing, bool gath
 
 // The sm_90a wgmma kernels for 64-row tiles (moe_gemm_sm90.cu), with the variants of
 // `kernel_flags` (kWgmmaTwoBlocks, kRowTilesFirst); Pairing::kChunkA runs the warp-specialized one
-// where WarpSpecializedGemm says so, else the TMA-fed one, and the caller must only ask for bf16-out
-// calls, ungathered unless warp-specialized. Returns false when this build
+// where WarpSpecializedGemm says so (bf16 or fp32 out), else the TMA-fed one, and the caller must
+// only ask for bf16-out, ungathered calls of the latter. Returns false when this build
 // or device cannot run them (the caller then launches the mma.sync kernel, or fails a kChunkA
 // call); true once launched, or with `*error` set when the launch could not be prepared.
 bool LaunchWgmmaGemm(const GemmParams& p, bool gated, bool f32_out, int64_t kernel_flags, cudaStream_t stream,

@@ -367,9 +367,10 @@ ffi::Error GroupedGemmCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> a, ff
   const bool a_chunk = pairing & int64_t(Pairing::kChunkA);
   const bool ws = WarpSpecializedGemm(kernel_flags, pairing, gather);
   if (a_chunk && (((f32_out || gather) && !ws) || tile_m != 64 || (kernel_flags & int64_t(KernelFlag::kNoWgmma))))
-    return Invalid("grouped_gemm", "chunk-ordered activations (pairing & 8) need the sm_90a wgmma kernel on "
+    return Invalid("grouped_gemm", "chunk-ordered activations (pairing & 8) need an sm_90a wgmma kernel on "
                                    "the GPU: tile_m = 64, no NO_WGMMA flag, and bfloat16 output with gather = "
-                                   "False unless on blocked weights without NO_WARP_SPECIALIZED");
+                                   "False, unless on the warp-specialized kernel (blocked weights, gathered or "
+                                   "WS_GEMM2, no NO_WARP_SPECIALIZED)");
   if (a_chunk && (d.P > 0x7FFFFFFF || d.a_rows > 0xFFFFFFFFll))  // the tensor copies' coordinates
     return Invalid("grouped_gemm", "chunk-ordered activations (pairing & 8) need fewer than 2^31 sorted rows "
                                    "and 2^32 rows of a");

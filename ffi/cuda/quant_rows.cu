@@ -1,8 +1,9 @@
 // quant_dequant_rows on the GPU (see quant_rows.cc for the contract; arithmetic in
-// nvfp4_quant.h, shared with the CPU handler). ROW_THREADS threads own one row: pass 1 reduces the
-// row's abs-max over the blocks each thread holds in registers, pass 2 quantizes each 16-element
-// block and writes its 16 decoded bf16 values with two 16-byte stores, or, in the chunk order
-// (CHUNK), as eight pairs of values that sit side by side there. One launch, no atomics, no workspace.
+// nvfp4_quant.h, shared with the CPU handler). ROW_THREADS threads own one row and hold its blocks in
+// registers (rows over 4 blocks a thread are read twice): pass 1 reduces the row's abs-max, pass 2
+// quantizes each 16-element block and writes its 16 decoded bf16 values with two 16-byte stores, or,
+// in the chunk order (CHUNK), as eight pairs of values that sit side by side there. One launch, no
+// atomics, no workspace.
 #include "cuda/cuda_util.h"
 #include "moe_common.h"
 #include "moe_handlers.h"
