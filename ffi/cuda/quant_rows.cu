@@ -94,15 +94,9 @@ __global__ void __launch_bounds__(kQuantThreads) QuantDequantRowsKernel(const T*
   if (r >= a.R) return;  // uniform over the row's threads (a CTA-wide row always has r < R)
   const int64_t nb = a.K / 16;
   uint16_t* orow = a.out + r * a.K;
-  const int32_t id = a.row_ids != nullptr ? a.row_ids[r] : 0;
-  if (id < 0) {  // unused row: zeros and scale 0
-    uint4* o = reinterpret_cast<uint4*>(orow);
-    for (int64_t b = lane; b < nb; b += ROW_THREADS) o[2 * b] = o[2 * b + 1] = make_uint4(0, 0, 0, 0);
-    if (lane == 0) a.scale[r] = 0.0f;
-    return;
-  }
   const T* xr = x + r * a.K;
-  uint32_t amax = 0;
+  // The row's loads, its id and its routing weight are issued together (x is read for unused rows
+  // too, in bounds): behind the id's branch, the loads had waited on it, a second global latency.
   float held[HELD > 0 ? HELD : 1][16];
   if constexpr (HELD > 0) {
 #pragma unroll
@@ -115,6 +109,19 @@ __global__ void __launch_bounds__(kQuantThreads) QuantDequantRowsKernel(const T*
         for (int j = 0; j < 16; ++j) held[i][j] = 0.0f;
       }
     }
+  }
+  const int32_t id = a.row_ids != nullptr ? a.row_ids[r] : 0;
+  if (id < 0) {  // unused row: zeros and scale 0
+    uint4* o = reinterpret_cast<uint4*>(orow);
+    for (int64_t b = lane; b < nb; b += ROW_THREADS) o[2 * b] = o[2 * b + 1] = make_uint4(0, 0, 0, 0);
+    if (lane == 0) a.scale[r] = 0.0f;
+    return;
+  }
+  // row_weights[id], in flight with the row (quant::WeightedScale's rule: a scale of 0 past its end).
+  const bool weighted = a.row_weights != nullptr, in_weights = weighted && id < a.n_weights;
+  const float rw = in_weights ? a.row_weights[id] : 0.0f;
+  uint32_t amax = 0;
+  if constexpr (HELD > 0) {
 #pragma unroll
     for (int i = 0; i < HELD; ++i)
 #pragma unroll
@@ -134,7 +141,7 @@ __global__ void __launch_bounds__(kQuantThreads) QuantDequantRowsKernel(const T*
     for (int w = 0; w < kWarpsPerRow; ++w) amax = max(amax, warp_amax[w]);
   }
   const quant::RowScales rs = quant::RowScalesFromAmax(amax);
-  if (lane == 0) a.scale[r] = quant::WeightedScale(rs.stored, a.row_weights, a.n_weights, id);
+  if (lane == 0) a.scale[r] = !weighted ? rs.stored : in_weights ? rw * rs.stored : 0.0f;
   if constexpr (HELD > 0) {
 #pragma unroll
     for (int i = 0; i < HELD; ++i) {
