@@ -154,7 +154,8 @@ def bench_shape(shape, tokens, modes, backends, args, log, on_tokens=None):
             if mode != "bf16" and not FFIBackend().unavailable_reason():
                 variants += [(f"ffi[flags={f}]", FFIBackend(f)) for f in args.ffi_flags]
                 variants += [(f"ffi[ks={ks_label(s)}]", FFIBackend(k_split=s)) for s in args.ffi_k_splits]
-                variants += [(f"ffi[tm={m}]", FFIBackend(tile_m=m)) for m in args.ffi_tile_ms]
+                variants += [(f"ffi[tm={m}" + (f",flags={f}]" if f else "]"), FFIBackend(f, tile_m=m))
+                             for m, f in args.ffi_tile_ms]
                 variants += [(f"ffi[flags={f},ks={ks_label(s)}]", FFIBackend(f, k_split=s))
                              for f, s in args.ffi_configs]
                 if args.ffi_rows:  # the default kernels on the checkpoint's rows order
@@ -237,7 +238,8 @@ def main(argv=None):
                         "shape (more CTAs per GEMM)")
     p.add_argument("--ffi-tile-ms", default="",
                    help="comma-separated tile_m values (8, 16, 32, 64) to time as extra ffi rows 'ffi[tm=N]': the "
-                        "rows per GEMM tile fixed instead of chosen from the expected rows per expert")
+                        "rows per GEMM tile fixed instead of chosen from the expected rows per expert; N:FLAGS "
+                        "with a kernel variant too ('ffi[tm=N,flags=F]', e.g. 64:65536)")
     p.add_argument("--ffi-configs", default="",
                    help="comma-separated FLAGS:KSPLIT pairs to time as extra rows 'ffi[flags=F,ks=S]': a kernel "
                         "variant with the K split fixed too (e.g. 512:1,512:4)")
@@ -301,7 +303,12 @@ def main(argv=None):
     args.ffi_flags = values("--ffi-flags", args.ffi_flags, lambda f: _ffi_ops._check_kernel_flags(int(f)))
     args.ffi_k_splits = values("--ffi-k-splits", args.ffi_k_splits, k_split)
     args.ffi_configs = values("--ffi-configs", args.ffi_configs, config, " (expected FLAGS:KSPLIT pairs)")
-    args.ffi_tile_ms = values("--ffi-tile-ms", args.ffi_tile_ms, lambda m: FFIBackend(tile_m=int(m)).tile_m)
+    def tile_config(c):  # TILE_M or TILE_M:FLAGS
+        m, _, f = c.partition(":")
+        backend = FFIBackend(_ffi_ops._check_kernel_flags(int(f or 0)), tile_m=int(m))
+        return backend.tile_m, backend.kernel_flags
+
+    args.ffi_tile_ms = values("--ffi-tile-ms", args.ffi_tile_ms, tile_config)
     for v in args.xla_variants:
         d, _, g = v.partition("/")
         if d not in ("gather", "all") or g not in ("ragged", "tiled"):

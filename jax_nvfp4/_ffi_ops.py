@@ -99,6 +99,8 @@ class KernelFlag(enum.IntFlag):
     ALIGN_ONE_CTA = 524288  # moe_align in one 512-thread CTA at any size, not in one warp up to
     # ALIGN_ONE_WARP_PAIRS pairs (H200, 2026-12-02: Qwen3 T=1 layers 6% faster) nor on up to 64 CTAs from 2048 pairs
     # on (three kernels: counts, group offsets, ranks; Qwen3 T=4096 layers 4% faster)
+    # 1048576 / 2097152: PREFETCH_NEXT / PREFETCH_NEXT_LATE (GEMM1's decode CTAs warming their experts' GEMM2
+    # weights into L2) for one A/B on 2026-12-03, removed: up to 13% slower decode layers on the H200
     # 1024 / 2048: L2_PREFETCH / SPLIT_GATE_UP (decode tiles) for one A/B on 2026-12-01, removed: slower on the H200
     # 4096 / 8192: WGMMA_FOUR_GROUPS (four-warpgroup one-block wgmma CTAs) / TMA_GEMM1 (GEMM1 on the TMA-fed
     # wgmma kernel after an XLA gather into the chunk order) for A/Bs on 2026-12-02, removed: slower on the H200
@@ -226,19 +228,27 @@ def ensure_registered() -> None:
 
 # ---- static tiling decisions ---------------------------------------------------------------
 
-def choose_tile_m(n_pairs: int, num_experts: int) -> int:
+# Mean rows per expert from which 64-row tiles on the sm_90a wgmma kernels (GEMM1 warp-specialized:
+# weights staged through a shared-memory ring, so many bytes in flight) beat 16-row mma.sync tiles (H200,
+# 2026-12-03, blocked weights: DeepSeek-V3 EP8 12 rows x1.054, 16 rows x0.828, 24 x0.612, 32 x0.504; Qwen3
+# 16 rows x0.808, 32 x0.512; BENCHMARKS.md session 24). Elsewhere 64-row tiles wait for 32 rows.
+WGMMA_MIN_ROWS = 13
+
+
+def choose_tile_m(n_pairs: int, num_experts: int, wgmma: bool = False) -> int:
     """Rows per GEMM tile from the rows per expert, ``N ~ Poisson(n_pairs / E)``.
 
-    Prefill (a mean above 32 rows): 64-row wgmma tiles. Decode: 8-row tiles while they hold the
-    mean plus two standard deviations (about 98% of the experts in one tile), else 16-row tiles:
-    an expert that needs a second tile has its weights decoded twice, and the kernels skip a
-    tile's empty 8-row blocks. On the H200 (2026-12-01, ``BENCHMARKS.md``) 16-row tiles made
+    Prefill (a mean above 32 rows, or from ``WGMMA_MIN_ROWS`` with ``wgmma``: the GPUs run 64-row
+    tiles on the sm_90a wgmma kernels, :func:`wgmma_tiles`): 64-row tiles. Decode: 8-row tiles while
+    they hold the mean plus two standard deviations (about 98% of the experts in one tile), else
+    16-row tiles: an expert that needs a second tile has its weights decoded twice, and the kernels
+    skip a tile's empty 8-row blocks. On the H200 (2026-12-01, ``BENCHMARKS.md``) 16-row tiles made
     DeepSeek-V3 layers with 8-32 rows per expert 4-14% faster and tied at Qwen3's 8; 32-row tiles
     lost to 16-row ones at 4-32 rows (2026-12-02: 4-30% at 12-32, also when they skip their last
     two empty blocks: two CTAs per SM against three).
     """
     lam = n_pairs / max(num_experts, 1)
-    if lam > 32:
+    if lam > 32 or (wgmma and lam >= WGMMA_MIN_ROWS):
         return TILE_MS[-1]
     return 8 if lam + 2 * math.sqrt(lam) <= 8 else 16
 
@@ -683,17 +693,33 @@ MODES = {"w4a16": Mode.W4A16, "w4a4": Mode.W4A4}
 
 
 @functools.cache
+def _cuda_devices():
+    try:
+        return jax.local_devices(backend="cuda")
+    except RuntimeError:  # no CUDA backend
+        return None
+
+
+def _sm90a_gpus(gpus) -> bool:
+    return ("sm_90a" in build_info().get("cuda_archs", ())
+            and all(getattr(d, "compute_capability", "") == "9.0" for d in gpus))
+
+
 def chunk_intermediate_supported() -> bool:
     """Whether every local device of this process can run a GEMM2 on a chunk-ordered intermediate:
     the CPU handler always; CUDA devices only on sm_90 with an sm_90a build (the TMA-fed wgmma
     kernel). Decided when moe is traced: an executable exported here and run on another GPU
     generation fails with the handler's error (trace it there, or pass NATURAL_INTERMEDIATE)."""
-    try:
-        gpus = jax.local_devices(backend="cuda")
-    except RuntimeError:  # no CUDA backend
-        return True
-    return ("sm_90a" in build_info().get("cuda_archs", ())
-            and all(getattr(d, "compute_capability", "") == "9.0" for d in gpus))
+    gpus = _cuda_devices()
+    return gpus is None or _sm90a_gpus(gpus)
+
+
+def wgmma_tiles(kernel_flags: int = 0) -> bool:
+    """Whether this process's GPUs run 64-row tiles on the sm_90a wgmma kernels (CUDA devices, all
+    sm_90, an sm_90a build, no ``NO_WGMMA``): :func:`choose_tile_m` then takes them from
+    ``WGMMA_MIN_ROWS`` rows per expert on."""
+    gpus = _cuda_devices()
+    return bool(gpus) and _sm90a_gpus(gpus) and not kernel_flags & KernelFlag.NO_WGMMA
 
 
 def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str = "w4a16",
@@ -747,7 +773,7 @@ def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str =
         topk_ids = jnp.where(topk_ids < 0, -1, topk_ids - jnp.asarray(local_expert_offset, jnp.int32))
         topk_ids = jnp.where(topk_ids < 0, -1, topk_ids)
         offset = 0
-    tile_m = choose_tile_m(t * k, e) if tile_m is None else tile_m
+    tile_m = choose_tile_m(t * k, e, impl == "ffi" and wgmma_tiles(kernel_flags)) if tile_m is None else tile_m
     sorted_ids, tile_expert, pair_to_row = moe_align(topk_ids, e, tile_m=tile_m, expert_offset=offset, impl=impl,
                                                      kernel_flags=kernel_flags)
     w_flat = jnp.asarray(topk_weights, jnp.float32).reshape(t * k)

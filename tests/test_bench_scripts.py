@@ -30,12 +30,12 @@ def test_moe_bench_quick_rows(tmp_path, clock):
     out = tmp_path / "bench.json"
     moe_bench.main(["--quick", "--shapes", "tiny", "--tokens", "1,5", "--modes", "w4a16", "--backends", "ffi,xla",
                     "--chain", "2", "--clock", clock, "--ffi-flags", "2,6", "--ffi-k-splits", "4,1/2",
-                    "--ffi-tile-ms", "32", "--ffi-configs", "512:2", "--ffi-rows", "--sets", "1",
+                    "--ffi-tile-ms", "32,16:2", "--ffi-configs", "512:2", "--ffi-rows", "--sets", "1",
                     "--json", str(out)])
     rows = json.loads(out.read_text())["results"]
     names = {(r["backend"], r["tokens"]) for r in rows}
-    for b in ("ffi", "xla", "ffi[flags=2]", "ffi[flags=6]", "ffi[ks=4]", "ffi[ks=1/2]", "ffi[tm=32]", "ffi[flags=512,ks=2]",
-              "ffi[rows]", moe_bench.BASELINE):
+    for b in ("ffi", "xla", "ffi[flags=2]", "ffi[flags=6]", "ffi[ks=4]", "ffi[ks=1/2]", "ffi[tm=32]", "ffi[tm=16,flags=2]",
+              "ffi[flags=512,ks=2]", "ffi[rows]", moe_bench.BASELINE):
         assert {(b, 1), (b, 5)} <= names, b
     rows = [r for r in rows if "skipped" not in r]
     for r in rows:
@@ -43,7 +43,7 @@ def test_moe_bench_quick_rows(tmp_path, clock):
         assert r["median_us"] > 0 and r["floor_us"] > 0
         assert r["timing"] == (f"chain2/{clock}" if r["backend"].startswith("ffi") else "median")
     summary = "\n".join(ab_summary.summary_lines(rows))
-    assert all(f"ffi[{v}]" in summary for v in ("flags=2", "flags=6", "ks=4", "tm=32", "flags=512,ks=2")), summary
+    assert all(f"ffi[{v}]" in summary for v in ("flags=2", "flags=6", "ks=4", "tm=32", "tm=16,flags=2", "flags=512,ks=2")), summary
 
 
 def test_moe_bench_times_each_backend_in_its_weight_order(tmp_path, monkeypatch):

@@ -102,8 +102,23 @@ def test_padded_rows_bound(n, e, tile):
                                                   (33, 64), (128, 64)])
 def test_choose_tile_m_fits_most_experts_in_one_tile(rows_per_expert, tile):
     """8-row tiles while they hold the mean plus two standard deviations of an expert's rows,
-    then 16-row tiles; past 32 rows on average, the 64-row prefill tiles."""
-    assert ops.choose_tile_m(int(rows_per_expert * 32), 32) == tile
+    then 16-row tiles; past 32 rows on average, the 64-row prefill tiles; with the sm_90a wgmma
+    kernels, 64-row tiles from WGMMA_MIN_ROWS rows on."""
+    pairs = int(rows_per_expert * 32)
+    assert ops.choose_tile_m(pairs, 32) == tile
+    assert ops.choose_tile_m(pairs, 32, wgmma=True) == (64 if rows_per_expert >= ops.WGMMA_MIN_ROWS else tile)
+
+
+def test_moe_takes_wgmma_tiles_only_where_the_gpus_run_them():
+    """The lower 64-row threshold needs the sm_90a kernels (none on the CPU, none with NO_WGMMA); the
+    lowered layer shows the tile size that was chosen (16 rows per expert: 64-row tiles only there)."""
+    assert not ops.wgmma_tiles(ops.KernelFlag.NO_WGMMA)
+    assert ops.wgmma_tiles() == (has_gpu() and ops.chunk_intermediate_supported())
+    ex = make_experts(5, 8, 64, 32)
+    x = make_x(1, 16, 64)
+    ids, w = make_routing(2, 16, 8, 8)  # 16 rows per expert
+    text = jax.jit(lambda x, i, w: ops.moe(x, ex, i, w)).lower(x, ids, w).as_text()
+    assert f"tile_m = {64 if ops.wgmma_tiles() else 16}" in text
 
 
 # ------------------------------------------------------------------------------------------
