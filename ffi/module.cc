@@ -92,12 +92,14 @@ NB_MODULE(_ffi, m) {
     add("jax_nvfp4_grouped_gemm", JaxNvfp4GroupedGemmCpu, JaxNvfp4GroupedGemmCuda);
     add("jax_nvfp4_moe_finalize", JaxNvfp4MoeFinalizeCpu, JaxNvfp4MoeFinalizeCuda);
     add("jax_nvfp4_quant_dequant_rows", JaxNvfp4QuantDequantRowsCpu, JaxNvfp4QuantDequantRowsCuda);
+    add("jax_nvfp4_moe_align_quant", JaxNvfp4MoeAlignQuantCpu, JaxNvfp4MoeAlignQuantCuda);
     add("jax_nvfp4_device_clock", JaxNvfp4DeviceClockCpu, JaxNvfp4DeviceClockCuda);
 #else
     add("jax_nvfp4_moe_align", JaxNvfp4MoeAlignCpu, nullptr);
     add("jax_nvfp4_grouped_gemm", JaxNvfp4GroupedGemmCpu, nullptr);
     add("jax_nvfp4_moe_finalize", JaxNvfp4MoeFinalizeCpu, nullptr);
     add("jax_nvfp4_quant_dequant_rows", JaxNvfp4QuantDequantRowsCpu, nullptr);
+    add("jax_nvfp4_moe_align_quant", JaxNvfp4MoeAlignQuantCpu, nullptr);
     add("jax_nvfp4_device_clock", JaxNvfp4DeviceClockCpu, nullptr);
 #endif
     return regs;
@@ -134,6 +136,7 @@ NB_MODULE(_ffi, m) {
     kf["no_persistent"] = int64_t(KernelFlag::kNoPersistent);
     kf["tma_persistent"] = int64_t(KernelFlag::kTmaPersistent);
     kf["align_one_cta"] = int64_t(KernelFlag::kAlignOneCta);
+    kf["separate_x_quant"] = int64_t(KernelFlag::kSeparateXQuant);
     c["KernelFlag"] = kf;
     nb::dict pairing;
     pairing["none"] = int64_t(Pairing::kNone);

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -83,13 +84,15 @@ enum class KernelFlag : int64_t {
                                // (H200, 2026-12-02: Qwen3 T=1 layers 6% faster) nor on up to 64 CTAs from 2048
                                // pairs on (three kernels: counts, group offsets, ranks; Qwen3 T=4096 layers 4%
                                // faster, 957.6 -> 919.6 us: one CTA took 51 us for its 32768 pairs)
+  kSeparateXQuant = 4194304,   // w4a4 decode (at most kAlignOneWarpPairs pairs): x quantized by its own launch
+                               // after moe_align's, not by moe_align_quant's CTAs beside the align's
   // 1048576 / 2097152: kPrefetchNext / kPrefetchNextLate (moe's GEMM1 decode CTAs warming their experts'
   // GEMM2 weights into L2 by bulk prefetches, before / after their main loop) for one H200 A/B on 2026-12-03,
   // removed: 4-13% / up to 12% slower decode layers (the prefetches take HBM bandwidth from GEMM1's loads).
   // 16384: kWgmmaTilePairs (the TMA-fed GEMM2 on pairs of one expert's 64-row tiles, m64n128 wgmmas,
   // one CTA per SM) for one H200 A/B on 2026-12-02, removed: 1.25-1.42x slower layers (dabc4ef).
 };
-constexpr int64_t kAllKernelFlags = 1016542;
+constexpr int64_t kAllKernelFlags = 5210846;
 // grouped_gemm's `pairing` bits: which operands hold a kernel order instead of the natural one.
 // kA / kOut: a's K axis / out's feature axis in the paired order (PairedPos). moe's intermediate
 // uses it on mma.sync tiles (but with KernelFlag kNaturalIntermediate): GEMM1 writes it paired,
@@ -437,6 +440,35 @@ NVFP4_HD int32_t LocalExpert(int32_t id, int64_t offset, int64_t num_experts) {
   if (id < 0) return -1;
   const int64_t e = int64_t(id) - offset;
   return (e >= 0 && e < num_experts) ? int32_t(e) : -1;
+}
+
+// moe_align on the CPU (its contract: ffi/moe_align.cc), for moe_align and moe_align_quant.
+inline void AlignPairsCpu(const int32_t* ids, int64_t n, int64_t num_experts, int64_t expert_offset, int64_t tile_m,
+                          int64_t P, int32_t* sid, int32_t* te, int32_t* p2r) {
+  std::vector<int64_t> count(num_experts, 0), cursor(num_experts);
+  for (int64_t p = 0; p < n; ++p) {
+    const int32_t e = LocalExpert(ids[p], expert_offset, num_experts);
+    if (e >= 0) ++count[e];
+  }
+  int64_t total = 0;
+  for (int64_t i = 0; i < P / tile_m; ++i) te[i] = -1;
+  for (int64_t e = 0; e < num_experts; ++e) {
+    cursor[e] = total;
+    const int64_t padded = (count[e] + tile_m - 1) / tile_m * tile_m;
+    for (int64_t r = total; r < total + padded; r += tile_m) te[r / tile_m] = int32_t(e);
+    total += padded;
+  }
+  for (int64_t r = 0; r < P; ++r) sid[r] = -1;
+  for (int64_t p = 0; p < n; ++p) {
+    const int32_t e = LocalExpert(ids[p], expert_offset, num_experts);
+    if (e < 0) {
+      p2r[p] = -1;
+      continue;
+    }
+    const int64_t r = cursor[e]++;
+    sid[r] = int32_t(p);
+    p2r[p] = int32_t(r);
+  }
 }
 
 }  // namespace jax_nvfp4

@@ -45,6 +45,24 @@ auto GroupedGemm(B b) {
       .template Attr<int64_t>("kernel_flags");  // KernelFlag bits (GPU kernel variants; 0: default)
 }
 
+// moe_align and quant_dequant_rows of x in one call (decode: at most kAlignOneWarpPairs pairs).
+template <typename B>
+auto MoeAlignQuant(B b) {
+  return std::move(b)
+      .template Arg<ffi::Buffer<ffi::S32>>()  // topk_ids [T, k] global ids
+      .template Arg<ffi::Buffer<ffi::BF16>>()  // x [T, K]
+      .template Ret<ffi::Buffer<ffi::S32>>()  // sorted_ids [P]
+      .template Ret<ffi::Buffer<ffi::S32>>()  // tile_expert [P / tile_m]
+      .template Ret<ffi::Buffer<ffi::S32>>()  // pair_to_row [T, k]
+      .template Ret<ffi::Buffer<ffi::BF16>>()  // xq [T, K] decoded values without the row scale
+      .template Ret<ffi::Buffer<ffi::F32>>()  // x_scale [T] per-row global decode scale
+      .template Attr<int64_t>("num_experts")  // local experts E
+      .template Attr<int64_t>("expert_offset")  // first local global id
+      .template Attr<int64_t>("tile_m")  // group padding
+      .template Attr<bool>("chunk_out")  // xq's rows in the wgmma chunk order
+      .template Attr<int64_t>("kernel_flags");  // KernelFlag bits (GPU launch variants; 0: default)
+}
+
 template <typename B>
 auto MoeFinalize(B b) {
   return std::move(b)
@@ -83,6 +101,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxNvfp4MoeAlignCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxNvfp4GroupedGemmCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxNvfp4MoeFinalizeCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxNvfp4QuantDequantRowsCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxNvfp4MoeAlignQuantCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxNvfp4DeviceClockCpu);
 
 #ifdef JAX_NVFP4_WITH_CUDA
@@ -91,5 +110,6 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxNvfp4MoeAlignCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxNvfp4GroupedGemmCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxNvfp4MoeFinalizeCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxNvfp4QuantDequantRowsCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxNvfp4MoeAlignQuantCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxNvfp4DeviceClockCuda);
 #endif

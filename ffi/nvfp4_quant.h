@@ -156,12 +156,11 @@ NVFP4_HD float QuantDequant(float x, const BlockScale& bs) {
 
 }  // namespace quant
 
-// Shapes of quant_dequant_rows, checked alike on both platforms: x [R, K] bf16 or f32 with K a
-// multiple of 16; row_ids [R] (rows with a negative id are unused) or [0] (all rows used);
-// row_weights [n] (with row_ids) or [0]; out [R, K] bf16; scale [R] f32.
-template <typename X, typename I, typename W, typename O, typename S>
-ffi::Error CheckQuantRows(const char* op, const X& x, const I& row_ids, const W& row_weights, const O& out,
-                          const S& scale, bool chunk_out, int64_t* R, int64_t* K) {
+// Shapes of quant_dequant_rows (and moe_align_quant's x), checked alike on both platforms:
+// x [R, K] (bf16 or f32, K % 16 == 0; K % kChunkK == 0 with chunk_out), out [R, K] bf16, scale [R] f32.
+template <typename X, typename O, typename S>
+ffi::Error CheckQuantOut(const char* op, const X& x, const O& out, const S& scale, bool chunk_out, int64_t* R,
+                         int64_t* K) {
   auto xd = x.dimensions();
   if (xd.size() != 2) return Invalid(op, "x must be 2-D [R, K], got " + ShapeStr(xd));
   *R = xd[0];
@@ -172,13 +171,6 @@ ffi::Error CheckQuantRows(const char* op, const X& x, const I& row_ids, const W&
                            std::to_string(kChunkK));
   if (x.element_type() != ffi::DataType::BF16 && x.element_type() != ffi::DataType::F32)
     return Invalid(op, "x must be bfloat16 or float32");
-  auto id = row_ids.dimensions();
-  if (id.size() != 1 || (id[0] != 0 && id[0] != *R))
-    return Invalid(op, "row_ids must be [R] = [" + std::to_string(*R) + "] or [0] (every row used), got " +
-                           ShapeStr(id));
-  if (row_weights.dimensions().size() != 1 || (row_weights.dimensions()[0] != 0 && id[0] != *R))
-    return Invalid(op, "row_weights must be 1-D, and empty unless row_ids is given, got " +
-                           ShapeStr(row_weights.dimensions()));
   auto od = out.dimensions(), sd = scale.dimensions();
   if (od.size() != 2 || od[0] != *R || od[1] != *K)
     return Invalid(op, "output must be [R, K] = " + ShapeStr(xd) + ", got " + ShapeStr(od));
@@ -186,4 +178,41 @@ ffi::Error CheckQuantRows(const char* op, const X& x, const I& row_ids, const W&
     return Invalid(op, "scale output must be [R] = [" + std::to_string(*R) + "], got " + ShapeStr(sd));
   return ffi::Error::Success();
 }
+
+// CheckQuantOut, and row_ids [R] or [0] (every row used), row_weights [n] (with row_ids) or [0].
+template <typename X, typename I, typename W, typename O, typename S>
+ffi::Error CheckQuantRows(const char* op, const X& x, const I& row_ids, const W& row_weights, const O& out,
+                          const S& scale, bool chunk_out, int64_t* R, int64_t* K) {
+  if (auto err = CheckQuantOut(op, x, out, scale, chunk_out, R, K); err.failure()) return err;
+  auto id = row_ids.dimensions();
+  if (id.size() != 1 || (id[0] != 0 && id[0] != *R))
+    return Invalid(op, "row_ids must be [R] = [" + std::to_string(*R) + "] or [0] (every row used), got " +
+                           ShapeStr(id));
+  if (row_weights.dimensions().size() != 1 || (row_weights.dimensions()[0] != 0 && id[0] != *R))
+    return Invalid(op, "row_weights must be 1-D, and empty unless row_ids is given, got " +
+                           ShapeStr(row_weights.dimensions()));
+  return ffi::Error::Success();
+}
+// moe_align_quant: CheckAlign (at most kAlignOneWarpPairs pairs, the decode sizes it is for) and
+// CheckQuantOut of x [T, K] (a row per token of topk_ids [T, k]).
+template <typename I, typename X, typename SI, typename TE, typename PR, typename O, typename S>
+ffi::Error CheckAlignQuant(const char* op, const I& topk_ids, const X& x, int64_t num_experts, int64_t tile_m,
+                           const SI& sorted_ids, const TE& tile_expert, const PR& pair_to_row, const O& xq,
+                           const S& x_scale, bool chunk_out, int64_t max_experts, int64_t kernel_flags, int64_t* n,
+                           int64_t* P, int64_t* K) {
+  if (auto err = CheckAlign(op, topk_ids, num_experts, tile_m, sorted_ids, tile_expert, pair_to_row, max_experts,
+                            kernel_flags, n, P);
+      err.failure())
+    return err;
+  if (*n > kAlignOneWarpPairs)
+    return Invalid(op, "at most " + std::to_string(kAlignOneWarpPairs) + " token-expert pairs (T * k), got " +
+                           std::to_string(*n) + ": call moe_align and quant_dequant_rows");
+  int64_t R;
+  if (auto err = CheckQuantOut(op, x, xq, x_scale, chunk_out, &R, K); err.failure()) return err;
+  if (R != topk_ids.dimensions()[0])
+    return Invalid(op, "x must have a row per token: [T, K] with T = " + std::to_string(topk_ids.dimensions()[0]) +
+                           ", got " + ShapeStr(x.dimensions()));
+  return ffi::Error::Success();
+}
+
 }  // namespace jax_nvfp4

@@ -104,8 +104,29 @@ ffi::Error QuantDequantRowsCpuImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> row_i
   return ffi::Error::Success();
 }
 
+ffi::Error MoeAlignQuantCpuImpl(ffi::Buffer<ffi::S32> topk_ids, ffi::Buffer<ffi::BF16> x,
+                                ffi::Result<ffi::Buffer<ffi::S32>> sorted_ids,
+                                ffi::Result<ffi::Buffer<ffi::S32>> tile_expert,
+                                ffi::Result<ffi::Buffer<ffi::S32>> pair_to_row, ffi::Result<ffi::Buffer<ffi::BF16>> xq,
+                                ffi::Result<ffi::Buffer<ffi::F32>> x_scale, int64_t num_experts, int64_t expert_offset,
+                                int64_t tile_m, bool chunk_out, int64_t kernel_flags) {
+  int64_t n, P, K;
+  if (auto err = CheckAlignQuant("moe_align_quant", topk_ids, x, num_experts, tile_m, *sorted_ids, *tile_expert,
+                                 *pair_to_row, *xq, *x_scale, chunk_out, int64_t(1) << 30, kernel_flags, &n, &P, &K);
+      err.failure())
+    return err;
+  AlignPairsCpu(topk_ids.typed_data(), n, num_experts, expert_offset, tile_m, P, sorted_ids->typed_data(),
+                tile_expert->typed_data(), pair_to_row->typed_data());
+  IeeeSubnormals ieee;
+  QuantRows(reinterpret_cast<const uint16_t*>(x.untyped_data()), nullptr, nullptr, 0, topk_ids.dimensions()[0], K, chunk_out, xq->typed_data(),
+            x_scale->typed_data());
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace jax_nvfp4
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxNvfp4MoeAlignQuantCpu, jax_nvfp4::MoeAlignQuantCpuImpl,
+                              jax_nvfp4::sig::MoeAlignQuant(xla::ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxNvfp4QuantDequantRowsCpu, jax_nvfp4::QuantDequantRowsCpuImpl,
                               jax_nvfp4::sig::QuantDequantRows(xla::ffi::Ffi::Bind()));

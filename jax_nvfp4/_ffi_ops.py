@@ -1,6 +1,6 @@
 """XLA FFI custom calls of the NVFP4 MoE, their pure-JAX twins, and the MoE pipeline built on them.
 
-Four ops (C++ in ``ffi/``; one CPU handler and one CUDA handler each, same target name):
+Five ops (C++ in ``ffi/``; one CPU handler and one CUDA handler each, same target name):
 
 - :func:`moe_align`: sort the ``T*k`` token-expert pairs by local expert into groups padded to
   ``tile_m`` rows (``sorted_ids``, ``tile_expert``, ``pair_to_row``), on the device;
@@ -9,7 +9,9 @@ Four ops (C++ in ``ffi/``; one CPU handler and one CUDA handler each, same targe
   activation;
 - :func:`moe_finalize`: un-permute and sum each token's ``k`` rows in a fixed order;
 - :func:`quant_dequant_rows`: per-token NVFP4 quantization decoded back to bf16 without the
-  global scale (mode w4a4's activations; bit-exact with :func:`jax_nvfp4.quantize`).
+  global scale (mode w4a4's activations; bit-exact with :func:`jax_nvfp4.quantize`);
+- :func:`moe_align_quant`: the first and the last in one call for decode batches (mode w4a4's
+  first two launches in one).
 
 Benchmarks also use :func:`device_clock` (the time at which the stream reaches a value).
 
@@ -99,6 +101,8 @@ class KernelFlag(enum.IntFlag):
     ALIGN_ONE_CTA = 524288  # moe_align in one 512-thread CTA at any size, not in one warp up to
     # ALIGN_ONE_WARP_PAIRS pairs (H200, 2026-12-02: Qwen3 T=1 layers 6% faster) nor on up to 64 CTAs from 2048 pairs
     # on (three kernels: counts, group offsets, ranks; Qwen3 T=4096 layers 4% faster)
+    SEPARATE_X_QUANT = 4194304  # w4a4 decode (at most ALIGN_ONE_WARP_PAIRS pairs): x quantized by its own launch after
+    # the align's, not by moe_align_quant's CTAs beside the align's
     # 1048576 / 2097152: PREFETCH_NEXT / PREFETCH_NEXT_LATE (GEMM1's decode CTAs warming their experts' GEMM2
     # weights into L2) for one A/B on 2026-12-03, removed: up to 13% slower decode layers on the H200
     # 1024 / 2048: L2_PREFETCH / SPLIT_GATE_UP (decode tiles) for one A/B on 2026-12-01, removed: slower on the H200
@@ -174,6 +178,7 @@ TARGET_ALIGN = "jax_nvfp4_moe_align"
 TARGET_GEMM = "jax_nvfp4_grouped_gemm"
 TARGET_FINALIZE = "jax_nvfp4_moe_finalize"
 TARGET_QUANT = "jax_nvfp4_quant_dequant_rows"
+TARGET_ALIGN_QUANT = "jax_nvfp4_moe_align_quant"
 TARGET_CLOCK = "jax_nvfp4_device_clock"
 IMPLS = ("ffi", "jax")
 
@@ -663,6 +668,55 @@ def quant_dequant_rows(x, row_ids=None, *, row_weights=None, chunk_out: bool = F
                                                       kernel_flags=np.int64(kernel_flags))
 
 
+def moe_align_quant(topk_ids, x, num_experts: int, *, tile_m: int, expert_offset: int = 0, chunk_out: bool = False,
+                    impl: str = "ffi", kernel_flags: int = 0):
+    """:func:`moe_align` and :func:`quant_dequant_rows` of ``x`` in one call, for decode batches of at
+    most ``ALIGN_ONE_WARP_PAIRS`` token-expert pairs: on the GPU one launch, whose first CTA aligns
+    (one warp) while the others quantize the rows of x (mode w4a4's first two kernels, which do not
+    depend on each other). The same bytes as the two calls.
+
+    Parameters
+    ----------
+    topk_ids : int32 ``[T, k]``, ``T * k <= ALIGN_ONE_WARP_PAIRS``
+    x : bfloat16 ``[T, K]``, K a multiple of 16
+    num_experts, tile_m, expert_offset : as :func:`moe_align`
+    chunk_out : as :func:`quant_dequant_rows`
+    impl : ``"ffi"`` or ``"jax"``
+    kernel_flags : :class:`KernelFlag` bits (``PDL``; the result is the same)
+
+    Returns
+    -------
+    ``(sorted_ids, tile_expert, pair_to_row)`` of :func:`moe_align`, then ``(xq, x_scale)`` of
+    :func:`quant_dequant_rows`: bfloat16 ``[T, K]``, float32 ``[T]``.
+    """
+    _check_impl(impl)
+    kernel_flags = _check_kernel_flags(kernel_flags)
+    topk_ids = jnp.asarray(topk_ids).astype(jnp.int32)
+    x = jnp.asarray(x)
+    t, k = topk_ids.shape
+    if t * k > ALIGN_ONE_WARP_PAIRS:
+        raise ValueError(f"moe_align_quant: topk_ids holds at most {ALIGN_ONE_WARP_PAIRS} pairs (T * k), got "
+                         f"{t} x {k}: call moe_align and quant_dequant_rows")
+    if x.dtype != jnp.bfloat16 or x.ndim != 2 or x.shape[0] != t:
+        raise ValueError(f"moe_align_quant: x must be bfloat16 [T={t}, K], got {x.dtype}{list(x.shape)}")
+    if impl == "jax":
+        return (*moe_align(topk_ids, num_experts, tile_m=tile_m, expert_offset=expert_offset, impl="jax"),
+                *quant_dequant_rows(x, chunk_out=chunk_out, impl="jax"))
+    if tile_m not in TILE_MS:
+        raise ValueError(f"tile_m must be one of {TILE_MS}, got {tile_m}")
+    if x.shape[1] % 16 or (chunk_out and x.shape[1] % CHUNK_K):
+        raise ValueError(f"moe_align_quant: K = x.shape[1] must be a multiple of 16 ({CHUNK_K} with chunk_out), got "
+                         f"{x.shape[1]}")
+    ensure_registered()
+    p = padded_rows(t * k, num_experts, tile_m)
+    out = (jax.ShapeDtypeStruct((p,), jnp.int32), jax.ShapeDtypeStruct((p // tile_m,), jnp.int32),
+           jax.ShapeDtypeStruct((t, k), jnp.int32), jax.ShapeDtypeStruct(x.shape, jnp.bfloat16),
+           jax.ShapeDtypeStruct((t,), jnp.float32))
+    return jax.ffi.ffi_call(TARGET_ALIGN_QUANT, out, vmap_method="sequential")(
+        topk_ids, x, num_experts=np.int64(num_experts), expert_offset=np.int64(expert_offset),
+        tile_m=np.int64(tile_m), chunk_out=bool(chunk_out), kernel_flags=np.int64(kernel_flags))
+
+
 def device_clock(x):
     """``(x, ns)``: ``x`` unchanged and the time at which the device reached it.
 
@@ -774,8 +828,14 @@ def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str =
         topk_ids = jnp.where(topk_ids < 0, -1, topk_ids)
         offset = 0
     tile_m = choose_tile_m(t * k, e, impl == "ffi" and wgmma_tiles(kernel_flags)) if tile_m is None else tile_m
-    sorted_ids, tile_expert, pair_to_row = moe_align(topk_ids, e, tile_m=tile_m, expert_offset=offset, impl=impl,
-                                                     kernel_flags=kernel_flags)
+    w4a4 = MODES[mode] == Mode.W4A4
+    # w4a4 decode: the align and the quantize of x in one launch (moe_align_quant), where the align is
+    # the one-warp kernel and x is quantized by the kernel.
+    align_quant = (w4a4 and impl == "ffi" and t * k <= ALIGN_ONE_WARP_PAIRS and not kernel_flags & (
+        KernelFlag.SEPARATE_X_QUANT | KernelFlag.ALIGN_ONE_CTA | KernelFlag.JAX_QUANT))
+    if not align_quant:
+        sorted_ids, tile_expert, pair_to_row = moe_align(topk_ids, e, tile_m=tile_m, expert_offset=offset,
+                                                         impl=impl, kernel_flags=kernel_flags)
     w_flat = jnp.asarray(topk_weights, jnp.float32).reshape(t * k)
     common = dict(tile_m=tile_m, top_k=k, impl=impl, kernel_flags=kernel_flags)
     # K splits from the tiles the routing is expected to use (the pairs are taken as all local).
@@ -813,7 +873,13 @@ def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str =
         # where the next GEMM reads them so (x for the warp-specialized GEMM1, the intermediate for
         # the TMA-fed GEMM2).
         q_impl = "jax" if kernel_flags & KernelFlag.JAX_QUANT else impl
-        xq, x_scale = quant_dequant_rows(x.astype(jnp.bfloat16), chunk_out=ws, impl=q_impl, kernel_flags=kernel_flags)
+        if align_quant:
+            sorted_ids, tile_expert, pair_to_row, xq, x_scale = moe_align_quant(
+                topk_ids, x.astype(jnp.bfloat16), e, tile_m=tile_m, expert_offset=offset, chunk_out=ws,
+                kernel_flags=kernel_flags)
+        else:
+            xq, x_scale = quant_dequant_rows(x.astype(jnp.bfloat16), chunk_out=ws, impl=q_impl,
+                                             kernel_flags=kernel_flags)
         # fp32 intermediate: it is quantized from its unrounded values (spec section 5). Natural or
         # paired (the paired order keeps every 16-value block whole: the same quantization per value).
         h1 = grouped_gemm(xq, experts.gate_up, sorted_ids, tile_expert, activation=act, gather=True,

@@ -89,6 +89,48 @@ def test_row_weights_scale_the_used_rows():
                       ops.quant_dequant_rows(*empty, row_weights=wts, impl="jax"))
 
 
+ALIGN_QUANT_CASES = [(1, 8, 128, 0, 2048, 8), (4, 8, 32, 0, 7168, 16), (3, 2, 5, 2, 64, 8), (2, 8, 256, 96, 768, 8),
+                     (1, 1, 8, 0, 16, 64), (4, 8, 8, 0, 8448, 8), (3, 4, 16, 0, 1536, 32)]
+
+
+def _align_quant_check(t, k, e, offset, kk, tile_m, impls=("ffi", "jax")):
+    rng = np.random.default_rng(t * 7 + kk)
+    ids = jnp.asarray(rng.integers(-1, e + offset + 3, (t, k)), jnp.int32)  # some dropped, some past the slice
+    x = rows_with_wide_range(rng, t, kk, jnp.bfloat16, -30, 30)
+    for chunk in (False, True) if kk % ops.CHUNK_K == 0 else (False,):
+        want = (*ops.moe_align(ids, e, tile_m=tile_m, expert_offset=offset),
+                *ops.quant_dequant_rows(x, chunk_out=chunk))
+        for impl in impls:
+            got = ops.moe_align_quant(ids, x, e, tile_m=tile_m, expert_offset=offset, chunk_out=chunk, impl=impl)
+            assert_same_bytes(got, want)
+
+
+@pytest.mark.parametrize("t,k,e,offset,kk,tile_m", ALIGN_QUANT_CASES)
+def test_align_quant_is_align_then_quantize(t, k, e, offset, kk, tile_m):
+    """moe_align_quant's outputs are moe_align's and quant_dequant_rows' bytes (CPU handler and twin)."""
+    _align_quant_check(t, k, e, offset, kk, tile_m)
+
+
+def test_align_quant_rejects_what_it_is_not_for():
+    ids = jnp.zeros((5, 8), jnp.int32)  # 40 pairs: more than the one-warp align
+    with pytest.raises(ValueError, match="at most 32 pairs"):
+        ops.moe_align_quant(ids, jnp.zeros((5, 64), jnp.bfloat16), 8, tile_m=8)
+    with pytest.raises(ValueError, match="x must be bfloat16"):
+        ops.moe_align_quant(ids[:2], jnp.zeros((3, 64), jnp.bfloat16), 8, tile_m=8)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        ops.moe_align_quant(ids[:2], jnp.zeros((2, 40), jnp.bfloat16), 8, tile_m=8)
+    ops.ensure_registered()  # the handler checks them too
+    with pytest.raises(Exception, match="at most 32 token-expert pairs"):
+        jax.ffi.ffi_call(ops.TARGET_ALIGN_QUANT, (jax.ShapeDtypeStruct((8 * 40,), jnp.int32),
+                                                  jax.ShapeDtypeStruct((40,), jnp.int32),
+                                                  jax.ShapeDtypeStruct((5, 8), jnp.int32),
+                                                  jax.ShapeDtypeStruct((5, 64), jnp.bfloat16),
+                                                  jax.ShapeDtypeStruct((5,), jnp.float32)),
+                         vmap_method="sequential")(ids, jnp.zeros((5, 64), jnp.bfloat16), num_experts=np.int64(8),
+                                                   expert_offset=np.int64(0), tile_m=np.int64(8), chunk_out=False,
+                                                   kernel_flags=np.int64(0))
+
+
 def test_twin_is_quantize_then_decode():
     x = rows_with_wide_range(np.random.default_rng(1), 9, 48, jnp.bfloat16, -20, 20)
     q = nv.quantize(x, per_token=True)
@@ -228,6 +270,14 @@ def test_gpu_matches_pure_jax_quantizer(dtype, r, k):
     wts = jnp.asarray(rng.uniform(0.5, 1.5, r // 2 + 1), jnp.float32)  # GEMM2's row scales (ids past the end: 0)
     assert_same_bytes(ops.quant_dequant_rows(x, ids, row_weights=wts),
                       ops.quant_dequant_rows(x, ids, row_weights=wts, impl="jax"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,k,e,offset,kk,tile_m", ALIGN_QUANT_CASES)
+def test_gpu_align_quant_is_align_then_quantize(t, k, e, offset, kk, tile_m):
+    """One launch (the align in CTA 0, x's rows in the others: CTA- and warp-per-row instances holding
+    1, 2 or 4 blocks a thread, or reading twice past 8192) gives the two kernels' bytes."""
+    _align_quant_check(t, k, e, offset, kk, tile_m, impls=("ffi",))
 
 
 @pytest.mark.gpu

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 
+#include "cuda/align_one_warp.cuh"
 #include "cuda/cuda_util.h"
 #include "moe_common.h"
 #include "moe_handlers.h"
@@ -253,62 +254,9 @@ __global__ void __launch_bounds__(kAlignThreads)
   WarpRanks(ids, wbegin, wend, offset, num_experts, base, hist + warp * E, lane, sorted_ids, pair_to_row);
 }
 
-// Small batches (n <= 32 pairs, e.g. decode with T * k <= 32): warp 0 holds one pair per lane and
-// does everything with warp collectives (no block scan, one barrier): groups from
-// __match_any_sync, a group's first row from the padded sizes of the lower experts present.
-// Same contract and bytes as MoeAlignKernel. The other warps only help fill sorted_ids.
-constexpr int kAlignSmallThreads = 128;
-static_assert(kAlignOneWarpPairs == 32, "one pair per lane");
-
-__global__ void __launch_bounds__(kAlignSmallThreads)
-    MoeAlignOneWarpKernel(const int32_t* __restrict__ ids, int32_t n, int64_t num_experts, int64_t offset,
-                          int32_t tile_m, int64_t P, int32_t* __restrict__ sorted_ids,
-                          int32_t* __restrict__ tile_expert, int32_t* __restrict__ pair_to_row) {
-  __shared__ int32_t s_start[32], s_expert[32];  // per lane: its group's first row and expert (leaders), else -1
-  __shared__ int32_t s_total;
+__global__ void __launch_bounds__(kAlignSmallThreads) MoeAlignOneWarpKernel(const AlignArgs a) {
   GridDependencyWait();
-  const int tid = threadIdx.x, lane = tid & 31;
-  for (int64_t r = tid; r < P; r += kAlignSmallThreads) sorted_ids[r] = -1;
-  int32_t e = -2, row = 0;  // warp 0: this lane's pair's expert (-1 dropped, -2 no pair) and row
-  if (tid < 32) {
-    e = lane < n ? LocalExpert(ids[lane], offset, num_experts) : -2;
-    const unsigned same = __match_any_sync(0xFFFFFFFFu, e);
-    const unsigned lower = same & ((1u << lane) - 1u);
-    const bool leader = e >= 0 && lower == 0;
-    const int32_t padded = leader ? int32_t((__popc(same) + tile_m - 1) / tile_m * tile_m) : 0;
-    int32_t start = 0, total = 0;  // rows of the present groups of lower experts; of all groups
-    for (int j = 0; j < 32; ++j) {
-      const int32_t ej = __shfl_sync(0xFFFFFFFFu, e, j), pj = __shfl_sync(0xFFFFFFFFu, padded, j);
-      start += (pj > 0 && ej < e) ? pj : 0;
-      total += pj;
-    }
-    row = start + __popc(lower);
-    s_start[lane] = leader ? start : -1;
-    s_expert[lane] = leader ? e : -1;
-    if (lane == 0) s_total = total;
-  }
-  __syncthreads();  // the -1 fill and the group table are complete
-  if (e >= 0) {
-    sorted_ids[row] = lane;
-    pair_to_row[lane] = row;
-  } else if (e == -1) {
-    pair_to_row[lane] = -1;
-  }
-  // Tile owners: the present expert with the largest first row at or before the tile.
-  const int64_t tiles = P / tile_m;
-  for (int64_t i = tid; i < tiles; i += kAlignSmallThreads) {
-    const int64_t row0 = i * tile_m;
-    int32_t owner = -1, best = -1;
-    if (row0 < s_total) {
-      for (int j = 0; j < 32; ++j) {
-        if (s_expert[j] >= 0 && s_start[j] <= row0 && s_start[j] > best) {
-          best = s_start[j];
-          owner = s_expert[j];
-        }
-      }
-    }
-    tile_expert[i] = owner;
-  }
+  AlignOneWarp(a);
 }
 
 ffi::Error MoeAlignCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> topk_ids,
@@ -325,9 +273,9 @@ ffi::Error MoeAlignCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> topk_ids,
   const bool pdl = kernel_flags & int64_t(KernelFlag::kPdl);
   const bool one_cta = kernel_flags & int64_t(KernelFlag::kAlignOneCta);
   if (!one_cta && n <= kAlignOneWarpPairs) {
-    LaunchKernel(MoeAlignOneWarpKernel, 1, kAlignSmallThreads, 0, stream, pdl, topk_ids.typed_data(), int32_t(n),
-                 num_experts, expert_offset, int32_t(tile_m), P, sorted_ids->typed_data(),
-                 tile_expert->typed_data(), pair_to_row->typed_data());
+    const AlignArgs a{topk_ids.typed_data(), int32_t(n), int32_t(tile_m), num_experts, expert_offset, P,
+                      sorted_ids->typed_data(), tile_expert->typed_data(), pair_to_row->typed_data()};
+    LaunchKernel(MoeAlignOneWarpKernel, 1, kAlignSmallThreads, 0, stream, pdl, a);
     return LaunchError("moe_align");
   }
   const size_t smem = sizeof(int32_t) * (kAlignWarps + 1) * num_experts;  // <= 34 KB

@@ -4,6 +4,9 @@
 // quantizes each 16-element block and writes its 16 decoded bf16 values with two 16-byte stores, or,
 // in the chunk order (CHUNK), as eight pairs of values that sit side by side there. One launch, no
 // atomics, no workspace.
+#include <type_traits>
+
+#include "cuda/align_one_warp.cuh"
 #include "cuda/cuda_util.h"
 #include "moe_common.h"
 #include "moe_handlers.h"
@@ -83,14 +86,14 @@ struct QuantRowsArgs {
 // once, all its loads in flight together; HELD = 0: rows too long for that are read twice (abs-max,
 // then quantize; the second read mostly from L1/L2).
 
+// The rows of CTA `block` of the launch (ROW_THREADS threads a row).
 template <typename T, int ROW_THREADS, int HELD, bool CHUNK>
-__global__ void __launch_bounds__(kQuantThreads) QuantDequantRowsKernel(const T* __restrict__ x, const QuantRowsArgs a) {
-  GridDependencyWait();
+__device__ __forceinline__ void QuantRowsOfBlock(const T* __restrict__ x, const QuantRowsArgs& a, int64_t block) {
   static_assert(ROW_THREADS == 32 || ROW_THREADS == kQuantThreads, "a row is one warp or the whole CTA");
   constexpr int kWarpsPerRow = ROW_THREADS / 32;
   __shared__ uint32_t warp_amax[kWarpsPerRow];
   const int lane = threadIdx.x % ROW_THREADS;
-  const int64_t r = int64_t(blockIdx.x) * (kQuantThreads / ROW_THREADS) + threadIdx.x / ROW_THREADS;
+  const int64_t r = block * (kQuantThreads / ROW_THREADS) + threadIdx.x / ROW_THREADS;
   if (r >= a.R) return;  // uniform over the row's threads (a CTA-wide row always has r < R)
   const int64_t nb = a.K / 16;
   uint16_t* orow = a.out + r * a.K;
@@ -156,33 +159,65 @@ __global__ void __launch_bounds__(kQuantThreads) QuantDequantRowsKernel(const T*
   }
 }
 
+template <typename T, int ROW_THREADS, int HELD, bool CHUNK>
+__global__ void __launch_bounds__(kQuantThreads) QuantDequantRowsKernel(const T* __restrict__ x, const QuantRowsArgs a) {
+  GridDependencyWait();
+  QuantRowsOfBlock<T, ROW_THREADS, HELD, CHUNK>(x, a, blockIdx.x);
+}
+
+// moe_align_quant: CTA 0 aligns the pairs (one warp), the others quantize x's rows, in one launch
+// (at decode, two launches of a few microseconds each that did not depend on each other).
+template <typename T, int ROW_THREADS, int HELD, bool CHUNK>
+__global__ void __launch_bounds__(kQuantThreads) AlignQuantKernel(const AlignArgs al, const T* __restrict__ x,
+                                                                   const QuantRowsArgs a) {
+  static_assert(kAlignSmallThreads == kQuantThreads, "one CTA size for both roles");
+  GridDependencyWait();
+  if (blockIdx.x == 0) return AlignOneWarp(al);
+  QuantRowsOfBlock<T, ROW_THREADS, HELD, CHUNK>(x, a, blockIdx.x - 1);
+}
+
 // Launches with HELD = the fewest of 1, 2, 4 blocks a thread that hold a row of nb blocks (each slot
 // costs 16 registers: with 4 for every row, prefill layers ran 1-2% slower on the H200, 2026-12-02),
 // or 0 past 4 (read twice).
-template <typename T, int ROW_THREADS, bool CHUNK>
-void LaunchRows(const T* x, const QuantRowsArgs& a, unsigned ctas, bool pdl, cudaStream_t stream) {
-  const int64_t per_thread = CeilDiv<int64_t>(a.K / 16, ROW_THREADS);
+// Calls launch(kernel) with the quantize kernel's instance for x's rows (ROW_THREADS threads a row)
+// holding the fewest of 1, 2, 4 blocks a thread that cover a row of nb blocks (each slot costs 16
+// registers: with 4 for every row, prefill layers ran 1-2% slower on the H200, 2026-12-02), or 0 past 4
+// (read twice); ALIGN: moe_align_quant's kernel.
+template <bool ALIGN, typename T, int ROW_THREADS, int HELD, bool CHUNK>
+constexpr auto RowsKernel() {
+  if constexpr (ALIGN) return AlignQuantKernel<T, ROW_THREADS, HELD, CHUNK>;
+  else return QuantDequantRowsKernel<T, ROW_THREADS, HELD, CHUNK>;
+}
+template <bool ALIGN, typename T, int ROW_THREADS, bool CHUNK, typename F>
+void WithRowsKernel(int64_t K, F&& launch) {
+  const int64_t per_thread = CeilDiv<int64_t>(K / 16, ROW_THREADS);
   if constexpr (ROW_THREADS == kQuantThreads)  // (a warp's rows have at most 4 blocks a lane)
-    if (per_thread > 4)
-      return LaunchKernel(QuantDequantRowsKernel<T, ROW_THREADS, 0, CHUNK>, ctas, kQuantThreads, 0, stream, pdl, x, a);
-  const auto kernel = per_thread <= 1   ? QuantDequantRowsKernel<T, ROW_THREADS, 1, CHUNK>
-                      : per_thread <= 2 ? QuantDequantRowsKernel<T, ROW_THREADS, 2, CHUNK>
-                                        : QuantDequantRowsKernel<T, ROW_THREADS, 4, CHUNK>;
-  LaunchKernel(kernel, ctas, kQuantThreads, 0, stream, pdl, x, a);
+    if (per_thread > 4) return launch(RowsKernel<ALIGN, T, ROW_THREADS, 0, CHUNK>());
+  if (per_thread <= 1) return launch(RowsKernel<ALIGN, T, ROW_THREADS, 1, CHUNK>());
+  if (per_thread <= 2) return launch(RowsKernel<ALIGN, T, ROW_THREADS, 2, CHUNK>());
+  launch(RowsKernel<ALIGN, T, ROW_THREADS, 4, CHUNK>());
 }
 
-template <typename T, bool CHUNK>
-void Launch(const T* x, const QuantRowsArgs& a, bool pdl, cudaStream_t stream) {
-  if (a.K / 16 >= kQuantThreads) {  // long rows: a CTA per row
-    LaunchRows<T, kQuantThreads, CHUNK>(x, a, unsigned(a.R), pdl, stream);
-  } else {  // short rows (under 128 blocks, at most 4 a lane): a warp per row
-    LaunchRows<T, 32, CHUNK>(x, a, unsigned(CeilDiv<int64_t>(a.R, kQuantThreads / 32)), pdl, stream);
-  }
+// Long rows (128 blocks or more) get a CTA each, shorter ones (at most 4 blocks a lane) a warp:
+// launch(kernel, CTAs for x's rows).
+template <bool ALIGN, typename T, typename F>
+void WithQuantLaunch(const QuantRowsArgs& a, bool chunk_out, F&& launch) {
+  const auto go = [&](auto chunk) {
+    constexpr bool kChunk = decltype(chunk)::value;
+    if (a.K / 16 >= kQuantThreads)
+      WithRowsKernel<ALIGN, T, kQuantThreads, kChunk>(a.K, [&](auto kernel) { launch(kernel, unsigned(a.R)); });
+    else
+      WithRowsKernel<ALIGN, T, 32, kChunk>(
+          a.K, [&](auto kernel) { launch(kernel, unsigned(CeilDiv<int64_t>(a.R, kQuantThreads / 32))); });
+  };
+  chunk_out ? go(std::true_type{}) : go(std::false_type{});
 }
 
 template <typename T>
 void Launch(const T* x, const QuantRowsArgs& a, bool chunk_out, bool pdl, cudaStream_t stream) {
-  chunk_out ? Launch<T, true>(x, a, pdl, stream) : Launch<T, false>(x, a, pdl, stream);
+  WithQuantLaunch<false, T>(a, chunk_out, [&](auto kernel, unsigned ctas) {
+    LaunchKernel(kernel, ctas, kQuantThreads, 0, stream, pdl, x, a);
+  });
 }
 
 ffi::Error QuantDequantRowsCudaImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> row_ids,
@@ -209,9 +244,41 @@ ffi::Error QuantDequantRowsCudaImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::
   return LaunchError("quant_dequant_rows");
 }
 
+ffi::Error MoeAlignQuantCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> topk_ids, ffi::Buffer<ffi::BF16> x,
+                                 ffi::Result<ffi::Buffer<ffi::S32>> sorted_ids,
+                                 ffi::Result<ffi::Buffer<ffi::S32>> tile_expert,
+                                 ffi::Result<ffi::Buffer<ffi::S32>> pair_to_row,
+                                 ffi::Result<ffi::Buffer<ffi::BF16>> xq, ffi::Result<ffi::Buffer<ffi::F32>> x_scale,
+                                 int64_t num_experts, int64_t expert_offset, int64_t tile_m, bool chunk_out,
+                                 int64_t kernel_flags) {
+  int64_t n, P, K;
+  if (auto err = CheckAlignQuant("moe_align_quant", topk_ids, x, num_experts, tile_m, *sorted_ids, *tile_expert,
+                                 *pair_to_row, *xq, *x_scale, chunk_out, kMaxAlignExperts, kernel_flags, &n, &P,
+                                 &K);
+      err.failure())
+    return err;
+  if (P == 0) return ffi::Error::Success();  // no pair (T * k == 0): no row either
+  const AlignArgs al{topk_ids.typed_data(), int32_t(n), int32_t(tile_m), num_experts, expert_offset, P,
+                     sorted_ids->typed_data(), tile_expert->typed_data(), pair_to_row->typed_data()};
+  QuantRowsArgs a{};
+  a.R = topk_ids.dimensions()[0];
+  a.K = K;
+  a.out = xq->typed_data();
+  a.scale = x_scale->typed_data();
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.untyped_data());
+  WithQuantLaunch<true, uint16_t>(a, chunk_out, [&](auto kernel, unsigned ctas) {
+    LaunchKernel(kernel, ctas + 1, kQuantThreads, 0, stream, kernel_flags & int64_t(KernelFlag::kPdl), al, xp, a);
+  });
+  return LaunchError("moe_align_quant");
+}
+
 }  // namespace
 }  // namespace jax_nvfp4
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxNvfp4MoeAlignQuantCuda, jax_nvfp4::MoeAlignQuantCudaImpl,
+                              jax_nvfp4::sig::MoeAlignQuant(
+                                  xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxNvfp4QuantDequantRowsCuda, jax_nvfp4::QuantDequantRowsCudaImpl,
                               jax_nvfp4::sig::QuantDequantRows(
                                   xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
