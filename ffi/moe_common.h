@@ -85,7 +85,8 @@ enum class KernelFlag : int64_t {
                                // pairs on (three kernels: counts, group offsets, ranks; Qwen3 T=4096 layers 4%
                                // faster, 957.6 -> 919.6 us: one CTA took 51 us for its 32768 pairs)
   kSeparateXQuant = 4194304,   // w4a4 decode (at most kAlignOneWarpPairs pairs): x quantized by its own launch
-                               // after moe_align's, not by moe_align_quant's CTAs beside the align's
+                               // after moe_align's, not by moe_align_quant's CTAs beside the align's (H200,
+                               // 2026-12-03: fused, Qwen3 w4a4 T=1 / 4 layers x0.919 / x0.947, DeepSeek-V3 x0.975 / x0.988)
   // 1048576 / 2097152: kPrefetchNext / kPrefetchNextLate (moe's GEMM1 decode CTAs warming their experts'
   // GEMM2 weights into L2 by bulk prefetches, before / after their main loop) for one H200 A/B on 2026-12-03,
   // removed: 4-13% / up to 12% slower decode layers (the prefetches take HBM bandwidth from GEMM1's loads).

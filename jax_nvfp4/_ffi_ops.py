@@ -102,7 +102,7 @@ class KernelFlag(enum.IntFlag):
     # ALIGN_ONE_WARP_PAIRS pairs (H200, 2026-12-02: Qwen3 T=1 layers 6% faster) nor on up to 64 CTAs from 2048 pairs
     # on (three kernels: counts, group offsets, ranks; Qwen3 T=4096 layers 4% faster)
     SEPARATE_X_QUANT = 4194304  # w4a4 decode (at most ALIGN_ONE_WARP_PAIRS pairs): x quantized by its own launch after
-    # the align's, not by moe_align_quant's CTAs beside the align's
+    # the align's, not by moe_align_quant's CTAs beside the align's (fused: Qwen3 w4a4 T=1 layers x0.919 on the H200)
     # 1048576 / 2097152: PREFETCH_NEXT / PREFETCH_NEXT_LATE (GEMM1's decode CTAs warming their experts' GEMM2
     # weights into L2) for one A/B on 2026-12-03, removed: up to 13% slower decode layers on the H200
     # 1024 / 2048: L2_PREFETCH / SPLIT_GATE_UP (decode tiles) for one A/B on 2026-12-01, removed: slower on the H200
