@@ -207,12 +207,11 @@ ffi::Error CheckAlignQuant(const char* op, const I& topk_ids, const X& x, int64_
   if (*n > kAlignOneWarpPairs)
     return Invalid(op, "at most " + std::to_string(kAlignOneWarpPairs) + " token-expert pairs (T * k), got " +
                            std::to_string(*n) + ": call moe_align and quant_dequant_rows");
-  int64_t R;
-  if (auto err = CheckQuantOut(op, x, xq, x_scale, chunk_out, &R, K); err.failure()) return err;
-  if (R != topk_ids.dimensions()[0])
+  if (x.dimensions().size() != 2 || x.dimensions()[0] != topk_ids.dimensions()[0])
     return Invalid(op, "x must have a row per token: [T, K] with T = " + std::to_string(topk_ids.dimensions()[0]) +
                            ", got " + ShapeStr(x.dimensions()));
-  return ffi::Error::Success();
+  int64_t R;
+  return CheckQuantOut(op, x, xq, x_scale, chunk_out, &R, K);
 }
 
 }  // namespace jax_nvfp4

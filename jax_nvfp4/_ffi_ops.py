@@ -236,7 +236,7 @@ def ensure_registered() -> None:
 # Mean rows per expert from which 64-row tiles on the sm_90a wgmma kernels (GEMM1 warp-specialized:
 # weights staged through a shared-memory ring, so many bytes in flight) beat 16-row mma.sync tiles (H200,
 # 2026-12-03, blocked weights: DeepSeek-V3 EP8 12 rows x1.054, 16 rows x0.828, 24 x0.612, 32 x0.504; Qwen3
-# 16 rows x0.808, 32 x0.512; BENCHMARKS.md session 24). Elsewhere 64-row tiles wait for 32 rows.
+# 16 rows x0.808, 32 x0.512; BENCHMARKS.md session 24). Elsewhere (:func:`wgmma_tiles`) 64-row tiles wait for 32.
 WGMMA_MIN_ROWS = 13
 
 
@@ -244,7 +244,7 @@ def choose_tile_m(n_pairs: int, num_experts: int, wgmma: bool = False) -> int:
     """Rows per GEMM tile from the rows per expert, ``N ~ Poisson(n_pairs / E)``.
 
     Prefill (a mean above 32 rows, or from ``WGMMA_MIN_ROWS`` with ``wgmma``: the GPUs run 64-row
-    tiles on the sm_90a wgmma kernels, :func:`wgmma_tiles`): 64-row tiles. Decode: 8-row tiles while
+    tiles on the sm_90a warp-specialized GEMM1, :func:`wgmma_tiles`): 64-row tiles. Decode: 8-row tiles while
     they hold the mean plus two standard deviations (about 98% of the experts in one tile), else
     16-row tiles: an expert that needs a second tile has its weights decoded twice, and the kernels
     skip a tile's empty 8-row blocks. On the H200 (2026-12-01, ``BENCHMARKS.md``) 16-row tiles made
@@ -768,12 +768,15 @@ def chunk_intermediate_supported() -> bool:
     return gpus is None or _sm90a_gpus(gpus)
 
 
-def wgmma_tiles(kernel_flags: int = 0) -> bool:
-    """Whether this process's GPUs run 64-row tiles on the sm_90a wgmma kernels (CUDA devices, all
-    sm_90, an sm_90a build, no ``NO_WGMMA``): :func:`choose_tile_m` then takes them from
-    ``WGMMA_MIN_ROWS`` rows per expert on."""
+def wgmma_tiles(experts: NVFP4Experts, kernel_flags: int = 0) -> bool:
+    """Whether moe runs the 64-row tiles of ``experts`` on the sm_90a warp-specialized GEMM1 here:
+    CUDA devices, all sm_90, an sm_90a build, blocked gate/up weights with H a multiple of 128, and
+    neither ``NO_WGMMA`` nor ``NO_WARP_SPECIALIZED``. :func:`choose_tile_m` then takes 64-row tiles
+    from ``WGMMA_MIN_ROWS`` rows per expert on (the measured case; elsewhere from 33)."""
     gpus = _cuda_devices()
-    return bool(gpus) and _sm90a_gpus(gpus) and not kernel_flags & KernelFlag.NO_WGMMA
+    return (bool(gpus) and _sm90a_gpus(gpus) and experts.gate_up.order == "blocked"
+            and experts.gate_up.shape[-1] % CHUNK_K == 0
+            and not kernel_flags & (KernelFlag.NO_WGMMA | KernelFlag.NO_WARP_SPECIALIZED))
 
 
 def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str = "w4a16",
@@ -827,7 +830,8 @@ def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str =
         topk_ids = jnp.where(topk_ids < 0, -1, topk_ids - jnp.asarray(local_expert_offset, jnp.int32))
         topk_ids = jnp.where(topk_ids < 0, -1, topk_ids)
         offset = 0
-    tile_m = choose_tile_m(t * k, e, impl == "ffi" and wgmma_tiles(kernel_flags)) if tile_m is None else tile_m
+    if tile_m is None:
+        tile_m = choose_tile_m(t * k, e, impl == "ffi" and wgmma_tiles(experts, kernel_flags))
     w4a4 = MODES[mode] == Mode.W4A4
     # w4a4 decode: the align and the quantize of x in one launch (moe_align_quant), where the align is
     # the one-warp kernel and x is quantized by the kernel.

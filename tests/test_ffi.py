@@ -110,15 +110,20 @@ def test_choose_tile_m_fits_most_experts_in_one_tile(rows_per_expert, tile):
 
 
 def test_moe_takes_wgmma_tiles_only_where_the_gpus_run_them():
-    """The lower 64-row threshold needs the sm_90a kernels (none on the CPU, none with NO_WGMMA); the
-    lowered layer shows the tile size that was chosen (16 rows per expert: 64-row tiles only there)."""
-    assert not ops.wgmma_tiles(ops.KernelFlag.NO_WGMMA)
-    assert ops.wgmma_tiles() == (has_gpu() and ops.chunk_intermediate_supported())
-    ex = make_experts(5, 8, 64, 32)
-    x = make_x(1, 16, 64)
+    """The lower 64-row threshold needs the sm_90a warp-specialized GEMM1 (none on the CPU, nor with
+    NO_WGMMA / NO_WARP_SPECIALIZED or experts in the rows order); the lowered layer shows the tile size
+    that was chosen (16 rows per expert: 64-row tiles only there)."""
+    ex = make_experts(5, 8, 128, 128)
+    blocked = nv.to_blocked_experts(ex)
+    sm90a = has_gpu() and ops.chunk_intermediate_supported()
+    assert not ops.wgmma_tiles(ex) and not ops.wgmma_tiles(blocked, ops.KernelFlag.NO_WGMMA)
+    assert not ops.wgmma_tiles(blocked, ops.KernelFlag.NO_WARP_SPECIALIZED)
+    assert ops.wgmma_tiles(blocked) == sm90a
+    x = make_x(1, 16, 128)
     ids, w = make_routing(2, 16, 8, 8)  # 16 rows per expert
-    text = jax.jit(lambda x, i, w: ops.moe(x, ex, i, w)).lower(x, ids, w).as_text()
-    assert f"tile_m = {64 if ops.wgmma_tiles() else 16}" in text
+    for experts, tile in ((ex, 16), (blocked, 64 if sm90a else 16)):
+        text = jax.jit(lambda x, i, w, experts=experts: ops.moe(x, experts, i, w)).lower(x, ids, w).as_text()
+        assert f"tile_m = {tile}" in text
 
 
 # ------------------------------------------------------------------------------------------

@@ -90,7 +90,8 @@ def test_row_weights_scale_the_used_rows():
 
 
 ALIGN_QUANT_CASES = [(1, 8, 128, 0, 2048, 8), (4, 8, 32, 0, 7168, 16), (3, 2, 5, 2, 64, 8), (2, 8, 256, 96, 768, 8),
-                     (1, 1, 8, 0, 16, 64), (4, 8, 8, 0, 8448, 8), (3, 4, 16, 0, 1536, 32)]
+                     (1, 1, 8, 0, 16, 64), (4, 8, 8, 0, 8448, 8), (3, 4, 16, 0, 1536, 32), (2, 0, 8, 0, 64, 8),
+                     (2, 8, 64, 0, 4096, 8)]
 
 
 def _align_quant_check(t, k, e, offset, kk, tile_m, impls=("ffi", "jax")):
@@ -98,8 +99,8 @@ def _align_quant_check(t, k, e, offset, kk, tile_m, impls=("ffi", "jax")):
     ids = jnp.asarray(rng.integers(-1, e + offset + 3, (t, k)), jnp.int32)  # some dropped, some past the slice
     x = rows_with_wide_range(rng, t, kk, jnp.bfloat16, -30, 30)
     for chunk in (False, True) if kk % ops.CHUNK_K == 0 else (False,):
-        want = (*ops.moe_align(ids, e, tile_m=tile_m, expert_offset=offset),
-                *ops.quant_dequant_rows(x, chunk_out=chunk))
+        want = (*ops.moe_align(ids, e, tile_m=tile_m, expert_offset=offset, impl="jax"),
+                *ops.quant_dequant_rows(x, chunk_out=chunk, impl="jax"))
         for impl in impls:
             got = ops.moe_align_quant(ids, x, e, tile_m=tile_m, expert_offset=offset, chunk_out=chunk, impl=impl)
             assert_same_bytes(got, want)
@@ -107,7 +108,8 @@ def _align_quant_check(t, k, e, offset, kk, tile_m, impls=("ffi", "jax")):
 
 @pytest.mark.parametrize("t,k,e,offset,kk,tile_m", ALIGN_QUANT_CASES)
 def test_align_quant_is_align_then_quantize(t, k, e, offset, kk, tile_m):
-    """moe_align_quant's outputs are moe_align's and quant_dequant_rows' bytes (CPU handler and twin)."""
+    """moe_align_quant's outputs are the bytes of moe_align's and quant_dequant_rows' twins (the custom
+    call on this platform, and the fused op's own twin)."""
     _align_quant_check(t, k, e, offset, kk, tile_m)
 
 
@@ -276,7 +278,7 @@ def test_gpu_matches_pure_jax_quantizer(dtype, r, k):
 @pytest.mark.parametrize("t,k,e,offset,kk,tile_m", ALIGN_QUANT_CASES)
 def test_gpu_align_quant_is_align_then_quantize(t, k, e, offset, kk, tile_m):
     """One launch (the align in CTA 0, x's rows in the others: CTA- and warp-per-row instances holding
-    1, 2 or 4 blocks a thread, or reading twice past 8192) gives the two kernels' bytes."""
+    1, 2 or 4 blocks a thread, or reading twice past 8192; no pair, k = 0) gives the twins' bytes."""
     _align_quant_check(t, k, e, offset, kk, tile_m, impls=("ffi",))
 
 

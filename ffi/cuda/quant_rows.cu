@@ -257,7 +257,7 @@ ffi::Error MoeAlignQuantCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> topk
                                  &K);
       err.failure())
     return err;
-  if (P == 0) return ffi::Error::Success();  // no pair (T * k == 0): no row either
+  if (P == 0 && topk_ids.dimensions()[0] == 0) return ffi::Error::Success();  // no pair and no row
   const AlignArgs al{topk_ids.typed_data(), int32_t(n), int32_t(tile_m), num_experts, expert_offset, P,
                      sorted_ids->typed_data(), tile_expert->typed_data(), pair_to_row->typed_data()};
   QuantRowsArgs a{};

@@ -117,7 +117,7 @@ class FFIBackend:
         # global experts when routing over them is known (expert parallelism), else the local ones.
         spread = getattr(problem, "global_experts", None) or problem.num_experts
         tile_m = self.tile_m or ops.choose_tile_m(problem.tokens * problem.top_k, spread,
-                                                  ops.wgmma_tiles(self.kernel_flags))
+                                                  ops.wgmma_tiles(experts, self.kernel_flags))
         k_split = self.k_split if tile_m <= ops.MAX_SPLIT_TILE_M else None
         return ops.moe(x, experts, topk_ids, topk_weights, mode=problem.mode, activation=problem.activation,
                        local_expert_offset=local_expert_offset, tile_m=tile_m, kernel_flags=self.kernel_flags,
