@@ -130,9 +130,21 @@ NVFP4_HD RowScales RowScalesFromAmax(uint32_t amax_bits) {
 
 // The scale written for used row r: its stored global scale, times row_weights[id] (id = row_ids[r])
 // when given, 0 past row_weights' end: mode w4a4's GEMM2 row scale (routing weight x decode scale).
+// The rule in two steps, so that a kernel can load the weight early (RowWeightOf) and apply it once the
+// row's scale is known (Weighted).
+struct RowWeight {
+  bool weighted, in_range;  // row_weights given; id < n_weights
+  float w;                  // row_weights[id] where in range
+};
+NVFP4_HD RowWeight RowWeightOf(const float* row_weights, int64_t n_weights, int32_t id) {
+  const bool weighted = row_weights != nullptr, in_range = weighted && id < n_weights;
+  return {weighted, in_range, in_range ? row_weights[id] : 0.0f};
+}
+NVFP4_HD float Weighted(float stored, const RowWeight& rw) {
+  return !rw.weighted ? stored : rw.in_range ? rw.w * stored : 0.0f;
+}
 NVFP4_HD float WeightedScale(float stored, const float* row_weights, int64_t n_weights, int32_t id) {
-  if (row_weights == nullptr) return stored;
-  return id < n_weights ? row_weights[id] * stored : 0.0f;
+  return Weighted(stored, RowWeightOf(row_weights, n_weights, id));
 }
 
 // One block of 16: its E4M3 scale (bits and value) and the element multiplier 1 / (s8 * dec).

@@ -118,8 +118,8 @@ ffi::Error MoeAlignQuantCpuImpl(ffi::Buffer<ffi::S32> topk_ids, ffi::Buffer<ffi:
   AlignPairsCpu(topk_ids.typed_data(), n, num_experts, expert_offset, tile_m, P, sorted_ids->typed_data(),
                 tile_expert->typed_data(), pair_to_row->typed_data());
   IeeeSubnormals ieee;
-  QuantRows(reinterpret_cast<const uint16_t*>(x.untyped_data()), nullptr, nullptr, 0, topk_ids.dimensions()[0], K, chunk_out, xq->typed_data(),
-            x_scale->typed_data());
+  QuantRows(reinterpret_cast<const uint16_t*>(x.untyped_data()), nullptr, nullptr, 0, topk_ids.dimensions()[0], K,
+            chunk_out, xq->typed_data(), x_scale->typed_data());
   return ffi::Error::Success();
 }
 

@@ -774,8 +774,13 @@ def wgmma_tiles(experts: NVFP4Experts, kernel_flags: int = 0) -> bool:
     neither ``NO_WGMMA`` nor ``NO_WARP_SPECIALIZED``. :func:`choose_tile_m` then takes 64-row tiles
     from ``WGMMA_MIN_ROWS`` rows per expert on (the measured case; elsewhere from 33)."""
     gpus = _cuda_devices()
-    return (bool(gpus) and _sm90a_gpus(gpus) and experts.gate_up.order == "blocked"
-            and experts.gate_up.shape[-1] % CHUNK_K == 0
+    return bool(gpus) and _sm90a_gpus(gpus) and _ws_gemm1_layout(experts, kernel_flags)
+
+
+def _ws_gemm1_layout(experts: NVFP4Experts, kernel_flags: int) -> bool:
+    """Whether moe's 64-row GEMM1 of ``experts`` goes to the warp-specialized kernel where the wgmma
+    kernels run: blocked gate/up weights, H a multiple of 128, neither NO_WGMMA nor NO_WARP_SPECIALIZED."""
+    return (experts.gate_up.order == "blocked" and experts.gate_up.shape[-1] % CHUNK_K == 0
             and not kernel_flags & (KernelFlag.NO_WGMMA | KernelFlag.NO_WARP_SPECIALIZED))
 
 
@@ -860,8 +865,7 @@ def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str =
               else (Pairing.NONE, Pairing.NONE))
     # GEMM1 on the warp-specialized kernel (blocked weights): rows gathered from x in the chunk order
     # (one permutation of x's K axis; H200, 2026-12-02: 14-17% faster w4a16 prefill layers).
-    ws = (wgmma and not kernel_flags & KernelFlag.NO_WARP_SPECIALIZED and h % CHUNK_K == 0
-          and experts.gate_up.order == "blocked")
+    ws = wgmma and _ws_gemm1_layout(experts, kernel_flags)
     a1 = Pairing.CHUNK_A if ws else Pairing.NONE
 
     if MODES[mode] == Mode.W4A16:

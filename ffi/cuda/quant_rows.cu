@@ -120,9 +120,7 @@ __device__ __forceinline__ void QuantRowsOfBlock(const T* __restrict__ x, const 
     if (lane == 0) a.scale[r] = 0.0f;
     return;
   }
-  // row_weights[id], in flight with the row (quant::WeightedScale's rule: a scale of 0 past its end).
-  const bool weighted = a.row_weights != nullptr, in_weights = weighted && id < a.n_weights;
-  const float rw = in_weights ? a.row_weights[id] : 0.0f;
+  const quant::RowWeight rw = quant::RowWeightOf(a.row_weights, a.n_weights, id);  // in flight with the row
   uint32_t amax = 0;
   if constexpr (HELD > 0) {
 #pragma unroll
@@ -144,7 +142,7 @@ __device__ __forceinline__ void QuantRowsOfBlock(const T* __restrict__ x, const 
     for (int w = 0; w < kWarpsPerRow; ++w) amax = max(amax, warp_amax[w]);
   }
   const quant::RowScales rs = quant::RowScalesFromAmax(amax);
-  if (lane == 0) a.scale[r] = !weighted ? rs.stored : in_weights ? rw * rs.stored : 0.0f;
+  if (lane == 0) a.scale[r] = quant::Weighted(rs.stored, rw);
   if constexpr (HELD > 0) {
 #pragma unroll
     for (int i = 0; i < HELD; ++i) {
@@ -176,9 +174,6 @@ __global__ void __launch_bounds__(kQuantThreads) AlignQuantKernel(const AlignArg
   QuantRowsOfBlock<T, ROW_THREADS, HELD, CHUNK>(x, a, blockIdx.x - 1);
 }
 
-// Launches with HELD = the fewest of 1, 2, 4 blocks a thread that hold a row of nb blocks (each slot
-// costs 16 registers: with 4 for every row, prefill layers ran 1-2% slower on the H200, 2026-12-02),
-// or 0 past 4 (read twice).
 // Calls launch(kernel) with the quantize kernel's instance for x's rows (ROW_THREADS threads a row)
 // holding the fewest of 1, 2, 4 blocks a thread that cover a row of nb blocks (each slot costs 16
 // registers: with 4 for every row, prefill layers ran 1-2% slower on the H200, 2026-12-02), or 0 past 4
