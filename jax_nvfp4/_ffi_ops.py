@@ -75,7 +75,7 @@ class KernelFlag(enum.IntFlag):
     (for the GEMM loops, the winners of the H200 A/B of 2026-12-01; each flag names the other
     choice, so that A/B can be run again)."""
 
-    NO_WGMMA = 2  # 64-row tiles: the mma.sync kernel instead of the sm_90a wgmma kernel
+    NO_WGMMA = 2  # 64- and 32-row tiles: the mma.sync kernel instead of the sm_90a wgmma kernels
     WGMMA_TWO_BLOCKS = 4  # wgmma, non-gated: two 64-feature blocks per warpgroup instead of one
     JAX_QUANT = 8  # w4a4: per-token quantization in pure JAX, not by the quant_dequant_rows kernel
     ROW_TILES_FIRST = 16  # wgmma: consecutive CTAs take one feature slab's row tiles, not one row tile's slabs
@@ -83,14 +83,16 @@ class KernelFlag(enum.IntFlag):
     # the default
     PDL = 64  # every kernel launched with programmatic dependent launch (its start overlaps the previous kernel)
     NATURAL_INTERMEDIATE = 128  # moe: the intermediate in the natural order (default: paired on 8-32-row tiles,
-    # the chunk order on 64-row ones where I % 128 == 0 and the GPU is sm_90)
+    # the chunk order on the wgmma kernels' 32- and 64-row ones where I % 128 == 0 and the GPU is sm_90)
     # 256: PAIRED_INPUT (GEMM1's input paired by a transpose of x) until 2026-12-01, removed: no gain on the H200
     PLAIN_WEIGHT_LOADS = 512  # decode tiles: never the streaming hints (the default where K per warp >= 768)
     NO_WARP_SPECIALIZED = 32768  # 64-row tiles with blocked weights (sm_90): GEMM1 on the staged wgmma kernel
+    # (32-row tiles: on the mma.sync kernel)
     # (x in the natural order), not the warp-specialized one (a producer warpgroup stages weights and gathered rows
     # for three MMA warpgroups; H200: 14-17% faster w4a16 prefill layers, 1.33-1.45x faster w4a4 ones)
     WS_GEMM2 = 65536  # GEMM2 too (chunk-ordered a, not gathered) on the warp-specialized kernel, not the TMA-fed one
-    # (1.02-1.22x slower layers on the H200, 2026-12-02, sessions 17-19)
+    # (64-row tiles: 1.02-1.22x slower layers on the H200, 2026-12-02, sessions 17-19; moe sets it on 32-row
+    # tiles where I >= WS_GEMM2_MIN_K)
     NO_PERSISTENT = 131072  # the warp-specialized kernel with a CTA per work item, not on a persistent grid (a CTA
     # per SM walks the work items, its ring running on across them: prefill layers up to 1.8% faster, at most 0.6%
     # slower on the H200)
@@ -233,18 +235,28 @@ def ensure_registered() -> None:
 
 # ---- static tiling decisions ---------------------------------------------------------------
 
-# Mean rows per expert from which 64-row tiles on the sm_90a wgmma kernels (GEMM1 warp-specialized:
-# weights staged through a shared-memory ring, so many bytes in flight) beat 16-row mma.sync tiles (H200,
-# 2026-12-03, blocked weights: DeepSeek-V3 EP8 12 rows x1.054, 16 rows x0.828, 24 x0.612, 32 x0.504; Qwen3
-# 16 rows x0.808, 32 x0.512; BENCHMARKS.md session 24). Elsewhere (:func:`wgmma_tiles`) 64-row tiles wait for 32.
-WGMMA_MIN_ROWS = 13
+# Mean rows per expert from which tiles on the sm_90a wgmma kernels (GEMM1 warp-specialized: weights
+# staged through a shared-memory ring, so many bytes in flight) beat 16-row mma.sync tiles: 32-row
+# tiles (m64n32 wgmmas) from WGMMA_MIN_ROWS, 64-row ones from WGMMA_64_ROWS. (H200, 2026-12-03, before
+# the 32-row wgmma tiles, 64-row ones against 16-row ones, blocked weights: DeepSeek-V3 EP8 12 rows
+# x1.054, 16 rows x0.828, 24 x0.612, 32 x0.504; Qwen3 16 rows x0.808, 32 x0.512; BENCHMARKS.md session 24.)
+# Elsewhere (:func:`wgmma_tiles`) 64-row tiles wait for 32 rows, and 32-row ones are not chosen.
+WGMMA_MIN_ROWS = 9
+WGMMA_64_ROWS = 25
+WGMMA_TILE_MS = (32, 64)  # the tiles of the wgmma kernels (32 rows: chunk-ordered activations only)
+# On 32-row tiles, GEMM2 (K = I) runs on the warp-specialized kernel too (as WS_GEMM2) from this K on: its
+# six-stage weight ring keeps more bytes in flight than the TMA-fed kernel's one chunk of weights in registers
+# (H200, 2026-12-03: DeepSeek-V3 EP8, I = 2048, T = 48-96 layers x0.913-0.919; Qwen3-30B-A3B, I = 768,
+# T = 192-384 x1.004-1.030: six chunks an item fill the ring too briefly).
+WS_GEMM2_MIN_K = 1536
 
 
 def choose_tile_m(n_pairs: int, num_experts: int, wgmma: bool = False) -> int:
     """Rows per GEMM tile from the rows per expert, ``N ~ Poisson(n_pairs / E)``.
 
-    Prefill (a mean above 32 rows, or from ``WGMMA_MIN_ROWS`` with ``wgmma``: the GPUs run 64-row
-    tiles on the sm_90a warp-specialized GEMM1, :func:`wgmma_tiles`): 64-row tiles. Decode: 8-row tiles while
+    Prefill (a mean above 32 rows, or from ``WGMMA_64_ROWS`` with ``wgmma``: the GPUs run the tiles on
+    the sm_90a warp-specialized GEMM1, :func:`wgmma_tiles`): 64-row tiles; with ``wgmma``, 32-row
+    tiles from ``WGMMA_MIN_ROWS`` (the same kernels' m64n32 form). Decode: 8-row tiles while
     they hold the mean plus two standard deviations (about 98% of the experts in one tile), else
     16-row tiles: an expert that needs a second tile has its weights decoded twice, and the kernels
     skip a tile's empty 8-row blocks. On the H200 (2026-12-01, ``BENCHMARKS.md``) 16-row tiles made
@@ -253,8 +265,10 @@ def choose_tile_m(n_pairs: int, num_experts: int, wgmma: bool = False) -> int:
     two empty blocks: two CTAs per SM against three).
     """
     lam = n_pairs / max(num_experts, 1)
-    if lam > 32 or (wgmma and lam >= WGMMA_MIN_ROWS):
+    if lam > 32 or (wgmma and lam >= WGMMA_64_ROWS):
         return TILE_MS[-1]
+    if wgmma and lam >= WGMMA_MIN_ROWS:
+        return 32
     return 8 if lam + 2 * math.sqrt(lam) <= 8 else 16
 
 
@@ -448,7 +462,7 @@ def grouped_gemm(a, w: NVFP4Array, sorted_ids, tile_expert, *, tile_m: int,
         non-gated activation with bfloat16 output); ``OUT``: write ``out``'s features in it;
         ``CHUNK_A`` / ``CHUNK_OUT``: the same in the wgmma chunk order (:func:`to_chunk_order`; K or
         the features a multiple of 128; on the GPU ``CHUNK_A`` needs an sm_90a wgmma kernel,
-        ``tile_m=64`` and not ``NO_WGMMA``: the TMA-fed one (``gather=False``, bfloat16 out) or, on
+        ``tile_m`` 64 or 32 and not ``NO_WGMMA``: the TMA-fed one (``gather=False``, bfloat16 out) or, on
         blocked weights without ``NO_WARP_SPECIALIZED``, the warp-specialized one (gathered, or with
         ``WS_GEMM2``; bfloat16 or float32 out));
         ``BLOCKED_W``: ``w`` is in the blocked order (:func:`~jax_nvfp4.to_blocked_weights`; set from
@@ -769,16 +783,17 @@ def chunk_intermediate_supported() -> bool:
 
 
 def wgmma_tiles(experts: NVFP4Experts, kernel_flags: int = 0) -> bool:
-    """Whether moe runs the 64-row tiles of ``experts`` on the sm_90a warp-specialized GEMM1 here:
-    CUDA devices, all sm_90, an sm_90a build, blocked gate/up weights with H a multiple of 128, and
-    neither ``NO_WGMMA`` nor ``NO_WARP_SPECIALIZED``. :func:`choose_tile_m` then takes 64-row tiles
-    from ``WGMMA_MIN_ROWS`` rows per expert on (the measured case; elsewhere from 33)."""
+    """Whether moe runs the 32- and 64-row tiles of ``experts`` on the sm_90a warp-specialized GEMM1
+    here: CUDA devices, all sm_90, an sm_90a build, blocked gate/up weights with H a multiple of 128,
+    and neither ``NO_WGMMA`` nor ``NO_WARP_SPECIALIZED``. :func:`choose_tile_m` then takes 32-row tiles
+    from ``WGMMA_MIN_ROWS`` rows per expert on and 64-row ones from ``WGMMA_64_ROWS`` (the measured
+    case; elsewhere 64-row tiles from 33)."""
     gpus = _cuda_devices()
     return bool(gpus) and _sm90a_gpus(gpus) and _ws_gemm1_layout(experts, kernel_flags)
 
 
 def _ws_gemm1_layout(experts: NVFP4Experts, kernel_flags: int) -> bool:
-    """Whether moe's 64-row GEMM1 of ``experts`` goes to the warp-specialized kernel where the wgmma
+    """Whether moe's 32- and 64-row GEMM1 of ``experts`` goes to the warp-specialized kernel where the wgmma
     kernels run: blocked gate/up weights, H a multiple of 128, neither NO_WGMMA nor NO_WARP_SPECIALIZED."""
     return (experts.gate_up.order == "blocked" and experts.gate_up.shape[-1] % CHUNK_K == 0
             and not kernel_flags & (KernelFlag.NO_WGMMA | KernelFlag.NO_WARP_SPECIALIZED))
@@ -856,17 +871,19 @@ def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str =
     ks2 = ks2 or choose_k_split(tiles, h, inter, tile_m)
     # The intermediate in the paired order on the mma.sync tiles: GEMM2 then loads its activation
     # pairs as they are (H200, 2026-12-01: decode layers 1-2% faster; wgmma prefill 0.3-1% slower).
-    # On 64-row tiles, the chunk order where the sm_90a TMA-fed wgmma GEMM2 can read it.
+    # On 64- and 32-row tiles, the chunk order where the sm_90a TMA-fed wgmma GEMM2 can read it.
     natural = bool(kernel_flags & KernelFlag.NATURAL_INTERMEDIATE)
     paired = tile_m <= PAIRED_MAX_TILE_M and not natural
-    wgmma = tile_m == TILE_MS[-1] and not kernel_flags & KernelFlag.NO_WGMMA and chunk_intermediate_supported()
+    wgmma = tile_m in WGMMA_TILE_MS and not kernel_flags & KernelFlag.NO_WGMMA and chunk_intermediate_supported()
     chunk = wgmma and inter % CHUNK_K == 0 and not natural
-    p1, p2 = ((Pairing.OUT, Pairing.A) if paired else (Pairing.CHUNK_OUT, Pairing.CHUNK_A) if chunk
+    p1, p2 = ((Pairing.CHUNK_OUT, Pairing.CHUNK_A) if chunk else (Pairing.OUT, Pairing.A) if paired
               else (Pairing.NONE, Pairing.NONE))
     # GEMM1 on the warp-specialized kernel (blocked weights): rows gathered from x in the chunk order
     # (one permutation of x's K axis; H200, 2026-12-02: 14-17% faster w4a16 prefill layers).
     ws = wgmma and _ws_gemm1_layout(experts, kernel_flags)
     a1 = Pairing.CHUNK_A if ws else Pairing.NONE
+    ws2 = ws and chunk and tile_m == 32 and inter >= WS_GEMM2_MIN_K and experts.down.order == "blocked"
+    common2 = dict(common, kernel_flags=kernel_flags | (KernelFlag.WS_GEMM2 if ws2 else 0))
 
     if MODES[mode] == Mode.W4A16:
         x1 = x.astype(jnp.bfloat16)
@@ -874,7 +891,7 @@ def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str =
         h1 = grouped_gemm(x1, experts.gate_up, sorted_ids, tile_expert, activation=act,
                           gather=True, k_split=ks1, pairing=p1 | a1, **common)
         y = grouped_gemm(h1, experts.down, sorted_ids, tile_expert, activation=Activation.IDENTITY,
-                         row_scale=w_flat, row_scale_mode=RowScale.PAIR, k_split=ks2, pairing=p2, **common)
+                         row_scale=w_flat, row_scale_mode=RowScale.PAIR, k_split=ks2, pairing=p2, **common2)
     else:  # w4a4: per-token NVFP4 activations, decoded exactly to bf16, scales in the epilogues
         # The quant_dequant_rows kernel (the default: 3-13% faster layers on the H200, 2026-12-01) or
         # the pure-JAX quantizer (JAX_QUANT): the same bytes. Each writes its rows in the chunk order
@@ -898,7 +915,7 @@ def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str =
         aq, rs = quant_dequant_rows(h1, sorted_ids, row_weights=w_flat, chunk_out=chunk, impl=q_impl,
                                     kernel_flags=kernel_flags)
         y = grouped_gemm(aq, experts.down, sorted_ids, tile_expert, activation=Activation.IDENTITY,
-                         row_scale=rs, row_scale_mode=RowScale.ROW, k_split=ks2, pairing=p2, **common)
+                         row_scale=rs, row_scale_mode=RowScale.ROW, k_split=ks2, pairing=p2, **common2)
     return moe_finalize(y, pair_to_row, impl=impl, kernel_flags=kernel_flags)
 
 

@@ -66,7 +66,7 @@ if stage test; then
   # TEST_WORKERS=N: N pytest-xdist processes share the GPU (the cases are mostly compile time).
   [[ -n ${TEST_WORKERS:-} ]] && kargs+=(-n "$TEST_WORKERS")
   # shellcheck disable=SC2086
-  timeout $(left ${TEST_S:-250}) python3 -m pytest -q -p no:cacheprovider -m gpu $TEST_NODES --maxfail=10 -rf \
+  timeout $(left ${TEST_S:-300}) python3 -m pytest -q -p no:cacheprovider -m gpu $TEST_NODES --maxfail=10 -rf \
     --durations=10 "${kargs[@]}" >"$OUT/ffi_pytest.log" 2>&1
   log "pytest rc=$?"
   grep -E "passed|failed|^FAILED|^ERROR|s call" "$OUT/ffi_pytest.log" | tail -50 | tee -a "$OUT/ffi_summary.txt"

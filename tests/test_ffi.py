@@ -68,6 +68,19 @@ def make_routing(seed, t, k, e_global, drop=0.1):
     return jnp.asarray(ids), jnp.asarray(w)
 
 
+def routing_with_rows(seed, t, rows):
+    """Two slots a token, expert e on rows[e] random tokens (distinct per token), the rest padding."""
+    rng = np.random.default_rng(seed)
+    ids = np.full((t, 2), -1, np.int32)
+    for e, count in enumerate(rows):
+        for _ in range(count):
+            p = rng.integers(0, 2 * t)
+            while ids.flat[p] >= 0 or (ids[p // 2] == e).any():
+                p = rng.integers(0, 2 * t)
+            ids.flat[p] = e
+    return ids, jnp.asarray(rng.random((t, 2)), jnp.float32)
+
+
 def make_x(seed, t, h):
     return jnp.asarray(np.random.default_rng(seed).standard_normal((t, h)), BF16)
 
@@ -103,16 +116,18 @@ def test_padded_rows_bound(n, e, tile):
 def test_choose_tile_m_fits_most_experts_in_one_tile(rows_per_expert, tile):
     """8-row tiles while they hold the mean plus two standard deviations of an expert's rows,
     then 16-row tiles; past 32 rows on average, the 64-row prefill tiles; with the sm_90a wgmma
-    kernels, 64-row tiles from WGMMA_MIN_ROWS rows on."""
+    kernels, 32-row tiles from WGMMA_MIN_ROWS rows on and 64-row ones from WGMMA_64_ROWS."""
     pairs = int(rows_per_expert * 32)
     assert ops.choose_tile_m(pairs, 32) == tile
-    assert ops.choose_tile_m(pairs, 32, wgmma=True) == (64 if rows_per_expert >= ops.WGMMA_MIN_ROWS else tile)
+    assert ops.choose_tile_m(pairs, 32, wgmma=True) == (
+        64 if rows_per_expert >= ops.WGMMA_64_ROWS else 32 if rows_per_expert >= ops.WGMMA_MIN_ROWS else tile)
+    assert 0 < ops.WGMMA_MIN_ROWS < ops.WGMMA_64_ROWS <= 33
 
 
 def test_moe_takes_wgmma_tiles_only_where_the_gpus_run_them():
-    """The lower 64-row threshold needs the sm_90a warp-specialized GEMM1 (none on the CPU, nor with
-    NO_WGMMA / NO_WARP_SPECIALIZED or experts in the rows order); the lowered layer shows the tile size
-    that was chosen (16 rows per expert: 64-row tiles only there)."""
+    """The wgmma tiles from WGMMA_MIN_ROWS need the sm_90a warp-specialized GEMM1 (none on the CPU, nor
+    with NO_WGMMA / NO_WARP_SPECIALIZED or experts in the rows order); the lowered layer shows the tile
+    size that was chosen (16 rows per expert: wgmma tiles only there)."""
     ex = make_experts(5, 8, 128, 128)
     blocked = nv.to_blocked_experts(ex)
     sm90a = has_gpu() and ops.chunk_intermediate_supported()
@@ -121,7 +136,7 @@ def test_moe_takes_wgmma_tiles_only_where_the_gpus_run_them():
     assert ops.wgmma_tiles(blocked) == sm90a
     x = make_x(1, 16, 128)
     ids, w = make_routing(2, 16, 8, 8)  # 16 rows per expert
-    for experts, tile in ((ex, 16), (blocked, 64 if sm90a else 16)):
+    for experts, tile in ((ex, 16), (blocked, ops.choose_tile_m(16 * 8, 8, wgmma=True) if sm90a else 16)):
         text = jax.jit(lambda x, i, w, experts=experts: ops.moe(x, experts, i, w)).lower(x, ids, w).as_text()
         assert f"tile_m = {tile}" in text
 
@@ -1015,6 +1030,70 @@ def test_gemm_warp_specialized_is_the_same_function(on_gpu, h, flags, case):
     np.testing.assert_array_equal(got, want)
 
 
+
+TILE32_CASES = [  # (activation, gather, row_scale_mode, out_dtype): the warp-specialized kernel's moe GEMM1s
+    # (w4a16, relu2, w4a4: fp32 out), then the TMA-fed kernel's GEMM2 (pair and row scales) and relu2 GEMM
+    (ops.Activation.SWIGLU, True, ops.RowScale.NONE, BF16),
+    (ops.Activation.RELU2, True, ops.RowScale.TOKEN, BF16),
+    (ops.Activation.GEGLU, True, ops.RowScale.TOKEN, jnp.float32),
+    (ops.Activation.IDENTITY, False, ops.RowScale.PAIR, BF16),
+    (ops.Activation.IDENTITY, False, ops.RowScale.ROW, BF16),
+    (ops.Activation.RELU2, False, ops.RowScale.TOKEN, BF16),
+]
+
+
+@pytest.mark.parametrize("on_gpu", [False, pytest.param(True, marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("h", [128, 1280])
+@pytest.mark.parametrize("flags", [0, int(ops.KernelFlag.TMA_PERSISTENT), int(ops.KernelFlag.NO_PERSISTENT),
+                                   int(ops.KernelFlag.WS_GEMM2)])
+@pytest.mark.parametrize("case", range(len(TILE32_CASES)))
+def test_gemm_32_row_wgmma_tiles_are_the_64_row_function(on_gpu, h, flags, case):
+    """32-row tiles with ``a`` in the chunk order (on the GPU the m64n32 forms of the warp-specialized
+    kernel, gathered, or not with WS_GEMM2, and of the TMA-fed one, not: six-stage ring, 32-row boxes,
+    one row id a lane)
+    give each pair bitwise the output of the 64-row wgmma tiles (the same K order), and close to the
+    twin. The pairs' activations and row scales are the same in both tilings (ungathered ``a`` and ROW
+    scales built per sorted row from per-pair values); 120 tokens x 4 over 5 experts (1-4 32-row tiles
+    an expert; on the GPU 1200, so that the persistent grids walk several items), some pairs dropped;
+    320 features (a partly idle last slab); one chunk and ten."""
+    if on_gpu and not has_gpu():
+        pytest.skip("needs an NVIDIA GPU")
+    if on_gpu and not ops.chunk_intermediate_supported():
+        pytest.skip("needs an sm_90 GPU and an sm_90a build")
+    if not on_gpu and flags:
+        pytest.skip("kernel flags are CUDA variants")
+    act, gather, mode, out_dtype = TILE32_CASES[case]
+    if flags & (ops.KernelFlag.TMA_PERSISTENT | ops.KernelFlag.WS_GEMM2) and gather:
+        pytest.skip("TMA_PERSISTENT, WS_GEMM2: variants of ungathered calls")
+    rng = np.random.default_rng(1000 + case + h)
+    t, k, e, n = (1200 if on_gpu else 120), 4, 5, 320
+    gated = act in (ops.Activation.SWIGLU, ops.Activation.GEGLU)
+    w = nv.to_blocked_weights(random_nvfp4(rng, (e, 2 * n if gated else n, h), rng.uniform(0.5, 2, e) / np.sqrt(h)))
+    ids = jnp.asarray(rng.integers(-1, e, (t, k)), jnp.int32)
+    x = rng.standard_normal((t if gather else t * k, h)).astype(np.float32)  # by token, or by pair
+    scale = rng.uniform(0.5, 2, t * k if mode != ops.RowScale.TOKEN else t).astype(np.float32)
+    if not gather:
+        flags |= int(ops.KernelFlag.WS_GEMM2) if flags & ops.KernelFlag.NO_PERSISTENT else 0
+    dev = jax.devices()[0] if on_gpu else jax.devices("cpu")[0]
+    by_pair = {}
+    for tile in (32, 64):
+        sid, te, _ = ops.moe_align(ids, e, tile_m=tile, impl="jax")
+        sid_np, used = np.asarray(sid), used_rows(sid, te, tile)
+        a = x if gather else np.where((sid_np >= 0)[:, None], x[np.maximum(sid_np, 0)], 0)
+        rs = scale[np.maximum(sid_np, 0)] if mode == ops.RowScale.ROW else scale
+        with jax.default_device(dev):
+            out = f32(_run_gemm("ffi", ops.to_chunk_order(jnp.asarray(a, BF16)), w, sid, te, jnp.asarray(rs), act,
+                                gather, mode, out_dtype, tile, k, kernel_flags=flags if tile == 32 else 0,
+                                pairing=ops.Pairing.CHUNK_A))
+        rows = used & (sid_np >= 0)
+        by_pair[tile] = out[rows][np.argsort(sid_np[rows])]
+        if tile == 32:
+            twin = f32(_run_gemm("jax", jnp.asarray(a, BF16), w, sid, te, jnp.asarray(rs), act, gather, mode,
+                                 out_dtype, tile, k))[rows][np.argsort(sid_np[rows])]
+    assert np.isfinite(by_pair[64]).all() and (by_pair[64] != 0).any()
+    np.testing.assert_array_equal(by_pair[32], by_pair[64])
+    assert relerr(by_pair[32], twin) < 1e-2
+
 def test_gemm_chunk_order_needs_whole_chunks():
     act, gather, mode, out_dtype = GEMM_CASES[4]
     a, w, sid, te, rs = _gemm_problem(act, gather, mode, h=192, n=64, tile_m=64)
@@ -1101,9 +1180,11 @@ def test_moe_blocked_weights_are_the_same_layer(on_gpu, mode, t):
         ex = make_experts(9, 16, 512, 256)
         x = make_x(t, t, 512)
         ids, w = make_routing(t, t, 4, 16)
+        tm = ops.choose_tile_m(t * 4, 16)  # the same tiles for both (blocked experts alone take wgmma tiles from
+        # WGMMA_MIN_ROWS on the GPU: another kernel, whose MMAs may round otherwise)
         for flags in (0, int(ops.KernelFlag.NO_WGMMA)):
-            want = f32(ops.moe(x, ex, ids, w, mode=mode, kernel_flags=flags))
-            got = f32(ops.moe(x, nv.to_blocked_experts(ex), ids, w, mode=mode, kernel_flags=flags))
+            want = f32(ops.moe(x, ex, ids, w, mode=mode, tile_m=tm, kernel_flags=flags))
+            got = f32(ops.moe(x, nv.to_blocked_experts(ex), ids, w, mode=mode, tile_m=tm, kernel_flags=flags))
             assert np.isfinite(want).all() and (want != 0).any()
             np.testing.assert_array_equal(got, want, err_msg=f"flags {flags}")
 
@@ -1183,15 +1264,7 @@ def test_gpu_tile_sizes_are_bitwise_equal(gpu_experts, mode, gated):
     routing gives the 8 experts 1 to 40 rows, so every count of used blocks occurs."""
     ex = gpu_experts[(8, gated)]
     t = 80
-    rng = np.random.default_rng(7)
-    ids = np.full((t, 2), -1, np.int32)
-    for e, rows in enumerate([1, 7, 9, 16, 17, 25, 33, 40]):  # 148 pairs in 80 tokens x 2 slots
-        for r in range(rows):
-            p = rng.integers(0, 2 * t)
-            while ids.flat[p] >= 0 or (ids[p // 2] == e).any():
-                p = rng.integers(0, 2 * t)
-            ids.flat[p] = e
-    w = jnp.asarray(rng.random((t, 2)), jnp.float32)
+    ids, w = routing_with_rows(7, t, [1, 7, 9, 16, 17, 25, 33, 40])  # 148 pairs in 80 tokens x 2 slots
     x = make_x(3, t, 320)
     act = "swiglu" if gated else "relu2"
     f = jax.jit(lambda x, i, w, tm: ops.moe(x, ex, i, w, mode=mode, activation=act, tile_m=tm, k_split=1),
@@ -1200,6 +1273,35 @@ def test_gpu_tile_sizes_are_bitwise_equal(gpu_experts, mode, gated):
     for tm in (16, 32):
         np.testing.assert_array_equal(f32(f(x, jnp.asarray(ids), w, tm)), want, err_msg=f"tile_m={tm}")
 
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("act", ["swiglu", "relu2"])
+@pytest.mark.parametrize("inter", [256, ops.WS_GEMM2_MIN_K])
+def test_gpu_moe_32_row_wgmma_tiles(mode, act, inter):
+    """moe on 32-row tiles where the GPU runs the wgmma kernels (blocked experts, H and I multiples of
+    128: GEMM1 on the warp-specialized kernel's m64n32 form, the intermediate in the chunk order,
+    GEMM2 on the TMA-fed kernel's, or from I = WS_GEMM2_MIN_K on the warp-specialized one's; w4a4: fp32
+    GEMM1 out, moe_align_quant at t = 4) gives bitwise the
+    64-row wgmma layer, and close to the 16-row mma.sync one and to the 32-row layers with
+    NO_WARP_SPECIALIZED (GEMM1 on the mma.sync kernel writing the chunk order) and NO_WGMMA. The
+    routing gives the 8 experts 1 to 64 rows (up to two 32-row tiles)."""
+    if not has_gpu() or not ops.chunk_intermediate_supported():
+        pytest.skip("needs an sm_90 GPU and an sm_90a build")
+    ex = nv.to_blocked_experts(make_experts(31, 8, 256, inter, gated=act == "swiglu"))
+    t = 120
+    ids, w = routing_with_rows(8, t, [1, 9, 17, 32, 33, 40, 64, 25])  # 221 pairs in 120 tokens x 2 slots
+    x = make_x(4, t, 256)
+    f = jax.jit(lambda x, i, w, tm, fl: ops.moe(x, ex, i, w, mode=mode, activation=act, tile_m=tm, kernel_flags=fl),
+                static_argnums=(3, 4))
+    got = f32(f(x, jnp.asarray(ids), w, 32, 0))
+    assert np.isfinite(got).all() and (got != 0).any()
+    np.testing.assert_array_equal(got, f32(f(x, jnp.asarray(ids), w, 64, 0)))
+    assert relerr(got, f32(f(x, jnp.asarray(ids), w, 16, 0))) < 1e-2
+    for flags in (ops.KernelFlag.NO_WARP_SPECIALIZED, ops.KernelFlag.NO_WGMMA):
+        assert relerr(f32(f(x, jnp.asarray(ids), w, 32, int(flags))), got) < 1e-2, flags
+    xs, ids4, w4 = x[:4], jnp.asarray(ids[:4]), w[:4]  # <= 32 pairs: moe_align_quant in w4a4
+    np.testing.assert_array_equal(f32(f(xs, ids4, w4, 32, 0)), f32(f(xs, ids4, w4, 64, 0)))
 
 _MOE_JIT = jax.jit(ops.moe, static_argnames=("mode", "kernel_flags"))  # one jit cache for the tests below
 _OPT_IN_DEFAULTS = {}  # (t, mode) -> the default kernels' output

@@ -210,8 +210,8 @@ __device__ __forceinline__ void Store(float* out, int64_t i, float v) { out[i] =
 // Epilogue of both kernels: thread (g, t) of a warp holds, for its 16 features feat0..+15,
 // acc[j][m][2h + c] = feature feat0 + g + 8h of weight block j (gate / up), sorted row
 // tile * 8FM + 8m + 2t + c (the m16n8 C layout, and the wgmma m64nN D layout per warp).
-// ACT: the activation, or -1 for p.activation (read per value).
-template <int FM, int NF, bool GATED, typename OutT, int ACT>
+// ACT: the activation, or -1 for p.activation (read per value). BATCHED: see kBatched.
+template <int FM, int NF, bool GATED, typename OutT, int ACT, bool BATCHED = (FM >= 8)>
 __device__ __forceinline__ void EpilogueAct(const GemmParams& p, int32_t e, int64_t tile, int64_t feat0,
                                             const float (&acc)[NF][FM][4]) {
   constexpr int BM = FM * 8;
@@ -220,12 +220,12 @@ __device__ __forceinline__ void EpilogueAct(const GemmParams& p, int32_t e, int6
   // This thread's two output columns, once (a PairingPos per store was 3-4% of a GEMM's instructions).
   const int64_t col[2] = {PairingPos(p.pairing, Pairing::kOut, feat0 + g),
                           PairingPos(p.pairing, Pairing::kOut, feat0 + g + 8)};
-  // 64-row tiles (the wgmma kernels, and the mma.sync kernel's 64-row fallback) issue the loads of
+  // 64-row tiles and the wgmma kernels' 32-row ones (and the mma.sync kernel's 64-row fallback) issue the loads of
   // the thread's 2FM rows (SourceRow, RowScaled) before any use or store: a store may alias them, and
   // each row's loads behind its own branch had waited in turn (H200: prefill layers 1.4-12% faster).
   // The 8-32-row decode tiles keep the loads in the store loop, as SourceRow keeps their division:
   // see there.
-  constexpr bool kBatched = FM >= 8;
+  constexpr bool kBatched = BATCHED;
   bool valid[FM][2];
   float rs[FM][2];  // row_scale's factor (1 without one), batched
   if constexpr (kBatched) {
@@ -274,23 +274,25 @@ __device__ __forceinline__ void EpilogueAct(const GemmParams& p, int32_t e, int6
   }
 }
 
-template <int FM, int NF, bool GATED, typename OutT>
+template <int FM, int NF, bool GATED, typename OutT, bool BATCHED = (FM >= 8)>
 __device__ __forceinline__ void Epilogue(const GemmParams& p, int32_t e, int64_t tile, int64_t feat0,
                                          const float (&acc)[NF][FM][4]) {
-  // 64-row tiles pick their activation once (the handlers pair gated activations with gated kernels),
-  // not per value (H200 ncu, Qwen3 T=4096: GEMM2 503 -> 414 us, GEMM1 582 -> 555; 2026-12-02). The
-  // decode tiles keep the switch per value, as their SASS was measured (see kBatched).
+  // Batched tiles (64 rows, and the wgmma kernels' 32) pick their activation once (the handlers pair
+  // gated activations with gated kernels), not per value (H200 ncu, Qwen3 T=4096: GEMM2 503 -> 414 us,
+  // GEMM1 582 -> 555; 2026-12-02). The decode tiles keep the switch per value, as their SASS was
+  // measured (see kBatched).
   using A = Activation;
-  if constexpr (FM < 8) {
-    EpilogueAct<FM, NF, GATED, OutT, -1>(p, e, tile, feat0, acc);
+  constexpr bool B = BATCHED;
+  if constexpr (!B) {
+    EpilogueAct<FM, NF, GATED, OutT, -1, B>(p, e, tile, feat0, acc);
   } else if constexpr (GATED) {
-    if (p.activation == int32_t(A::kGeglu)) EpilogueAct<FM, NF, GATED, OutT, int(A::kGeglu)>(p, e, tile, feat0, acc);
+    if (p.activation == int32_t(A::kGeglu)) EpilogueAct<FM, NF, GATED, OutT, int(A::kGeglu), B>(p, e, tile, feat0, acc);
     else if (p.activation == int32_t(A::kSwigluOai))
-      EpilogueAct<FM, NF, GATED, OutT, int(A::kSwigluOai)>(p, e, tile, feat0, acc);
-    else EpilogueAct<FM, NF, GATED, OutT, int(A::kSwiglu)>(p, e, tile, feat0, acc);
+      EpilogueAct<FM, NF, GATED, OutT, int(A::kSwigluOai), B>(p, e, tile, feat0, acc);
+    else EpilogueAct<FM, NF, GATED, OutT, int(A::kSwiglu), B>(p, e, tile, feat0, acc);
   } else {
-    if (p.activation == int32_t(A::kRelu2)) EpilogueAct<FM, NF, GATED, OutT, int(A::kRelu2)>(p, e, tile, feat0, acc);
-    else EpilogueAct<FM, NF, GATED, OutT, int(A::kIdentity)>(p, e, tile, feat0, acc);
+    if (p.activation == int32_t(A::kRelu2)) EpilogueAct<FM, NF, GATED, OutT, int(A::kRelu2), B>(p, e, tile, feat0, acc);
+    else EpilogueAct<FM, NF, GATED, OutT, int(A::kIdentity), B>(p, e, tile, feat0, acc);
   }
 }
 
@@ -303,13 +305,13 @@ inline bool WarpSpecializedGemm(int64_t kernel_flags, int64_t pairing, bool gath
          (pairing & int64_t(Pairing::kBlockedW));
 }
 
-// The sm_90a wgmma kernels for 64-row tiles (moe_gemm_sm90.cu), with the variants of
-// `kernel_flags` (kWgmmaTwoBlocks, kRowTilesFirst); Pairing::kChunkA runs the warp-specialized one
-// where WarpSpecializedGemm says so (bf16 or fp32 out), else the TMA-fed one, and the caller must
-// only ask for bf16-out, ungathered calls of the latter. Returns false when this build
-// or device cannot run them (the caller then launches the mma.sync kernel, or fails a kChunkA
-// call); true once launched, or with `*error` set when the launch could not be prepared.
-bool LaunchWgmmaGemm(const GemmParams& p, bool gated, bool f32_out, int64_t kernel_flags, cudaStream_t stream,
-                     std::string* error);
+// The sm_90a wgmma kernels (moe_gemm_sm90.cu) for 64-row tiles, and for 32-row ones with chunk-ordered
+// `a`, with the variants of `kernel_flags` (kWgmmaTwoBlocks, kRowTilesFirst); Pairing::kChunkA runs the
+// warp-specialized one where WarpSpecializedGemm says so (bf16 or fp32 out), else the TMA-fed one,
+// and the caller must only ask for bf16-out, ungathered calls of the latter. Returns false when this
+// build, device or tile_m cannot run them (the caller then launches the mma.sync kernel, or fails a
+// kChunkA call); true once launched, or with `*error` set when the launch could not be prepared.
+bool LaunchWgmmaGemm(const GemmParams& p, int64_t tile_m, bool gated, bool f32_out, int64_t kernel_flags,
+                     cudaStream_t stream, std::string* error);
 
 }  // namespace jax_nvfp4

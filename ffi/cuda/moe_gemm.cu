@@ -360,15 +360,16 @@ ffi::Error GroupedGemmCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> a, ff
   if (a_paired && (gated || f32_out))
     return Invalid("grouped_gemm", "paired activations (pairing & 1) need a non-gated activation and "
                                    "bfloat16 output on the GPU");
-  // Chunk-ordered activations are moe's GEMM input on 64-row tiles (GEMM2's intermediate, and GEMM1's
+  // Chunk-ordered activations are moe's GEMM input on 64- and 32-row tiles (GEMM2's intermediate, and GEMM1's
   // x on blocked weights): only the sm_90a wgmma kernels read them, the warp-specialized one
   // (WarpSpecializedGemm: blocked weights, gathered or with kWsGemm2 not; bf16 or fp32 out) and the
   // TMA-fed one (not gathered, bf16 out).
   const bool a_chunk = pairing & int64_t(Pairing::kChunkA);
   const bool ws = WarpSpecializedGemm(kernel_flags, pairing, gather);
-  if (a_chunk && (((f32_out || gather) && !ws) || tile_m != 64 || (kernel_flags & int64_t(KernelFlag::kNoWgmma))))
+  if (a_chunk && (((f32_out || gather) && !ws) || (tile_m != 64 && tile_m != 32) ||
+                  (kernel_flags & int64_t(KernelFlag::kNoWgmma))))
     return Invalid("grouped_gemm", "chunk-ordered activations (pairing & 8) need an sm_90a wgmma kernel on "
-                                   "the GPU: tile_m = 64, no NO_WGMMA flag, and bfloat16 output with gather = "
+                                   "the GPU: tile_m = 64 or 32, no NO_WGMMA flag, and bfloat16 output with gather = "
                                    "False, unless on the warp-specialized kernel (blocked weights, gathered or "
                                    "WS_GEMM2, no NO_WARP_SPECIALIZED)");
   if (a_chunk && (d.P > 0x7FFFFFFF || d.a_rows > 0xFFFFFFFFll))  // the tensor copies' coordinates
@@ -409,8 +410,8 @@ ffi::Error GroupedGemmCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> a, ff
   p.pairing = int32_t(pairing);
   const bool blocked = pairing & int64_t(Pairing::kBlockedW);
   std::string error;
-  if (tile_m == 64 && !(kernel_flags & int64_t(KernelFlag::kNoWgmma)) &&  // sm_90a prefill
-      LaunchWgmmaGemm(p, gated, f32_out, kernel_flags, stream, &error))
+  if (!(kernel_flags & int64_t(KernelFlag::kNoWgmma)) &&  // sm_90a: 64-row tiles, 32-row ones on chunk-ordered a
+      LaunchWgmmaGemm(p, tile_m, gated, f32_out, kernel_flags, stream, &error))
     return error.empty() ? LaunchError("grouped_gemm") : ffi::Error::Internal("jax_nvfp4 grouped_gemm: " + error);
   if (a_chunk)
     return Invalid("grouped_gemm", "chunk-ordered activations (pairing & 8) need an sm_90 GPU and a build with "

@@ -1,5 +1,6 @@
 // grouped_gemm for 64-row tiles (prefill) on sm_90a: the same function as moe_gemm.cu, on
-// warpgroup MMAs (wgmma) instead of mma.sync.
+// warpgroup MMAs (wgmma) instead of mma.sync; and for 32-row tiles (TOK = 32: m64n32 wgmmas, moe at
+// 9-24 rows per expert) on the kernels that read chunk-ordered activations (TMA-fed, warp-specialized).
 //
 // - A CTA is two warpgroups (8 warps) and owns one 64-row tile of one expert; each warpgroup
 //   multiplies two 64-row weight blocks: gated, the gate and the up rows of 64 features (128
@@ -54,10 +55,15 @@
 namespace jax_nvfp4 {
 namespace {
 
-constexpr int kTokens = 64;                    // tile_m of this kernel
+// Row tiles: 64 rows (TOK), or 32 on the TMA-fed and the warp-specialized kernels (m64n32 wgmmas:
+// at 13-32 rows per expert a 64-row tile spends half its MMAs on padding rows).
+constexpr int kTokens = 64;                    // tile_m of the staged kernel, and the default TOK
 constexpr int kWgThreadsPerCta = 8 * 32;       // two warpgroups
-constexpr int kPanelBytes = kTokens * 128;     // 64 rows x 64 K bf16: one 128-byte-swizzle panel
-constexpr int kChunkBytes = 2 * kPanelBytes;   // 128 K
+template <int TOK>
+constexpr int PanelBytes() { return TOK * 128; }  // TOK rows x 64 K bf16: one 128-byte-swizzle panel
+template <int TOK>
+constexpr int ChunkBytes() { return 2 * PanelBytes<TOK>(); }  // 128 K
+constexpr int kPanelBytes = PanelBytes<kTokens>(), kChunkBytes = ChunkBytes<kTokens>();
 constexpr int kSmemBytes = 2 * kChunkBytes + 1024;  // double buffer, +1 KB to align to 1024
 
 #ifdef JAX_NVFP4_WGMMA
@@ -83,7 +89,7 @@ __device__ __forceinline__ void Hold(T (&values)[N]) {  // every element of a (n
 }
 
 // d[64 features x 64 rows] += a (registers) x B (shared memory, descriptor), fp32 accumulate.
-__device__ __forceinline__ void Wgmma64x64(float (&d)[8][4], const uint32_t (&a)[4], uint64_t desc) {
+__device__ __forceinline__ void Wgmma(float (&d)[8][4], const uint32_t (&a)[4], uint64_t desc) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
@@ -96,6 +102,18 @@ __device__ __forceinline__ void Wgmma64x64(float (&d)[8][4], const uint32_t (&a)
         "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
         "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]),
         "+f"(d[7][2]), "+f"(d[7][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+// d[64 features x 32 rows] += a x B.
+__device__ __forceinline__ void Wgmma(float (&d)[4][4], const uint32_t (&a)[4], uint64_t desc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+      "{%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]),
+        "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+        "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
 }
 
@@ -149,7 +167,7 @@ __device__ __forceinline__ void MbarWait(uint32_t bar, uint32_t parity) {
       "r"(parity)
       : "memory");
 }
-// The 2-D tensor copy of the box at (x, y) of `map` into `dst` (the activation map: box {64 K, 64
+// The 2-D tensor copy of the box at (x, y) of `map` into `dst` (the activation map: box {64 K, TOK
 // rows} at (k, row), 1024-aligned `dst`, its 128-byte swizzle the wgmma one), completing on `bar`.
 __device__ __forceinline__ void TmaLoad2d(uint32_t dst, const CUtensorMap* map, int32_t x, int32_t y, uint32_t bar) {
   asm volatile(
@@ -158,20 +176,21 @@ __device__ __forceinline__ void TmaLoad2d(uint32_t dst, const CUtensorMap* map, 
       : "memory");
 }
 // Chunk c (128 K) of row tile `tile` of a chunk-ordered `a` into the buffer at `dst`: its two 64-K
-// panels, by tensor copies of the activation map (kChunkBytes, completing on `bar`).
+// panels, by tensor copies of the activation map (ChunkBytes<TOK>, completing on `bar`).
+template <int TOK>
 __device__ __forceinline__ void TmaLoadChunk(uint32_t dst, const CUtensorMap* amap, int64_t c, int64_t tile,
                                              uint32_t bar) {
 #pragma unroll
   for (int panel = 0; panel < 2; ++panel)
-    TmaLoad2d(dst + panel * kPanelBytes, amap, int32_t(c * 128 + 64 * panel), int32_t(tile * kTokens), bar);
+    TmaLoad2d(dst + panel * PanelBytes<TOK>(), amap, int32_t(c * 128 + 64 * panel), int32_t(tile * TOK), bar);
 }
 
 // One chunk (CH = 128 or the 64 tail) of MMAs from registers w and the staged buffer at
 // `buf` (shared address). A piece (one code word per row) is two 16-K steps; its decoded A
 // words are double buffered across pieces, so piece pp + 1 decodes while pp multiplies.
 // Ends with every wgmma of the chunk complete.
-template <int CH, int NF>
-__device__ __forceinline__ void ChunkMma(const WeightRegs<CH, NF>& w, uint32_t buf, float (&acc)[NF][8][4]) {
+template <int CH, int NF, int TOK>
+__device__ __forceinline__ void ChunkMma(const WeightRegs<CH, NF>& w, uint32_t buf, float (&acc)[NF][TOK / 8][4]) {
   constexpr int kPieces = CH / 32;
   uint32_t scale[NF][2][2];
   w.BlockScales(scale);
@@ -195,12 +214,12 @@ __device__ __forceinline__ void ChunkMma(const WeightRegs<CH, NF>& w, uint32_t b
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int s = 2 * pp + half;  // 16-K step
-      const uint64_t desc = desc0 + (((s >> 2) * kPanelBytes + (s & 3) * 32) >> 4);
+      const uint64_t desc = desc0 + (((s >> 2) * PanelBytes<TOK>() + (s & 3) * 32) >> 4);
 #pragma unroll
       for (int j = 0; j < NF; ++j) {
         uint32_t frag[4];
         AFragment(a[b][j], half, frag);
-        Wgmma64x64(acc[j], frag, desc);
+        Wgmma(acc[j], frag, desc);
       }
     }
     WgmmaCommit();
@@ -257,27 +276,28 @@ __device__ __forceinline__ void WarpRows(const GemmParams& p, int32_t e, int64_t
   }
 }
 
-template <int NF>
-__device__ __forceinline__ void ZeroAcc(float (&acc)[NF][8][4]) {
+template <int NF, int FM>
+__device__ __forceinline__ void ZeroAcc(float (&acc)[NF][FM][4]) {
 #pragma unroll
   for (int j = 0; j < NF; ++j)
 #pragma unroll
-    for (int m = 0; m < 8; ++m)
+    for (int m = 0; m < FM; ++m)
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[j][m][i] = 0.0f;
 }
 
-template <bool GATED, int NF, typename OutT>
+// (The batched epilogue of 64-row tiles on 32-row ones too: their rows' loads issued together.)
+template <bool GATED, int NF, typename OutT, int FM>
 __device__ __forceinline__ void StoreTile(const GemmParams& p, int32_t e, int64_t tile, const int64_t (&feat)[NF],
-                                          const bool (&active)[NF], float (&acc)[NF][8][4]) {
+                                          const bool (&active)[NF], float (&acc)[NF][FM][4]) {
   Hold(acc);
   if constexpr (GATED) {
-    if (active[0]) Epilogue<8, NF, true, OutT>(p, e, tile, feat[0], acc);
+    if (active[0]) Epilogue<FM, NF, true, OutT, true>(p, e, tile, feat[0], acc);
   } else {
 #pragma unroll
     for (int j = 0; j < NF; ++j)
       if (active[j])
-        Epilogue<8, 1, false, OutT>(p, e, tile, feat[j], reinterpret_cast<const float(&)[1][8][4]>(acc[j]));
+        Epilogue<FM, 1, false, OutT, true>(p, e, tile, feat[j], reinterpret_cast<const float(&)[1][FM][4]>(acc[j]));
   }
 }
 
@@ -336,7 +356,7 @@ __global__ void __launch_bounds__(kWgThreadsPerCta, MinCtas<GATED, NB>()) W4A16W
     if (more) x.Load(xrow, kc + 128, next_ch, t);
     WeightRegs<128, NF> next;
     if (wmore) next.template Load<false, BW>(wrow, srow, kc + 128, t);
-    ChunkMma<128, NF>(cur, smem_addr + uint32_t(c & 1) * kChunkBytes, acc);
+    ChunkMma<128, NF, kTokens>(cur, smem_addr + uint32_t(c & 1) * kChunkBytes, acc);
     if (more) {  // the other buffer was last read by chunk c - 1, complete before the last barrier
       x.Store(smem + (~c & 1) * kChunkBytes, next_ch, n, t, paired);
       asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
@@ -347,7 +367,7 @@ __global__ void __launch_bounds__(kWgThreadsPerCta, MinCtas<GATED, NB>()) W4A16W
   if (!BW && tail) {  // (blocked weights have K % 128 == 0)
     WeightRegs<64, NF> w;
     w.Load(wrow, srow, full * 128, t);
-    ChunkMma<64, NF>(w, smem_addr + uint32_t(full & 1) * kChunkBytes, acc);
+    ChunkMma<64, NF, kTokens>(w, smem_addr + uint32_t(full & 1) * kChunkBytes, acc);
   }
   StoreTile<GATED, NF, OutT>(p, e, tile, feat, active, acc);
 #endif
@@ -356,12 +376,15 @@ __global__ void __launch_bounds__(kWgThreadsPerCta, MinCtas<GATED, NB>()) W4A16W
 constexpr int kStages = 4;                 // W4A16WgmmaTma's ring of activation chunks
 constexpr int kLookahead = kStages - 2;    // chunks copied ahead of the one being multiplied
 // W4A16WgmmaTma's shared memory after the ring: the full and empty mbarriers of each stage, the row
-// mbarrier (16 bytes, alignment), the tile's rows (sorted_ids, then row_scale factors: 64 each) and
-// a warp's staged output (64 rows x 16 features bf16) per warp; + 1 KB to align the ring.
-constexpr int kTmaRowBar = kStages * kChunkBytes + 2 * kStages * 8;
-constexpr int kTmaRowIds = kTmaRowBar + 16, kTmaRowScales = kTmaRowIds + 4 * kTokens;
-constexpr int kTmaStaging = kTmaRowScales + 4 * kTokens, kStagingBytes = kTokens * kWarpFeatures * 2;
-constexpr int kTmaSmemBytes = kTmaStaging + 8 * kStagingBytes + 1024;
+// mbarrier (16 bytes, alignment), the tile's rows (sorted_ids, then row_scale factors: TOK each) and
+// a warp's staged output (TOK rows x 16 features bf16) per warp; + 1 KB to align the ring.
+template <int TOK>
+struct TmaSmem {
+  static constexpr int kRowBar = kStages * ChunkBytes<TOK>() + 2 * kStages * 8;
+  static constexpr int kRowIds = kRowBar + 16, kRowScales = kRowIds + 4 * TOK;
+  static constexpr int kStaging = kRowScales + 4 * TOK, kStagingBytes = TOK * kWarpFeatures * 2;
+  static constexpr int kBytes = kStaging + 8 * kStagingBytes + 1024;
+};
 
 #ifdef JAX_NVFP4_WGMMA
 // cp.async of `bytes` (4, 8 or 16) from src, src_bytes of them read and the rest zero (always 16-byte
@@ -379,28 +402,37 @@ __device__ __forceinline__ void CpAsyncArrive(uint32_t bar) {  // one expected a
 }
 
 // The TMA-fed kernel's row info of a tile, fetched by one warp while the MMAs run, so that its
-// epilogue waits on no global load and reads no parameter but alpha: sorted_ids of the 64 rows
+// epilogue waits on no global load and reads no parameter but alpha: sorted_ids of the TOK rows
 // (RowIdsCopy, at the item's start) into `rows`, then (RowFactors, before the last chunk) each row's
 // validity over them (1 / 0: SourceRow) and its row_scale factor into `factors` (RowScaled's rules: 1
 // without a row scale, 0 for rows that are padding, past a_rows or past row_scale_n), completing on
-// `bar` (64 arrivals). Lane l takes rows 2l and 2l + 1.
+// `bar` (64 arrivals: each lane's, and its copies'). Lane l takes rows RL l .. RL l + RL - 1 (RL =
+// TOK / 32 rows a lane).
+template <int TOK>
 __device__ __forceinline__ void RowIdsCopy(const GemmParams& p, int64_t tile, uint32_t rows) {
+  constexpr int RL = TOK / 32;
   const int lane = threadIdx.x & 31;
-  CpAsync<8>(rows + 8 * lane, p.sorted_ids + tile * kTokens + 2 * lane, 8);
+  CpAsync<4 * RL>(rows + 4 * RL * lane, p.sorted_ids + tile * TOK + RL * lane, 4 * RL);
 }
+template <int TOK>
 __device__ __forceinline__ void RowFactors(const GemmParams& p, int64_t tile, uint32_t rows, uint32_t factors,
                                            uint32_t bar) {
+  constexpr int RL = TOK / 32;
+  static_assert(RL == 1 || RL == 2, "32 or 64 rows");
   const int lane = threadIdx.x & 31;
   asm volatile("cp.async.wait_all;\n" ::: "memory");  // this lane's ids
-  int2 pair;
-  asm volatile("ld.shared.v2.s32 {%0, %1}, [%2];\n" : "=r"(pair.x), "=r"(pair.y) : "r"(rows + 8 * lane));
-  int valid[2];
+  int2 pair{0, 0};
+  if constexpr (RL == 2)
+    asm volatile("ld.shared.v2.s32 {%0, %1}, [%2];\n" : "=r"(pair.x), "=r"(pair.y) : "r"(rows + 8 * lane));
+  else
+    asm volatile("ld.shared.s32 %0, [%1];\n" : "=r"(pair.x) : "r"(rows + 4 * lane));
+  int valid[RL];
 #pragma unroll
-  for (int c = 0; c < 2; ++c) {
+  for (int c = 0; c < RL; ++c) {
     const int32_t pr = c ? pair.y : pair.x;
-    const int64_t r = tile * kTokens + 2 * lane + c;
+    const int64_t r = tile * TOK + RL * lane + c;
     valid[c] = SourceRow<true>(p, pr, r) >= 0;
-    const uint32_t dst = factors + 4 * (2 * lane + c);
+    const uint32_t dst = factors + 4 * (RL * lane + c);
     if (p.row_scale_mode == int32_t(RowScale::kNone)) {
       asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(dst), "f"(1.0f) : "memory");
     } else {
@@ -410,7 +442,10 @@ __device__ __forceinline__ void RowFactors(const GemmParams& p, int64_t tile, ui
       CpAsync<4>(dst, read ? static_cast<const void*>(p.row_scale + idx) : p.sorted_ids, read ? 4 : 0);  // 0: none read
     }
   }
-  asm volatile("st.shared.v2.s32 [%0], {%1, %2};\n" ::"r"(rows + 8 * lane), "r"(valid[0]), "r"(valid[1]) : "memory");
+  if constexpr (RL == 2)
+    asm volatile("st.shared.v2.s32 [%0], {%1, %2};\n" ::"r"(rows + 8 * lane), "r"(valid[0]), "r"(valid[1]) : "memory");
+  else
+    asm volatile("st.shared.s32 [%0], %1;\n" ::"r"(rows + 4 * lane), "r"(valid[0]) : "memory");
   MbarArrive(bar);     // (release: the stores above)
   CpAsyncArrive(bar);  // once the factors land
 }
@@ -424,14 +459,14 @@ __device__ __forceinline__ void RowFactors(const GemmParams& p, int64_t tile, ui
 __device__ __forceinline__ uint32_t StagedHalf(int row, int half) {
   return uint32_t(row * 32 + ((half ^ ((row >> 2) & 1)) << 4));
 }
-template <int ACT>
+template <int ACT, int FM>
 __device__ __forceinline__ void StoreStaged(const GemmParams& p, float alpha, int64_t tile, int64_t feat0,
-                                            const float (&acc)[8][4], uint32_t rows, uint32_t factors,
+                                            const float (&acc)[FM][4], uint32_t rows, uint32_t factors,
                                             uint32_t stage) {
   const int lane = threadIdx.x & 31, t = lane & 3;
-  uint32_t packed[8][2];  // rows 8m + 2t, +1 of features g + 8h, as bf16x2
+  uint32_t packed[FM][2];  // rows 8m + 2t, +1 of features g + 8h, as bf16x2
 #pragma unroll
-  for (int m = 0; m < 8; ++m) {
+  for (int m = 0; m < FM; ++m) {
     const int row = 8 * m + 2 * t;
     int2 valid;
     float2 rs;
@@ -450,7 +485,7 @@ __device__ __forceinline__ void StoreStaged(const GemmParams& p, float alpha, in
   __syncwarp();  // the stage's last reads (an earlier block) are done
   const int i = lane >> 3, r8 = lane & 7;  // stmatrix: lane gives row r8 of matrix i
 #pragma unroll
-  for (int q = 0; q < 4; ++q) {  // matrices (m, h) = (2q + i / 2, i % 2)
+  for (int q = 0; q < FM / 2; ++q) {  // matrices (m, h) = (2q + i / 2, i % 2)
     const int m = 2 * q + (i >> 1), row = 8 * m + r8;
     asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(
                      stage + StagedHalf(row, i & 1)),
@@ -459,7 +494,7 @@ __device__ __forceinline__ void StoreStaged(const GemmParams& p, float alpha, in
   }
   __syncwarp();
 #pragma unroll
-  for (int k = 0; k < 4; ++k) {  // lanes 2i, 2i + 1: the halves of row 16k + i
+  for (int k = 0; k < FM / 2; ++k) {  // lanes 2i, 2i + 1: the halves of row 16k + i
     const int row = 16 * k + (lane >> 1), half = lane & 1;
     uint4 v;
     asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
@@ -467,7 +502,7 @@ __device__ __forceinline__ void StoreStaged(const GemmParams& p, float alpha, in
                  : "r"(stage + StagedHalf(row, half)));
     // (one 16-byte store: as a uint4 assignment it became four 4-byte ones, sm_90a SASS)
     asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"l"(
-                     static_cast<uint16_t*>(p.out) + (tile * kTokens + row) * p.n_out + feat0 + 8 * half),
+                     static_cast<uint16_t*>(p.out) + (tile * 8 * FM + row) * p.n_out + feat0 + 8 * half),
                  "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
                  : "memory");
   }
@@ -485,10 +520,10 @@ __device__ __forceinline__ bool StagedStores(const GemmParams& p) {
 // it: a vote tells the compiler that the outcome is warp-uniform (see W4A16WgmmaWs). Items take the
 // slabs of a row tile in turn (see GemmParams::slabs_first) or, with kRowTilesFirst, the row tiles of a
 // slab. (tiles and slabs are recomputed here: kept live across the MMA loop, they had cost moves in it.)
-template <bool GATED, int NB>
+template <bool GATED, int NB, int TOK>
 __device__ __forceinline__ bool NextItem(const GemmParams& p, int64_t& item, int32_t& tile, int32_t& slab,
                                          int32_t& e) {
-  const int64_t tiles = p.P / kTokens, slabs = CeilDiv<int64_t>(p.n_out, CtaFeatures<GATED, NB>());
+  const int64_t tiles = p.P / TOK, slabs = CeilDiv<int64_t>(p.n_out, CtaFeatures<GATED, NB>());
   for (; item < tiles * slabs; item += gridDim.x) {
     tile = int32_t(p.slabs_first ? item / slabs : item % tiles);
     slab = int32_t(p.slabs_first ? item % slabs : item / tiles);
@@ -517,13 +552,15 @@ __device__ __forceinline__ bool NextItem(const GemmParams& p, int64_t& item, int
 // with one chunk an item), so it waits only on MMAs that finished a chunk ago (a ninth, copier warp
 // would cost registers: a 288-thread CTA gets at most 168 per thread, two of them 96, as three or
 // five warps share an SMSP).
-template <bool GATED, int NB, typename OutT, bool BW, bool PERSISTENT>
+template <bool GATED, int NB, typename OutT, bool BW, bool PERSISTENT, int TOK>
 __global__ void __launch_bounds__(kWgThreadsPerCta, MinCtas<GATED, NB>()) W4A16WgmmaTma(const GemmParams p,
                                                                        const __grid_constant__ CUtensorMap amap) {
 #ifdef JAX_NVFP4_WGMMA
+  using L = TmaSmem<TOK>;
+  constexpr int kChunk = ChunkBytes<TOK>();
   extern __shared__ uint8_t smem_raw[];
   const uint32_t ring = (SmemU32(smem_raw) + 1023) & ~1023u;  // 1024-aligned (swizzle atoms)
-  const uint32_t full_bar = ring + kStages * kChunkBytes, empty_bar = full_bar + 8 * kStages;
+  const uint32_t full_bar = ring + kStages * kChunk, empty_bar = full_bar + 8 * kStages;
 
   GridDependencyWait();
   const int64_t chunks = p.K / 128, ahead = chunks < kLookahead ? chunks : kLookahead;
@@ -534,12 +571,12 @@ __global__ void __launch_bounds__(kWgThreadsPerCta, MinCtas<GATED, NB>()) W4A16W
     const int s = int(i % kStages);
     const uint32_t round = uint32_t(i / kStages);
     if (round > 0) MbarWait(empty_bar + 8 * s, (round - 1) & 1);
-    MbarExpectBytes(full_bar + 8 * s, kChunkBytes);
-    TmaLoadChunk(ring + s * kChunkBytes, &amap, c, row_tile, full_bar + 8 * s);
+    MbarExpectBytes(full_bar + 8 * s, kChunk);
+    TmaLoadChunk<TOK>(ring + s * kChunk, &amap, c, row_tile, full_bar + 8 * s);
   };
   int64_t item = blockIdx.x;
   int32_t tile, slab, e;
-  if (!NextItem<GATED, NB>(p, item, tile, slab, e)) return;  // (uniform over the CTA)
+  if (!NextItem<GATED, NB, TOK>(p, item, tile, slab, e)) return;  // (uniform over the CTA)
   if (copier) {
     for (int s = 0; s < kStages; ++s) {
       MbarInit(full_bar + 8 * s, 1);      // the copier's arrival (with the bytes it expects)
@@ -548,7 +585,7 @@ __global__ void __launch_bounds__(kWgThreadsPerCta, MinCtas<GATED, NB>()) W4A16W
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     for (int64_t c = 0; c < ahead; ++c) copy(c, tile, c);
   }
-  const uint32_t row_bar = ring + kTmaRowBar, row_ids = ring + kTmaRowIds, row_scales = ring + kTmaRowScales;
+  const uint32_t row_bar = ring + L::kRowBar, row_ids = ring + L::kRowIds, row_scales = ring + L::kRowScales;
   const bool staged = !GATED && StagedStores(p);
   if (copier) MbarInit(row_bar, 64);  // (before the barrier below, with the ring's)
   __syncthreads();
@@ -569,12 +606,12 @@ __global__ void __launch_bounds__(kWgThreadsPerCta, MinCtas<GATED, NB>()) W4A16W
     // Carried across items, the chunk counter would leave the uniform datapath (warp 0's value is
     // every thread's): the persistent loop takes 563 instructions for two chunks, not 627 (sm_90a SASS).
     if (PERSISTENT) it = __shfl_sync(~0u, it, 0);
-    if (row_warp) RowIdsCopy(p, tile, row_ids);
+    if (row_warp) RowIdsCopy<TOK>(p, tile, row_ids);
     // The next item, known before its copies and weight loads start in this one's last chunks.
     int64_t nitem = item + gridDim.x;
     int32_t ntile = 0, nslab = 0, ne = 0;
-    more = PERSISTENT && NextItem<GATED, NB>(p, nitem, ntile, nslab, ne);
-    float acc[NF][8][4];
+    more = PERSISTENT && NextItem<GATED, NB, TOK>(p, nitem, ntile, nslab, ne);
+    float acc[NF][TOK / 8][4];
     ZeroAcc(acc);
     // Chunk c: the copy `ahead` chunks on (in this item or the next), then the MMAs (weights in `cur`).
     auto copy_ahead = [&](int64_t c) {
@@ -584,7 +621,7 @@ __global__ void __launch_bounds__(kWgThreadsPerCta, MinCtas<GATED, NB>()) W4A16W
     auto mma = [&]() {
       const int s = int(it % kStages);
       MbarWait(full_bar + 8 * s, uint32_t(it / kStages) & 1);
-      ChunkMma<128, NF>(cur, ring + s * kChunkBytes, acc);
+      ChunkMma<128, NF, TOK>(cur, ring + s * kChunk, acc);
       MbarArrive(empty_bar + 8 * s);
       ++it;
     };
@@ -605,17 +642,17 @@ __global__ void __launch_bounds__(kWgThreadsPerCta, MinCtas<GATED, NB>()) W4A16W
       WarpRows<GATED, NB, BW>(p, ne, nslab, warp, g, nfeat, nactive, wrow, srow);
       next.template Load<false, BW>(wrow, srow, 0, t);
     }
-    if (row_warp) RowFactors(p, tile, row_ids, row_scales, row_bar);
+    if (row_warp) RowFactors<TOK>(p, tile, row_ids, row_scales, row_bar);
     mma();
     if (more) cur = next;
     if (staged) {
       MbarWait(row_bar, done & 1);
       Hold(acc);
       const float alpha = p.alpha[e] * kDecodeBias;
-      const uint32_t stage = ring + kTmaStaging + warp * kStagingBytes;
+      const uint32_t stage = ring + L::kStaging + warp * L::kStagingBytes;
 #pragma unroll
       for (int j = 0; j < NF; ++j) {
-        const float(&a)[8][4] = acc[j];
+        const float(&a)[TOK / 8][4] = acc[j];
         if (!active[j]) continue;
         if (p.activation == int32_t(Activation::kRelu2))
           StoreStaged<int(Activation::kRelu2)>(p, alpha, tile, feat[j], a, row_ids, row_scales, stage);
@@ -637,13 +674,15 @@ __global__ void __launch_bounds__(kWgThreadsPerCta, MinCtas<GATED, NB>()) W4A16W
 // and one producer warpgroup, which fills a ring of kWsStages stages per 128-K chunk:
 // - the weight blocks of the CTA's rows, by 2-D tensor copies (one thread): per warpgroup two
 //   blocks of 64 rows, gated the gate and the up rows of 64 features, otherwise 128 features;
-// - the tile's 64 activation rows: gathered (through sorted_ids, zeros for padding rows), by
-//   16-byte cp.async copies of each producer thread (half a row); otherwise by two tensor copies.
+// - the tile's TOK (64 or 32) activation rows: gathered (through sorted_ids, zeros for padding rows),
+//   by 16-byte cp.async copies of each producer thread (half or a quarter of a row); otherwise by
+//   two tensor copies.
 // The MMA warps load their weights from shared memory (no global load in flight), decode and issue
 // wgmmas; the roles' register budgets are set apart (setmaxnreg), so three MMA warpgroups fit
 // where the staged kernel has two. (H200, 2026-12-02: as GEMM1, 14-17% faster prefill layers than
 // the staged kernel; as GEMM2, 1.02-1.22x slower ones than the TMA-fed kernel, whose one-block CTAs
-// fit two to an SM.) The grid is persistent: a CTA per SM walks the work items, so the ring's fill
+// fit two to an SM; on 32-row tiles, as GEMM2 of K = 2048, 8-9% faster decode layers: the TMA-fed kernel
+// holds one chunk of weights a warp in flight, the ring six stages, 2026-12-03.) The grid is persistent: a CTA per SM walks the work items, so the ring's fill
 // and the epilogue's stores of one item overlap the next (prefill layers up to 1.8% faster, at most
 // 0.6% slower; a warpgroup whose rows of the last slab are all past n_out skipping its MMAs gained
 // nothing and was not kept; H200, 2026-12-02).
@@ -654,12 +693,17 @@ constexpr int kWsCopyFrags = 4 * kWsConsumers;  // 16-row fragments per weight c
 constexpr int kWsCopyCodeBytes = kWsCopyFrags * kBlockRows * kBlockCodeBytes;  // one 128-K block each
 constexpr int kWsCopyScaleBytes = kWsCopyFrags * kBlockRows * kBlockScaleBytes;
 constexpr int kWsWeightBytes = 2 * (kWsCopyCodeBytes + kWsCopyScaleBytes);  // two copies of each
-constexpr int kWsStageBytes = kChunkBytes + kWsWeightBytes;  // [activations][codes 0, 1][scales 0, 1]
-// Four stages of 43 KB, and a stage's full and empty mbarriers (five, all that fit in 227 KB: 3-6%
-// slower layers; three: 0.6-2.6% slower; H200 2026-12-02).
-constexpr int kWsStages = 4;
-constexpr int kWsSmemBytes = kWsStages * (kWsStageBytes + 16) + 1024;
-static_assert(kWsStageBytes % 1024 == 0, "stages keep the 1024-byte alignment of the swizzled activations");
+// A stage: [activations][codes 0, 1][scales 0, 1], and its full and empty mbarriers. 64-row tiles:
+// four stages of 43 KB (five, all that fit in 227 KB: 3-6% slower layers; three: 0.6-2.6% slower;
+// H200 2026-12-02). 32-row tiles (decode batches, whose weights stream from HBM): six of 35 KB.
+template <int TOK>
+struct WsSmem {
+  static constexpr int kStageBytes = ChunkBytes<TOK>() + kWsWeightBytes;
+  static constexpr int kStages = TOK == 64 ? 4 : 6;
+  static constexpr int kBytes = kStages * (kStageBytes + 16) + 1024;
+  static_assert(kStageBytes % 1024 == 0, "stages keep the 1024-byte alignment of the swizzled activations");
+  static_assert(kBytes <= 227 * 1024, "the shared memory of an H200 CTA");
+};
 constexpr int kWsProducerRegs = 40, kWsConsumerRegs = 152;
 static_assert((kWsConsumers * kWsConsumerRegs + kWsProducerRegs) * 128 <= 65536, "one CTA per SM");
 
@@ -667,11 +711,13 @@ static_assert((kWsConsumers * kWsConsumerRegs + kWsProducerRegs) * 128 <= 65536,
 template <bool GATED>
 constexpr int WsFeatures() { return (GATED ? 64 : 128) * kWsConsumers; }
 
-template <bool GATED, typename OutT>
+template <bool GATED, typename OutT, int TOK>
 __global__ void __launch_bounds__(kWsThreads, 1)
     W4A16WgmmaWs(const GemmParams p, const __grid_constant__ CUtensorMap codes,
                  const __grid_constant__ CUtensorMap scales, const __grid_constant__ CUtensorMap amap) {
 #ifdef JAX_NVFP4_WGMMA
+  constexpr int kWsStages = WsSmem<TOK>::kStages, kWsStageBytes = WsSmem<TOK>::kStageBytes;
+  constexpr int kChunk = ChunkBytes<TOK>();
   extern __shared__ uint8_t smem_raw[];
   const uint32_t ring = (SmemU32(smem_raw) + 1023) & ~1023u;
   const uint32_t full_bar = ring + kWsStages * kWsStageBytes, empty_bar = full_bar + 8 * kWsStages;
@@ -681,7 +727,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   // persistent grid) or, with KernelFlag::kNoPersistent, per item. Both roles skip the same unused
   // tiles and count chunks over the CTA's items (`it`), so the ring runs on across items: the
   // producer fills the next item's first stages while the MMA warpgroups store the last one's tile.
-  const int64_t slabs = CeilDiv<int64_t>(p.n_out, WsFeatures<GATED>()), items = p.P / kTokens * slabs;
+  const int64_t slabs = CeilDiv<int64_t>(p.n_out, WsFeatures<GATED>()), items = p.P / TOK * slabs;
   const int64_t chunks = p.K / 128;
   const int wg = threadIdx.x >> 7;
   const bool gather = p.gather;
@@ -697,15 +743,17 @@ __global__ void __launch_bounds__(kWsThreads, 1)
 
   if (wg == kWsConsumers) {  // the producer warpgroup
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kWsProducerRegs));
-    const int pt = threadIdx.x & 127, n = pt >> 1, panel = pt & 1;  // row n, K half `panel` of each chunk
+    // Row n, 16-byte pieces PPT sub .. PPT sub + PPT - 1 of its 16 in each chunk (a K half, or quarter).
+    constexpr int kSubs = 128 / TOK, PPT = 16 / kSubs;
+    const int pt = threadIdx.x & 127, n = pt / kSubs, sub = pt % kSubs;
     if (!gather && pt != 0) return;
     int64_t it = 0;
     for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
       const int64_t tile = item / slabs, slab = item % slabs;
       const int32_t e = p.tile_expert[tile];
       if (e < 0 || e >= p.E) continue;  // unused tile
-      const int64_t src = gather ? SourceRow<true>(p, tile * kTokens + n) : -1;
-      const uint16_t* xrow = p.a + (src >= 0 ? src : 0) * p.K + 64 * panel;
+      const int64_t src = gather ? SourceRow<true>(p, tile * TOK + n) : -1;
+      const uint16_t* xrow = p.a + (src >= 0 ? src : 0) * p.K + 8 * PPT * sub;
       const uint32_t x_bytes = src >= 0 ? 16 : 0;
       // The first rows of the CTA's two weight copies in the maps ([E * N / 16] fragments): gated,
       // its gate and its up rows; otherwise two consecutive blocks.
@@ -716,21 +764,24 @@ __global__ void __launch_bounds__(kWsThreads, 1)
         const uint32_t stage = ring + s * kWsStageBytes;
         if (it >= kWsStages) MbarWait(empty_bar + 8 * s, uint32_t(it / kWsStages - 1) & 1);
         if (pt == 0) {
-          MbarExpectBytes(full_bar + 8 * s, kWsWeightBytes + (gather ? 0 : kChunkBytes));
-          const uint32_t w = stage + kChunkBytes, sc = w + 2 * kWsCopyCodeBytes;
+          MbarExpectBytes(full_bar + 8 * s, kWsWeightBytes + (gather ? 0 : kChunk));
+          const uint32_t w = stage + kChunk, sc = w + 2 * kWsCopyCodeBytes;
           const int32_t kc = int32_t(c * kBlockRows * kBlockCodeBytes / 4);  // (32-bit words)
           const int32_t ks = int32_t(c * kBlockRows * kBlockScaleBytes / 4);
           TmaLoad2d(w, &codes, kc, frag0, full_bar + 8 * s);
           TmaLoad2d(w + kWsCopyCodeBytes, &codes, kc, frag1, full_bar + 8 * s);
           TmaLoad2d(sc, &scales, ks, frag0, full_bar + 8 * s);
           TmaLoad2d(sc + kWsCopyScaleBytes, &scales, ks, frag1, full_bar + 8 * s);
-          if (!gather) TmaLoadChunk(stage, &amap, c, tile, full_bar + 8 * s);
+          if (!gather) TmaLoadChunk<TOK>(stage, &amap, c, tile, full_bar + 8 * s);
         }
         if (gather) {
-          // Logical 16-byte piece q of this half (a is in the chunk order) to its swizzled place.
+          // Logical 16-byte piece i (a is in the chunk order) to its swizzled place in panel i / 8.
 #pragma unroll
-          for (int q = 0; q < 8; ++q)
-            CpAsync<16>(stage + panel * kPanelBytes + n * 128 + ((q ^ (n & 7)) << 4), xrow + c * 128 + 8 * q, x_bytes);
+          for (int j = 0; j < PPT; ++j) {
+            const int i = PPT * sub + j, q = i & 7;
+            CpAsync<16>(stage + (i >> 3) * PanelBytes<TOK>() + n * 128 + ((q ^ (n & 7)) << 4), xrow + c * 128 + 8 * j,
+                        x_bytes);
+          }
           CpAsyncArrive(full_bar + 8 * s);
         }
       }
@@ -753,7 +804,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     const int64_t base = slab * WsFeatures<GATED>() + 16 * warp;
     const int64_t feat[2] = {base, GATED ? base : base + 16 * kWsCopyFrags};
     const bool active[2] = {feat[0] < p.n_out, feat[1] < p.n_out};
-    float acc[2][8][4];
+    float acc[2][TOK / 8][4];
     ZeroAcc(acc);
     for (int64_t c = 0; c < chunks; ++c, ++it) {
       const int s = int(it % kWsStages);
@@ -764,8 +815,8 @@ __global__ void __launch_bounds__(kWsThreads, 1)
 #pragma unroll
       for (int j = 0; j < 2; ++j) {  // weight copy j
         const uint32_t code =
-            stage + kChunkBytes + j * kWsCopyCodeBytes + uint32_t(warp * kBlockRows * kBlockCodeBytes);
-        const uint32_t scale = stage + kChunkBytes + 2 * kWsCopyCodeBytes + j * kWsCopyScaleBytes +
+            stage + kChunk + j * kWsCopyCodeBytes + uint32_t(warp * kBlockRows * kBlockCodeBytes);
+        const uint32_t scale = stage + kChunk + 2 * kWsCopyCodeBytes + j * kWsCopyScaleBytes +
                                uint32_t(warp * kBlockRows * kBlockScaleBytes);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -781,7 +832,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
           w.s[j][h] = sv;
         }
       }
-      ChunkMma<128, 2>(w, stage, acc);
+      ChunkMma<128, 2, TOK>(w, stage, acc);
       MbarArrive(empty_bar + 8 * s);
     }
     StoreTile<GATED, 2, OutT>(p, e, tile, feat, active, acc);
@@ -841,11 +892,11 @@ std::string Encode2d(CUtensorMap* map, CUtensorMapDataType type, const void* ptr
   return r == CUDA_SUCCESS ? "" : "cuTensorMapEncodeTiled failed with CUresult " + std::to_string(int(r));
 }
 
-// The tensor map of `a` [a_rows, K] bf16 for W4A16WgmmaTma: boxes of 64 K x 64 rows, 128-byte
+// The tensor map of `a` [a_rows, K] bf16 for the wgmma kernels: boxes of 64 K x `tokens` rows, 128-byte
 // swizzle; rows past a_rows read as zeros.
-std::string EncodeActivationMap(const GemmParams& p, CUtensorMap* map) {
+std::string EncodeActivationMap(const GemmParams& p, int tokens, CUtensorMap* map) {
   return Encode2d(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, p.a, uint64_t(p.K), uint64_t(p.a_rows), uint64_t(p.K) * 2,
-                  64, kTokens, CU_TENSOR_MAP_SWIZZLE_128B);
+                  64, uint32_t(tokens), CU_TENSOR_MAP_SWIZZLE_128B);
 }
 
 // Over 48 KB of shared memory needs the opt-in, once per kernel and device (a host call, also
@@ -896,14 +947,15 @@ int CachedDeviceAttribute() {
 
 // W4A16WgmmaTma on a 1-D grid: a CTA per work item, or persistent: as many as fit on the device at once
 // (occupancy, cached per device), each walking the items gridDim.x apart.
-template <bool GATED, int NB, bool BW, bool PERSISTENT>
+template <bool GATED, int NB, bool BW, bool PERSISTENT, int TOK>
 std::string LaunchTma(GemmParams p, bool slabs_first, bool pdl, cudaStream_t stream) {
-  constexpr auto kernel = W4A16WgmmaTma<GATED, NB, uint16_t, BW, PERSISTENT>;
+  constexpr auto kernel = W4A16WgmmaTma<GATED, NB, uint16_t, BW, PERSISTENT, TOK>;
+  constexpr int kTmaSmemBytes = TmaSmem<TOK>::kBytes;
   CUtensorMap map;
-  if (std::string err = EncodeActivationMap(p, &map); !err.empty()) return err;
+  if (std::string err = EncodeActivationMap(p, TOK, &map); !err.empty()) return err;
   if (std::string err = OptInSmem<kernel>(kTmaSmemBytes); !err.empty()) return err;
   p.slabs_first = slabs_first;
-  const int64_t items = p.P / kTokens * CeilDiv<int64_t>(p.n_out, CtaFeatures<GATED, NB>());
+  const int64_t items = p.P / TOK * CeilDiv<int64_t>(p.n_out, CtaFeatures<GATED, NB>());
   if (items > 0x7FFFFFFF) return "too many row tiles or feature slabs";
   int64_t ctas = items;
   if (PERSISTENT) {
@@ -919,20 +971,22 @@ std::string LaunchTma(GemmParams p, bool slabs_first, bool pdl, cudaStream_t str
   return "";
 }
 
-template <bool BW, bool PERSISTENT>
+template <bool BW, bool PERSISTENT, int TOK>
 std::string LaunchTmaFor(const GemmParams& p, bool gated, bool one_block, bool sf, bool pdl, cudaStream_t stream) {
-  if (gated) return LaunchTma<true, 2, BW, PERSISTENT>(p, sf, pdl, stream);
-  return one_block ? LaunchTma<false, 1, BW, PERSISTENT>(p, sf, pdl, stream)
-                   : LaunchTma<false, 2, BW, PERSISTENT>(p, sf, pdl, stream);
+  if (gated) return LaunchTma<true, 2, BW, PERSISTENT, TOK>(p, sf, pdl, stream);
+  return one_block ? LaunchTma<false, 1, BW, PERSISTENT, TOK>(p, sf, pdl, stream)
+                   : LaunchTma<false, 2, BW, PERSISTENT, TOK>(p, sf, pdl, stream);
 }
 
 // W4A16WgmmaWs<GATED, OutT>: the tensor maps of the blocked weights as [E * N / 16 fragments, a
 // fragment's blocks] of 32-bit words, boxes of one 128-K block of kWsCopyFrags fragments; of `a`
 // when it is not gathered. persistent: min(work items, SMs) CTAs, each walking the items
 // gridDim.x apart (else a CTA per item).
-template <bool GATED, typename OutT>
+template <bool GATED, typename OutT, int TOK>
 std::string LaunchWs(GemmParams p, bool persistent, bool pdl, cudaStream_t stream) {
-  const int64_t frags = p.E * p.N / kBlockRows, items = p.P / kTokens * CeilDiv<int64_t>(p.n_out, WsFeatures<GATED>());
+  constexpr auto kernel = W4A16WgmmaWs<GATED, OutT, TOK>;
+  constexpr int kWsSmemBytes = WsSmem<TOK>::kBytes;
+  const int64_t frags = p.E * p.N / kBlockRows, items = p.P / TOK * CeilDiv<int64_t>(p.n_out, WsFeatures<GATED>());
   if (items > 0x7FFFFFFF || frags > 0x7FFFFFFF) return "too many row tiles or weight rows";
   CUtensorMap codes, scales, amap{};
   const uint64_t code_row = uint64_t(kBlockRows) * (p.K / 2), scale_row = uint64_t(kBlockRows) * (p.K / 16);
@@ -945,47 +999,58 @@ std::string LaunchWs(GemmParams p, bool persistent, bool pdl, cudaStream_t strea
       !err.empty())
     return err;
   if (!p.gather)
-    if (std::string err = EncodeActivationMap(p, &amap); !err.empty()) return err;
-  if (std::string err = OptInSmem<W4A16WgmmaWs<GATED, OutT>>(kWsSmemBytes); !err.empty()) return err;
+    if (std::string err = EncodeActivationMap(p, TOK, &amap); !err.empty()) return err;
+  if (std::string err = OptInSmem<kernel>(kWsSmemBytes); !err.empty()) return err;
   const int sms = CachedDeviceAttribute<cudaDevAttrMultiProcessorCount>();
   const int64_t ctas = persistent && sms > 0 ? std::min<int64_t>(items, sms) : items;
-  LaunchKernel(W4A16WgmmaWs<GATED, OutT>, dim3(unsigned(ctas)), kWsThreads, kWsSmemBytes, stream, pdl, p, codes, scales, amap);
+  LaunchKernel(kernel, dim3(unsigned(ctas)), kWsThreads, kWsSmemBytes, stream, pdl, p, codes, scales, amap);
   return "";
+}
+
+// The chunk-ordered-`a` kernels on TOK-row tiles: the warp-specialized one where WarpSpecializedGemm
+// says so, else the TMA-fed one (the handler checked: bf16 out, not gathered).
+template <int TOK>
+std::string LaunchChunkA(const GemmParams& p, bool gated, bool f32_out, int64_t kernel_flags, cudaStream_t stream) {
+  const bool pdl = kernel_flags & int64_t(KernelFlag::kPdl);
+  if (WarpSpecializedGemm(kernel_flags, p.pairing, p.gather)) {
+    const bool persistent = !(kernel_flags & int64_t(KernelFlag::kNoPersistent));
+    // fp32 out: mode w4a4's GEMM1, whose intermediate is quantized from unrounded values.
+    return gated ? (f32_out ? LaunchWs<true, float, TOK>(p, persistent, pdl, stream)
+                            : LaunchWs<true, uint16_t, TOK>(p, persistent, pdl, stream))
+                 : (f32_out ? LaunchWs<false, float, TOK>(p, persistent, pdl, stream)
+                            : LaunchWs<false, uint16_t, TOK>(p, persistent, pdl, stream));
+  }
+  const bool one_block = !(kernel_flags & int64_t(KernelFlag::kWgmmaTwoBlocks));
+  const bool sf = !(kernel_flags & int64_t(KernelFlag::kRowTilesFirst));
+  const bool bw = p.pairing & int32_t(Pairing::kBlockedW), persistent = kernel_flags & int64_t(KernelFlag::kTmaPersistent);
+  return bw ? (persistent ? LaunchTmaFor<true, true, TOK>(p, gated, one_block, sf, pdl, stream)
+                          : LaunchTmaFor<true, false, TOK>(p, gated, one_block, sf, pdl, stream))
+            : (persistent ? LaunchTmaFor<false, true, TOK>(p, gated, one_block, sf, pdl, stream)
+                          : LaunchTmaFor<false, false, TOK>(p, gated, one_block, sf, pdl, stream));
 }
 
 }  // namespace
 
-bool LaunchWgmmaGemm(const GemmParams& p, bool gated, bool f32_out, int64_t kernel_flags, cudaStream_t stream,
-                     std::string* error) {
+bool LaunchWgmmaGemm(const GemmParams& p, int64_t tile_m, bool gated, bool f32_out, int64_t kernel_flags,
+                     cudaStream_t stream, std::string* error) {
 #ifdef JAX_NVFP4_HAS_SM90A
-  if (CachedDeviceAttribute<cudaDevAttrComputeCapabilityMajor>() != 9 || p.P % kTokens != 0) return false;
+  const bool chunk_a = p.pairing & int32_t(Pairing::kChunkA);
+  if (CachedDeviceAttribute<cudaDevAttrComputeCapabilityMajor>() != 9 || p.P % tile_m != 0 ||
+      !(tile_m == 64 || (tile_m == 32 && chunk_a)))
+    return false;
+  if (chunk_a) {
+    *error = tile_m == 64 ? LaunchChunkA<64>(p, gated, f32_out, kernel_flags, stream)
+                          : LaunchChunkA<32>(p, gated, f32_out, kernel_flags, stream);
+    return true;
+  }
   const bool one_block = !(kernel_flags & int64_t(KernelFlag::kWgmmaTwoBlocks));
   const bool sf = !(kernel_flags & int64_t(KernelFlag::kRowTilesFirst)), pdl = kernel_flags & int64_t(KernelFlag::kPdl);
-  const bool bw = p.pairing & int32_t(Pairing::kBlockedW);
-  if (WarpSpecializedGemm(kernel_flags, p.pairing, p.gather)) {
-    const bool persistent = !(kernel_flags & int64_t(KernelFlag::kNoPersistent));
-    // fp32 out: mode w4a4's GEMM1, whose intermediate is quantized from unrounded values.
-    *error = gated ? (f32_out ? LaunchWs<true, float>(p, persistent, pdl, stream)
-                              : LaunchWs<true, uint16_t>(p, persistent, pdl, stream))
-                   : (f32_out ? LaunchWs<false, float>(p, persistent, pdl, stream)
-                              : LaunchWs<false, uint16_t>(p, persistent, pdl, stream));
-    return true;
-  }
-  if (p.pairing & int32_t(Pairing::kChunkA)) {  // the handler checked: bf16 out, not gathered
-    const bool persistent = kernel_flags & int64_t(KernelFlag::kTmaPersistent);
-    *error = bw ? (persistent ? LaunchTmaFor<true, true>(p, gated, one_block, sf, pdl, stream)
-                              : LaunchTmaFor<true, false>(p, gated, one_block, sf, pdl, stream))
-                : (persistent ? LaunchTmaFor<false, true>(p, gated, one_block, sf, pdl, stream)
-                              : LaunchTmaFor<false, false>(p, gated, one_block, sf, pdl, stream));
-    return true;
-  }
-  bw ? LaunchFor<true>(p, gated, f32_out, one_block, sf, pdl, stream)
-     : LaunchFor<false>(p, gated, f32_out, one_block, sf, pdl, stream);
+  p.pairing & int32_t(Pairing::kBlockedW) ? LaunchFor<true>(p, gated, f32_out, one_block, sf, pdl, stream)
+                                          : LaunchFor<false>(p, gated, f32_out, one_block, sf, pdl, stream);
   return true;
 #else
-  (void)p, (void)gated, (void)f32_out, (void)kernel_flags, (void)stream, (void)error;
-  (void)CachedDeviceAttribute<cudaDevAttrComputeCapabilityMajor>, (void)LaunchWs<true, float>,
-      (void)LaunchWs<false, float>, (void)LaunchWs<true, uint16_t>, (void)LaunchWs<false, uint16_t>;
+  (void)p, (void)tile_m, (void)gated, (void)f32_out, (void)kernel_flags, (void)stream, (void)error;
+  (void)CachedDeviceAttribute<cudaDevAttrComputeCapabilityMajor>, (void)LaunchChunkA<64>, (void)LaunchChunkA<32>;
   return false;
 #endif
 }
