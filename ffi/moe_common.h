@@ -43,7 +43,7 @@ enum class RowScale : int64_t {
 enum class KernelFlag : int64_t {
   // 1: kRingDecodeLoop (decode weights through a shared-memory ring: cp.async, then tensor copies)
   // until 2026-12-01, removed: slower than registers on the H200 (moe_gemm.cu, DecodeLoop).
-  kNoWgmma = 2,          // 64-row tiles: the mma.sync kernel instead of the sm_90a wgmma kernel
+  kNoWgmma = 2,          // 64- and 32-row tiles: the mma.sync kernel instead of the sm_90a wgmma kernels
   kWgmmaTwoBlocks = 4,   // wgmma, non-gated: two 64-feature blocks per warpgroup instead of one
   kJaxQuant = 8,         // w4a4: per-token quantization in pure JAX instead of the quant_dequant_rows
                          // kernel (the GEMMs ignore it)
@@ -67,10 +67,11 @@ enum class KernelFlag : int64_t {
   kNoWarpSpecialized = 32768,  // 64-row tiles with blocked weights: GEMM1 on the staged wgmma kernel
                                // instead of the warp-specialized one (a producer warpgroup stages weights
                                // and gathered rows; H200, 2026-12-02: 14-17% faster w4a16 prefill layers,
-                               // 1.33-1.45x faster w4a4 ones)
+                               // 1.33-1.45x faster w4a4 ones; 32-row tiles: the mma.sync kernel)
   kWsGemm2 = 65536,            // moe's GEMM2 (chunk-ordered `a`, not gathered) on the warp-specialized
-                               // kernel too, instead of the TMA-fed one (1.02-1.22x slower layers on the
-                               // H200, 2026-12-02, sessions 17-19)
+                               // kernel too, instead of the TMA-fed one (64-row tiles: 1.02-1.22x slower
+                               // layers on the H200, 2026-12-02, sessions 17-19; moe sets it on 32-row
+                               // tiles where I >= 1536: 8-9% faster decode layers, 2026-12-03)
   kNoPersistent = 131072,      // the warp-specialized kernel with a CTA per work item instead of a persistent
                                // grid (a CTA per SM walks the work items, its ring running on across them:
                                // prefill layers up to 1.8% faster, at most 0.6% slower on the H200, 2026-12-02)
@@ -98,7 +99,7 @@ constexpr int64_t kAllKernelFlags = 5210846;
 // kA / kOut: a's K axis / out's feature axis in the paired order (PairedPos). moe's intermediate
 // uses it on mma.sync tiles (but with KernelFlag kNaturalIntermediate): GEMM1 writes it paired,
 // GEMM2 reads it paired and skips its activation byte permutes. kChunkA / kChunkOut: the same axes
-// in the wgmma chunk order (ChunkPos), moe's intermediate on 64-row tiles: a 128-K chunk of
+// in the wgmma chunk order (ChunkPos), moe's intermediate on 64- and 32-row wgmma tiles: a 128-K chunk of
 // GEMM2's input is then its wgmma B tile as it is, which the tensor memory accelerator copies
 // (moe_gemm_sm90.cu). kBlockedW: w_data and w_scales in the blocked order (BlockedOffset; same
 // shapes, each expert's bytes permuted), so that a GPU warp's weight loads read contiguous bytes.

@@ -783,13 +783,15 @@ def chunk_intermediate_supported() -> bool:
 
 
 def wgmma_tiles(experts: NVFP4Experts, kernel_flags: int = 0) -> bool:
-    """Whether moe runs the 32- and 64-row tiles of ``experts`` on the sm_90a warp-specialized GEMM1
-    here: CUDA devices, all sm_90, an sm_90a build, blocked gate/up weights with H a multiple of 128,
-    and neither ``NO_WGMMA`` nor ``NO_WARP_SPECIALIZED``. :func:`choose_tile_m` then takes 32-row tiles
+    """Whether moe runs the 32- and 64-row tiles of ``experts`` on the sm_90a wgmma kernels here, GEMM1
+    on the warp-specialized one and GEMM2 on a chunk-ordered intermediate: CUDA devices, all sm_90, an
+    sm_90a build, blocked gate/up weights, H and I multiples of 128, and none of ``NO_WGMMA``,
+    ``NO_WARP_SPECIALIZED``, ``NATURAL_INTERMEDIATE``. :func:`choose_tile_m` then takes 32-row tiles
     from ``WGMMA_MIN_ROWS`` rows per expert on and 64-row ones from ``WGMMA_64_ROWS`` (the measured
-    case; elsewhere 64-row tiles from 33)."""
+    case; elsewhere 64-row tiles from 33, and no 32-row ones: GEMM2 would run them on mma.sync)."""
     gpus = _cuda_devices()
-    return bool(gpus) and _sm90a_gpus(gpus) and _ws_gemm1_layout(experts, kernel_flags)
+    return (bool(gpus) and _sm90a_gpus(gpus) and _ws_gemm1_layout(experts, kernel_flags)
+            and experts.intermediate_size % CHUNK_K == 0 and not kernel_flags & KernelFlag.NATURAL_INTERMEDIATE)
 
 
 def _ws_gemm1_layout(experts: NVFP4Experts, kernel_flags: int) -> bool:

@@ -111,8 +111,8 @@ def test_padded_rows_bound(n, e, tile):
     assert ops.choose_tile_m(1 * 8, 256) == 8 and ops.choose_tile_m(4096 * 8, 256) == 64
 
 
-@pytest.mark.parametrize("rows_per_expert,tile", [(0.25, 8), (4, 8), (5, 16), (8, 16), (16, 16), (32, 16),
-                                                  (33, 64), (128, 64)])
+@pytest.mark.parametrize("rows_per_expert,tile", [(0.25, 8), (4, 8), (5, 16), (8, 16), (9, 16), (12, 16), (16, 16),
+                                                  (24, 16), (25, 16), (32, 16), (33, 64), (128, 64)])
 def test_choose_tile_m_fits_most_experts_in_one_tile(rows_per_expert, tile):
     """8-row tiles while they hold the mean plus two standard deviations of an expert's rows,
     then 16-row tiles; past 32 rows on average, the 64-row prefill tiles; with the sm_90a wgmma
@@ -121,22 +121,24 @@ def test_choose_tile_m_fits_most_experts_in_one_tile(rows_per_expert, tile):
     assert ops.choose_tile_m(pairs, 32) == tile
     assert ops.choose_tile_m(pairs, 32, wgmma=True) == (
         64 if rows_per_expert >= ops.WGMMA_64_ROWS else 32 if rows_per_expert >= ops.WGMMA_MIN_ROWS else tile)
-    assert 0 < ops.WGMMA_MIN_ROWS < ops.WGMMA_64_ROWS <= 33
+    assert (ops.WGMMA_MIN_ROWS, ops.WGMMA_64_ROWS) == (9, 25)  # the measured thresholds (BENCHMARKS.md, session 25)
 
 
 def test_moe_takes_wgmma_tiles_only_where_the_gpus_run_them():
-    """The wgmma tiles from WGMMA_MIN_ROWS need the sm_90a warp-specialized GEMM1 (none on the CPU, nor
-    with NO_WGMMA / NO_WARP_SPECIALIZED or experts in the rows order); the lowered layer shows the tile
-    size that was chosen (16 rows per expert: wgmma tiles only there)."""
+    """The wgmma tiles from WGMMA_MIN_ROWS need the sm_90a warp-specialized GEMM1 and a chunk-ordered
+    intermediate (none on the CPU, nor with NO_WGMMA / NO_WARP_SPECIALIZED / NATURAL_INTERMEDIATE or
+    experts in the rows order); the lowered layer shows the tile size that was chosen (16 rows per
+    expert: 32-row tiles only there)."""
     ex = make_experts(5, 8, 128, 128)
     blocked = nv.to_blocked_experts(ex)
     sm90a = has_gpu() and ops.chunk_intermediate_supported()
     assert not ops.wgmma_tiles(ex) and not ops.wgmma_tiles(blocked, ops.KernelFlag.NO_WGMMA)
     assert not ops.wgmma_tiles(blocked, ops.KernelFlag.NO_WARP_SPECIALIZED)
+    assert not ops.wgmma_tiles(blocked, ops.KernelFlag.NATURAL_INTERMEDIATE)
     assert ops.wgmma_tiles(blocked) == sm90a
     x = make_x(1, 16, 128)
     ids, w = make_routing(2, 16, 8, 8)  # 16 rows per expert
-    for experts, tile in ((ex, 16), (blocked, ops.choose_tile_m(16 * 8, 8, wgmma=True) if sm90a else 16)):
+    for experts, tile in ((ex, 16), (blocked, 32 if sm90a else 16)):
         text = jax.jit(lambda x, i, w, experts=experts: ops.moe(x, experts, i, w)).lower(x, ids, w).as_text()
         assert f"tile_m = {tile}" in text
 
@@ -1039,13 +1041,15 @@ TILE32_CASES = [  # (activation, gather, row_scale_mode, out_dtype): the warp-sp
     (ops.Activation.IDENTITY, False, ops.RowScale.PAIR, BF16),
     (ops.Activation.IDENTITY, False, ops.RowScale.ROW, BF16),
     (ops.Activation.RELU2, False, ops.RowScale.TOKEN, BF16),
+    (ops.Activation.SWIGLU, False, ops.RowScale.NONE, BF16),  # the TMA-fed kernel's gated instance
 ]
 
 
 @pytest.mark.parametrize("on_gpu", [False, pytest.param(True, marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("h", [128, 1280])
 @pytest.mark.parametrize("flags", [0, int(ops.KernelFlag.TMA_PERSISTENT), int(ops.KernelFlag.NO_PERSISTENT),
-                                   int(ops.KernelFlag.WS_GEMM2)])
+                                   int(ops.KernelFlag.WS_GEMM2),
+                                   int(ops.KernelFlag.WGMMA_TWO_BLOCKS | ops.KernelFlag.ROW_TILES_FIRST)])
 @pytest.mark.parametrize("case", range(len(TILE32_CASES)))
 def test_gemm_32_row_wgmma_tiles_are_the_64_row_function(on_gpu, h, flags, case):
     """32-row tiles with ``a`` in the chunk order (on the GPU the m64n32 forms of the warp-specialized
@@ -1055,7 +1059,9 @@ def test_gemm_32_row_wgmma_tiles_are_the_64_row_function(on_gpu, h, flags, case)
     twin. The pairs' activations and row scales are the same in both tilings (ungathered ``a`` and ROW
     scales built per sorted row from per-pair values); 120 tokens x 4 over 5 experts (1-4 32-row tiles
     an expert; on the GPU 1200, so that the persistent grids walk several items), some pairs dropped;
-    320 features (a partly idle last slab); one chunk and ten."""
+    320 features (a partly idle last slab); one chunk and ten. An ungathered ``a`` that ends 70 rows
+    before the last used 32-row tile gives zeros past its end and the same rows before it (the tensor
+    copies' bounds)."""
     if on_gpu and not has_gpu():
         pytest.skip("needs an NVIDIA GPU")
     if on_gpu and not ops.chunk_intermediate_supported():
@@ -1063,8 +1069,8 @@ def test_gemm_32_row_wgmma_tiles_are_the_64_row_function(on_gpu, h, flags, case)
     if not on_gpu and flags:
         pytest.skip("kernel flags are CUDA variants")
     act, gather, mode, out_dtype = TILE32_CASES[case]
-    if flags & (ops.KernelFlag.TMA_PERSISTENT | ops.KernelFlag.WS_GEMM2) and gather:
-        pytest.skip("TMA_PERSISTENT, WS_GEMM2: variants of ungathered calls")
+    if flags & ~int(ops.KernelFlag.NO_PERSISTENT) and gather:
+        pytest.skip("TMA_PERSISTENT, WS_GEMM2, WGMMA_TWO_BLOCKS, ROW_TILES_FIRST: variants of ungathered calls")
     rng = np.random.default_rng(1000 + case + h)
     t, k, e, n = (1200 if on_gpu else 120), 4, 5, 320
     gated = act in (ops.Activation.SWIGLU, ops.Activation.GEGLU)
@@ -1087,6 +1093,14 @@ def test_gemm_32_row_wgmma_tiles_are_the_64_row_function(on_gpu, h, flags, case)
                                 pairing=ops.Pairing.CHUNK_A))
         rows = used & (sid_np >= 0)
         by_pair[tile] = out[rows][np.argsort(sid_np[rows])]
+        if tile == 32 and not gather:  # a cut 70 rows before the last used tile's end
+            end = int(used.sum()) - 70
+            with jax.default_device(dev):
+                cut = f32(_run_gemm("ffi", ops.to_chunk_order(jnp.asarray(a[:end], BF16)), w, sid, te, jnp.asarray(rs),
+                                    act, gather, mode, out_dtype, tile, k, kernel_flags=flags,
+                                    pairing=ops.Pairing.CHUNK_A))
+            np.testing.assert_array_equal(cut[:end][used[:end]], out[:end][used[:end]])
+            assert (cut[end:][used[end:]] == 0).all() and (out[end:][used[end:]] != 0).any()
         if tile == 32:
             twin = f32(_run_gemm("jax", jnp.asarray(a, BF16), w, sid, te, jnp.asarray(rs), act, gather, mode,
                                  out_dtype, tile, k))[rows][np.argsort(sid_np[rows])]

@@ -187,7 +187,7 @@ __device__ __forceinline__ int64_t RowScaleIndex(int64_t mode, int64_t pair, int
 }
 
 // Source row of a for sorted row r holding `pair` (sorted_ids[r]), or -1 (padding / out of range).
-// DIV32: pair / top_k by PairToken (the wgmma kernels, and Epilogue on 64-row tiles). The mma.sync
+// DIV32: pair / top_k by PairToken (the wgmma kernels, and the batched Epilogue). The mma.sync
 // kernels keep the 64-bit division elsewhere: with it and the batched epilogue loads everywhere,
 // their code changed and DeepSeek-V3 layers at T=64/128 ran 2-3% slower on the H200 (BENCHMARKS.md
 // session 19).

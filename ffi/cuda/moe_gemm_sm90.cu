@@ -2,7 +2,7 @@
 // warpgroup MMAs (wgmma) instead of mma.sync; and for 32-row tiles (TOK = 32: m64n32 wgmmas, moe at
 // 9-24 rows per expert) on the kernels that read chunk-ordered activations (TMA-fed, warp-specialized).
 //
-// - A CTA is two warpgroups (8 warps) and owns one 64-row tile of one expert; each warpgroup
+// - A CTA is two warpgroups (8 warps) and owns one 64-row (TMA-fed: or 32-row) tile of one expert; each warpgroup
 //   multiplies two 64-row weight blocks: gated, the gate and the up rows of 64 features (128
 //   features per CTA); otherwise one block of 64 features (KernelFlag kWgmmaTwoBlocks: two,
 //   so that every staged activation chunk feeds as many MMAs; slower on the H200, 2026-12-01;
@@ -15,7 +15,7 @@
 //   and {k2, k6}, {k3, k7}. BW: weights in the blocked order (Pairing::kBlockedW: a warp's 16
 //   rows of a chunk are 1 KB of contiguous codes; K % 128 == 0, so no tail): 4-6% faster layers
 //   than on rows on the H200 (2026-12-01).
-// - Activations (B) are staged in shared memory, 64 rows x 128 K per chunk, in the wgmma K-major
+// - Activations (B) are staged in shared memory, 64 (or 32) rows x 128 K per chunk, in the wgmma K-major
 //   128-byte-swizzle layout *with the same permutation* (the logical k order), two ways:
 //   - staged by the MMA warps (W4A16WgmmaStaged): double buffered; each thread loads 16 bytes (8
 //     actual k) of one row and stores its four 4-byte k pairs at their logical positions
@@ -56,8 +56,8 @@ namespace jax_nvfp4 {
 namespace {
 
 // Row tiles: 64 rows (TOK), or 32 on the TMA-fed and the warp-specialized kernels (m64n32 wgmmas:
-// at 13-32 rows per expert a 64-row tile spends half its MMAs on padding rows).
-constexpr int kTokens = 64;                    // tile_m of the staged kernel, and the default TOK
+// at 9-24 rows per expert, moe's choice, a 64-row tile spends most of its MMAs on padding rows).
+constexpr int kTokens = 64;                    // tile_m of the staged kernel
 constexpr int kWgThreadsPerCta = 8 * 32;       // two warpgroups
 template <int TOK>
 constexpr int PanelBytes() { return TOK * 128; }  // TOK rows x 64 K bf16: one 128-byte-swizzle panel
@@ -406,7 +406,7 @@ __device__ __forceinline__ void CpAsyncArrive(uint32_t bar) {  // one expected a
 // (RowIdsCopy, at the item's start) into `rows`, then (RowFactors, before the last chunk) each row's
 // validity over them (1 / 0: SourceRow) and its row_scale factor into `factors` (RowScaled's rules: 1
 // without a row scale, 0 for rows that are padding, past a_rows or past row_scale_n), completing on
-// `bar` (64 arrivals: each lane's, and its copies'). Lane l takes rows RL l .. RL l + RL - 1 (RL =
+// `bar` (64 arrivals: each lane's, and its copies'). Lane l takes rows RL * l .. RL * l + RL - 1 (RL =
 // TOK / 32 rows a lane).
 template <int TOK>
 __device__ __forceinline__ void RowIdsCopy(const GemmParams& p, int64_t tile, uint32_t rows) {
@@ -452,8 +452,9 @@ __device__ __forceinline__ void RowFactors(const GemmParams& p, int64_t tile, ui
 
 // The TMA-fed kernel's epilogue of a warp's 16 features (block j) of a non-gated tile, when the output
 // columns are in their natural order and n_out % 16 == 0 (StagedStores): the values, as
-// EpilogueAct's, go to the warp's 2 KB of shared memory by stmatrix (transposed: a row's 16 features
-// are 32 contiguous bytes) and then out by 16-byte stores, 4 a thread instead of 32 of 2 bytes.
+// EpilogueAct's, go to the warp's TOK x 32 bytes of shared memory by stmatrix (transposed: a row's 16
+// features are 32 contiguous bytes) and then out by 16-byte stores, TOK / 16 a thread instead of TOK / 2
+// of 2 bytes.
 // Staged rows are 32 bytes; their two 16-byte halves swap in rows 4-7 of every 8 (conflict-free
 // stmatrix).
 __device__ __forceinline__ uint32_t StagedHalf(int row, int half) {
