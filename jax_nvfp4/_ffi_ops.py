@@ -82,14 +82,14 @@ class KernelFlag(enum.IntFlag):
     # 32: ALIGN_ONE_WARP (moe_align with <= ALIGN_ONE_WARP_PAIRS pairs in one warp) opt-in until 2026-12-02, then
     # the default
     PDL = 64  # every kernel launched with programmatic dependent launch (its start overlaps the previous kernel)
-    NATURAL_INTERMEDIATE = 128  # moe: the intermediate in the natural order (default: paired on 8-32-row tiles,
-    # the chunk order on the wgmma kernels' 32- and 64-row ones where I % 128 == 0 and the GPU is sm_90)
+    NATURAL_INTERMEDIATE = 128  # moe: the intermediate in the natural order (default: paired on the mma.sync 8-32-row
+    # tiles, the chunk order on the wgmma kernels' 32- and 64-row ones where I % 128 == 0 and the GPU is sm_90)
     # 256: PAIRED_INPUT (GEMM1's input paired by a transpose of x) until 2026-12-01, removed: no gain on the H200
     PLAIN_WEIGHT_LOADS = 512  # decode tiles: never the streaming hints (the default where K per warp >= 768)
     NO_WARP_SPECIALIZED = 32768  # 64-row tiles with blocked weights (sm_90): GEMM1 on the staged wgmma kernel
-    # (32-row tiles: on the mma.sync kernel)
-    # (x in the natural order), not the warp-specialized one (a producer warpgroup stages weights and gathered rows
-    # for three MMA warpgroups; H200: 14-17% faster w4a16 prefill layers, 1.33-1.45x faster w4a4 ones)
+    # (x in the natural order; 32-row tiles: on the mma.sync kernel), not the warp-specialized one (a producer
+    # warpgroup stages weights and gathered rows for three MMA warpgroups; H200: 14-17% faster w4a16 prefill
+    # layers, 1.33-1.45x faster w4a4 ones)
     WS_GEMM2 = 65536  # GEMM2 too (chunk-ordered a, not gathered) on the warp-specialized kernel, not the TMA-fed one
     # (64-row tiles: 1.02-1.22x slower layers on the H200, 2026-12-02, sessions 17-19; moe sets it on 32-row
     # tiles where I >= WS_GEMM2_MIN_K)
@@ -791,7 +791,13 @@ def wgmma_tiles(experts: NVFP4Experts, kernel_flags: int = 0) -> bool:
     case; elsewhere 64-row tiles from 33, and no 32-row ones: GEMM2 would run them on mma.sync)."""
     gpus = _cuda_devices()
     return (bool(gpus) and _sm90a_gpus(gpus) and _ws_gemm1_layout(experts, kernel_flags)
-            and experts.intermediate_size % CHUNK_K == 0 and not kernel_flags & KernelFlag.NATURAL_INTERMEDIATE)
+            and _chunk_intermediate_layout(experts, kernel_flags))
+
+
+def _chunk_intermediate_layout(experts: NVFP4Experts, kernel_flags: int) -> bool:
+    """Whether moe's intermediate of ``experts`` takes the chunk order on wgmma tiles: I a multiple of 128 and
+    no NATURAL_INTERMEDIATE."""
+    return experts.intermediate_size % CHUNK_K == 0 and not kernel_flags & KernelFlag.NATURAL_INTERMEDIATE
 
 
 def _ws_gemm1_layout(experts: NVFP4Experts, kernel_flags: int) -> bool:
@@ -877,7 +883,7 @@ def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str =
     natural = bool(kernel_flags & KernelFlag.NATURAL_INTERMEDIATE)
     paired = tile_m <= PAIRED_MAX_TILE_M and not natural
     wgmma = tile_m in WGMMA_TILE_MS and not kernel_flags & KernelFlag.NO_WGMMA and chunk_intermediate_supported()
-    chunk = wgmma and inter % CHUNK_K == 0 and not natural
+    chunk = wgmma and _chunk_intermediate_layout(experts, kernel_flags)
     p1, p2 = ((Pairing.CHUNK_OUT, Pairing.CHUNK_A) if chunk else (Pairing.OUT, Pairing.A) if paired
               else (Pairing.NONE, Pairing.NONE))
     # GEMM1 on the warp-specialized kernel (blocked weights): rows gathered from x in the chunk order
