@@ -137,6 +137,7 @@ NB_MODULE(_ffi, m) {
     kf["tma_persistent"] = int64_t(KernelFlag::kTmaPersistent);
     kf["align_one_cta"] = int64_t(KernelFlag::kAlignOneCta);
     kf["separate_x_quant"] = int64_t(KernelFlag::kSeparateXQuant);
+    kf["ws_three_groups"] = int64_t(KernelFlag::kWsThreeGroups);
     c["KernelFlag"] = kf;
     nb::dict pairing;
     pairing["none"] = int64_t(Pairing::kNone);

@@ -105,6 +105,10 @@ class KernelFlag(enum.IntFlag):
     # on (three kernels: counts, group offsets, ranks; Qwen3 T=4096 layers 4% faster)
     SEPARATE_X_QUANT = 4194304  # w4a4 decode (at most ALIGN_ONE_WARP_PAIRS pairs): x quantized by its own launch after
     # the align's, not by moe_align_quant's CTAs beside the align's (fused: Qwen3 w4a4 T=1 layers x0.919 on the H200)
+    WS_THREE_GROUPS = 8388608  # 32-row gated tiles (moe's GEMM1 at WGMMA_MIN_ROWS to WGMMA_64_ROWS - 1 rows an
+    # expert) on the warp-specialized kernel with three MMA warpgroups (192 features a work item), not four (256;
+    # H200, 2026-12-03: four give DeepSeek-V3 layers x0.90-0.91 at T = 48-64, x0.98 at 96, Qwen3 x0.96-1.00 at
+    # T = 128-384, fewer items on 132 SMs: 256 for DeepSeek-V3 T = 64, two a CTA, where three made 352)
     # 1048576 / 2097152: PREFETCH_NEXT / PREFETCH_NEXT_LATE (GEMM1's decode CTAs warming their experts' GEMM2
     # weights into L2) for one A/B on 2026-12-03, removed: up to 13% slower decode layers on the H200
     # 1024 / 2048: L2_PREFETCH / SPLIT_GATE_UP (decode tiles) for one A/B on 2026-12-01, removed: slower on the H200

@@ -671,7 +671,7 @@ __global__ void __launch_bounds__(kWgThreadsPerCta, MinCtas<GATED, NB>()) W4A16W
 }
 
 // W4A16WgmmaWs: a GEMM on chunk-ordered `a` and blocked weights (moe's GEMM1 on gathered rows, bf16 out,
-// or fp32 in w4a4; GEMM2 with KernelFlag::kWsGemm2) with warp-specialized roles. A CTA is kWsConsumers MMA warpgroups
+// or fp32 in w4a4; GEMM2 with KernelFlag::kWsGemm2) with warp-specialized roles. A CTA is NC MMA warpgroups
 // and one producer warpgroup, which fills a ring of kWsStages stages per 128-K chunk:
 // - the weight blocks of the CTA's rows, by 2-D tensor copies (one thread): per warpgroup two
 //   blocks of 64 rows, gated the gate and the up rows of 64 features, otherwise 128 features;
@@ -682,42 +682,57 @@ __global__ void __launch_bounds__(kWgThreadsPerCta, MinCtas<GATED, NB>()) W4A16W
 // wgmmas; the roles' register budgets are set apart (setmaxnreg), so three MMA warpgroups fit
 // where the staged kernel has two. (H200, 2026-12-02: as GEMM1, 14-17% faster prefill layers than
 // the staged kernel; as GEMM2, 1.02-1.22x slower ones than the TMA-fed kernel, whose one-block CTAs
-// fit two to an SM; on 32-row tiles, as GEMM2 of K = 2048, 8-9% faster decode layers: the TMA-fed kernel
-// holds one chunk of weights a warp in flight, the ring six stages, 2026-12-03.) The grid is persistent: a CTA per SM walks the work items, so the ring's fill
-// and the epilogue's stores of one item overlap the next (prefill layers up to 1.8% faster, at most
-// 0.6% slower; a warpgroup whose rows of the last slab are all past n_out skipping its MMAs gained
-// nothing and was not kept; H200, 2026-12-02).
-// (Two MMA warpgroups, six stages: 1.22-1.31x slower layers, H200 2026-12-02.)
-constexpr int kWsConsumers = 3;
-constexpr int kWsThreads = (kWsConsumers + 1) * 128;
-constexpr int kWsCopyFrags = 4 * kWsConsumers;  // 16-row fragments per weight copy: a 64-row block per warpgroup
-constexpr int kWsCopyCodeBytes = kWsCopyFrags * kBlockRows * kBlockCodeBytes;  // one 128-K block each
-constexpr int kWsCopyScaleBytes = kWsCopyFrags * kBlockRows * kBlockScaleBytes;
-constexpr int kWsWeightBytes = 2 * (kWsCopyCodeBytes + kWsCopyScaleBytes);  // two copies of each
+// fit two to an SM; on 32-row tiles, as GEMM2 of K = 2048, 8-9% faster decode layers: the TMA-fed
+// kernel holds one chunk of weights a warp in flight, the ring six stages, 2026-12-03.) The grid is
+// persistent: a CTA per SM walks the work items, so the ring's fill and the epilogue's stores of one
+// item overlap the next (prefill layers up to 1.8% faster, at most 0.6% slower; a warpgroup whose
+// rows of the last slab are all past n_out skipping its MMAs gained nothing and was not kept; H200,
+// 2026-12-02). (Two MMA warpgroups, six stages: 1.22-1.31x slower layers, H200 2026-12-02.)
+// NC, the MMA warpgroups: three, or four on 32-row gated tiles (GEMM1 at decode, whose accumulators
+// fit 112 registers): 256 features a work item, so that DeepSeek-V3's I = 2048 makes 8 slabs a tile
+// (192: 10.7, the last two thirds used) and 64 tokens' 32 tiles 256 items, two a CTA on 132 SMs
+// (192: 352 items, the last round on 88 SMs). H200, 2026-12-03: DeepSeek-V3 layers x0.90-0.91 at
+// T = 48-64, Qwen3-30B-A3B x0.96-1.00 at T = 128-384 (KernelFlag::kWsThreeGroups keeps three).
+template <int NC>
+struct WsShape {
+  static constexpr int kThreads = (NC + 1) * 128;
+  static constexpr int kCopyFrags = 4 * NC;  // 16-row fragments per weight copy: a 64-row block per warpgroup
+  static constexpr int kCopyCodeBytes = kCopyFrags * kBlockRows * kBlockCodeBytes;  // one 128-K block each
+  static constexpr int kCopyScaleBytes = kCopyFrags * kBlockRows * kBlockScaleBytes;
+  static constexpr int kWeightBytes = 2 * (kCopyCodeBytes + kCopyScaleBytes);  // two copies of each
+  // Registers a thread. setmaxnreg moves registers within the CTA's pool, what its launch got:
+  // kThreads x kLaunchRegs (ptxas gives these kernels all that __launch_bounds__ allows: 128 / 96);
+  // asking for more waits forever (H200, 2026-12-03: four warpgroups of 120 hung). Four warpgroups'
+  // accumulators and weights fit 112 (sm_90a SASS: R0-R107, no local memory).
+  static constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;
+  static constexpr int kProducerRegs = NC == 3 ? 40 : 32, kConsumerRegs = NC == 3 ? 152 : 112;
+  static_assert(NC == 3 || NC == 4, "three or four MMA warpgroups");
+  static_assert(NC * kConsumerRegs + kProducerRegs <= (NC + 1) * kLaunchRegs, "within the CTA's register pool");
+};
 // A stage: [activations][codes 0, 1][scales 0, 1], and its full and empty mbarriers. 64-row tiles:
 // four stages of 43 KB (five, all that fit in 227 KB: 3-6% slower layers; three: 0.6-2.6% slower;
-// H200 2026-12-02). 32-row tiles (decode batches, whose weights stream from HBM): six of 35 KB.
-template <int TOK>
+// H200 2026-12-02). 32-row tiles (decode batches, whose weights stream from HBM): six of 35 KB, or
+// with four MMA warpgroups five of 44 KB (all that fit).
+template <int TOK, int NC>
 struct WsSmem {
-  static constexpr int kStageBytes = ChunkBytes<TOK>() + kWsWeightBytes;
-  static constexpr int kStages = TOK == 64 ? 4 : 6;
+  static constexpr int kStageBytes = ChunkBytes<TOK>() + WsShape<NC>::kWeightBytes;
+  static constexpr int kStages = TOK == 64 ? 4 : NC == 3 ? 6 : 5;
   static constexpr int kBytes = kStages * (kStageBytes + 16) + 1024;
   static_assert(kStageBytes % 1024 == 0, "stages keep the 1024-byte alignment of the swizzled activations");
   static_assert(kBytes <= 227 * 1024, "the shared memory of an H200 CTA");
 };
-constexpr int kWsProducerRegs = 40, kWsConsumerRegs = 152;
-static_assert((kWsConsumers * kWsConsumerRegs + kWsProducerRegs) * 128 <= 65536, "one CTA per SM");
 
 // Output features of a warp-specialized CTA.
-template <bool GATED>
-constexpr int WsFeatures() { return (GATED ? 64 : 128) * kWsConsumers; }
+template <bool GATED, int NC>
+constexpr int WsFeatures() { return (GATED ? 64 : 128) * NC; }
 
-template <bool GATED, typename OutT, int TOK>
-__global__ void __launch_bounds__(kWsThreads, 1)
+template <bool GATED, typename OutT, int TOK, int NC>
+__global__ void __launch_bounds__(WsShape<NC>::kThreads, 1)
     W4A16WgmmaWs(const GemmParams p, const __grid_constant__ CUtensorMap codes,
                  const __grid_constant__ CUtensorMap scales, const __grid_constant__ CUtensorMap amap) {
 #ifdef JAX_NVFP4_WGMMA
-  constexpr int kWsStages = WsSmem<TOK>::kStages, kWsStageBytes = WsSmem<TOK>::kStageBytes;
+  using Shape = WsShape<NC>;
+  constexpr int kWsStages = WsSmem<TOK, NC>::kStages, kWsStageBytes = WsSmem<TOK, NC>::kStageBytes;
   constexpr int kChunk = ChunkBytes<TOK>();
   extern __shared__ uint8_t smem_raw[];
   const uint32_t ring = (SmemU32(smem_raw) + 1023) & ~1023u;
@@ -728,7 +743,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   // persistent grid) or, with KernelFlag::kNoPersistent, per item. Both roles skip the same unused
   // tiles and count chunks over the CTA's items (`it`), so the ring runs on across items: the
   // producer fills the next item's first stages while the MMA warpgroups store the last one's tile.
-  const int64_t slabs = CeilDiv<int64_t>(p.n_out, WsFeatures<GATED>()), items = p.P / TOK * slabs;
+  const int64_t slabs = CeilDiv<int64_t>(p.n_out, WsFeatures<GATED, NC>()), items = p.P / TOK * slabs;
   const int64_t chunks = p.K / 128;
   const int wg = threadIdx.x >> 7;
   const bool gather = p.gather;
@@ -736,14 +751,14 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     for (int s = 0; s < kWsStages; ++s) {
       // The tensor copies' thread, and with gathered rows each producer thread's cp.async.
       MbarInit(full_bar + 8 * s, gather ? 1 + 128 : 1);
-      MbarInit(empty_bar + 8 * s, 128 * kWsConsumers);
+      MbarInit(empty_bar + 8 * s, 128 * NC);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
 
-  if (wg == kWsConsumers) {  // the producer warpgroup
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kWsProducerRegs));
+  if (wg == NC) {  // the producer warpgroup
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(Shape::kProducerRegs));
     // Row n, 16-byte pieces PPT sub .. PPT sub + PPT - 1 of its 16 in each chunk (a K half, or quarter).
     constexpr int kSubs = 128 / TOK, PPT = 16 / kSubs;
     const int pt = threadIdx.x & 127, n = pt / kSubs, sub = pt % kSubs;
@@ -758,21 +773,21 @@ __global__ void __launch_bounds__(kWsThreads, 1)
       const uint32_t x_bytes = src >= 0 ? 16 : 0;
       // The first rows of the CTA's two weight copies in the maps ([E * N / 16] fragments): gated,
       // its gate and its up rows; otherwise two consecutive blocks.
-      const int32_t frag0 = int32_t((int64_t(e) * p.N + slab * WsFeatures<GATED>()) / kBlockRows);
-      const int32_t frag1 = frag0 + int32_t(GATED ? p.n_out / kBlockRows : kWsCopyFrags);
+      const int32_t frag0 = int32_t((int64_t(e) * p.N + slab * WsFeatures<GATED, NC>()) / kBlockRows);
+      const int32_t frag1 = frag0 + int32_t(GATED ? p.n_out / kBlockRows : Shape::kCopyFrags);
       for (int64_t c = 0; c < chunks; ++c, ++it) {
         const int s = int(it % kWsStages);
         const uint32_t stage = ring + s * kWsStageBytes;
         if (it >= kWsStages) MbarWait(empty_bar + 8 * s, uint32_t(it / kWsStages - 1) & 1);
         if (pt == 0) {
-          MbarExpectBytes(full_bar + 8 * s, kWsWeightBytes + (gather ? 0 : kChunk));
-          const uint32_t w = stage + kChunk, sc = w + 2 * kWsCopyCodeBytes;
+          MbarExpectBytes(full_bar + 8 * s, Shape::kWeightBytes + (gather ? 0 : kChunk));
+          const uint32_t w = stage + kChunk, sc = w + 2 * Shape::kCopyCodeBytes;
           const int32_t kc = int32_t(c * kBlockRows * kBlockCodeBytes / 4);  // (32-bit words)
           const int32_t ks = int32_t(c * kBlockRows * kBlockScaleBytes / 4);
           TmaLoad2d(w, &codes, kc, frag0, full_bar + 8 * s);
-          TmaLoad2d(w + kWsCopyCodeBytes, &codes, kc, frag1, full_bar + 8 * s);
+          TmaLoad2d(w + Shape::kCopyCodeBytes, &codes, kc, frag1, full_bar + 8 * s);
           TmaLoad2d(sc, &scales, ks, frag0, full_bar + 8 * s);
-          TmaLoad2d(sc + kWsCopyScaleBytes, &scales, ks, frag1, full_bar + 8 * s);
+          TmaLoad2d(sc + Shape::kCopyScaleBytes, &scales, ks, frag1, full_bar + 8 * s);
           if (!gather) TmaLoadChunk<TOK>(stage, &amap, c, tile, full_bar + 8 * s);
         }
         if (gather) {
@@ -791,7 +806,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     return;
   }
 
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kWsConsumerRegs));
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(Shape::kConsumerRegs));
   // warp: the CTA's fragment in each weight copy (gated: gate / up rows of the same features).
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
@@ -802,8 +817,8 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     // Unused tile; a vote, so that the compiler knows the branch is warp-uniform (a plain test
     // added 46 instructions to the loop below: sm_90a SASS, 2026-12-02).
     if (__all_sync(~0u, e < 0 || e >= p.E)) continue;
-    const int64_t base = slab * WsFeatures<GATED>() + 16 * warp;
-    const int64_t feat[2] = {base, GATED ? base : base + 16 * kWsCopyFrags};
+    const int64_t base = slab * WsFeatures<GATED, NC>() + 16 * warp;
+    const int64_t feat[2] = {base, GATED ? base : base + 16 * Shape::kCopyFrags};
     const bool active[2] = {feat[0] < p.n_out, feat[1] < p.n_out};
     float acc[2][TOK / 8][4];
     ZeroAcc(acc);
@@ -816,8 +831,8 @@ __global__ void __launch_bounds__(kWsThreads, 1)
 #pragma unroll
       for (int j = 0; j < 2; ++j) {  // weight copy j
         const uint32_t code =
-            stage + kChunk + j * kWsCopyCodeBytes + uint32_t(warp * kBlockRows * kBlockCodeBytes);
-        const uint32_t scale = stage + kChunk + 2 * kWsCopyCodeBytes + j * kWsCopyScaleBytes +
+            stage + kChunk + j * Shape::kCopyCodeBytes + uint32_t(warp * kBlockRows * kBlockCodeBytes);
+        const uint32_t scale = stage + kChunk + 2 * Shape::kCopyCodeBytes + j * Shape::kCopyScaleBytes +
                                uint32_t(warp * kBlockRows * kBlockScaleBytes);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -979,24 +994,24 @@ std::string LaunchTmaFor(const GemmParams& p, bool gated, bool one_block, bool s
                    : LaunchTma<false, 2, BW, PERSISTENT, TOK>(p, sf, pdl, stream);
 }
 
-// W4A16WgmmaWs<GATED, OutT>: the tensor maps of the blocked weights as [E * N / 16 fragments, a
-// fragment's blocks] of 32-bit words, boxes of one 128-K block of kWsCopyFrags fragments; of `a`
+// W4A16WgmmaWs<GATED, OutT, TOK, NC>: the tensor maps of the blocked weights as [E * N / 16 fragments, a
+// fragment's blocks] of 32-bit words, boxes of one 128-K block of a copy's fragments; of `a`
 // when it is not gathered. persistent: min(work items, SMs) CTAs, each walking the items
 // gridDim.x apart (else a CTA per item).
-template <bool GATED, typename OutT, int TOK>
+template <bool GATED, typename OutT, int TOK, int NC>
 std::string LaunchWs(GemmParams p, bool persistent, bool pdl, cudaStream_t stream) {
-  constexpr auto kernel = W4A16WgmmaWs<GATED, OutT, TOK>;
-  constexpr int kWsSmemBytes = WsSmem<TOK>::kBytes;
-  const int64_t frags = p.E * p.N / kBlockRows, items = p.P / TOK * CeilDiv<int64_t>(p.n_out, WsFeatures<GATED>());
+  constexpr auto kernel = W4A16WgmmaWs<GATED, OutT, TOK, NC>;
+  constexpr int kWsSmemBytes = WsSmem<TOK, NC>::kBytes, kFrags = WsShape<NC>::kCopyFrags;
+  const int64_t frags = p.E * p.N / kBlockRows, items = p.P / TOK * CeilDiv<int64_t>(p.n_out, WsFeatures<GATED, NC>());
   if (items > 0x7FFFFFFF || frags > 0x7FFFFFFF) return "too many row tiles or weight rows";
   CUtensorMap codes, scales, amap{};
   const uint64_t code_row = uint64_t(kBlockRows) * (p.K / 2), scale_row = uint64_t(kBlockRows) * (p.K / 16);
   if (std::string err = Encode2d(&codes, CU_TENSOR_MAP_DATA_TYPE_UINT32, p.w, code_row / 4, uint64_t(frags), code_row,
-                                 kBlockRows * kBlockCodeBytes / 4, kWsCopyFrags, CU_TENSOR_MAP_SWIZZLE_NONE);
+                                 kBlockRows * kBlockCodeBytes / 4, kFrags, CU_TENSOR_MAP_SWIZZLE_NONE);
       !err.empty())
     return err;
   if (std::string err = Encode2d(&scales, CU_TENSOR_MAP_DATA_TYPE_UINT32, p.ws, scale_row / 4, uint64_t(frags),
-                                 scale_row, kBlockRows * kBlockScaleBytes / 4, kWsCopyFrags, CU_TENSOR_MAP_SWIZZLE_NONE);
+                                 scale_row, kBlockRows * kBlockScaleBytes / 4, kFrags, CU_TENSOR_MAP_SWIZZLE_NONE);
       !err.empty())
     return err;
   if (!p.gather)
@@ -1004,7 +1019,7 @@ std::string LaunchWs(GemmParams p, bool persistent, bool pdl, cudaStream_t strea
   if (std::string err = OptInSmem<kernel>(kWsSmemBytes); !err.empty()) return err;
   const int sms = CachedDeviceAttribute<cudaDevAttrMultiProcessorCount>();
   const int64_t ctas = persistent && sms > 0 ? std::min<int64_t>(items, sms) : items;
-  LaunchKernel(kernel, dim3(unsigned(ctas)), kWsThreads, kWsSmemBytes, stream, pdl, p, codes, scales, amap);
+  LaunchKernel(kernel, dim3(unsigned(ctas)), WsShape<NC>::kThreads, kWsSmemBytes, stream, pdl, p, codes, scales, amap);
   return "";
 }
 
@@ -1016,10 +1031,14 @@ std::string LaunchChunkA(const GemmParams& p, bool gated, bool f32_out, int64_t 
   if (WarpSpecializedGemm(kernel_flags, p.pairing, p.gather)) {
     const bool persistent = !(kernel_flags & int64_t(KernelFlag::kNoPersistent));
     // fp32 out: mode w4a4's GEMM1, whose intermediate is quantized from unrounded values.
-    return gated ? (f32_out ? LaunchWs<true, float, TOK>(p, persistent, pdl, stream)
-                            : LaunchWs<true, uint16_t, TOK>(p, persistent, pdl, stream))
-                 : (f32_out ? LaunchWs<false, float, TOK>(p, persistent, pdl, stream)
-                            : LaunchWs<false, uint16_t, TOK>(p, persistent, pdl, stream));
+    if constexpr (TOK == 32)
+      if (gated && !(kernel_flags & int64_t(KernelFlag::kWsThreeGroups)))
+        return f32_out ? LaunchWs<true, float, 32, 4>(p, persistent, pdl, stream)
+                       : LaunchWs<true, uint16_t, 32, 4>(p, persistent, pdl, stream);
+    return gated ? (f32_out ? LaunchWs<true, float, TOK, 3>(p, persistent, pdl, stream)
+                            : LaunchWs<true, uint16_t, TOK, 3>(p, persistent, pdl, stream))
+                 : (f32_out ? LaunchWs<false, float, TOK, 3>(p, persistent, pdl, stream)
+                            : LaunchWs<false, uint16_t, TOK, 3>(p, persistent, pdl, stream));
   }
   const bool one_block = !(kernel_flags & int64_t(KernelFlag::kWgmmaTwoBlocks));
   const bool sf = !(kernel_flags & int64_t(KernelFlag::kRowTilesFirst));
