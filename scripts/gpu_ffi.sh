@@ -373,7 +373,7 @@ layers = [jax.jit(lambda x, i, w: nv.moe(x, exb, topk_ids=i, topk_weights=w, bac
           jax.jit(lambda x, i, w: ops.moe(x, ex, i, w, kernel_flags=ops.KernelFlag.PDL))]
 outs = []
 for f in layers:
-    for t in (1, 8, 300, 2000):  # (300, 2000: 64-row tiles)
+    for t in (1, 8, 100, 300, 2000):  # (100: 32-row tiles, blocked GEMM1 on four MMA warpgroups; 300, 2000: 64-row)
         x = make_x(t, t, 512); ids, w = make_routing(t, t, 4, 32)
         for _ in range(3):
             o = f(x, ids, w)

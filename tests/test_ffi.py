@@ -1053,9 +1053,9 @@ TILE32_CASES = [  # (activation, gather, row_scale_mode, out_dtype): the warp-sp
 @pytest.mark.parametrize("case", range(len(TILE32_CASES)))
 def test_gemm_32_row_wgmma_tiles_are_the_64_row_function(on_gpu, h, flags, case):
     """32-row tiles with ``a`` in the chunk order (on the GPU the m64n32 forms of the warp-specialized
-    kernel, gathered, or not with WS_GEMM2, and of the TMA-fed one, not: six-stage ring, 32-row boxes,
-    one row id a lane; gated on the warp-specialized kernel: four MMA warpgroups, or three with
-    WS_THREE_GROUPS)
+    kernel, gathered, or not with WS_GEMM2, and of the TMA-fed one, not: a six-stage ring, 32-row boxes,
+    one row id a lane; gated on the warp-specialized kernel: four MMA warpgroups and five stages, or
+    three and six with WS_THREE_GROUPS)
     give each pair bitwise the output of the 64-row wgmma tiles (the same K order), and close to the
     twin. The pairs' activations and row scales are the same in both tilings (ungathered ``a`` and ROW
     scales built per sorted row from per-pair values); 120 tokens x 4 over 5 experts (1-4 32-row tiles

@@ -35,7 +35,7 @@
 // - The epilogue (global and row scales, activation, bf16/fp32 store) is the shared one.
 // - W4A16WgmmaWs (the default for chunk-ordered `a` gathered with blocked weights: moe's GEMM1 after
 //   XLA permutes x into the chunk order) splits the roles: a producer warpgroup stages weights and
-//   rows in shared memory for three MMA warpgroups (see there).
+//   rows in shared memory for three MMA warpgroups, four on 32-row gated tiles (see there).
 // Only built for sm_90a (wgmma does not exist on sm_100); elsewhere LaunchWgmmaGemm returns
 // false and the mma.sync kernel runs.
 #include <cuda.h>  // CUtensorMap (a type only: the encoder comes from the runtime)
@@ -679,8 +679,8 @@ __global__ void __launch_bounds__(kWgThreadsPerCta, MinCtas<GATED, NB>()) W4A16W
 //   by 16-byte cp.async copies of each producer thread (half or a quarter of a row); otherwise by
 //   two tensor copies.
 // The MMA warps load their weights from shared memory (no global load in flight), decode and issue
-// wgmmas; the roles' register budgets are set apart (setmaxnreg), so three MMA warpgroups fit
-// where the staged kernel has two. (H200, 2026-12-02: as GEMM1, 14-17% faster prefill layers than
+// wgmmas; the roles' register budgets are set apart (setmaxnreg), so three MMA warpgroups (four
+// on 32-row tiles) fit where the staged kernel has two. (H200, 2026-12-02: as GEMM1, 14-17% faster prefill layers than
 // the staged kernel; as GEMM2, 1.02-1.22x slower ones than the TMA-fed kernel, whose one-block CTAs
 // fit two to an SM; on 32-row tiles, as GEMM2 of K = 2048, 8-9% faster decode layers: the TMA-fed
 // kernel holds one chunk of weights a warp in flight, the ring six stages, 2026-12-03.) The grid is
@@ -961,6 +961,18 @@ int CachedDeviceAttribute() {
   return CachedPerDevice(cache, [](int dev, int* v) { return cudaDeviceGetAttribute(v, ATTR, dev); });
 }
 
+// The registers a thread that `Kernel` launches with (cached per device; 0 when unknown).
+template <auto Kernel>
+int LaunchRegisters() {
+  static std::atomic<int> cache[64];
+  return CachedPerDevice(cache, [](int, int* v) {
+    cudaFuncAttributes attr{};
+    const cudaError_t err = cudaFuncGetAttributes(&attr, Kernel);
+    *v = attr.numRegs;
+    return err;
+  });
+}
+
 // W4A16WgmmaTma on a 1-D grid: a CTA per work item, or persistent: as many as fit on the device at once
 // (occupancy, cached per device), each walking the items gridDim.x apart.
 template <bool GATED, int NB, bool BW, bool PERSISTENT, int TOK>
@@ -1017,6 +1029,10 @@ std::string LaunchWs(GemmParams p, bool persistent, bool pdl, cudaStream_t strea
   if (!p.gather)
     if (std::string err = EncodeActivationMap(p, TOK, &amap); !err.empty()) return err;
   if (std::string err = OptInSmem<kernel>(kWsSmemBytes); !err.empty()) return err;
+  // A kernel launched with fewer registers than WsShape assumes would hang in setmaxnreg: an error instead.
+  if (const int regs = LaunchRegisters<kernel>(); regs < WsShape<NC>::kLaunchRegs)
+    return "the warp-specialized kernel launches with " + std::to_string(regs) + " registers a thread (0: unknown), " +
+           "fewer than its register budgets assume (" + std::to_string(WsShape<NC>::kLaunchRegs) + ")";
   const int sms = CachedDeviceAttribute<cudaDevAttrMultiProcessorCount>();
   const int64_t ctas = persistent && sms > 0 ? std::min<int64_t>(items, sms) : items;
   LaunchKernel(kernel, dim3(unsigned(ctas)), WsShape<NC>::kThreads, kWsSmemBytes, stream, pdl, p, codes, scales, amap);
