@@ -93,6 +93,7 @@ NB_MODULE(_ffi, m) {
     add("jax_nvfp4_moe_finalize", JaxNvfp4MoeFinalizeCpu, JaxNvfp4MoeFinalizeCuda);
     add("jax_nvfp4_quant_dequant_rows", JaxNvfp4QuantDequantRowsCpu, JaxNvfp4QuantDequantRowsCuda);
     add("jax_nvfp4_moe_align_quant", JaxNvfp4MoeAlignQuantCpu, JaxNvfp4MoeAlignQuantCuda);
+    add("jax_nvfp4_moe_align_gemm", JaxNvfp4MoeAlignGemmCpu, JaxNvfp4MoeAlignGemmCuda);
     add("jax_nvfp4_device_clock", JaxNvfp4DeviceClockCpu, JaxNvfp4DeviceClockCuda);
 #else
     add("jax_nvfp4_moe_align", JaxNvfp4MoeAlignCpu, nullptr);
@@ -100,6 +101,7 @@ NB_MODULE(_ffi, m) {
     add("jax_nvfp4_moe_finalize", JaxNvfp4MoeFinalizeCpu, nullptr);
     add("jax_nvfp4_quant_dequant_rows", JaxNvfp4QuantDequantRowsCpu, nullptr);
     add("jax_nvfp4_moe_align_quant", JaxNvfp4MoeAlignQuantCpu, nullptr);
+    add("jax_nvfp4_moe_align_gemm", JaxNvfp4MoeAlignGemmCpu, nullptr);
     add("jax_nvfp4_device_clock", JaxNvfp4DeviceClockCpu, nullptr);
 #endif
     return regs;
@@ -138,6 +140,7 @@ NB_MODULE(_ffi, m) {
     kf["align_one_cta"] = int64_t(KernelFlag::kAlignOneCta);
     kf["separate_x_quant"] = int64_t(KernelFlag::kSeparateXQuant);
     kf["ws_three_groups"] = int64_t(KernelFlag::kWsThreeGroups);
+    kf["separate_align"] = int64_t(KernelFlag::kSeparateAlign);
     c["KernelFlag"] = kf;
     nb::dict pairing;
     pairing["none"] = int64_t(Pairing::kNone);

@@ -91,13 +91,15 @@ enum class KernelFlag : int64_t {
   kWsThreeGroups = 8388608,    // 32-row gated tiles (moe's GEMM1 at 9-24 rows an expert) on the warp-specialized
                                // kernel with three MMA warpgroups (192 features a work item) instead of four (256;
                                // H200, 2026-12-03: four give DeepSeek-V3 layers x0.90-0.91 at T = 48-64)
+  kSeparateAlign = 33554432,   // w4a16 decode (at most kAlignOneWarpPairs pairs, 8-row tiles): moe_align in its own
+                               // launch before GEMM1, not in every GEMM1 CTA (moe_align_gemm)
   // 1048576 / 2097152: kPrefetchNext / kPrefetchNextLate (moe's GEMM1 decode CTAs warming their experts'
   // GEMM2 weights into L2 by bulk prefetches, before / after their main loop) for one H200 A/B on 2026-12-03,
   // removed: 4-13% / up to 12% slower decode layers (the prefetches take HBM bandwidth from GEMM1's loads).
   // 16384: kWgmmaTilePairs (the TMA-fed GEMM2 on pairs of one expert's 64-row tiles, m64n128 wgmmas,
   // one CTA per SM) for one H200 A/B on 2026-12-02, removed: 1.25-1.42x slower layers (dabc4ef).
 };
-constexpr int64_t kAllKernelFlags = 13599454;
+constexpr int64_t kAllKernelFlags = 47153886;
 // grouped_gemm's `pairing` bits: which operands hold a kernel order instead of the natural one.
 // kA / kOut: a's K axis / out's feature axis in the paired order (PairedPos). moe's intermediate
 // uses it on mma.sync tiles (but with KernelFlag kNaturalIntermediate): GEMM1 writes it paired,
@@ -406,6 +408,40 @@ ffi::Error CheckAlign(const char* op, const I& topk_ids, int64_t num_experts, in
       pair_to_row.dimensions()[1] != id[1])
     return Invalid(op, "pair_to_row must have the shape of topk_ids " + ShapeStr(id) + ", got " +
                            ShapeStr(pair_to_row.dimensions()));
+  return ffi::Error::Success();
+}
+
+// moe_align_gemm: moe_align's and grouped_gemm's checks (gathered rows: a holds a row per token; k from
+// topk_ids; E from w), and its limits: the pairs of one warp, 8-row tiles, no chunk-ordered a.
+template <typename I, typename A, typename W, typename WS, typename AL, typename RS, typename O, typename SI,
+          typename TE, typename PR>
+ffi::Error CheckAlignGemm(const char* op, const I& topk_ids, const A& a, const W& w, const WS& ws, const AL& alpha,
+                          const RS& row_scale, const O& out, const SI& sorted_ids, const TE& tile_expert,
+                          const PR& pair_to_row, int64_t activation, int64_t row_scale_mode, int64_t tile_m,
+                          int64_t k_split, int64_t pairing, int64_t kernel_flags, int64_t max_experts,
+                          int64_t k_multiple, int64_t n_multiple, int64_t* n, GemmDims* d) {
+  if (w.dimensions().size() != 3) return Invalid(op, "w_data must be 3-D [E, N, K/2], got " + ShapeStr(w.dimensions()));
+  int64_t P;
+  if (auto err = CheckAlign(op, topk_ids, w.dimensions()[0], tile_m, sorted_ids, tile_expert, pair_to_row,
+                            max_experts, kernel_flags, n, &P);
+      err.failure())
+    return err;
+  if (*n > kAlignOneWarpPairs)
+    return Invalid(op, "at most " + std::to_string(kAlignOneWarpPairs) + " token-expert pairs (T * k), got " +
+                           std::to_string(*n) + ": call moe_align and grouped_gemm");
+  if (tile_m != 8) return Invalid(op, "tile_m must be 8, got " + std::to_string(tile_m));
+  if (pairing & int64_t(Pairing::kChunkA))
+    return Invalid(op, "chunk-ordered a (pairing & 8) is for 32- and 64-row tiles: call grouped_gemm");
+  const int64_t top_k = topk_ids.dimensions()[1];
+  if (auto err = CheckGemm(op, a, w, ws, alpha, sorted_ids, tile_expert, row_scale, out, activation, row_scale_mode,
+                           top_k < 1 ? 1 : top_k, 1, tile_m, k_split, pairing, kernel_flags, k_multiple,
+                           n_multiple, d);
+      err.failure())
+    return err;
+  if (d->n_out == 0) return Invalid(op, "w must have output features (N > 0): the align's outputs come with them");
+  if (d->a_rows != topk_ids.dimensions()[0])
+    return Invalid(op, "a must have a row per token: [T, K] with T = " + std::to_string(topk_ids.dimensions()[0]) +
+                           ", got " + ShapeStr(a.dimensions()));
   return ffi::Error::Success();
 }
 

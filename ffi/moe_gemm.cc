@@ -168,8 +168,32 @@ ffi::Error GroupedGemmCpuImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> a, ff
   return ffi::Error::Success();
 }
 
+// moe_align, then grouped_gemm of the gathered tokens (the GPU runs both in one launch).
+ffi::Error MoeAlignGemmCpuImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> topk_ids, ffi::Buffer<ffi::BF16> a,
+                               ffi::Buffer<ffi::U8> w_data, ffi::AnyBuffer w_scales, ffi::Buffer<ffi::F32> alpha,
+                               ffi::Buffer<ffi::F32> row_scale, ffi::Result<ffi::AnyBuffer> out,
+                               ffi::Result<ffi::Buffer<ffi::S32>> sorted_ids,
+                               ffi::Result<ffi::Buffer<ffi::S32>> tile_expert,
+                               ffi::Result<ffi::Buffer<ffi::S32>> pair_to_row, int64_t expert_offset,
+                               int64_t activation, int64_t row_scale_mode, int64_t tile_m, int64_t k_split,
+                               int64_t pairing, int64_t kernel_flags) {
+  int64_t n;
+  GemmDims d;
+  if (auto err = CheckAlignGemm("moe_align_gemm", topk_ids, a, w_data, w_scales, alpha, row_scale, *out, *sorted_ids,
+                                *tile_expert, *pair_to_row, activation, row_scale_mode, tile_m, k_split, pairing,
+                                kernel_flags, int64_t(1) << 30, 16, 1, &n, &d);
+      err.failure())
+    return err;
+  AlignPairsCpu(topk_ids.typed_data(), n, d.E, expert_offset, tile_m, d.P, sorted_ids->typed_data(),
+                tile_expert->typed_data(), pair_to_row->typed_data());
+  return GroupedGemmCpuImpl(pool, a, w_data, w_scales, alpha, *sorted_ids, *tile_expert, row_scale, out, activation,
+                            row_scale_mode, topk_ids.dimensions()[1], 1, tile_m, k_split, pairing, kernel_flags);
+}
+
 }  // namespace
 }  // namespace jax_nvfp4
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxNvfp4MoeAlignGemmCpu, jax_nvfp4::MoeAlignGemmCpuImpl,
+                              jax_nvfp4::sig::MoeAlignGemm(xla::ffi::Ffi::Bind().Ctx<xla::ffi::ThreadPool>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxNvfp4GroupedGemmCpu, jax_nvfp4::GroupedGemmCpuImpl,
                               jax_nvfp4::sig::GroupedGemm(xla::ffi::Ffi::Bind().Ctx<xla::ffi::ThreadPool>()));

@@ -45,6 +45,30 @@ auto GroupedGemm(B b) {
       .template Attr<int64_t>("kernel_flags");  // KernelFlag bits (GPU kernel variants; 0: default)
 }
 
+// moe_align, then GEMM1 (grouped_gemm gathering the pairs' tokens) in one call (decode: at most
+// kAlignOneWarpPairs pairs, 8-row tiles).
+template <typename B>
+auto MoeAlignGemm(B b) {
+  return std::move(b)
+      .template Arg<ffi::Buffer<ffi::S32>>()  // topk_ids [T, k] global ids
+      .template Arg<ffi::Buffer<ffi::BF16>>()  // a [T, K]
+      .template Arg<ffi::Buffer<ffi::U8>>()  // w_data [E, N, K/2] E2M1 pairs
+      .template Arg<ffi::AnyBuffer>()  // w_scales [E, N, K/16] float8_e4m3fn (or its bits as uint8)
+      .template Arg<ffi::Buffer<ffi::F32>>()  // alpha [E] global decode scale
+      .template Arg<ffi::Buffer<ffi::F32>>()  // row_scale [n]
+      .template Ret<ffi::AnyBuffer>()  // out [P, n_out] bf16 or f32
+      .template Ret<ffi::Buffer<ffi::S32>>()  // sorted_ids [P]
+      .template Ret<ffi::Buffer<ffi::S32>>()  // tile_expert [P / tile_m]
+      .template Ret<ffi::Buffer<ffi::S32>>()  // pair_to_row [T, k]
+      .template Attr<int64_t>("expert_offset")  // first local global id (E local experts: w's)
+      .template Attr<int64_t>("activation")  // Activation enum
+      .template Attr<int64_t>("row_scale_mode")  // RowScale enum
+      .template Attr<int64_t>("tile_m")  // rows per tile, group padding
+      .template Attr<int64_t>("k_split")  // warps splitting K (GPU decode tiling; 1, 2 or 4)
+      .template Attr<int64_t>("pairing")  // Pairing bits: out's features paired, w blocked
+      .template Attr<int64_t>("kernel_flags");  // KernelFlag bits (GPU kernel variants; 0: default)
+}
+
 // moe_align and quant_dequant_rows of x in one call (decode: at most kAlignOneWarpPairs pairs).
 template <typename B>
 auto MoeAlignQuant(B b) {
@@ -102,6 +126,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxNvfp4GroupedGemmCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxNvfp4MoeFinalizeCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxNvfp4QuantDequantRowsCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxNvfp4MoeAlignQuantCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxNvfp4MoeAlignGemmCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxNvfp4DeviceClockCpu);
 
 #ifdef JAX_NVFP4_WITH_CUDA
@@ -111,5 +136,6 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxNvfp4GroupedGemmCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxNvfp4MoeFinalizeCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxNvfp4QuantDequantRowsCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxNvfp4MoeAlignQuantCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxNvfp4MoeAlignGemmCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxNvfp4DeviceClockCuda);
 #endif

@@ -1,6 +1,6 @@
 """XLA FFI custom calls of the NVFP4 MoE, their pure-JAX twins, and the MoE pipeline built on them.
 
-Five ops (C++ in ``ffi/``; one CPU handler and one CUDA handler each, same target name):
+Six ops (C++ in ``ffi/``; one CPU handler and one CUDA handler each, same target name):
 
 - :func:`moe_align`: sort the ``T*k`` token-expert pairs by local expert into groups padded to
   ``tile_m`` rows (``sorted_ids``, ``tile_expert``, ``pair_to_row``), on the device;
@@ -11,6 +11,8 @@ Five ops (C++ in ``ffi/``; one CPU handler and one CUDA handler each, same targe
 - :func:`quant_dequant_rows`: per-token NVFP4 quantization decoded back to bf16 without the
   global scale (mode w4a4's activations; bit-exact with :func:`jax_nvfp4.quantize`);
 - :func:`moe_align_quant`: the first and the last in one call for decode batches (mode w4a4's
+  first two launches in one);
+- :func:`moe_align_gemm`: the first and the second in one call for decode batches (mode w4a16's
   first two launches in one).
 
 Benchmarks also use :func:`device_clock` (the time at which the stream reaches a value).
@@ -109,6 +111,8 @@ class KernelFlag(enum.IntFlag):
     # expert) on the warp-specialized kernel with three MMA warpgroups (192 features a work item), not four (256;
     # H200, 2026-12-03: four give DeepSeek-V3 layers x0.90-0.91 at T = 48-64, x0.98 at 96, Qwen3 x0.96-1.00 at
     # T = 128-384, fewer items on 132 SMs: 256 for DeepSeek-V3 T = 64, two a CTA, where three made 352)
+    SEPARATE_ALIGN = 33554432  # w4a16 decode (at most ALIGN_ONE_WARP_PAIRS pairs, 8-row tiles): moe_align in its own
+    # launch before GEMM1, not in every GEMM1 CTA (moe_align_gemm)
     # 1048576 / 2097152: PREFETCH_NEXT / PREFETCH_NEXT_LATE (GEMM1's decode CTAs warming their experts' GEMM2
     # weights into L2) for one A/B on 2026-12-03, removed: up to 13% slower decode layers on the H200
     # 1024 / 2048: L2_PREFETCH / SPLIT_GATE_UP (decode tiles) for one A/B on 2026-12-01, removed: slower on the H200
@@ -185,6 +189,7 @@ TARGET_GEMM = "jax_nvfp4_grouped_gemm"
 TARGET_FINALIZE = "jax_nvfp4_moe_finalize"
 TARGET_QUANT = "jax_nvfp4_quant_dequant_rows"
 TARGET_ALIGN_QUANT = "jax_nvfp4_moe_align_quant"
+TARGET_ALIGN_GEMM = "jax_nvfp4_moe_align_gemm"
 TARGET_CLOCK = "jax_nvfp4_device_clock"
 IMPLS = ("ffi", "jax")
 
@@ -480,47 +485,12 @@ def grouped_gemm(a, w: NVFP4Array, sorted_ids, tile_expert, *, tile_m: int,
     ``out_dtype`` ``[P, N // 2 if gated else N]``
     """
     _check_impl(impl)
-    activation = Activation(activation)
-    row_scale_mode = RowScale(row_scale_mode)
-    if row_scale is None:
-        if row_scale_mode != RowScale.NONE:
-            raise ValueError(f"row_scale_mode={row_scale_mode.name} needs a row_scale")
-        row_scale = jnp.zeros((1,), jnp.float32)
-    a = jnp.asarray(a).astype(jnp.bfloat16)
-    row_scale = jnp.asarray(row_scale, jnp.float32).reshape(-1)
     sorted_ids = jnp.asarray(sorted_ids, jnp.int32)
     tile_expert = jnp.asarray(tile_expert, jnp.int32)
-    e, n, kk = w.shape
-    gated = activation in GATED_ACTIVATIONS
-    n_out = n // 2 if gated else n
-    out_dtype = jnp.dtype(out_dtype)
-    if out_dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
-        raise ValueError(f"grouped_gemm: out_dtype must be bfloat16 or float32, got {out_dtype}")
-    if a.ndim != 2 or a.shape[1] != kk:
-        raise ValueError(f"grouped_gemm: a must be [rows, K={kk}], got {a.shape}")
-    if k_split is None:
-        k_split = choose_k_split(sorted_ids.shape[0] // tile_m, n_out, kk, tile_m)
-    if k_split not in K_SPLITS or (k_split > 1 and tile_m > MAX_SPLIT_TILE_M):
-        raise ValueError(f"grouped_gemm: k_split must be one of {K_SPLITS} (1 when tile_m > "
-                         f"{MAX_SPLIT_TILE_M}), got k_split={k_split} with tile_m={tile_m}")
-    kernel_flags = _check_kernel_flags(kernel_flags)
-    if int(pairing) < 0 or int(pairing) & ~int(sum(Pairing)):
-        raise ValueError(f"grouped_gemm: pairing must combine the Pairing bits (0..{int(sum(Pairing))}), "
-                         f"got {pairing!r}")
-    pairing = Pairing(int(pairing))
-    if pairing & (Pairing.A | Pairing.OUT) and (kk % 8 or n_out % 8):
-        raise ValueError(f"grouped_gemm: pairing needs K and the output features to be multiples of 8, "
-                         f"got K={kk}, n_out={n_out}")
-    if pairing & Pairing.A and pairing & Pairing.CHUNK_A or pairing & Pairing.OUT and pairing & Pairing.CHUNK_OUT:
-        raise ValueError(f"grouped_gemm: pairing puts an axis in the paired order and the chunk order, got "
-                         f"{pairing!r}")
-    if pairing & Pairing.CHUNK_A and kk % CHUNK_K or pairing & Pairing.CHUNK_OUT and n_out % CHUNK_K:
-        raise ValueError(f"grouped_gemm: the chunk order needs K (CHUNK_A) and the output features "
-                         f"(CHUNK_OUT) to be multiples of {CHUNK_K}, got K={kk}, n_out={n_out}")
-    if w.order == "blocked":  # the GEMM reads the bytes as they are ordered
-        pairing |= Pairing.BLOCKED_W
-    if pairing & Pairing.BLOCKED_W and w.order != "blocked":
-        raise ValueError(f"grouped_gemm: pairing BLOCKED_W needs w in the 'blocked' order, got {w.order!r}")
+    a, row_scale, activation, row_scale_mode, out_dtype, k_split, pairing, kernel_flags, n_out = _gemm_args(
+        "grouped_gemm", a, w, sorted_ids.shape[0], tile_m, activation, row_scale, row_scale_mode, out_dtype, k_split,
+        pairing, kernel_flags)
+    e = w.shape[0]
     if impl == "jax":
         w_rows = from_blocked_weights(w) if pairing & Pairing.BLOCKED_W else w
         a = from_paired(a) if pairing & Pairing.A else from_chunk_order(a) if pairing & Pairing.CHUNK_A else a
@@ -536,6 +506,52 @@ def grouped_gemm(a, w: NVFP4Array, sorted_ids, tile_expert, *, tile_m: int,
         activation=np.int64(activation), row_scale_mode=np.int64(row_scale_mode), top_k=np.int64(top_k),
         gather=np.int64(bool(gather)), tile_m=np.int64(tile_m), k_split=np.int64(k_split),
         pairing=np.int64(pairing), kernel_flags=np.int64(kernel_flags))
+
+
+def _gemm_args(op, a, w, p_rows, tile_m, activation, row_scale, row_scale_mode, out_dtype, k_split, pairing,
+               kernel_flags):
+    """grouped_gemm's arguments (but its row indices; ``p_rows``: P) checked and normalized, for it and
+    moe_align_gemm; also returns the output features."""
+    activation = Activation(activation)
+    row_scale_mode = RowScale(row_scale_mode)
+    if row_scale is None:
+        if row_scale_mode != RowScale.NONE:
+            raise ValueError(f"{op}: row_scale_mode={row_scale_mode.name} needs a row_scale")
+        row_scale = jnp.zeros((1,), jnp.float32)
+    a = jnp.asarray(a).astype(jnp.bfloat16)
+    row_scale = jnp.asarray(row_scale, jnp.float32).reshape(-1)
+    e, n, kk = w.shape
+    gated = activation in GATED_ACTIVATIONS
+    n_out = n // 2 if gated else n
+    out_dtype = jnp.dtype(out_dtype)
+    if out_dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
+        raise ValueError(f"{op}: out_dtype must be bfloat16 or float32, got {out_dtype}")
+    if a.ndim != 2 or a.shape[1] != kk:
+        raise ValueError(f"{op}: a must be [rows, K={kk}], got {a.shape}")
+    if k_split is None:
+        k_split = choose_k_split(p_rows // tile_m, n_out, kk, tile_m)
+    if k_split not in K_SPLITS or (k_split > 1 and tile_m > MAX_SPLIT_TILE_M):
+        raise ValueError(f"{op}: k_split must be one of {K_SPLITS} (1 when tile_m > "
+                         f"{MAX_SPLIT_TILE_M}), got k_split={k_split} with tile_m={tile_m}")
+    kernel_flags = _check_kernel_flags(kernel_flags)
+    if int(pairing) < 0 or int(pairing) & ~int(sum(Pairing)):
+        raise ValueError(f"{op}: pairing must combine the Pairing bits (0..{int(sum(Pairing))}), "
+                         f"got {pairing!r}")
+    pairing = Pairing(int(pairing))
+    if pairing & (Pairing.A | Pairing.OUT) and (kk % 8 or n_out % 8):
+        raise ValueError(f"{op}: pairing needs K and the output features to be multiples of 8, "
+                         f"got K={kk}, n_out={n_out}")
+    if pairing & Pairing.A and pairing & Pairing.CHUNK_A or pairing & Pairing.OUT and pairing & Pairing.CHUNK_OUT:
+        raise ValueError(f"{op}: pairing puts an axis in the paired order and the chunk order, got "
+                         f"{pairing!r}")
+    if pairing & Pairing.CHUNK_A and kk % CHUNK_K or pairing & Pairing.CHUNK_OUT and n_out % CHUNK_K:
+        raise ValueError(f"{op}: the chunk order needs K (CHUNK_A) and the output features "
+                         f"(CHUNK_OUT) to be multiples of {CHUNK_K}, got K={kk}, n_out={n_out}")
+    if w.order == "blocked":  # the GEMM reads the bytes as they are ordered
+        pairing |= Pairing.BLOCKED_W
+    if pairing & Pairing.BLOCKED_W and w.order != "blocked":
+        raise ValueError(f"{op}: pairing BLOCKED_W needs w in the 'blocked' order, got {w.order!r}")
+    return a, row_scale, activation, row_scale_mode, out_dtype, k_split, pairing, kernel_flags, n_out
 
 
 def apply_activation(activation: Activation, gate, up=None):
@@ -735,6 +751,67 @@ def moe_align_quant(topk_ids, x, num_experts: int, *, tile_m: int, expert_offset
         tile_m=np.int64(tile_m), chunk_out=bool(chunk_out), kernel_flags=np.int64(kernel_flags))
 
 
+ALIGN_GEMM_TILE_MS = (8,)  # moe_align_gemm's tiles (16-row ones would cost their kernels registers)
+
+
+def moe_align_gemm(topk_ids, a, w: NVFP4Array, *, tile_m: int, expert_offset: int = 0,
+                   activation: Activation = Activation.IDENTITY, row_scale=None,
+                   row_scale_mode: RowScale = RowScale.NONE, out_dtype=jnp.bfloat16, k_split: int | None = None,
+                   pairing: Pairing = Pairing.NONE, kernel_flags: int = 0, impl: str = "ffi"):
+    """:func:`moe_align`, then :func:`grouped_gemm` of the pairs' tokens (``gather=True``,
+    ``top_k = k``), in one call, for decode batches of at most ``ALIGN_ONE_WARP_PAIRS`` token-expert
+    pairs on 8-row tiles: on the GPU one launch, each of whose CTAs aligns the pairs in one warp
+    for its own row tile (in place of reading ``tile_expert``) while the first also writes the align's
+    outputs (moe's GEMM1 without the align's launch before it). The same bytes as the two calls.
+
+    Parameters
+    ----------
+    topk_ids : int32 ``[T, k]``, ``T * k <= ALIGN_ONE_WARP_PAIRS``; ids as :func:`moe_align`'s
+    a : bfloat16 ``[T, K]``
+    w : NVFP4Array ``[E, N, K]`` (E: the local experts)
+    tile_m : 8
+    expert_offset : as :func:`moe_align`
+    activation, row_scale, row_scale_mode, out_dtype, k_split, kernel_flags, impl : as :func:`grouped_gemm`
+    pairing : :class:`Pairing` bits as :func:`grouped_gemm`'s, but ``CHUNK_A`` (a 32- and 64-row tile order)
+
+    Returns
+    -------
+    ``out`` of :func:`grouped_gemm`, then ``(sorted_ids, tile_expert, pair_to_row)`` of :func:`moe_align`.
+    """
+    _check_impl(impl)
+    topk_ids = jnp.asarray(topk_ids).astype(jnp.int32)
+    t, k = topk_ids.shape
+    e = w.shape[0]
+    if t * k > ALIGN_ONE_WARP_PAIRS:
+        raise ValueError(f"moe_align_gemm: topk_ids holds at most {ALIGN_ONE_WARP_PAIRS} pairs (T * k), got "
+                         f"{t} x {k}: call moe_align and grouped_gemm")
+    if tile_m not in ALIGN_GEMM_TILE_MS:
+        raise ValueError(f"moe_align_gemm: tile_m must be one of {ALIGN_GEMM_TILE_MS}, got {tile_m}")
+    if int(pairing) & Pairing.CHUNK_A:
+        raise ValueError("moe_align_gemm: pairing CHUNK_A is for 32- and 64-row tiles: call grouped_gemm")
+    p = padded_rows(t * k, e, tile_m)
+    a, row_scale, activation, row_scale_mode, out_dtype, k_split, pairing, kernel_flags, n_out = _gemm_args(
+        "moe_align_gemm", a, w, p, tile_m, activation, row_scale, row_scale_mode, out_dtype, k_split, pairing,
+        kernel_flags)
+    if a.shape[0] != t:
+        raise ValueError(f"moe_align_gemm: a must have a row per token, [T={t}, K], got {list(a.shape)}")
+    if impl == "jax":
+        sorted_ids, tile_expert, pair_to_row = moe_align(topk_ids, e, tile_m=tile_m, expert_offset=expert_offset,
+                                                         impl="jax")
+        out = grouped_gemm(a, w, sorted_ids, tile_expert, tile_m=tile_m, activation=activation, top_k=k,
+                           gather=True, row_scale=row_scale, row_scale_mode=row_scale_mode, out_dtype=out_dtype,
+                           k_split=k_split, pairing=pairing, impl="jax")
+        return out, sorted_ids, tile_expert, pair_to_row
+    ensure_registered()
+    alpha = jnp.asarray(w.global_scale, jnp.float32).reshape(e)
+    out = (jax.ShapeDtypeStruct((p, n_out), out_dtype), jax.ShapeDtypeStruct((p,), jnp.int32),
+           jax.ShapeDtypeStruct((p // tile_m,), jnp.int32), jax.ShapeDtypeStruct((t, k), jnp.int32))
+    return jax.ffi.ffi_call(TARGET_ALIGN_GEMM, out, vmap_method="sequential")(
+        topk_ids, a, w.data, w.scales, alpha, row_scale, expert_offset=np.int64(expert_offset),
+        activation=np.int64(activation), row_scale_mode=np.int64(row_scale_mode), tile_m=np.int64(tile_m),
+        k_split=np.int64(k_split), pairing=np.int64(pairing), kernel_flags=np.int64(kernel_flags))
+
+
 def device_clock(x):
     """``(x, ns)``: ``x`` unchanged and the time at which the device reached it.
 
@@ -869,7 +946,10 @@ def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str =
     # the one-warp kernel and x is quantized by the kernel.
     align_quant = (w4a4 and impl == "ffi" and t * k <= ALIGN_ONE_WARP_PAIRS and not kernel_flags & (
         KernelFlag.SEPARATE_X_QUANT | KernelFlag.ALIGN_ONE_CTA | KernelFlag.JAX_QUANT))
-    if not align_quant:
+    # w4a16 decode on 8-row tiles: the align inside GEMM1's CTAs (moe_align_gemm; one launch fewer).
+    align_gemm = (not w4a4 and impl == "ffi" and t * k <= ALIGN_ONE_WARP_PAIRS and tile_m in ALIGN_GEMM_TILE_MS
+                  and not kernel_flags & (KernelFlag.SEPARATE_ALIGN | KernelFlag.ALIGN_ONE_CTA))
+    if not align_quant and not align_gemm:
         sorted_ids, tile_expert, pair_to_row = moe_align(topk_ids, e, tile_m=tile_m, expert_offset=offset,
                                                          impl=impl, kernel_flags=kernel_flags)
     w_flat = jnp.asarray(topk_weights, jnp.float32).reshape(t * k)
@@ -900,8 +980,13 @@ def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str =
     if MODES[mode] == Mode.W4A16:
         x1 = x.astype(jnp.bfloat16)
         x1 = to_chunk_order(x1) if ws else x1
-        h1 = grouped_gemm(x1, experts.gate_up, sorted_ids, tile_expert, activation=act,
-                          gather=True, k_split=ks1, pairing=p1 | a1, **common)
+        if align_gemm:
+            h1, sorted_ids, tile_expert, pair_to_row = moe_align_gemm(
+                topk_ids, x1, experts.gate_up, tile_m=tile_m, expert_offset=offset, activation=act, k_split=ks1,
+                pairing=p1 | a1, kernel_flags=kernel_flags, impl=impl)
+        else:
+            h1 = grouped_gemm(x1, experts.gate_up, sorted_ids, tile_expert, activation=act,
+                              gather=True, k_split=ks1, pairing=p1 | a1, **common)
         y = grouped_gemm(h1, experts.down, sorted_ids, tile_expert, activation=Activation.IDENTITY,
                          row_scale=w_flat, row_scale_mode=RowScale.PAIR, k_split=ks2, pairing=p2, **common2)
     else:  # w4a4: per-token NVFP4 activations, decoded exactly to bf16, scales in the epilogues

@@ -98,7 +98,7 @@ def test_constants_and_decode_selftest():
     assert ops._ffi._selftest_decode() == 0  # the GPU kernels' E2M1 -> bf16 bit decode, on the host
     regs = ops._ffi.registrations()
     assert set(regs) == {ops.TARGET_ALIGN, ops.TARGET_GEMM, ops.TARGET_FINALIZE, ops.TARGET_QUANT,
-                         ops.TARGET_ALIGN_QUANT, ops.TARGET_CLOCK}
+                         ops.TARGET_ALIGN_QUANT, ops.TARGET_ALIGN_GEMM, ops.TARGET_CLOCK}
     assert all("cpu" in p for p in regs.values())
     if ops.build_info()["cuda"]:
         assert all("CUDA" in p for p in regs.values())
@@ -320,7 +320,9 @@ def test_moe_passes_the_expert_arrays_without_copies():
     ids, w = make_routing(2, 6, 2, 4)
     hlo = jax.jit(lambda x, i, w, ex: ops.moe(x, ex, i, w)).lower(x, ids, w, ex).compile().as_text()
     assert "bitcast-convert" not in hlo
-    assert hlo.count("custom_call_target=\"jax_nvfp4_grouped_gemm\"") == 2
+    # (6 x 2 pairs: GEMM1 aligns in its CTAs, moe_align_gemm)
+    assert hlo.count("custom_call_target=\"jax_nvfp4_grouped_gemm\"") == 1
+    assert hlo.count("custom_call_target=\"jax_nvfp4_moe_align_gemm\"") == 1
 
 
 def test_backend_k_split_reaches_decode_tiles_only():
@@ -1328,7 +1330,7 @@ _OPT_IN_DEFAULTS = {}  # (t, mode) -> the default kernels' output
 
 OPT_IN_FLAGS = (ops.KernelFlag.JAX_QUANT, ops.KernelFlag.ROW_TILES_FIRST, ops.KernelFlag.PDL,
                 ops.KernelFlag.NATURAL_INTERMEDIATE, ops.KernelFlag.PLAIN_WEIGHT_LOADS, ops.KernelFlag.ALIGN_ONE_CTA,
-                ops.KernelFlag.SEPARATE_X_QUANT)
+                ops.KernelFlag.SEPARATE_X_QUANT, ops.KernelFlag.SEPARATE_ALIGN)
 
 
 @pytest.mark.gpu
@@ -1337,7 +1339,8 @@ OPT_IN_FLAGS = (ops.KernelFlag.JAX_QUANT, ops.KernelFlag.ROW_TILES_FIRST, ops.Ke
 @pytest.mark.parametrize("flags", [int(f) for f in OPT_IN_FLAGS] + [int(sum(OPT_IN_FLAGS))])
 def test_gpu_opt_in_variants_are_bitwise_the_default(gpu_experts, t, mode, flags):
     """The pure-JAX quantizer, the row-tiles-first wgmma grid, the one-CTA align, PDL launches, x
-    quantized in its own launch (not moe_align_quant's: w4a4, t <= 4), plain weight loads (the same K order per thread) and the natural intermediate (the same MMA
+    quantized in its own launch (not moe_align_quant's: w4a4, t <= 4), the align in its own launch (not
+    in GEMM1's CTAs: w4a16, t <= 4), plain weight loads (the same K order per thread) and the natural intermediate (the same MMA
     operands as the paired one and, on 64-row tiles, as the chunk-ordered one that the TMA-fed
     wgmma GEMM2 reads) change where and how the work runs, not a single output bit (t = 2000 x 8
     pairs over 32 experts: 64-row wgmma tiles, the grid align by default; t = 48: 16-row decode

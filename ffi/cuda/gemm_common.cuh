@@ -9,6 +9,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include "cuda/align_one_warp.cuh"
 #include "moe_common.h"
 
 namespace jax_nvfp4 {
@@ -29,6 +30,8 @@ struct GemmParams {
   int32_t top_k, gather, activation, row_scale_mode;
   int32_t slabs_first;  // wgmma kernel: 1-D grid walking a row tile's feature slabs first
   int32_t pairing;      // Pairing bits (a's K / out's features paired, w blocked)
+  AlignArgs align;      // align.ids set: the mma.sync kernel aligns in each CTA (moe_align_gemm), which
+                        // then reads its tile's expert and rows from there, not tile_expert / sorted_ids
 };
 
 __device__ __forceinline__ uint32_t SmemU32(const void* p) {
@@ -209,11 +212,12 @@ __device__ __forceinline__ void Store(float* out, int64_t i, float v) { out[i] =
 
 // Epilogue of both kernels: thread (g, t) of a warp holds, for its 16 features feat0..+15,
 // acc[j][m][2h + c] = feature feat0 + g + 8h of weight block j (gate / up), sorted row
-// tile * 8FM + 8m + 2t + c (the m16n8 C layout, and the wgmma m64nN D layout per warp).
+// tile * 8FM + 8m + 2t + c (the m16n8 C layout, and the wgmma m64nN D layout per warp), whose pair is
+// rows[8m + 2t + c] (the tile's sorted_ids, in global or shared memory).
 // ACT: the activation, or -1 for p.activation (read per value). BATCHED: see kBatched.
 template <int FM, int NF, bool GATED, typename OutT, int ACT, bool BATCHED = (FM >= 8)>
-__device__ __forceinline__ void EpilogueAct(const GemmParams& p, int32_t e, int64_t tile, int64_t feat0,
-                                            const float (&acc)[NF][FM][4]) {
+__device__ __forceinline__ void EpilogueAct(const GemmParams& p, int32_t e, int64_t tile, const int32_t* rows,
+                                            int64_t feat0, const float (&acc)[NF][FM][4]) {
   constexpr int BM = FM * 8;
   const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
   const float alpha = p.alpha[e] * kDecodeBias;  // the 2^-8 left in the decoded weights
@@ -233,7 +237,7 @@ __device__ __forceinline__ void EpilogueAct(const GemmParams& p, int32_t e, int6
 #pragma unroll
     for (int m = 0; m < FM; ++m)
 #pragma unroll
-      for (int c = 0; c < 2; ++c) pair[m][c] = p.sorted_ids[tile * BM + 8 * m + 2 * t + c];
+      for (int c = 0; c < 2; ++c) pair[m][c] = rows[8 * m + 2 * t + c];
 #pragma unroll
     for (int m = 0; m < FM; ++m) {
 #pragma unroll
@@ -253,12 +257,12 @@ __device__ __forceinline__ void EpilogueAct(const GemmParams& p, int32_t e, int6
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
       const int64_t r = tile * BM + 8 * m + 2 * t + c;
-      if constexpr (!kBatched) valid[m][c] = SourceRow(p, r) >= 0;
+      const int32_t pair = kBatched ? 0 : rows[8 * m + 2 * t + c];
+      if constexpr (!kBatched) valid[m][c] = SourceRow(p, pair, r) >= 0;
       const float scale =
           kBatched ? alpha * rs[m][c]
-          : valid[m][c]
-              ? RowScaled(alpha, p.row_scale_mode, p.row_scale, p.row_scale_n, p.sorted_ids[r], p.top_k, r)
-              : alpha;
+          : valid[m][c] ? RowScaled(alpha, p.row_scale_mode, p.row_scale, p.row_scale_n, pair, p.top_k, r)
+                        : alpha;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int i = 2 * h + c;
@@ -275,8 +279,8 @@ __device__ __forceinline__ void EpilogueAct(const GemmParams& p, int32_t e, int6
 }
 
 template <int FM, int NF, bool GATED, typename OutT, bool BATCHED = (FM >= 8)>
-__device__ __forceinline__ void Epilogue(const GemmParams& p, int32_t e, int64_t tile, int64_t feat0,
-                                         const float (&acc)[NF][FM][4]) {
+__device__ __forceinline__ void Epilogue(const GemmParams& p, int32_t e, int64_t tile, const int32_t* rows,
+                                         int64_t feat0, const float (&acc)[NF][FM][4]) {
   // Batched tiles (64 rows, and the wgmma kernels' 32) pick their activation once (the handlers pair
   // gated activations with gated kernels), not per value (H200 ncu, Qwen3 T=4096: GEMM2 503 -> 414 us,
   // GEMM1 582 -> 555; 2026-12-02). The decode tiles keep the switch per value, as their SASS was
@@ -284,15 +288,15 @@ __device__ __forceinline__ void Epilogue(const GemmParams& p, int32_t e, int64_t
   using A = Activation;
   constexpr bool B = BATCHED;
   if constexpr (!B) {
-    EpilogueAct<FM, NF, GATED, OutT, -1, B>(p, e, tile, feat0, acc);
+    EpilogueAct<FM, NF, GATED, OutT, -1, B>(p, e, tile, rows, feat0, acc);
   } else if constexpr (GATED) {
-    if (p.activation == int32_t(A::kGeglu)) EpilogueAct<FM, NF, GATED, OutT, int(A::kGeglu), B>(p, e, tile, feat0, acc);
+    if (p.activation == int32_t(A::kGeglu)) EpilogueAct<FM, NF, GATED, OutT, int(A::kGeglu), B>(p, e, tile, rows, feat0, acc);
     else if (p.activation == int32_t(A::kSwigluOai))
-      EpilogueAct<FM, NF, GATED, OutT, int(A::kSwigluOai), B>(p, e, tile, feat0, acc);
-    else EpilogueAct<FM, NF, GATED, OutT, int(A::kSwiglu), B>(p, e, tile, feat0, acc);
+      EpilogueAct<FM, NF, GATED, OutT, int(A::kSwigluOai), B>(p, e, tile, rows, feat0, acc);
+    else EpilogueAct<FM, NF, GATED, OutT, int(A::kSwiglu), B>(p, e, tile, rows, feat0, acc);
   } else {
-    if (p.activation == int32_t(A::kRelu2)) EpilogueAct<FM, NF, GATED, OutT, int(A::kRelu2), B>(p, e, tile, feat0, acc);
-    else EpilogueAct<FM, NF, GATED, OutT, int(A::kIdentity), B>(p, e, tile, feat0, acc);
+    if (p.activation == int32_t(A::kRelu2)) EpilogueAct<FM, NF, GATED, OutT, int(A::kRelu2), B>(p, e, tile, rows, feat0, acc);
+    else EpilogueAct<FM, NF, GATED, OutT, int(A::kIdentity), B>(p, e, tile, rows, feat0, acc);
   }
 }
 

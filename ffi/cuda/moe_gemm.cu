@@ -199,9 +199,22 @@ __global__ void __launch_bounds__(kThreads) W4A16GroupedGemmKernel(const GemmPar
   constexpr int kAcc = NF * FM * 4;  // fp32 accumulators per thread
   constexpr bool kStream = LOOP == kStreamLoop && FM <= 2;
   __shared__ float partial[KS > 1 ? (KS - 1) * NS * kAcc * 32 : 1];
+  __shared__ int32_t aligned_rows[FM == 1 ? BM : 1];
   GridDependencyWait();
   const int64_t tile = blockIdx.x;
-  const int32_t e = p.tile_expert[tile];
+  // The tile's expert and sorted ids: moe_align's outputs, or (moe_align_gemm) aligned here, where the
+  // load of the ids replaces that of tile_expert (the first CTA also writes the align's outputs).
+  // (Chosen again where used, from the parameter: a pointer held across the main loop cost the 16-row
+  // instances up to 27 registers.)
+  // 8-row tiles only (the handler's limit): the others' code stays as it was (16-row instances with it took
+  // up to 32 more registers).
+  constexpr bool kCanAlign = FM == 1;
+  const auto tile_rows = [&]() -> const int32_t* {
+    return kCanAlign && p.align.ids ? aligned_rows : p.sorted_ids + tile * BM;
+  };
+  const int32_t e = kCanAlign && p.align.ids
+                        ? AlignTile(p.align, tile, BM, blockIdx.x == 0 && blockIdx.y == 0, aligned_rows)
+                        : p.tile_expert[tile];
   if (e < 0 || e >= p.E) return;  // unused tile (uniform over the CTA)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
@@ -231,7 +244,7 @@ __global__ void __launch_bounds__(kThreads) W4A16GroupedGemmKernel(const GemmPar
     const uint16_t* arow[FM];
 #pragma unroll
     for (int m = 0; m < FM; ++m) {
-      const int64_t src = SourceRow(p, tile * BM + 8 * m + g);
+      const int64_t src = SourceRow(p, tile_rows()[8 * m + g], tile * BM + 8 * m + g);
       arow[m] = src >= 0 ? p.a + src * K : nullptr;
     }
     // This warp's share of K, in 64-K units (128 with blocked weights; a warp may get none when K
@@ -272,7 +285,7 @@ __global__ void __launch_bounds__(kThreads) W4A16GroupedGemmKernel(const GemmPar
   }
   if (!active) return;
 
-  Epilogue<FM, NF, GATED, OutT>(p, e, tile, feat0, acc);
+  Epilogue<FM, NF, GATED, OutT>(p, e, tile, tile_rows(), feat0, acc);
 }
 
 // Instances, each for row-major and blocked weights: k_split 1, 2, 4 and every DecodeLoop for 8-
@@ -340,26 +353,22 @@ void LaunchFor(const GemmParams& p, bool gated, bool f32_out, bool a_paired, int
   }
 }
 
-ffi::Error GroupedGemmCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> a, ffi::Buffer<ffi::U8> w_data,
-                               ffi::AnyBuffer w_scales, ffi::Buffer<ffi::F32> alpha,
-                               ffi::Buffer<ffi::S32> sorted_ids, ffi::Buffer<ffi::S32> tile_expert,
-                               ffi::Buffer<ffi::F32> row_scale, ffi::Result<ffi::AnyBuffer> out,
-                               int64_t activation, int64_t row_scale_mode, int64_t top_k, int64_t gather,
-                               int64_t tile_m, int64_t k_split, int64_t pairing, int64_t kernel_flags) {
-  GemmDims d;
-  if (auto err = CheckGemm("grouped_gemm", a, w_data, w_scales, alpha, sorted_ids, tile_expert, row_scale,
-                           *out, activation, row_scale_mode, top_k, gather, tile_m, k_split, pairing,
-                           kernel_flags, kCudaKMultiple, kCudaNMultiple, &d);
-      err.failure())
-    return err;
+// grouped_gemm's launch after its checks (d); `align` (moe_align_gemm; validated by CheckAlignGemm):
+// the mma.sync kernel aligns in every CTA, sorted_ids / tile_expert being the align's outputs.
+ffi::Error GroupedGemmCuda(cudaStream_t stream, const GemmDims& d, ffi::Buffer<ffi::BF16> a,
+                           ffi::Buffer<ffi::U8> w_data, ffi::AnyBuffer w_scales, ffi::Buffer<ffi::F32> alpha,
+                           ffi::Buffer<ffi::S32> sorted_ids, ffi::Buffer<ffi::S32> tile_expert,
+                           ffi::Buffer<ffi::F32> row_scale, ffi::Result<ffi::AnyBuffer> out, int64_t activation,
+                           int64_t row_scale_mode, int64_t top_k, int64_t gather, int64_t tile_m, int64_t k_split,
+                           int64_t pairing, int64_t kernel_flags, const AlignArgs* align) {
+  const char* op = align ? "moe_align_gemm" : "grouped_gemm";
   const bool f32_out = out->element_type() == ffi::DataType::F32;
   const bool gated = IsGated(activation);
   const bool a_paired = pairing & int64_t(Pairing::kA);
   // Paired activations are moe's GEMM2 input (only that combination has mma.sync instances;
   // gated ones, for a paired GEMM1 input, gave no gain on the H200, 2026-12-01).
   if (a_paired && (gated || f32_out))
-    return Invalid("grouped_gemm", "paired activations (pairing & 1) need a non-gated activation and "
-                                   "bfloat16 output on the GPU");
+    return Invalid(op, "paired activations (pairing & 1) need a non-gated activation and bfloat16 output on the GPU");
   // Chunk-ordered activations are moe's GEMM input on 64- and 32-row tiles (GEMM2's intermediate, and GEMM1's
   // x on blocked weights): only the sm_90a wgmma kernels read them, the warp-specialized one
   // (WarpSpecializedGemm: blocked weights, gathered or with kWsGemm2 not; bf16 or fp32 out) and the
@@ -368,25 +377,23 @@ ffi::Error GroupedGemmCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> a, ff
   const bool ws = WarpSpecializedGemm(kernel_flags, pairing, gather);
   if (a_chunk && (((f32_out || gather) && !ws) || (tile_m != 64 && tile_m != 32) ||
                   (kernel_flags & int64_t(KernelFlag::kNoWgmma))))
-    return Invalid("grouped_gemm", "chunk-ordered activations (pairing & 8) need an sm_90a wgmma kernel on "
-                                   "the GPU: tile_m = 64 or 32, no NO_WGMMA flag, and bfloat16 output with gather = "
-                                   "False, unless on the warp-specialized kernel (blocked weights, gathered or "
-                                   "WS_GEMM2, no NO_WARP_SPECIALIZED)");
+    return Invalid(op, "chunk-ordered activations (pairing & 8) need an sm_90a wgmma kernel on the GPU: tile_m = 64 "
+                       "or 32, no NO_WGMMA flag, and bfloat16 output with gather = False, unless on the "
+                       "warp-specialized kernel (blocked weights, gathered or WS_GEMM2, no NO_WARP_SPECIALIZED)");
   if (a_chunk && (d.P > 0x7FFFFFFF || d.a_rows > 0xFFFFFFFFll))  // the tensor copies' coordinates
-    return Invalid("grouped_gemm", "chunk-ordered activations (pairing & 8) need fewer than 2^31 sorted rows "
-                                   "and 2^32 rows of a");
-  if (d.tiles == 0 || d.n_out == 0) return ffi::Error::Success();
-  if (d.a_rows == 0) {  // every row is padding: zeros, without a launch
+    return Invalid(op, "chunk-ordered activations (pairing & 8) need fewer than 2^31 sorted rows and 2^32 rows of a");
+  if (d.tiles == 0 || d.n_out == 0) return ffi::Error::Success();  // (moe_align_gemm: no pair then)
+  if (d.a_rows == 0) {  // every row is padding: zeros, without a launch (moe_align_gemm: no pair then)
     const size_t bytes = size_t(d.P) * size_t(d.n_out) * ffi::ByteWidth(out->element_type());
     const cudaError_t err = cudaMemsetAsync(out->untyped_data(), 0, bytes, stream);
     if (err != cudaSuccess)
-      return ffi::Error::Internal(std::string("jax_nvfp4 grouped_gemm: zeroing the output failed: ") +
+      return ffi::Error::Internal(std::string("jax_nvfp4 ") + op + ": zeroing the output failed: " +
                                   cudaGetErrorString(err));
     return ffi::Error::Success();
   }
   const int64_t slabs = CeilDiv<int64_t>(d.n_out, kWarpFeatures * (kWarps / k_split));
   if (d.tiles > 0x7FFFFFFF || slabs > 65535)
-    return Invalid("grouped_gemm", "too many row tiles or output features for the grid");
+    return Invalid(op, "too many row tiles or output features for the grid");
   GemmParams p{};
   p.a = a.typed_data();
   p.w = w_data.typed_data();
@@ -408,22 +415,67 @@ ffi::Error GroupedGemmCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> a, ff
   p.activation = int32_t(activation);
   p.row_scale_mode = int32_t(row_scale_mode);
   p.pairing = int32_t(pairing);
+  if (align) p.align = *align;
   const bool blocked = pairing & int64_t(Pairing::kBlockedW);
   std::string error;
-  if (!(kernel_flags & int64_t(KernelFlag::kNoWgmma)) &&  // sm_90a: 64-row tiles, 32-row ones on chunk-ordered a
+  if (!align && !(kernel_flags & int64_t(KernelFlag::kNoWgmma)) &&  // sm_90a: 64-row tiles, 32-row ones on chunk-ordered a
       LaunchWgmmaGemm(p, tile_m, gated, f32_out, kernel_flags, stream, &error))
-    return error.empty() ? LaunchError("grouped_gemm") : ffi::Error::Internal("jax_nvfp4 grouped_gemm: " + error);
+    return error.empty() ? LaunchError(op) : ffi::Error::Internal(std::string("jax_nvfp4 ") + op + ": " + error);
   if (a_chunk)
-    return Invalid("grouped_gemm", "chunk-ordered activations (pairing & 8) need an sm_90 GPU and a build with "
-                                   "sm_90a (JAX_NVFP4_CUDA_ARCHS)");
+    return Invalid(op, "chunk-ordered activations (pairing & 8) need an sm_90 GPU and a build with sm_90a "
+                       "(JAX_NVFP4_CUDA_ARCHS)");
   blocked ? LaunchFor<true>(p, gated, f32_out, a_paired, tile_m, k_split, slabs, kernel_flags, stream)
           : LaunchFor<false>(p, gated, f32_out, a_paired, tile_m, k_split, slabs, kernel_flags, stream);
-  return LaunchError("grouped_gemm");
+  return LaunchError(op);
+}
+
+ffi::Error GroupedGemmCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> a, ffi::Buffer<ffi::U8> w_data,
+                               ffi::AnyBuffer w_scales, ffi::Buffer<ffi::F32> alpha,
+                               ffi::Buffer<ffi::S32> sorted_ids, ffi::Buffer<ffi::S32> tile_expert,
+                               ffi::Buffer<ffi::F32> row_scale, ffi::Result<ffi::AnyBuffer> out,
+                               int64_t activation, int64_t row_scale_mode, int64_t top_k, int64_t gather,
+                               int64_t tile_m, int64_t k_split, int64_t pairing, int64_t kernel_flags) {
+  GemmDims d;
+  if (auto err = CheckGemm("grouped_gemm", a, w_data, w_scales, alpha, sorted_ids, tile_expert, row_scale,
+                           *out, activation, row_scale_mode, top_k, gather, tile_m, k_split, pairing,
+                           kernel_flags, kCudaKMultiple, kCudaNMultiple, &d);
+      err.failure())
+    return err;
+  return GroupedGemmCuda(stream, d, a, w_data, w_scales, alpha, sorted_ids, tile_expert, row_scale, out, activation,
+                         row_scale_mode, top_k, gather, tile_m, k_split, pairing, kernel_flags, nullptr);
+}
+
+// moe_align_gemm: GEMM1's CTAs each align the (at most 32) pairs in one warp for their own tile, and
+// the first one writes the align's outputs for GEMM2 and the finalize: one launch fewer at decode.
+ffi::Error MoeAlignGemmCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> topk_ids, ffi::Buffer<ffi::BF16> a,
+                                ffi::Buffer<ffi::U8> w_data, ffi::AnyBuffer w_scales, ffi::Buffer<ffi::F32> alpha,
+                                ffi::Buffer<ffi::F32> row_scale, ffi::Result<ffi::AnyBuffer> out,
+                                ffi::Result<ffi::Buffer<ffi::S32>> sorted_ids,
+                                ffi::Result<ffi::Buffer<ffi::S32>> tile_expert,
+                                ffi::Result<ffi::Buffer<ffi::S32>> pair_to_row, int64_t expert_offset,
+                                int64_t activation, int64_t row_scale_mode, int64_t tile_m, int64_t k_split,
+                                int64_t pairing, int64_t kernel_flags) {
+  int64_t n;
+  GemmDims d;
+  if (auto err = CheckAlignGemm("moe_align_gemm", topk_ids, a, w_data, w_scales, alpha, row_scale, *out,
+                                *sorted_ids, *tile_expert, *pair_to_row, activation, row_scale_mode, tile_m, k_split,
+                                pairing, kernel_flags, kMaxAlignExperts, kCudaKMultiple, kCudaNMultiple, &n, &d);
+      err.failure())
+    return err;
+  const AlignArgs al{topk_ids.typed_data(), int32_t(n), int32_t(tile_m), d.E, expert_offset, d.P,
+                     sorted_ids->typed_data(), tile_expert->typed_data(), pair_to_row->typed_data()};
+  return GroupedGemmCuda(stream, d, a, w_data, w_scales, alpha, *sorted_ids, *tile_expert, row_scale, out,
+                         activation, row_scale_mode, topk_ids.dimensions()[1], 1, tile_m, k_split, pairing,
+                         kernel_flags, &al);
 }
 
 }  // namespace
 }  // namespace jax_nvfp4
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxNvfp4MoeAlignGemmCuda, jax_nvfp4::MoeAlignGemmCudaImpl,
+                              jax_nvfp4::sig::MoeAlignGemm(
+                                  xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxNvfp4GroupedGemmCuda, jax_nvfp4::GroupedGemmCudaImpl,
                               jax_nvfp4::sig::GroupedGemm(xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
                               {xla::ffi::Traits::kCmdBufferCompatible});

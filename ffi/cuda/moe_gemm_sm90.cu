@@ -291,13 +291,14 @@ template <bool GATED, int NF, typename OutT, int FM>
 __device__ __forceinline__ void StoreTile(const GemmParams& p, int32_t e, int64_t tile, const int64_t (&feat)[NF],
                                           const bool (&active)[NF], float (&acc)[NF][FM][4]) {
   Hold(acc);
+  const int32_t* rows = p.sorted_ids + tile * (FM * 8);
   if constexpr (GATED) {
-    if (active[0]) Epilogue<FM, NF, true, OutT, true>(p, e, tile, feat[0], acc);
+    if (active[0]) Epilogue<FM, NF, true, OutT, true>(p, e, tile, rows, feat[0], acc);
   } else {
 #pragma unroll
     for (int j = 0; j < NF; ++j)
       if (active[j])
-        Epilogue<FM, 1, false, OutT, true>(p, e, tile, feat[j], reinterpret_cast<const float(&)[1][FM][4]>(acc[j]));
+        Epilogue<FM, 1, false, OutT, true>(p, e, tile, rows, feat[j], reinterpret_cast<const float(&)[1][FM][4]>(acc[j]));
   }
 }
 
