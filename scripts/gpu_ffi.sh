@@ -51,6 +51,12 @@ install_tree() {
 }
 install_tree . >"$OUT/ffi_build.log" 2>&1 || { log "BUILD FAILED"; tail -60 "$OUT/ffi_build.log"; exit 1; }
 log "build $(( $(date +%s) - t0 )) s"
+# Before any GPU work: a kernel that raises its registers by setmaxnreg past what the CTA's pool holds
+# hangs the GPU (2026-12-03); its SASS naming a register at or above the allocation stops the run.
+python3 scripts/sass_loops.py --kernel . --check-setmaxnreg >"$OUT/setmaxnreg.txt" 2>&1; rc=$?
+if (( rc == 3 )); then log "SETMAXNREG CHECK FAILED: $(grep OVER "$OUT/setmaxnreg.txt" | head -3)"; exit 1; fi
+(( rc == 0 )) && log "setmaxnreg check: $(grep -c ': ok' "$OUT/setmaxnreg.txt") kernels ok" ||
+  log "setmaxnreg check not run: $(tail -1 "$OUT/setmaxnreg.txt")"
 python3 - <<'PY' 2>&1 | tee -a "$OUT/ffi_summary.txt"
 import jax, jax_nvfp4._ffi as f
 from jax_nvfp4.backends import ffi

@@ -1,11 +1,16 @@
 """Instruction mix of the loops in our CUDA kernels' SASS (static: no GPU needed).
 
-    python3 scripts/sass_loops.py [--so PATH] [--kernel REGEX] [--arch sm_90a]
+    python3 scripts/sass_loops.py [--so PATH] [--kernel REGEX] [--arch sm_90a] [--check-setmaxnreg]
 
 Runs ``cuobjdump -sass`` (it needs ``nvdisasm`` on PATH) on the built extension and prints, per
 kernel whose name matches, each loop (a backward branch) with its instruction count and opcode
 mix grouped by the pipe that issues it. Divided by the bytes a loop iteration streams, this is
 the issue cost per weight byte: the ceiling a decode kernel hits before HBM does.
+
+With ``--check-setmaxnreg`` it checks instead that each kernel which raises its registers by
+``setmaxnreg`` names no register at or above the count it allocates, and exits with status 3 if
+one does (H200, 2026-12-03: a budget the CTA's pool could not hold hung the GPU; scripts/gpu_ffi.sh
+runs this check before any GPU work).
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ GROUPS = {
 
 _INSTR = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 _TARGET = re.compile(r"\bBRA\b.*?(0x[0-9a-f]+)")
+_REGISTER = re.compile(r"\bR(\d+)\b")  # (not UR: uniform registers)
+_ALLOC = re.compile(r"\bUSETMAXREG\.TRY_ALLOC\S*\s+\w+,\s*(0x[0-9a-f]+|\d+)")
 
 
 def opcode(text: str) -> str:
@@ -64,6 +71,14 @@ def loops(ins: list[tuple[int, str]]):
     return sorted(found, key=lambda f: f[1] - f[0])
 
 
+def setmaxnreg_use(ins: list[tuple[int, str]]) -> tuple[int, int] | None:
+    """(highest register named, smallest count allocated by setmaxnreg), or None without an allocation."""
+    allocs = [int(m.group(1), 0) for _, t in ins for m in [_ALLOC.search(t)] if m]
+    if not allocs:
+        return None
+    return max((int(r) for _, t in ins for r in _REGISTER.findall(t)), default=-1), min(allocs)
+
+
 def describe(counts: collections.Counter) -> str:
     groups = collections.Counter()
     for op, n in counts.items():
@@ -77,6 +92,8 @@ def main(argv=None):
     p.add_argument("--so", default=None, help="object or shared library (default: the built jax_nvfp4._ffi)")
     p.add_argument("--kernel", default="W4A16", help="regex on the mangled kernel name")
     p.add_argument("--arch", default="sm_90a")
+    p.add_argument("--check-setmaxnreg", action="store_true",
+                   help="check the registers of the kernels that raise them by setmaxnreg (exit 3 if over)")
     args = p.parse_args(argv)
     spec = None if args.so else importlib.util.find_spec("jax_nvfp4._ffi")
     so = args.so or (spec.origin if spec else None)
@@ -92,12 +109,20 @@ def main(argv=None):
                               env=env).stdout
     except (OSError, subprocess.CalledProcessError) as err:
         sys.exit(f"cuobjdump -sass failed (is it, and nvdisasm, on PATH?): {err}")
+    over = 0
     for name, ins in functions(sass).items():
         if not re.search(args.kernel, name):
+            continue
+        if args.check_setmaxnreg:
+            if (use := setmaxnreg_use(ins)) is not None:
+                over += use[0] >= use[1]
+                print(f"{name}: highest R{use[0]}, allocates {use[1]}: {'OVER' if use[0] >= use[1] else 'ok'}")
             continue
         print(f"{name}: {len(ins)} instructions")
         for start, end, counts in loops(ins):
             print(f"  loop {start:#06x}-{end:#06x}: {sum(counts.values())} instr: {describe(counts)}")
+    if over:
+        sys.exit(3)
 
 
 if __name__ == "__main__":

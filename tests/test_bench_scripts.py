@@ -175,6 +175,24 @@ def test_sass_loops_finds_the_loop_and_groups_its_opcodes():
     assert sass_loops.loops(fns["_Z5OtherILi2EEv"]) == []
 
 
+def test_sass_setmaxnreg_check_finds_registers_past_the_allocation():
+    sass = """
+\t\tFunction : _Z2WsILi4EEv
+        /*0000*/                   USETMAXREG.DEALLOC.CTAPOOL 0x20 ;
+        /*0010*/                   USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0x70 ;
+        /*0020*/                   IMAD R107, R2, UR12, RZ ;
+\t\tFunction : _Z2WsILi5EEv
+        /*0000*/                   USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0x70 ;
+        /*0010*/                   MOV R115, R1 ;
+\t\tFunction : _Z5PlainILi2EEv
+        /*0000*/                   MOV R200, R1 ;
+"""
+    fns = sass_loops.functions(sass)
+    assert sass_loops.setmaxnreg_use(fns["_Z2WsILi4EEv"]) == (107, 112)  # (UR12 is a uniform register)
+    assert sass_loops.setmaxnreg_use(fns["_Z2WsILi5EEv"]) == (115, 112)  # over: the hang of 2026-12-03
+    assert sass_loops.setmaxnreg_use(fns["_Z5PlainILi2EEv"]) is None
+
+
 def test_clocked_chain_reads_the_clock_before_any_layer_work():
     """Work of the layers that does not depend on x (here a sort of the routing; in the MoE every
     layer's align) must not be scheduled before the first device_clock reading."""
