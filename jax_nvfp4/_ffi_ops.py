@@ -88,8 +88,8 @@ class KernelFlag(enum.IntFlag):
     PLAIN_WEIGHT_LOADS = 512  # decode tiles: never the streaming hints (the default where K per warp >= 768)
     NO_WARP_SPECIALIZED = 32768  # 64-row tiles with blocked weights (sm_90): GEMM1 on the staged wgmma kernel
     # (x in the natural order; 32-row tiles: on the mma.sync kernel), not the warp-specialized one (a producer
-    # warpgroup stages weights and gathered rows for three MMA warpgroups, four on 32-row tiles; H200: 14-17% faster w4a16 prefill
-    # layers, 1.33-1.45x faster w4a4 ones)
+    # warpgroup stages weights and gathered rows for three MMA warpgroups, four on 32-row tiles; H200: 14-17% faster
+    # w4a16 prefill layers, 1.33-1.45x faster w4a4 ones)
     WS_GEMM2 = 65536  # GEMM2 too (chunk-ordered a, not gathered) on the warp-specialized kernel, not the TMA-fed one
     # (64-row tiles: 1.02-1.22x slower layers on the H200, 2026-12-02, sessions 17-19; moe sets it on 32-row
     # tiles where I >= WS_GEMM2_MIN_K)

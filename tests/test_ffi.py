@@ -1076,6 +1076,8 @@ def test_gemm_32_row_wgmma_tiles_are_the_64_row_function(on_gpu, h, flags, case)
     rng = np.random.default_rng(1000 + case + h)
     t, k, e, n = (1200 if on_gpu else 120), 4, 5, 320
     gated = act in (ops.Activation.SWIGLU, ops.Activation.GEGLU)
+    if flags == ops.KernelFlag.WS_THREE_GROUPS and not gated:
+        pytest.skip("WS_THREE_GROUPS changes gated tiles only (here the run of flags 0 or WS_GEMM2 again)")
     w = nv.to_blocked_weights(random_nvfp4(rng, (e, 2 * n if gated else n, h), rng.uniform(0.5, 2, e) / np.sqrt(h)))
     ids = jnp.asarray(rng.integers(-1, e, (t, k)), jnp.int32)
     x = rng.standard_normal((t if gather else t * k, h)).astype(np.float32)  # by token, or by pair
