@@ -91,6 +91,9 @@ enum class KernelFlag : int64_t {
   kWsThreeGroups = 8388608,    // 32-row gated tiles (moe's GEMM1 at 9-24 rows an expert) on the warp-specialized
                                // kernel with three MMA warpgroups (192 features a work item) instead of four (256;
                                // H200, 2026-12-03: four give DeepSeek-V3 layers x0.90-0.91 at T = 48-64)
+  kWsOneBlock = 16777216,      // 32-row non-gated bf16-out tiles on the warp-specialized kernel (moe's GEMM2 with
+                               // kWsGemm2): four MMA warpgroups of one 64-feature block (256 features a work
+                               // item, an eight-stage ring) instead of three of two (384, six stages)
   kSeparateAlign = 33554432,   // w4a16 decode (at most kAlignOneWarpPairs pairs, 8-row tiles): moe_align in its own
                                // launch before GEMM1, not in every GEMM1 CTA (moe_align_gemm)
   // 1048576 / 2097152: kPrefetchNext / kPrefetchNextLate (moe's GEMM1 decode CTAs warming their experts'
@@ -99,7 +102,7 @@ enum class KernelFlag : int64_t {
   // 16384: kWgmmaTilePairs (the TMA-fed GEMM2 on pairs of one expert's 64-row tiles, m64n128 wgmmas,
   // one CTA per SM) for one H200 A/B on 2026-12-02, removed: 1.25-1.42x slower layers (dabc4ef).
 };
-constexpr int64_t kAllKernelFlags = 47153886;
+constexpr int64_t kAllKernelFlags = 63931102;
 // grouped_gemm's `pairing` bits: which operands hold a kernel order instead of the natural one.
 // kA / kOut: a's K axis / out's feature axis in the paired order (PairedPos). moe's intermediate
 // uses it on mma.sync tiles (but with KernelFlag kNaturalIntermediate): GEMM1 writes it paired,

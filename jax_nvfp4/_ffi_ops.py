@@ -111,6 +111,9 @@ class KernelFlag(enum.IntFlag):
     # expert) on the warp-specialized kernel with three MMA warpgroups (192 features a work item), not four (256;
     # H200, 2026-12-03: four give DeepSeek-V3 layers x0.90-0.91 at T = 48-64, x0.98 at 96, Qwen3 x0.96-1.00 at
     # T = 128-384, fewer items on 132 SMs: 256 for DeepSeek-V3 T = 64, two a CTA, where three made 352)
+    WS_ONE_BLOCK = 16777216  # 32-row non-gated bf16-out tiles on the warp-specialized kernel (moe's GEMM2 with
+    # WS_GEMM2, set from I >= WS_GEMM2_MIN_K): four MMA warpgroups of one 64-feature block (256 features a work item,
+    # an eight-stage ring), not three of two (384, six stages)
     SEPARATE_ALIGN = 33554432  # w4a16 decode (at most ALIGN_ONE_WARP_PAIRS pairs, 8-row tiles): moe_align in its own
     # launch before GEMM1, not in every GEMM1 CTA (moe_align_gemm)
     # 1048576 / 2097152: PREFETCH_NEXT / PREFETCH_NEXT_LATE (GEMM1's decode CTAs warming their experts' GEMM2

@@ -694,46 +694,49 @@ __global__ void __launch_bounds__(kWgThreadsPerCta, MinCtas<GATED, NB>()) W4A16W
 // (192: 10.7, the last two thirds used) and 64 tokens' 32 tiles 256 items, two a CTA on 132 SMs
 // (192: 352 items, the last round on 88 SMs). H200, 2026-12-03: DeepSeek-V3 layers x0.90-0.91 at
 // T = 48-64, Qwen3-30B-A3B x0.96-1.00 at T = 128-384 (KernelFlag::kWsThreeGroups keeps three).
-template <int NC>
+// NB: weight copies a stage, 64-row blocks a warpgroup (gated: its gate and up rows; otherwise two
+// blocks of 64 features, or one with KernelFlag::kWsOneBlock).
+template <int NC, int NB = 2>
 struct WsShape {
   static constexpr int kThreads = (NC + 1) * 128;
   static constexpr int kCopyFrags = 4 * NC;  // 16-row fragments per weight copy: a 64-row block per warpgroup
   static constexpr int kCopyCodeBytes = kCopyFrags * kBlockRows * kBlockCodeBytes;  // one 128-K block each
   static constexpr int kCopyScaleBytes = kCopyFrags * kBlockRows * kBlockScaleBytes;
-  static constexpr int kWeightBytes = 2 * (kCopyCodeBytes + kCopyScaleBytes);  // two copies of each
+  static constexpr int kWeightBytes = NB * (kCopyCodeBytes + kCopyScaleBytes);  // NB copies of each
   // Registers a thread. setmaxnreg moves registers within the CTA's pool, what its launch got:
   // kThreads x kLaunchRegs (ptxas gives these kernels all that __launch_bounds__ allows: 128 / 96);
   // asking for more waits forever (H200, 2026-12-03: four warpgroups of 120 hung). Four warpgroups'
   // accumulators and weights fit 112 (sm_90a SASS: R0-R107, no local memory).
   static constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;
   static constexpr int kProducerRegs = NC == 3 ? 40 : 32, kConsumerRegs = NC == 3 ? 152 : 112;
-  static_assert(NC == 3 || NC == 4, "three or four MMA warpgroups");
+  static_assert((NC == 3 || NC == 4) && (NB == 1 || NB == 2), "three or four MMA warpgroups, one or two blocks");
   static_assert(NC * kConsumerRegs + kProducerRegs <= (NC + 1) * kLaunchRegs, "within the CTA's register pool");
 };
 // A stage: [activations][codes 0, 1][scales 0, 1], and its full and empty mbarriers. 64-row tiles:
 // four stages of 43 KB (five, all that fit in 227 KB: 3-6% slower layers; three: 0.6-2.6% slower;
 // H200 2026-12-02). 32-row tiles (decode batches, whose weights stream from HBM): six of 35 KB, or
-// with four MMA warpgroups five of 44 KB (all that fit).
-template <int TOK, int NC>
+// with four MMA warpgroups five of 44 KB (all that fit), of one block each eight of 26 KB.
+template <int TOK, int NC, int NB = 2>
 struct WsSmem {
-  static constexpr int kStageBytes = ChunkBytes<TOK>() + WsShape<NC>::kWeightBytes;
-  static constexpr int kStages = TOK == 64 ? 4 : NC == 3 ? 6 : 5;
+  static constexpr int kStageBytes = ChunkBytes<TOK>() + WsShape<NC, NB>::kWeightBytes;
+  static constexpr int kStages = TOK == 64 ? 4 : NB == 1 ? 8 : NC == 3 ? 6 : 5;
   static constexpr int kBytes = kStages * (kStageBytes + 16) + 1024;
   static_assert(kStageBytes % 1024 == 0, "stages keep the 1024-byte alignment of the swizzled activations");
   static_assert(kBytes <= 227 * 1024, "the shared memory of an H200 CTA");
 };
 
 // Output features of a warp-specialized CTA.
-template <bool GATED, int NC>
-constexpr int WsFeatures() { return (GATED ? 64 : 128) * NC; }
+template <bool GATED, int NC, int NB = 2>
+constexpr int WsFeatures() { return (GATED ? 64 : 64 * NB) * NC; }
 
-template <bool GATED, typename OutT, int TOK, int NC>
-__global__ void __launch_bounds__(WsShape<NC>::kThreads, 1)
+template <bool GATED, typename OutT, int TOK, int NC, int NB>
+__global__ void __launch_bounds__(WsShape<NC, NB>::kThreads, 1)
     W4A16WgmmaWs(const GemmParams p, const __grid_constant__ CUtensorMap codes,
                  const __grid_constant__ CUtensorMap scales, const __grid_constant__ CUtensorMap amap) {
 #ifdef JAX_NVFP4_WGMMA
-  using Shape = WsShape<NC>;
-  constexpr int kWsStages = WsSmem<TOK, NC>::kStages, kWsStageBytes = WsSmem<TOK, NC>::kStageBytes;
+  static_assert(!GATED || NB == 2, "gated: a gate and an up block");
+  using Shape = WsShape<NC, NB>;
+  constexpr int kWsStages = WsSmem<TOK, NC, NB>::kStages, kWsStageBytes = WsSmem<TOK, NC, NB>::kStageBytes;
   constexpr int kChunk = ChunkBytes<TOK>();
   extern __shared__ uint8_t smem_raw[];
   const uint32_t ring = (SmemU32(smem_raw) + 1023) & ~1023u;
@@ -744,7 +747,7 @@ __global__ void __launch_bounds__(WsShape<NC>::kThreads, 1)
   // persistent grid) or, with KernelFlag::kNoPersistent, per item. Both roles skip the same unused
   // tiles and count chunks over the CTA's items (`it`), so the ring runs on across items: the
   // producer fills the next item's first stages while the MMA warpgroups store the last one's tile.
-  const int64_t slabs = CeilDiv<int64_t>(p.n_out, WsFeatures<GATED, NC>()), items = p.P / TOK * slabs;
+  const int64_t slabs = CeilDiv<int64_t>(p.n_out, WsFeatures<GATED, NC, NB>()), items = p.P / TOK * slabs;
   const int64_t chunks = p.K / 128;
   const int wg = threadIdx.x >> 7;
   const bool gather = p.gather;
@@ -774,7 +777,7 @@ __global__ void __launch_bounds__(WsShape<NC>::kThreads, 1)
       const uint32_t x_bytes = src >= 0 ? 16 : 0;
       // The first rows of the CTA's two weight copies in the maps ([E * N / 16] fragments): gated,
       // its gate and its up rows; otherwise two consecutive blocks.
-      const int32_t frag0 = int32_t((int64_t(e) * p.N + slab * WsFeatures<GATED, NC>()) / kBlockRows);
+      const int32_t frag0 = int32_t((int64_t(e) * p.N + slab * WsFeatures<GATED, NC, NB>()) / kBlockRows);
       const int32_t frag1 = frag0 + int32_t(GATED ? p.n_out / kBlockRows : Shape::kCopyFrags);
       for (int64_t c = 0; c < chunks; ++c, ++it) {
         const int s = int(it % kWsStages);
@@ -782,13 +785,15 @@ __global__ void __launch_bounds__(WsShape<NC>::kThreads, 1)
         if (it >= kWsStages) MbarWait(empty_bar + 8 * s, uint32_t(it / kWsStages - 1) & 1);
         if (pt == 0) {
           MbarExpectBytes(full_bar + 8 * s, Shape::kWeightBytes + (gather ? 0 : kChunk));
-          const uint32_t w = stage + kChunk, sc = w + 2 * Shape::kCopyCodeBytes;
+          const uint32_t w = stage + kChunk, sc = w + NB * Shape::kCopyCodeBytes;
           const int32_t kc = int32_t(c * kBlockRows * kBlockCodeBytes / 4);  // (32-bit words)
           const int32_t ks = int32_t(c * kBlockRows * kBlockScaleBytes / 4);
           TmaLoad2d(w, &codes, kc, frag0, full_bar + 8 * s);
-          TmaLoad2d(w + Shape::kCopyCodeBytes, &codes, kc, frag1, full_bar + 8 * s);
           TmaLoad2d(sc, &scales, ks, frag0, full_bar + 8 * s);
-          TmaLoad2d(sc + Shape::kCopyScaleBytes, &scales, ks, frag1, full_bar + 8 * s);
+          if constexpr (NB == 2) {
+            TmaLoad2d(w + Shape::kCopyCodeBytes, &codes, kc, frag1, full_bar + 8 * s);
+            TmaLoad2d(sc + Shape::kCopyScaleBytes, &scales, ks, frag1, full_bar + 8 * s);
+          }
           if (!gather) TmaLoadChunk<TOK>(stage, &amap, c, tile, full_bar + 8 * s);
         }
         if (gather) {
@@ -818,22 +823,27 @@ __global__ void __launch_bounds__(WsShape<NC>::kThreads, 1)
     // Unused tile; a vote, so that the compiler knows the branch is warp-uniform (a plain test
     // added 46 instructions to the loop below: sm_90a SASS, 2026-12-02).
     if (__all_sync(~0u, e < 0 || e >= p.E)) continue;
-    const int64_t base = slab * WsFeatures<GATED, NC>() + 16 * warp;
-    const int64_t feat[2] = {base, GATED ? base : base + 16 * Shape::kCopyFrags};
-    const bool active[2] = {feat[0] < p.n_out, feat[1] < p.n_out};
-    float acc[2][TOK / 8][4];
+    const int64_t base = slab * WsFeatures<GATED, NC, NB>() + 16 * warp;
+    int64_t feat[NB];
+    bool active[NB];
+#pragma unroll
+    for (int j = 0; j < NB; ++j) {
+      feat[j] = GATED ? base : base + j * 16 * Shape::kCopyFrags;
+      active[j] = feat[j] < p.n_out;
+    }
+    float acc[NB][TOK / 8][4];
     ZeroAcc(acc);
     for (int64_t c = 0; c < chunks; ++c, ++it) {
       const int s = int(it % kWsStages);
       const uint32_t stage = ring + s * kWsStageBytes;
       MbarWait(full_bar + 8 * s, uint32_t(it / kWsStages) & 1);
       asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // cp.async writes -> wgmma reads
-      WeightRegs<128, 2> w;
+      WeightRegs<128, NB> w;
 #pragma unroll
-      for (int j = 0; j < 2; ++j) {  // weight copy j
+      for (int j = 0; j < NB; ++j) {  // weight copy j
         const uint32_t code =
             stage + kChunk + j * Shape::kCopyCodeBytes + uint32_t(warp * kBlockRows * kBlockCodeBytes);
-        const uint32_t scale = stage + kChunk + 2 * Shape::kCopyCodeBytes + j * Shape::kCopyScaleBytes +
+        const uint32_t scale = stage + kChunk + NB * Shape::kCopyCodeBytes + j * Shape::kCopyScaleBytes +
                                uint32_t(warp * kBlockRows * kBlockScaleBytes);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -849,10 +859,10 @@ __global__ void __launch_bounds__(WsShape<NC>::kThreads, 1)
           w.s[j][h] = sv;
         }
       }
-      ChunkMma<128, 2, TOK>(w, stage, acc);
+      ChunkMma<128, NB, TOK>(w, stage, acc);
       MbarArrive(empty_bar + 8 * s);
     }
-    StoreTile<GATED, 2, OutT>(p, e, tile, feat, active, acc);
+    StoreTile<GATED, NB, OutT>(p, e, tile, feat, active, acc);
   }
 #endif
 }
@@ -1007,15 +1017,16 @@ std::string LaunchTmaFor(const GemmParams& p, bool gated, bool one_block, bool s
                    : LaunchTma<false, 2, BW, PERSISTENT, TOK>(p, sf, pdl, stream);
 }
 
-// W4A16WgmmaWs<GATED, OutT, TOK, NC>: the tensor maps of the blocked weights as [E * N / 16 fragments, a
+// W4A16WgmmaWs<GATED, OutT, TOK, NC, NB>: the tensor maps of the blocked weights as [E * N / 16 fragments, a
 // fragment's blocks] of 32-bit words, boxes of one 128-K block of a copy's fragments; of `a`
 // when it is not gathered. persistent: min(work items, SMs) CTAs, each walking the items
 // gridDim.x apart (else a CTA per item).
-template <bool GATED, typename OutT, int TOK, int NC>
+template <bool GATED, typename OutT, int TOK, int NC, int NB = 2>
 std::string LaunchWs(GemmParams p, bool persistent, bool pdl, cudaStream_t stream) {
-  constexpr auto kernel = W4A16WgmmaWs<GATED, OutT, TOK, NC>;
-  constexpr int kWsSmemBytes = WsSmem<TOK, NC>::kBytes, kFrags = WsShape<NC>::kCopyFrags;
-  const int64_t frags = p.E * p.N / kBlockRows, items = p.P / TOK * CeilDiv<int64_t>(p.n_out, WsFeatures<GATED, NC>());
+  constexpr auto kernel = W4A16WgmmaWs<GATED, OutT, TOK, NC, NB>;
+  using Shape = WsShape<NC, NB>;
+  constexpr int kWsSmemBytes = WsSmem<TOK, NC, NB>::kBytes, kFrags = Shape::kCopyFrags;
+  const int64_t frags = p.E * p.N / kBlockRows, items = p.P / TOK * CeilDiv<int64_t>(p.n_out, WsFeatures<GATED, NC, NB>());
   if (items > 0x7FFFFFFF || frags > 0x7FFFFFFF) return "too many row tiles or weight rows";
   CUtensorMap codes, scales, amap{};
   const uint64_t code_row = uint64_t(kBlockRows) * (p.K / 2), scale_row = uint64_t(kBlockRows) * (p.K / 16);
@@ -1031,12 +1042,12 @@ std::string LaunchWs(GemmParams p, bool persistent, bool pdl, cudaStream_t strea
     if (std::string err = EncodeActivationMap(p, TOK, &amap); !err.empty()) return err;
   if (std::string err = OptInSmem<kernel>(kWsSmemBytes); !err.empty()) return err;
   // A kernel launched with fewer registers than WsShape assumes would hang in setmaxnreg: an error instead.
-  if (const int regs = LaunchRegisters<kernel>(); regs < WsShape<NC>::kLaunchRegs)
+  if (const int regs = LaunchRegisters<kernel>(); regs < Shape::kLaunchRegs)
     return "the warp-specialized kernel launches with " + std::to_string(regs) + " registers a thread (0: unknown), " +
-           "fewer than its register budgets assume (" + std::to_string(WsShape<NC>::kLaunchRegs) + ")";
+           "fewer than its register budgets assume (" + std::to_string(Shape::kLaunchRegs) + ")";
   const int sms = CachedDeviceAttribute<cudaDevAttrMultiProcessorCount>();
   const int64_t ctas = persistent && sms > 0 ? std::min<int64_t>(items, sms) : items;
-  LaunchKernel(kernel, dim3(unsigned(ctas)), WsShape<NC>::kThreads, kWsSmemBytes, stream, pdl, p, codes, scales, amap);
+  LaunchKernel(kernel, dim3(unsigned(ctas)), Shape::kThreads, kWsSmemBytes, stream, pdl, p, codes, scales, amap);
   return "";
 }
 
@@ -1048,10 +1059,13 @@ std::string LaunchChunkA(const GemmParams& p, bool gated, bool f32_out, int64_t 
   if (WarpSpecializedGemm(kernel_flags, p.pairing, p.gather)) {
     const bool persistent = !(kernel_flags & int64_t(KernelFlag::kNoPersistent));
     // fp32 out: mode w4a4's GEMM1, whose intermediate is quantized from unrounded values.
-    if constexpr (TOK == 32)
+    if constexpr (TOK == 32) {
       if (gated && !(kernel_flags & int64_t(KernelFlag::kWsThreeGroups)))
         return f32_out ? LaunchWs<true, float, 32, 4>(p, persistent, pdl, stream)
                        : LaunchWs<true, uint16_t, 32, 4>(p, persistent, pdl, stream);
+      if (!gated && !f32_out && (kernel_flags & int64_t(KernelFlag::kWsOneBlock)))
+        return LaunchWs<false, uint16_t, 32, 4, 1>(p, persistent, pdl, stream);
+    }
     return gated ? (f32_out ? LaunchWs<true, float, TOK, 3>(p, persistent, pdl, stream)
                             : LaunchWs<true, uint16_t, TOK, 3>(p, persistent, pdl, stream))
                  : (f32_out ? LaunchWs<false, float, TOK, 3>(p, persistent, pdl, stream)
