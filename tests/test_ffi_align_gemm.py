@@ -31,8 +31,9 @@ CASES = [
 
 def _ids(seed, t, k, e, offset):
     rng = np.random.default_rng(seed)
-    ids = np.stack([rng.permutation(e + offset + 3)[:k] for _ in range(t)])  # distinct ids a token
-    ids[rng.random(ids.shape) < 0.15] = -1  # dropped pairs; ids outside [offset, offset + e): another shard's
+    pool = max(e + offset + 3, k)  # distinct ids a token, some of another shard's
+    ids = np.stack([rng.permutation(pool)[:k] for _ in range(t)])
+    ids[rng.random(ids.shape) < 0.15] = -1  # dropped pairs
     return jnp.asarray(ids, jnp.int32)
 
 
@@ -41,6 +42,7 @@ def _check(t, k, e, offset, h, i, tile_m, act, blocked, k_split, f32_out, paired
     ex = make_experts(seed + 1, e, h, i, gated=gated)
     w = nv.to_blocked_weights(ex.gate_up) if blocked else ex.gate_up
     ids, x = _ids(seed, t, k, e, offset), make_x(seed, t, h)
+    assert ids.shape == (t, k)
     kw = dict(tile_m=tile_m, activation=act, k_split=k_split, out_dtype=jnp.float32 if f32_out else jnp.bfloat16,
               pairing=ops.Pairing.OUT if paired else ops.Pairing.NONE)
     align = ops.moe_align(ids, e, tile_m=tile_m, expert_offset=offset, impl="jax")
