@@ -140,7 +140,7 @@ NB_MODULE(_ffi, m) {
     kf["align_one_cta"] = int64_t(KernelFlag::kAlignOneCta);
     kf["separate_x_quant"] = int64_t(KernelFlag::kSeparateXQuant);
     kf["ws_three_groups"] = int64_t(KernelFlag::kWsThreeGroups);
-    kf["ws_one_block"] = int64_t(KernelFlag::kWsOneBlock);
+    kf["ws_two_blocks"] = int64_t(KernelFlag::kWsTwoBlocks);
     kf["separate_align"] = int64_t(KernelFlag::kSeparateAlign);
     c["KernelFlag"] = kf;
     nb::dict pairing;

@@ -91,9 +91,10 @@ enum class KernelFlag : int64_t {
   kWsThreeGroups = 8388608,    // 32-row gated tiles (moe's GEMM1 at 9-24 rows an expert) on the warp-specialized
                                // kernel with three MMA warpgroups (192 features a work item) instead of four (256;
                                // H200, 2026-12-03: four give DeepSeek-V3 layers x0.90-0.91 at T = 48-64)
-  kWsOneBlock = 16777216,      // 32-row non-gated bf16-out tiles on the warp-specialized kernel (moe's GEMM2 with
-                               // kWsGemm2): four MMA warpgroups of one 64-feature block (256 features a work
-                               // item, an eight-stage ring) instead of three of two (384, six stages)
+  kWsTwoBlocks = 16777216,     // 32-row non-gated bf16-out tiles on the warp-specialized kernel (moe's GEMM2 with
+                               // kWsGemm2) on three MMA warpgroups of two 64-feature blocks (384 features a work
+                               // item, six stages) instead of four of one (256, eight stages; H200, 2026-12-03:
+                               // DeepSeek-V3 layers x0.971-0.973 at T = 48-64, x0.987 at 96)
   kSeparateAlign = 33554432,   // w4a16 decode (at most kAlignOneWarpPairs pairs, 8-row tiles): moe_align in its own
                                // launch before GEMM1, not in every GEMM1 CTA (moe_align_gemm)
   // 1048576 / 2097152: kPrefetchNext / kPrefetchNextLate (moe's GEMM1 decode CTAs warming their experts'

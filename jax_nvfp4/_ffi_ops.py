@@ -111,9 +111,9 @@ class KernelFlag(enum.IntFlag):
     # expert) on the warp-specialized kernel with three MMA warpgroups (192 features a work item), not four (256;
     # H200, 2026-12-03: four give DeepSeek-V3 layers x0.90-0.91 at T = 48-64, x0.98 at 96, Qwen3 x0.96-1.00 at
     # T = 128-384, fewer items on 132 SMs: 256 for DeepSeek-V3 T = 64, two a CTA, where three made 352)
-    WS_ONE_BLOCK = 16777216  # 32-row non-gated bf16-out tiles on the warp-specialized kernel (moe's GEMM2 with
-    # WS_GEMM2, set from I >= WS_GEMM2_MIN_K): four MMA warpgroups of one 64-feature block (256 features a work item,
-    # an eight-stage ring), not three of two (384, six stages)
+    WS_TWO_BLOCKS = 16777216  # 32-row non-gated bf16-out tiles on the warp-specialized kernel (moe's GEMM2 with
+    # WS_GEMM2, set from I >= WS_GEMM2_MIN_K): three MMA warpgroups of two 64-feature blocks (384 features a work
+    # item, six stages), not four of one (256, eight stages; H200, 2026-12-03: DeepSeek-V3 layers x0.97 at T = 48-64)
     SEPARATE_ALIGN = 33554432  # w4a16 decode (at most ALIGN_ONE_WARP_PAIRS pairs, 8-row tiles): moe_align in its own
     # launch before GEMM1, not in every GEMM1 CTA (moe_align_gemm)
     # 1048576 / 2097152: PREFETCH_NEXT / PREFETCH_NEXT_LATE (GEMM1's decode CTAs warming their experts' GEMM2
@@ -755,6 +755,10 @@ def moe_align_quant(topk_ids, x, num_experts: int, *, tile_m: int, expert_offset
 
 
 ALIGN_GEMM_TILE_MS = (8,)  # moe_align_gemm's tiles (16-row ones would cost their kernels registers)
+# moe aligns inside GEMM1 while GEMM1's grid has at most this many CTAs, about one wave: each CTA waits on its
+# own align before its first weight load, so that every wave pays it (H200, 2026-12-03: layers with 384-512
+# GEMM1 CTAs 2-6% faster than with the align's launch, with 1024-2048 0.6-2.2% slower).
+ALIGN_GEMM_MAX_CTAS = 512
 
 
 def moe_align_gemm(topk_ids, a, w: NVFP4Array, *, tile_m: int, expert_offset: int = 0,
@@ -949,12 +953,6 @@ def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str =
     # the one-warp kernel and x is quantized by the kernel.
     align_quant = (w4a4 and impl == "ffi" and t * k <= ALIGN_ONE_WARP_PAIRS and not kernel_flags & (
         KernelFlag.SEPARATE_X_QUANT | KernelFlag.ALIGN_ONE_CTA | KernelFlag.JAX_QUANT))
-    # w4a16 decode on 8-row tiles: the align inside GEMM1's CTAs (moe_align_gemm; one launch fewer).
-    align_gemm = (not w4a4 and impl == "ffi" and t * k <= ALIGN_ONE_WARP_PAIRS and tile_m in ALIGN_GEMM_TILE_MS
-                  and not kernel_flags & (KernelFlag.SEPARATE_ALIGN | KernelFlag.ALIGN_ONE_CTA))
-    if not align_quant and not align_gemm:
-        sorted_ids, tile_expert, pair_to_row = moe_align(topk_ids, e, tile_m=tile_m, expert_offset=offset,
-                                                         impl=impl, kernel_flags=kernel_flags)
     w_flat = jnp.asarray(topk_weights, jnp.float32).reshape(t * k)
     common = dict(tile_m=tile_m, top_k=k, impl=impl, kernel_flags=kernel_flags)
     # K splits from the tiles the routing is expected to use (the pairs are taken as all local).
@@ -964,6 +962,15 @@ def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str =
     ks1, ks2 = ks if isinstance(ks, tuple) else (ks, ks)
     ks1 = ks1 or choose_k_split(tiles, inter, h, tile_m)
     ks2 = ks2 or choose_k_split(tiles, h, inter, tile_m)
+    # w4a16 decode on 8-row tiles with a GEMM1 of about one wave of CTAs: the align inside GEMM1's CTAs
+    # (moe_align_gemm; one launch fewer).
+    gemm1_ctas = padded_rows(t * k, e, tile_m) // tile_m * -(-inter // (_WARP_FEATURES * _CTA_WARPS // ks1))
+    align_gemm = (not w4a4 and impl == "ffi" and t * k <= ALIGN_ONE_WARP_PAIRS and tile_m in ALIGN_GEMM_TILE_MS
+                  and gemm1_ctas <= ALIGN_GEMM_MAX_CTAS
+                  and not kernel_flags & (KernelFlag.SEPARATE_ALIGN | KernelFlag.ALIGN_ONE_CTA))
+    if not align_quant and not align_gemm:
+        sorted_ids, tile_expert, pair_to_row = moe_align(topk_ids, e, tile_m=tile_m, expert_offset=offset,
+                                                         impl=impl, kernel_flags=kernel_flags)
     # The intermediate in the paired order on the mma.sync tiles: GEMM2 then loads its activation
     # pairs as they are (H200, 2026-12-01: decode layers 1-2% faster; wgmma prefill 0.3-1% slower).
     # On 64- and 32-row tiles, the chunk order where the sm_90a TMA-fed wgmma GEMM2 can read it.

@@ -1051,14 +1051,14 @@ TILE32_CASES = [  # (activation, gather, row_scale_mode, out_dtype): the warp-sp
 @pytest.mark.parametrize("h", [128, 1280])
 @pytest.mark.parametrize("flags", [0, int(ops.KernelFlag.TMA_PERSISTENT), int(ops.KernelFlag.NO_PERSISTENT),
                                    int(ops.KernelFlag.WS_GEMM2), int(ops.KernelFlag.WS_THREE_GROUPS),
-                                   int(ops.KernelFlag.WS_ONE_BLOCK),
+                                   int(ops.KernelFlag.WS_TWO_BLOCKS),
                                    int(ops.KernelFlag.WGMMA_TWO_BLOCKS | ops.KernelFlag.ROW_TILES_FIRST)])
 @pytest.mark.parametrize("case", range(len(TILE32_CASES)))
 def test_gemm_32_row_wgmma_tiles_are_the_64_row_function(on_gpu, h, flags, case):
     """32-row tiles with ``a`` in the chunk order (on the GPU the m64n32 forms of the warp-specialized
     kernel, gathered, or not with WS_GEMM2, and of the TMA-fed one, not: a six-stage ring, 32-row boxes,
     one row id a lane; gated on the warp-specialized kernel: four MMA warpgroups and five stages, or
-    three and six with WS_THREE_GROUPS; non-gated with WS_ONE_BLOCK: four of one 64-feature block)
+    three and six with WS_THREE_GROUPS; non-gated: four of one 64-feature block, or three of two with WS_TWO_BLOCKS)
     give each pair bitwise the output of the 64-row wgmma tiles (the same K order), and close to the
     twin. The pairs' activations and row scales are the same in both tilings (ungathered ``a`` and ROW
     scales built per sorted row from per-pair values); 120 tokens x 4 over 5 experts (1-4 32-row tiles
@@ -1085,7 +1085,7 @@ def test_gemm_32_row_wgmma_tiles_are_the_64_row_function(on_gpu, h, flags, case)
     x = rng.standard_normal((t if gather else t * k, h)).astype(np.float32)  # by token, or by pair
     scale = rng.uniform(0.5, 2, t * k if mode != ops.RowScale.TOKEN else t).astype(np.float32)
     if not gather:  # (the warp-specialized kernel)
-        ws = ops.KernelFlag.NO_PERSISTENT | ops.KernelFlag.WS_THREE_GROUPS | ops.KernelFlag.WS_ONE_BLOCK
+        ws = ops.KernelFlag.NO_PERSISTENT | ops.KernelFlag.WS_THREE_GROUPS | ops.KernelFlag.WS_TWO_BLOCKS
         flags |= int(ops.KernelFlag.WS_GEMM2) if flags & ws else 0
     dev = jax.devices()[0] if on_gpu else jax.devices("cpu")[0]
     by_pair = {}
@@ -1307,7 +1307,7 @@ def test_gpu_moe_32_row_wgmma_tiles(mode, act, inter):
     64-row wgmma layer, and close to the 16-row mma.sync one and to the 32-row layers with
     NO_WARP_SPECIALIZED (GEMM1 on the mma.sync kernel writing the chunk order) and NO_WGMMA; GEMM1's
     four MMA warpgroups a CTA give bitwise the layer of three (WS_THREE_GROUPS), and GEMM2's four
-    warpgroups of one block (WS_ONE_BLOCK) the layer of three of two. The routing gives the
+    warpgroups of one block the layer of three of two (WS_TWO_BLOCKS). The routing gives the
     8 experts 1 to 64 rows (up to two 32-row tiles)."""
     if not has_gpu() or not ops.chunk_intermediate_supported():
         pytest.skip("needs an sm_90 GPU and an sm_90a build")
@@ -1321,7 +1321,7 @@ def test_gpu_moe_32_row_wgmma_tiles(mode, act, inter):
     assert np.isfinite(got).all() and (got != 0).any()
     np.testing.assert_array_equal(got, f32(f(x, jnp.asarray(ids), w, 64, 0)))
     assert relerr(got, f32(f(x, jnp.asarray(ids), w, 16, 0))) < 1e-2
-    for flags in (ops.KernelFlag.WS_THREE_GROUPS, ops.KernelFlag.WS_ONE_BLOCK):  # (GEMM2 one-block from WS_GEMM2_MIN_K)
+    for flags in (ops.KernelFlag.WS_THREE_GROUPS, ops.KernelFlag.WS_TWO_BLOCKS):  # (GEMM2 one-block from WS_GEMM2_MIN_K)
         np.testing.assert_array_equal(f32(f(x, jnp.asarray(ids), w, 32, int(flags))), got, err_msg=str(flags))
     for flags in (ops.KernelFlag.NO_WARP_SPECIALIZED, ops.KernelFlag.NO_WGMMA):
         assert relerr(f32(f(x, jnp.asarray(ids), w, 32, int(flags))), got) < 1e-2, flags

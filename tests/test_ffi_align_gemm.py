@@ -83,9 +83,10 @@ def test_align_gemm_property(t, k, e, offset, seed):
 
 
 @pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
-def test_moe_decode_aligns_inside_gemm1(mode):
-    """moe's w4a16 decode (<= 32 pairs, 8-row tiles) calls moe_align_gemm, not moe_align (w4a4
-    keeps moe_align_quant), and SEPARATE_ALIGN gives the separate align and the same bytes."""
+def test_moe_decode_aligns_inside_gemm1(mode, monkeypatch):
+    """moe's w4a16 decode (<= 32 pairs, 8-row tiles, GEMM1 of at most ALIGN_GEMM_MAX_CTAS CTAs) calls
+    moe_align_gemm, not moe_align (w4a4 keeps moe_align_quant), and SEPARATE_ALIGN gives the separate align
+    and the same bytes."""
     ex = nv.to_blocked_experts(make_experts(5, 16, 256, 128))
     x, ids = make_x(2, 4, 256), _ids(3, 4, 8, 16, 0)
     w = jnp.full(ids.shape, 0.125, jnp.float32)
@@ -98,6 +99,8 @@ def test_moe_decode_aligns_inside_gemm1(mode):
     np.testing.assert_array_equal(f32(f(x, ids, w, 0)), f32(f(x, ids, w, int(ops.KernelFlag.SEPARATE_ALIGN))))
     big = make_x(2, 5, 256), _ids(3, 5, 8, 16, 0)  # 40 pairs: the separate align
     assert ops.TARGET_ALIGN_GEMM not in f.lower(big[0], big[1], jnp.ones((5, 8), jnp.float32), 0).as_text()
+    monkeypatch.setattr(ops, "ALIGN_GEMM_MAX_CTAS", 16)  # (GEMM1: 17 row tiles x 1 slab or more): separate
+    assert ops.TARGET_ALIGN_GEMM not in f.lower(x[:3], ids[:3], w[:3], 0).as_text()  # (new shapes: a new trace)
 
 
 def test_align_gemm_rejects_what_it_is_not_for():

@@ -695,7 +695,9 @@ __global__ void __launch_bounds__(kWgThreadsPerCta, MinCtas<GATED, NB>()) W4A16W
 // (192: 352 items, the last round on 88 SMs). H200, 2026-12-03: DeepSeek-V3 layers x0.90-0.91 at
 // T = 48-64, Qwen3-30B-A3B x0.96-1.00 at T = 128-384 (KernelFlag::kWsThreeGroups keeps three).
 // NB: weight copies a stage, 64-row blocks a warpgroup (gated: its gate and up rows; otherwise two
-// blocks of 64 features, or one with KernelFlag::kWsOneBlock).
+// blocks of 64 features, or one on 32-row bf16-out tiles: four MMA warpgroups of one block, 256 features an
+// item, where GEMM2 at DeepSeek-V3 T = 64 made 608 items of 384 on 132 CTAs, the last slab two thirds used;
+// H200 2026-12-03: layers x0.97 at T = 48-64, KernelFlag::kWsTwoBlocks keeps two).
 template <int NC, int NB = 2>
 struct WsShape {
   static constexpr int kThreads = (NC + 1) * 128;
@@ -1063,7 +1065,7 @@ std::string LaunchChunkA(const GemmParams& p, bool gated, bool f32_out, int64_t 
       if (gated && !(kernel_flags & int64_t(KernelFlag::kWsThreeGroups)))
         return f32_out ? LaunchWs<true, float, 32, 4>(p, persistent, pdl, stream)
                        : LaunchWs<true, uint16_t, 32, 4>(p, persistent, pdl, stream);
-      if (!gated && !f32_out && (kernel_flags & int64_t(KernelFlag::kWsOneBlock)))
+      if (!gated && !f32_out && !(kernel_flags & int64_t(KernelFlag::kWsTwoBlocks)))
         return LaunchWs<false, uint16_t, 32, 4, 1>(p, persistent, pdl, stream);
     }
     return gated ? (f32_out ? LaunchWs<true, float, TOK, 3>(p, persistent, pdl, stream)
