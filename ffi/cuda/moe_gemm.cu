@@ -203,11 +203,9 @@ __global__ void __launch_bounds__(kThreads) W4A16GroupedGemmKernel(const GemmPar
   GridDependencyWait();
   const int64_t tile = blockIdx.x;
   // The tile's expert and sorted ids: moe_align's outputs, or (moe_align_gemm) aligned here, where the
-  // load of the ids replaces that of tile_expert (the first CTA also writes the align's outputs).
-  // (Chosen again where used, from the parameter: a pointer held across the main loop cost the 16-row
-  // instances up to 27 registers.)
-  // 8-row tiles only (the handler's limit): the others' code stays as it was (16-row instances with it took
-  // up to 32 more registers).
+  // load of the ids replaces that of tile_expert (the first CTA also writes the align's outputs). The
+  // rows' pointer is chosen again where used, from the parameter (one held across the main loop cost
+  // registers). 8-row tiles only (the handler's limit): 16-row instances with it took up to 32 more.
   constexpr bool kCanAlign = FM == 1;
   const auto tile_rows = [&]() -> const int32_t* {
     return kCanAlign && p.align.ids ? aligned_rows : p.sorted_ids + tile * BM;
