@@ -39,7 +39,7 @@ __device__ __forceinline__ int2 AlignGroups(const AlignArgs& a, AlignTable& s) {
   const bool leader = e >= 0 && lower == 0;
   const int32_t padded = leader ? int32_t((__popc(same) + a.tile_m - 1) / a.tile_m * a.tile_m) : 0;
   int32_t start = 0, total = 0;  // rows of the present groups of lower experts; of all groups
-  for (int j = 0; j < 32; ++j) {
+  for (int j = 0; j < a.n; ++j) {  // (lanes from n on hold no pair)
     const int32_t ej = __shfl_sync(0xFFFFFFFFu, e, j), pj = __shfl_sync(0xFFFFFFFFu, padded, j);
     start += (pj > 0 && ej < e) ? pj : 0;
     total += pj;
@@ -51,11 +51,11 @@ __device__ __forceinline__ int2 AlignGroups(const AlignArgs& a, AlignTable& s) {
 }
 
 // The owner of the tile at sorted row row0: the present expert with the largest first row at or
-// before it (-1 past the last group).
-__device__ __forceinline__ int32_t TileOwner(const AlignTable& s, int64_t row0) {
+// before it (-1 past the last group); n: the pairs (leaders are lanes below it).
+__device__ __forceinline__ int32_t TileOwner(const AlignTable& s, int n, int64_t row0) {
   int32_t owner = -1, best = -1;
   if (row0 < s.total) {
-    for (int j = 0; j < 32; ++j) {
+    for (int j = 0; j < n; ++j) {
       if (s.expert[j] >= 0 && s.start[j] <= row0 && s.start[j] > best) {
         best = s.start[j];
         owner = s.expert[j];
@@ -76,7 +76,7 @@ __device__ __forceinline__ void AlignWrite(const AlignArgs& a, const AlignTable&
     a.pair_to_row[lane] = -1;
   }
   const int64_t tiles = a.P / a.tile_m;
-  for (int64_t i = threadIdx.x; i < tiles; i += blockDim.x) a.tile_expert[i] = TileOwner(s, i * a.tile_m);
+  for (int64_t i = threadIdx.x; i < tiles; i += blockDim.x) a.tile_expert[i] = TileOwner(s, a.n, i * a.tile_m);
 }
 
 __device__ __forceinline__ void AlignOneWarp(const AlignArgs& a) {
@@ -101,7 +101,7 @@ __device__ __forceinline__ int32_t AlignTile(const AlignArgs& a, int64_t tile, i
   if (er.x >= 0 && r >= 0 && r < bm) rows[r] = int32_t(threadIdx.x);  // threadIdx.x < 32: the pair
   if (writer) AlignWrite(a, s, er);
   __syncthreads();
-  return TileOwner(s, tile * bm);
+  return TileOwner(s, a.n, tile * bm);
 }
 
 }  // namespace jax_nvfp4
