@@ -187,7 +187,8 @@ ffi::Error MoeAlignGemmCpuImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> topk_
   AlignPairsCpu(topk_ids.typed_data(), n, d.E, expert_offset, tile_m, d.P, sorted_ids->typed_data(),
                 tile_expert->typed_data(), pair_to_row->typed_data());
   return GroupedGemmCpuImpl(pool, a, w_data, w_scales, alpha, *sorted_ids, *tile_expert, row_scale, out, activation,
-                            row_scale_mode, topk_ids.dimensions()[1], 1, tile_m, k_split, pairing, kernel_flags);
+                            row_scale_mode, std::max<int64_t>(topk_ids.dimensions()[1], 1), 1, tile_m, k_split,
+                            pairing, kernel_flags);  // (k = 0: no pair, as CheckAlignGemm took it)
 }
 
 }  // namespace

@@ -17,8 +17,8 @@ from test_ffi import f32, make_experts, make_x, used_rows
 
 ACT = ops.Activation
 # (t, k, e, offset, h, i, tile_m, activation, blocked, k_split, f32 out, paired out): Qwen3-like T = 1 and
-# DeepSeek-V3-like T = 4 (32 pairs), ids past the local slice and dropped, experts with several pairs (tiles
-# of one expert in a row), every activation, both weight orders and K splits.
+# DeepSeek-V3-like T = 4 (32 pairs), ids past the local slice and dropped, every activation, both weight
+# orders and K splits.
 CASES = [
     (1, 8, 128, 0, 256, 128, 8, ACT.SWIGLU, True, 4, False, True),
     (4, 8, 32, 0, 384, 256, 8, ACT.SWIGLU, True, 2, True, False),
@@ -27,21 +27,27 @@ CASES = [
     (1, 1, 4, 0, 128, 32, 8, ACT.SWIGLU_OAI, False, 2, False, False),
     (4, 6, 16, 3, 128, 48, 8, ACT.RELU2, True, 4, True, False),
 ]
+# Experts with more than 8 pairs (an expert's tiles after its first), no other shard's ids.
+SEVERAL_TILES = [
+    (16, 2, 2, 0, 256, 64, 8, ACT.SWIGLU, True, 2, False, False),
+    (32, 1, 1, 1, 128, 32, 8, ACT.RELU2, False, 1, False, True),
+]
 
 
-def _ids(seed, t, k, e, offset):
+def _ids(seed, t, k, e, offset, foreign=3):
     rng = np.random.default_rng(seed)
-    pool = max(e + offset + 3, k)  # distinct ids a token, some of another shard's
+    pool = max(e + offset + foreign, k)  # distinct ids a token, `foreign` of them another shard's
     ids = np.stack([rng.permutation(pool)[:k] for _ in range(t)])
     ids[rng.random(ids.shape) < 0.15] = -1  # dropped pairs
     return jnp.asarray(ids, jnp.int32)
 
 
-def _check(t, k, e, offset, h, i, tile_m, act, blocked, k_split, f32_out, paired, impls=("ffi", "jax"), seed=0):
+def _check(t, k, e, offset, h, i, tile_m, act, blocked, k_split, f32_out, paired, impls=("ffi", "jax"), seed=0,
+           foreign=3):
     gated = act != ACT.RELU2
     ex = make_experts(seed + 1, e, h, i, gated=gated)
     w = nv.to_blocked_weights(ex.gate_up) if blocked else ex.gate_up
-    ids, x = _ids(seed, t, k, e, offset), make_x(seed, t, h)
+    ids, x = _ids(seed, t, k, e, offset, foreign), make_x(seed, t, h)
     assert ids.shape == (t, k)
     kw = dict(tile_m=tile_m, activation=act, k_split=k_split, out_dtype=jnp.float32 if f32_out else jnp.bfloat16,
               pairing=ops.Pairing.OUT if paired else ops.Pairing.NONE)
@@ -57,13 +63,25 @@ def _check(t, k, e, offset, h, i, tile_m, act, blocked, k_split, f32_out, paired
         np.testing.assert_array_equal(f32(got[0])[used], f32(want)[used], err_msg=f"{impl}: out")
     local = (np.asarray(ids) >= offset) & (np.asarray(ids) < offset + e)
     assert used.any() == local.any()
+    return int(np.asarray(align[1]).max(initial=-1) >= 0 and np.bincount(
+        np.asarray(align[1])[np.asarray(align[1]) >= 0]).max())  # the most tiles of one expert
 
 
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_align_gemm_is_align_then_gemm(case):
     """The outputs are the align's twin's bytes and grouped_gemm's on the same platform (the CPU
-    handler), and the fused op's twin is the two twins."""
+    handler where there is no GPU), and the fused op's twin is the two twins."""
     _check(*CASES[case])
+
+
+@pytest.mark.parametrize("on_gpu", [False, pytest.param(True, marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("case", range(len(SEVERAL_TILES)))
+def test_align_gemm_experts_with_several_tiles(on_gpu, case):
+    """The same where an expert's pairs fill more than one 8-row tile (each CTA finds its tile's owner
+    and rows past the expert's first tile)."""
+    if on_gpu and not has_gpu():
+        pytest.skip("needs an NVIDIA GPU")
+    assert _check(*SEVERAL_TILES[case], impls=("ffi",) if on_gpu else ("ffi", "jax"), foreign=0) > 1
 
 
 @pytest.mark.gpu
@@ -99,7 +117,7 @@ def test_moe_decode_aligns_inside_gemm1(mode, monkeypatch):
     np.testing.assert_array_equal(f32(f(x, ids, w, 0)), f32(f(x, ids, w, int(ops.KernelFlag.SEPARATE_ALIGN))))
     big = make_x(2, 5, 256), _ids(3, 5, 8, 16, 0)  # 40 pairs: the separate align
     assert ops.TARGET_ALIGN_GEMM not in f.lower(big[0], big[1], jnp.ones((5, 8), jnp.float32), 0).as_text()
-    monkeypatch.setattr(ops, "ALIGN_GEMM_MAX_CTAS", 16)  # (GEMM1: 17 row tiles x 1 slab or more): separate
+    monkeypatch.setattr(ops, "ALIGN_GEMM_MAX_CTAS", 16)  # (GEMM1: 17 row tiles x 2 slabs or more): separate
     assert ops.TARGET_ALIGN_GEMM not in f.lower(x[:3], ids[:3], w[:3], 0).as_text()  # (new shapes: a new trace)
 
 
@@ -119,11 +137,20 @@ def test_align_gemm_rejects_what_it_is_not_for():
     ops.ensure_registered()  # the handler checks them too
     w = ex.gate_up
     alpha = jnp.asarray(w.global_scale, jnp.float32).reshape(-1)
-    call = jax.ffi.ffi_call(ops.TARGET_ALIGN_GEMM, (
-        jax.ShapeDtypeStruct((320, 32), jnp.bfloat16), jax.ShapeDtypeStruct((320,), jnp.int32),
-        jax.ShapeDtypeStruct((40,), jnp.int32), jax.ShapeDtypeStruct((5, 8), jnp.int32)))
+
+    def call(t, p, tile_m):
+        out = (jax.ShapeDtypeStruct((p, 32), jnp.bfloat16), jax.ShapeDtypeStruct((p,), jnp.int32),
+               jax.ShapeDtypeStruct((p // tile_m,), jnp.int32), jax.ShapeDtypeStruct((t, 8), jnp.int32))
+        return jax.ffi.ffi_call(ops.TARGET_ALIGN_GEMM, out)(
+            ids[:t], x[:t], w.data, w.scales, alpha, jnp.zeros((1,), jnp.float32), expert_offset=np.int64(0),
+            activation=np.int64(ACT.SWIGLU), row_scale_mode=np.int64(0), tile_m=np.int64(tile_m),
+            k_split=np.int64(1), pairing=np.int64(0), kernel_flags=np.int64(0))
+
     with pytest.raises(Exception, match="at most 32 token-expert pairs"):
-        call(ids, x, w.data, w.scales, alpha, jnp.zeros((1,), jnp.float32), expert_offset=np.int64(0),
-             activation=np.int64(ACT.SWIGLU), row_scale_mode=np.int64(0), tile_m=np.int64(8), k_split=np.int64(1),
-             pairing=np.int64(0), kernel_flags=np.int64(0))
+        call(5, 320, 8)
+    with pytest.raises(Exception, match="tile_m must be 8"):
+        call(2, 256, 16)
+    # (no pair: k = 0 on both platforms, the align's outputs empty)
+    out = ops.moe_align_gemm(jnp.zeros((3, 0), jnp.int32), x[:3], ex.gate_up, tile_m=8, activation=ACT.SWIGLU)
+    assert [o.shape for o in out] == [(0, 32), (0,), (0,), (3, 0)]
 

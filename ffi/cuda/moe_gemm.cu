@@ -380,12 +380,16 @@ ffi::Error GroupedGemmCuda(cudaStream_t stream, const GemmDims& d, ffi::Buffer<f
                        "warp-specialized kernel (blocked weights, gathered or WS_GEMM2, no NO_WARP_SPECIALIZED)");
   if (a_chunk && (d.P > 0x7FFFFFFF || d.a_rows > 0xFFFFFFFFll))  // the tensor copies' coordinates
     return Invalid(op, "chunk-ordered activations (pairing & 8) need fewer than 2^31 sorted rows and 2^32 rows of a");
-  if (d.tiles == 0 || d.n_out == 0) return ffi::Error::Success();  // (moe_align_gemm: no pair then)
-  if (d.a_rows == 0) {  // every row is padding: zeros, without a launch (moe_align_gemm: no pair then)
+  if (d.tiles == 0 || d.n_out == 0) return ffi::Error::Success();  // (moe_align_gemm: P = 0, nothing to write)
+  if (d.a_rows == 0) {  // every row is padding: zeros, without a launch
     const size_t bytes = size_t(d.P) * size_t(d.n_out) * ffi::ByteWidth(out->element_type());
-    const cudaError_t err = cudaMemsetAsync(out->untyped_data(), 0, bytes, stream);
+    cudaError_t err = cudaMemsetAsync(out->untyped_data(), 0, bytes, stream);
+    if (align && err == cudaSuccess)  // (no token: the align's outputs are all -1, all bytes 0xFF)
+      err = cudaMemsetAsync(align->sorted_ids, 0xFF, size_t(d.P) * sizeof(int32_t), stream);
+    if (align && err == cudaSuccess)
+      err = cudaMemsetAsync(align->tile_expert, 0xFF, size_t(d.tiles) * sizeof(int32_t), stream);
     if (err != cudaSuccess)
-      return ffi::Error::Internal(std::string("jax_nvfp4 ") + op + ": zeroing the output failed: " +
+      return ffi::Error::Internal(std::string("jax_nvfp4 ") + op + ": filling the outputs failed: " +
                                   cudaGetErrorString(err));
     return ffi::Error::Success();
   }
