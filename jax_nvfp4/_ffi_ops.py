@@ -292,6 +292,11 @@ _FEW_CTAS = 264  # fewer than ~2 CTAs per SM of the H200: split down to _MIN_SPL
 _MIN_SPLIT_K = 256  # each warp keeps at least two 128-K chunks
 
 
+def feature_slabs(n_out: int, k_split: int) -> int:
+    """CTAs a decode GEMM launches per row tile: its 4 warps cover 16 * 4 / k_split output features."""
+    return -(-n_out // (_WARP_FEATURES * _CTA_WARPS // k_split))
+
+
 def expected_tiles(n_pairs: int, num_experts: int, tile_m: int) -> float:
     """Row tiles that ``n_pairs`` pairs routed uniformly over ``num_experts`` experts fill on
     average: ``E * sum_j P(N > j * tile_m)`` for an expert's rows ``N ~ Poisson(n_pairs / E)``,
@@ -326,7 +331,7 @@ def choose_k_split(tiles: float, n_out: int, k: int, tile_m: int) -> int:
         return 1
     best = 1
     for s in K_SPLITS[1:]:
-        ctas = tiles * -(-n_out // (_WARP_FEATURES * _CTA_WARPS // best))
+        ctas = tiles * feature_slabs(n_out, best)
         if ctas >= _TARGET_CTAS or k // s < (_SPLIT_K if ctas >= _FEW_CTAS else _MIN_SPLIT_K):
             break
         best = s
@@ -964,7 +969,7 @@ def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str =
     ks2 = ks2 or choose_k_split(tiles, h, inter, tile_m)
     # w4a16 decode on 8-row tiles with a GEMM1 of about one wave of CTAs: the align inside GEMM1's CTAs
     # (moe_align_gemm; one launch fewer).
-    gemm1_ctas = padded_rows(t * k, e, tile_m) // tile_m * -(-inter // (_WARP_FEATURES * _CTA_WARPS // ks1))
+    gemm1_ctas = padded_rows(t * k, e, tile_m) // tile_m * feature_slabs(inter, ks1)
     align_gemm = (not w4a4 and impl == "ffi" and t * k <= ALIGN_ONE_WARP_PAIRS and tile_m in ALIGN_GEMM_TILE_MS
                   and gemm1_ctas <= ALIGN_GEMM_MAX_CTAS
                   and not kernel_flags & (KernelFlag.SEPARATE_ALIGN | KernelFlag.ALIGN_ONE_CTA))
