@@ -120,7 +120,6 @@ NB_MODULE(_ffi, m) {
     rs["token"] = int64_t(RowScale::kToken);
     rs["pair"] = int64_t(RowScale::kPair);
     rs["row"] = int64_t(RowScale::kRow);
-    rs["quant_row"] = int64_t(RowScale::kQuantRow);
     mode["bf16"] = int64_t(Mode::kBf16);
     mode["w4a16"] = int64_t(Mode::kW4A16);
     mode["w4a4"] = int64_t(Mode::kW4A4);
@@ -143,7 +142,6 @@ NB_MODULE(_ffi, m) {
     kf["ws_three_groups"] = int64_t(KernelFlag::kWsThreeGroups);
     kf["ws_two_blocks"] = int64_t(KernelFlag::kWsTwoBlocks);
     kf["separate_align"] = int64_t(KernelFlag::kSeparateAlign);
-    kf["separate_h_quant"] = int64_t(KernelFlag::kSeparateHQuant);
     c["KernelFlag"] = kf;
     nb::dict pairing;
     pairing["none"] = int64_t(Pairing::kNone);
@@ -164,7 +162,6 @@ NB_MODULE(_ffi, m) {
     c["align_one_warp_pairs"] = kAlignOneWarpPairs;
     c["cuda_k_multiple"] = kCudaKMultiple;
     c["cuda_n_multiple"] = kCudaNMultiple;
-    c["quant_row_max_k"] = kQuantRowMaxK;
     c["all_kernel_flags"] = kAllKernelFlags;
     return c;
   }, "Enum values and tiling limits shared with the kernels (jax_nvfp4._ffi_ops checks its mirror).");

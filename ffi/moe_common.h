@@ -35,13 +35,7 @@ enum class RowScale : int64_t {
   kToken = 1,  // row_scale[p / top_k]  (GEMM1 in w4a4: the token's activation scale)
   kPair = 2,   // row_scale[p]          (GEMM2 in w4a16: the routing weight, topk_weights.ravel())
   kRow = 3,    // row_scale[r]          (GEMM2 in w4a4: routing weight * intermediate scale)
-  kQuantRow = 4,  // row_scale[p] * the row's decode scale, a (float32) quantized per row in the GEMM:
-                  // GEMM2 in w4a4 at decode, quant_dequant_rows(a, sorted_ids, row_weights=row_scale)
-                  // and kRow in one launch
 };
-// kQuantRow on the GPU: 8-row tiles whose rows (K + 8 bf16 each) fit the 48 KB of shared memory a CTA
-// gets without an opt-in, beside the decode kernel's own.
-constexpr int64_t kQuantRowMaxK = 2944;
 // Kernel variants of the CUDA grouped GEMM (bit flags; 0 = the default choice). The result is
 // the same function; they exist so that one benchmark run can compare variants side by side.
 // The defaults are the winners of the H200 A/B of 2026-12-01 (BENCHMARKS.md); each flag names
@@ -103,15 +97,17 @@ enum class KernelFlag : int64_t {
                                // DeepSeek-V3 layers x0.971-0.973 at T = 48-64, x0.987 at 96)
   kSeparateAlign = 33554432,   // w4a16 decode (at most kAlignOneWarpPairs pairs, 8-row tiles): moe_align in its own
                                // launch before GEMM1, not in every GEMM1 CTA (moe_align_gemm)
-  kSeparateHQuant = 67108864,  // w4a4 decode (8-row tiles): the intermediate quantized by quant_dequant_rows'
-                               // launch, not by GEMM2's CTAs as they load it (RowScale::kQuantRow)
   // 1048576 / 2097152: kPrefetchNext / kPrefetchNextLate (moe's GEMM1 decode CTAs warming their experts'
   // GEMM2 weights into L2 by bulk prefetches, before / after their main loop) for one H200 A/B on 2026-12-03,
   // removed: 4-13% / up to 12% slower decode layers (the prefetches take HBM bandwidth from GEMM1's loads).
+  // 67108864: the w4a4 decode intermediate quantized by GEMM2's CTAs as they load it (RowScale kQuantRow = 4: each
+  // 8-row CTA quantized its tile's whole fp32 rows into shared memory) for one H200 A/B on 2026-12-03, removed:
+  // layers 1.06-1.50x slower than quant_dequant_rows' launch (every CTA of a row tile reads and quantizes whole rows:
+  // DeepSeek-V3 T = 1, 64 KB a CTA; BENCHMARKS.md session 28).
   // 16384: kWgmmaTilePairs (the TMA-fed GEMM2 on pairs of one expert's 64-row tiles, m64n128 wgmmas,
   // one CTA per SM) for one H200 A/B on 2026-12-02, removed: 1.25-1.42x slower layers (dabc4ef).
 };
-constexpr int64_t kAllKernelFlags = 131039966;
+constexpr int64_t kAllKernelFlags = 63931102;
 // grouped_gemm's `pairing` bits: which operands hold a kernel order instead of the natural one.
 // kA / kOut: a's K axis / out's feature axis in the paired order (PairedPos). moe's intermediate
 // uses it on mma.sync tiles (but with KernelFlag kNaturalIntermediate): GEMM1 writes it paired,
@@ -379,14 +375,8 @@ ffi::Error CheckGemm(const char* op, const A& a, const W& w, const WS& ws, const
   if (row_scale.dimensions().size() != 1)
     return Invalid(op, "row_scale must be 1-D, got " + ShapeStr(row_scale.dimensions()));
   d->row_scale_n = row_scale.dimensions()[0];
-  if (row_scale_mode < 0 || row_scale_mode > int64_t(RowScale::kQuantRow))
+  if (row_scale_mode < 0 || row_scale_mode > int64_t(RowScale::kRow))
     return Invalid(op, "unknown row_scale_mode " + std::to_string(row_scale_mode));
-  const bool quant_row = row_scale_mode == int64_t(RowScale::kQuantRow);
-  if (a.element_type() != (quant_row ? ffi::DataType::F32 : ffi::DataType::BF16))
-    return Invalid(op, quant_row ? "row_scale_mode 4 (QUANT_ROW) needs a float32 a" : "a must be bfloat16");
-  if (quant_row && (gather || (pairing & int64_t(Pairing::kChunkA))))
-    return Invalid(op, "row_scale_mode 4 (QUANT_ROW) quantizes a's rows in place: gather = 0 and no chunk-ordered "
-                       "a (pairing & 8)");
   if ((gather || row_scale_mode == int64_t(RowScale::kToken)) && (top_k < 1 || top_k > INT32_MAX))
     return Invalid(op, "top_k must be in [1, 2^31 - 1], got " + std::to_string(top_k));
   if (od.size() != 2 || od[0] != d->P || od[1] != d->n_out)

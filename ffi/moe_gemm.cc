@@ -11,7 +11,6 @@
 
 #include "moe_common.h"
 #include "moe_handlers.h"
-#include "nvfp4_quant.h"
 
 namespace jax_nvfp4 {
 namespace {
@@ -55,7 +54,7 @@ constexpr int64_t kFeatureBlock = 32;  // output features per work item (decoded
 
 struct CpuGemm {
   const GemmDims& d;
-  const void* a;  // bf16, or f32 with kQuantRow
+  const uint16_t* a;
   const uint8_t *w, *ws;
   const float *alpha, *rs;
   const int32_t *sid, *te;
@@ -78,7 +77,7 @@ struct CpuGemm {
     const bool gated = IsGated(activation);
     const int64_t e = te[tile];
     int64_t used = 0;  // rows of this tile with a pair, gathered into arows
-    int64_t src_of[kMaxTileM], row_of[kMaxTileM], pair_of[kMaxTileM];
+    int64_t src_of[kMaxTileM], row_of[kMaxTileM];
     float scale_of[kMaxTileM];
     for (int64_t r = tile * tile_m; r < (tile + 1) * tile_m; ++r) {
       const int64_t pair = sid[r];
@@ -87,27 +86,14 @@ struct CpuGemm {
         for (int64_t n = n0; n < n0 + nb; ++n) Store(r, n, 0.0f);
         continue;
       }
-      src_of[used] = src, row_of[used] = r, pair_of[used] = pair;
+      src_of[used] = src, row_of[used] = r;
       scale_of[used] = RowScaled(alpha[e], row_scale_mode, rs, d.row_scale_n, pair, top_k, r);
       ++used;
     }
     if (used == 0) return;
-    if (row_scale_mode == int64_t(RowScale::kQuantRow)) {  // each row quantized per token, as quant_dequant_rows
-      quant::IeeeSubnormals ieee;
-      std::vector<float> deq(K);
-      for (int64_t i = 0; i < used; ++i) {
-        const float* x = static_cast<const float*>(a) + src_of[i] * K;
-        const quant::RowScales q = quant::QuantDequantRow(
-            K, [&](int64_t k) { return x[k]; }, [&](int64_t k, float v) { deq[k] = v; });
-        scale_of[i] = alpha[e] * quant::WeightedScale(q.stored, rs, d.row_scale_n, int32_t(pair_of[i]));
-        for (int64_t k = 0; k < K; ++k) arows[i * K + k] = deq[PairingPos(pairing, Pairing::kA, k)];
-      }
-    } else {
-      const uint16_t* a16 = static_cast<const uint16_t*>(a);
-      for (int64_t i = 0; i < used; ++i)
-        for (int64_t k = 0; k < K; ++k)
-          arows[i * K + k] = Bf16ToFloat(a16[src_of[i] * K + PairingPos(pairing, Pairing::kA, k)]);
-    }
+    for (int64_t i = 0; i < used; ++i)
+      for (int64_t k = 0; k < K; ++k)
+        arows[i * K + k] = Bf16ToFloat(a[src_of[i] * K + PairingPos(pairing, Pairing::kA, k)]);
     const bool blocked = pairing & int64_t(Pairing::kBlockedW);
     DecodeRows(w, ws, e, d.N, K, n0, nb, blocked, wdec.data());
     if (gated) DecodeRows(w, ws, e, d.N, K, d.n_out + n0, nb, blocked, wdec.data() + nb * K);
@@ -148,7 +134,7 @@ struct WorkQueue {
   }
 };
 
-ffi::Error GroupedGemmCpuImpl(ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::Buffer<ffi::U8> w_data,
+ffi::Error GroupedGemmCpuImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> a, ffi::Buffer<ffi::U8> w_data,
                               ffi::AnyBuffer w_scales, ffi::Buffer<ffi::F32> alpha,
                               ffi::Buffer<ffi::S32> sorted_ids, ffi::Buffer<ffi::S32> tile_expert,
                               ffi::Buffer<ffi::F32> row_scale, ffi::Result<ffi::AnyBuffer> out,
@@ -163,7 +149,7 @@ ffi::Error GroupedGemmCpuImpl(ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::Buffe
     return err;
   // bf16 output (the default), or fp32 (w4a4 quantizes the unrounded intermediate).
   const bool f32_out = out->element_type() == ffi::DataType::F32;
-  const CpuGemm g{d, a.untyped_data(), w_data.typed_data(), static_cast<const uint8_t*>(w_scales.untyped_data()),
+  const CpuGemm g{d, a.typed_data(), w_data.typed_data(), static_cast<const uint8_t*>(w_scales.untyped_data()),
                   alpha.typed_data(),
                   row_scale.typed_data(), sorted_ids.typed_data(), tile_expert.typed_data(), activation,
                   row_scale_mode, top_k, gather, tile_m, pairing,
@@ -183,7 +169,7 @@ ffi::Error GroupedGemmCpuImpl(ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::Buffe
 }
 
 // moe_align, then grouped_gemm of the gathered tokens (the GPU runs both in one launch).
-ffi::Error MoeAlignGemmCpuImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> topk_ids, ffi::AnyBuffer a,
+ffi::Error MoeAlignGemmCpuImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> topk_ids, ffi::Buffer<ffi::BF16> a,
                                ffi::Buffer<ffi::U8> w_data, ffi::AnyBuffer w_scales, ffi::Buffer<ffi::F32> alpha,
                                ffi::Buffer<ffi::F32> row_scale, ffi::Result<ffi::AnyBuffer> out,
                                ffi::Result<ffi::Buffer<ffi::S32>> sorted_ids,

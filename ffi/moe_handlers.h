@@ -27,7 +27,7 @@ auto MoeAlign(B b) {
 template <typename B>
 auto GroupedGemm(B b) {
   return std::move(b)
-      .template Arg<ffi::AnyBuffer>()  // a [rows, K] bf16 (f32 with row_scale_mode kQuantRow)
+      .template Arg<ffi::Buffer<ffi::BF16>>()  // a [rows, K]
       .template Arg<ffi::Buffer<ffi::U8>>()  // w_data [E, N, K/2] E2M1 pairs
       .template Arg<ffi::AnyBuffer>()  // w_scales [E, N, K/16] float8_e4m3fn (or its bits as uint8)
       .template Arg<ffi::Buffer<ffi::F32>>()  // alpha [E] global decode scale
@@ -51,7 +51,7 @@ template <typename B>
 auto MoeAlignGemm(B b) {
   return std::move(b)
       .template Arg<ffi::Buffer<ffi::S32>>()  // topk_ids [T, k] global ids
-      .template Arg<ffi::AnyBuffer>()  // a [T, K] bf16
+      .template Arg<ffi::Buffer<ffi::BF16>>()  // a [T, K]
       .template Arg<ffi::Buffer<ffi::U8>>()  // w_data [E, N, K/2] E2M1 pairs
       .template Arg<ffi::AnyBuffer>()  // w_scales [E, N, K/16] float8_e4m3fn (or its bits as uint8)
       .template Arg<ffi::Buffer<ffi::F32>>()  // alpha [E] global decode scale

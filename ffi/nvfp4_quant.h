@@ -4,13 +4,8 @@
 // pure-JAX quantizer (jax_nvfp4/quantize.py) computes it, so all three give equal bytes.
 #pragma once
 
-#include <algorithm>
 #include <cstdint>
 #include <cstring>
-
-#if !defined(__CUDACC__) && (defined(__SSE__) || defined(__x86_64__))
-#include <xmmintrin.h>
-#endif
 
 #include "moe_common.h"
 
@@ -170,55 +165,6 @@ NVFP4_HD BlockScale BlockScaleFromVmax(uint32_t vmax_bits, const RowScales& rs) 
 NVFP4_HD float QuantDequant(float x, const BlockScale& bs) {
   return E2m1Value(E2m1Code(MulRn(x, bs.mult))) * bs.s8;
 }
-
-// Host: a row of K values (get(i), K % 16 == 0) quantized per 16-block with the row's own scales and
-// decoded back without the global one (put(i, value)); returns the row's scales. The CPU handlers'
-// quant_dequant_rows and grouped_gemm's kQuantRow rows.
-template <typename Get, typename Put>
-RowScales QuantDequantRow(int64_t K, Get&& get, Put&& put) {
-  uint32_t amax = 0;
-  for (int64_t i = 0; i < K; ++i) amax = std::max(amax, AbsBits(get(i)));
-  const RowScales rs = RowScalesFromAmax(amax);
-  for (int64_t b = 0; b < K; b += 16) {
-    uint32_t vmax = 0;
-    for (int i = 0; i < 16; ++i) vmax = std::max(vmax, AbsBits(get(b + i)));
-    const BlockScale bs = BlockScaleFromVmax(vmax, rs);
-    for (int i = 0; i < 16; ++i) put(b + i, QuantDequant(get(b + i), bs));
-  }
-  return rs;
-}
-
-#if !defined(__CUDACC__)
-// The recipe keeps subnormals; XLA:CPU may run its thread with flush-to-zero or
-// denormals-are-zero set. Clear them for this handler and restore them afterwards.
-class IeeeSubnormals {
- public:
-  IeeeSubnormals() {
-#if defined(__SSE__) || defined(__x86_64__)
-    saved_ = _mm_getcsr();
-    _mm_setcsr(saved_ & ~0x8040u);  // FTZ (bit 15), DAZ (bit 6)
-#elif defined(__aarch64__)
-    __asm__ volatile("mrs %0, fpcr" : "=r"(saved_));
-    const uint64_t v = saved_ & ~(uint64_t(1) << 24);  // FZ
-    __asm__ volatile("msr fpcr, %0" : : "r"(v));
-#endif
-  }
-  ~IeeeSubnormals() {
-#if defined(__SSE__) || defined(__x86_64__)
-    _mm_setcsr(saved_);
-#elif defined(__aarch64__)
-    __asm__ volatile("msr fpcr, %0" : : "r"(saved_));
-#endif
-  }
-
- private:
-#if defined(__aarch64__)
-  uint64_t saved_ = 0;
-#else
-  unsigned saved_ = 0;
-#endif
-};
-#endif
 
 }  // namespace quant
 

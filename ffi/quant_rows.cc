@@ -5,12 +5,46 @@
 // scale is times its weight (quant::WeightedScale). Arithmetic in nvfp4_quant.h.
 #include <algorithm>
 
+#if defined(__SSE__) || defined(__x86_64__)
+#include <xmmintrin.h>
+#endif
+
 #include "moe_common.h"
 #include "moe_handlers.h"
 #include "nvfp4_quant.h"
 
 namespace jax_nvfp4 {
 namespace {
+
+// The recipe keeps subnormals; XLA:CPU may run its thread with flush-to-zero or
+// denormals-are-zero set. Clear them for this handler and restore them afterwards.
+class IeeeSubnormals {
+ public:
+  IeeeSubnormals() {
+#if defined(__SSE__) || defined(__x86_64__)
+    saved_ = _mm_getcsr();
+    _mm_setcsr(saved_ & ~0x8040u);  // FTZ (bit 15), DAZ (bit 6)
+#elif defined(__aarch64__)
+    __asm__ volatile("mrs %0, fpcr" : "=r"(saved_));
+    const uint64_t v = saved_ & ~(uint64_t(1) << 24);  // FZ
+    __asm__ volatile("msr fpcr, %0" : : "r"(v));
+#endif
+  }
+  ~IeeeSubnormals() {
+#if defined(__SSE__) || defined(__x86_64__)
+    _mm_setcsr(saved_);
+#elif defined(__aarch64__)
+    __asm__ volatile("msr fpcr, %0" : : "r"(saved_));
+#endif
+  }
+
+ private:
+#if defined(__aarch64__)
+  uint64_t saved_ = 0;
+#else
+  unsigned saved_ = 0;
+#endif
+};
 
 template <typename T>
 float Load(const T* p, int64_t i);
@@ -34,10 +68,17 @@ void QuantRows(const T* x, const int32_t* row_ids, const float* row_weights, int
       scale[r] = 0.0f;
       continue;
     }
-    const quant::RowScales rs = quant::QuantDequantRow(
-        K, [&](int64_t i) { return Load(xr, i); },
-        [&](int64_t i, float v) { orow[chunk_out ? ChunkPos(i) : i] = FloatToBf16(v); });
+    uint32_t amax = 0;
+    for (int64_t i = 0; i < K; ++i) amax = std::max(amax, quant::AbsBits(Load(xr, i)));
+    const quant::RowScales rs = quant::RowScalesFromAmax(amax);
     scale[r] = quant::WeightedScale(rs.stored, row_weights, n_weights, row_ids ? row_ids[r] : 0);
+    for (int64_t b = 0; b < K; b += 16) {
+      uint32_t vmax = 0;
+      for (int i = 0; i < 16; ++i) vmax = std::max(vmax, quant::AbsBits(Load(xr, b + i)));
+      const quant::BlockScale bs = quant::BlockScaleFromVmax(vmax, rs);
+      for (int i = 0; i < 16; ++i)
+        orow[chunk_out ? ChunkPos(b + i) : b + i] = FloatToBf16(quant::QuantDequant(Load(xr, b + i), bs));
+    }
   }
 }
 
@@ -52,7 +93,7 @@ ffi::Error QuantDequantRowsCpuImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> row_i
   const int32_t* ids = row_ids.dimensions()[0] ? row_ids.typed_data() : nullptr;
   const int64_t n_weights = row_weights.dimensions()[0];
   const float* weights = n_weights ? row_weights.typed_data() : nullptr;
-  quant::IeeeSubnormals ieee;
+  IeeeSubnormals ieee;
   if (x.element_type() == ffi::DataType::BF16) {
     QuantRows(reinterpret_cast<const uint16_t*>(x.untyped_data()), ids, weights, n_weights, R, K, chunk_out,
               out->typed_data(), scale->typed_data());
@@ -76,7 +117,7 @@ ffi::Error MoeAlignQuantCpuImpl(ffi::Buffer<ffi::S32> topk_ids, ffi::Buffer<ffi:
     return err;
   AlignPairsCpu(topk_ids.typed_data(), n, num_experts, expert_offset, tile_m, P, sorted_ids->typed_data(),
                 tile_expert->typed_data(), pair_to_row->typed_data());
-  quant::IeeeSubnormals ieee;
+  IeeeSubnormals ieee;
   QuantRows(reinterpret_cast<const uint16_t*>(x.untyped_data()), nullptr, nullptr, 0, topk_ids.dimensions()[0], K,
             chunk_out, xq->typed_data(), x_scale->typed_data());
   return ffi::Error::Success();

@@ -69,8 +69,6 @@ class RowScale(enum.IntEnum):
     TOKEN = 1  # row_scale[p // k]: w4a4 GEMM1, the token's activation decode scale
     PAIR = 2  # row_scale[p]: w4a16 GEMM2, the routing weight (topk_weights.ravel())
     ROW = 3  # row_scale[r]: w4a4 GEMM2, routing weight * intermediate decode scale
-    QUANT_ROW = 4  # row_scale[p] * the row's decode scale, a (float32) quantized per row inside the GEMM: w4a4
-    # GEMM2 at decode, quant_dequant_rows(a, sorted_ids, row_weights=row_scale) and ROW in one launch
 
 
 class KernelFlag(enum.IntFlag):
@@ -118,13 +116,14 @@ class KernelFlag(enum.IntFlag):
     # item, six stages), not four of one (256, eight stages; H200, 2026-12-03: DeepSeek-V3 layers x0.97 at T = 48-64)
     SEPARATE_ALIGN = 33554432  # w4a16 decode (at most ALIGN_ONE_WARP_PAIRS pairs, 8-row tiles): moe_align in its own
     # launch before GEMM1, not in every GEMM1 CTA (moe_align_gemm)
-    SEPARATE_H_QUANT = 67108864  # w4a4 decode (8-row tiles): the intermediate quantized by quant_dequant_rows' launch,
-    # not by GEMM2's CTAs as they load it (RowScale.QUANT_ROW)
     # 1048576 / 2097152: PREFETCH_NEXT / PREFETCH_NEXT_LATE (GEMM1's decode CTAs warming their experts' GEMM2
     # weights into L2) for one A/B on 2026-12-03, removed: up to 13% slower decode layers on the H200
     # 1024 / 2048: L2_PREFETCH / SPLIT_GATE_UP (decode tiles) for one A/B on 2026-12-01, removed: slower on the H200
     # 4096 / 8192: WGMMA_FOUR_GROUPS (four-warpgroup one-block wgmma CTAs) / TMA_GEMM1 (GEMM1 on the TMA-fed
     # wgmma kernel after an XLA gather into the chunk order) for A/Bs on 2026-12-02, removed: slower on the H200
+    # 67108864: the w4a4 decode intermediate quantized by GEMM2's CTAs as they load it (RowScale QUANT_ROW) for one
+    # A/B on 2026-12-03, removed: layers 1.06-1.50x slower on the H200 than the quantize launch (every CTA of a row
+    # tile quantizes whole rows)
     # 16384: WGMMA_TILE_PAIRS (the TMA-fed GEMM2 on pairs of one expert's tiles, m64n128) for one A/B on
     # 2026-12-02, removed: 1.25-1.42x slower layers on the H200 (one CTA per SM)
 
@@ -190,7 +189,6 @@ MAX_ALIGN_EXPERTS = 512  # local experts the GPU align kernel handles (one CTA, 
 ALIGN_ONE_WARP_PAIRS = 32  # pairs up to which the CUDA align runs in one warp (unless KernelFlag.ALIGN_ONE_CTA)
 CUDA_K_MULTIPLE = 64  # the CUDA GEMM's K chunk: H and I must be multiples of it on the GPU
 CUDA_N_MULTIPLE = 16  # output features per MMA fragment
-QUANT_ROW_MAX_K = 2944  # RowScale.QUANT_ROW on the GPU: a tile's 8 quantized rows fit a CTA's shared memory
 
 TARGET_ALIGN = "jax_nvfp4_moe_align"
 TARGET_GEMM = "jax_nvfp4_grouped_gemm"
@@ -225,9 +223,9 @@ def check_constants() -> None:
     if c["all_kernel_flags"] != int(sum(KernelFlag)):  # the handlers' mask of valid bits
         raise RuntimeError(f"the C++ kernel-flag mask {c['all_kernel_flags']} is not the sum of KernelFlag")
     got = (tuple(c["tile_ms"]), tuple(c["k_splits"]), c["max_split_tile_m"], c["max_align_experts"],
-           c["align_one_warp_pairs"], c["cuda_k_multiple"], c["cuda_n_multiple"], c["quant_row_max_k"])
+           c["align_one_warp_pairs"], c["cuda_k_multiple"], c["cuda_n_multiple"])
     if got != (TILE_MS, K_SPLITS, MAX_SPLIT_TILE_M, MAX_ALIGN_EXPERTS, ALIGN_ONE_WARP_PAIRS, CUDA_K_MULTIPLE,
-               CUDA_N_MULTIPLE, QUANT_ROW_MAX_K):
+               CUDA_N_MULTIPLE):
         raise RuntimeError(f"tiling constants differ between Python and C++: {got}")
 
 
@@ -458,16 +456,12 @@ def grouped_gemm(a, w: NVFP4Array, sorted_ids, tile_expert, *, tile_m: int,
         v   = acc * alpha[e] * row_scale[index(r)]                   (index per row_scale_mode)
         out[r] = out_dtype(act(v[:n], v[n:]) if gated else act(v))
 
-    With ``row_scale_mode=QUANT_ROW``, ``a`` is float32 and each used row is first quantized per token and
-    decoded back, ``a[r], s[r] = quant_dequant_rows(a, sorted_ids, row_weights=row_scale)``, its factor being
-    ``s[r]`` (``row_scale[p]`` times the row's decode scale): bitwise ``quant_dequant_rows`` then mode ``ROW``.
-
     Padding rows (``p < 0``) of used tiles are 0; rows of unused tiles (``tile_expert < 0``) are
     left unwritten by the CUDA kernel (0 on the CPU and in the twin).
 
     Parameters
     ----------
-    a : bfloat16 ``[rows, K]`` (float32 with ``QUANT_ROW``)
+    a : bfloat16 ``[rows, K]``
         Token activations (``gather=True``: ``rows = T``) or the sorted intermediate (``[P, K]``).
     w : NVFP4Array ``[E, N, K]`` with ``global_scale [E]``
         Expert weights; gated activations need rows ``[gate; up]`` (N = 2n).
@@ -479,8 +473,6 @@ def grouped_gemm(a, w: NVFP4Array, sorted_ids, tile_expert, *, tile_m: int,
     gather : bool
     row_scale : float32 ``[n]`` or None
     row_scale_mode : RowScale
-        ``QUANT_ROW`` needs ``gather=False`` and no ``CHUNK_A``; on the GPU also ``tile_m`` 8, ``pairing``
-        with ``A`` and ``K <= QUANT_ROW_MAX_K`` (moe's w4a4 GEMM2 at decode).
     out_dtype : bfloat16 (default) or float32
     k_split : 1, 2, 4 or None
         Warps of a CUDA CTA that split K (a tiling choice: the same function, summed in a
@@ -510,9 +502,6 @@ def grouped_gemm(a, w: NVFP4Array, sorted_ids, tile_expert, *, tile_m: int,
         "grouped_gemm", a, w, sorted_ids.shape[0], tile_m, activation, row_scale, row_scale_mode, out_dtype, k_split,
         pairing, kernel_flags)
     e = w.shape[0]
-    if row_scale_mode == RowScale.QUANT_ROW and (gather or pairing & Pairing.CHUNK_A):
-        raise ValueError("grouped_gemm: row_scale_mode=QUANT_ROW quantizes a's rows in place: gather=False and no "
-                         f"CHUNK_A pairing, got gather={gather}, pairing={pairing!r}")
     if impl == "jax":
         w_rows = from_blocked_weights(w) if pairing & Pairing.BLOCKED_W else w
         a = from_paired(a) if pairing & Pairing.A else from_chunk_order(a) if pairing & Pairing.CHUNK_A else a
@@ -540,7 +529,7 @@ def _gemm_args(op, a, w, p_rows, tile_m, activation, row_scale, row_scale_mode, 
         if row_scale_mode != RowScale.NONE:
             raise ValueError(f"{op}: row_scale_mode={row_scale_mode.name} needs a row_scale")
         row_scale = jnp.zeros((1,), jnp.float32)
-    a = jnp.asarray(a).astype(jnp.float32 if row_scale_mode == RowScale.QUANT_ROW else jnp.bfloat16)
+    a = jnp.asarray(a).astype(jnp.bfloat16)
     row_scale = jnp.asarray(row_scale, jnp.float32).reshape(-1)
     e, n, kk = w.shape
     gated = activation in GATED_ACTIVATIONS
@@ -601,15 +590,7 @@ def _grouped_gemm_jax(a, w, sorted_ids, tile_expert, tile_m, activation, top_k, 
     src = jnp.where(pair >= 0, pair // top_k if gather else r, -1)
     te = jnp.repeat(tile_expert, tile_m, total_repeat_length=p)
     valid = (src >= 0) & (src < a.shape[0]) & (te >= 0) & (te < e)
-    rows = jnp.where(valid[:, None], a[jnp.clip(src, 0, a.shape[0] - 1)], 0)
-    if row_scale_mode == RowScale.QUANT_ROW:  # quant_dequant_rows(a, sorted_ids, row_weights=row_scale), then ROW
-        q = quantize(rows, per_token=True)
-        rows = dequantize(q, jnp.bfloat16, apply_global_scale=False)
-        n_rs = row_scale.shape[0]
-        used = (pair >= 0) & (pair < n_rs)
-        row_scale = jnp.where(used, row_scale[jnp.clip(pair, 0, max(n_rs - 1, 0))] * q.global_scale, 0.0)
-        row_scale_mode = RowScale.ROW
-    rows = rows.astype(jnp.bfloat16)
+    rows = jnp.where(valid[:, None], a[jnp.clip(src, 0, a.shape[0] - 1)], 0).astype(jnp.bfloat16)
     # Rows are grouped by ascending expert (moe_align's contract); unused tiles come last.
     group_sizes = jnp.zeros((e + 1,), jnp.int32).at[jnp.where(te >= 0, te, e)].add(1)[:e]
     wdec = dequantize(w, jnp.bfloat16, apply_global_scale=False)  # exact
@@ -806,7 +787,6 @@ def moe_align_gemm(topk_ids, a, w: NVFP4Array, *, tile_m: int, expert_offset: in
     tile_m : 8
     expert_offset : as :func:`moe_align`
     activation, row_scale, row_scale_mode, out_dtype, k_split, kernel_flags, impl : as :func:`grouped_gemm`
-        (but ``QUANT_ROW``, for rows that are not gathered)
     pairing : :class:`Pairing` bits as :func:`grouped_gemm`'s, but ``CHUNK_A`` (a 32- and 64-row tile order)
 
     Returns
@@ -824,8 +804,6 @@ def moe_align_gemm(topk_ids, a, w: NVFP4Array, *, tile_m: int, expert_offset: in
         raise ValueError(f"moe_align_gemm: tile_m must be one of {ALIGN_GEMM_TILE_MS}, got {tile_m}")
     if int(pairing) & Pairing.CHUNK_A:
         raise ValueError("moe_align_gemm: pairing CHUNK_A is for 32- and 64-row tiles: call grouped_gemm")
-    if row_scale_mode == RowScale.QUANT_ROW:
-        raise ValueError("moe_align_gemm: row_scale_mode QUANT_ROW quantizes ungathered rows: call grouped_gemm")
     p = padded_rows(t * k, e, tile_m)
     a, row_scale, activation, row_scale_mode, out_dtype, k_split, pairing, kernel_flags, n_out = _gemm_args(
         "moe_align_gemm", a, w, p, tile_m, activation, row_scale, row_scale_mode, out_dtype, k_split, pairing,
@@ -1047,20 +1025,12 @@ def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str =
         h1 = grouped_gemm(xq, experts.gate_up, sorted_ids, tile_expert, activation=act, gather=True,
                           row_scale=x_scale, row_scale_mode=RowScale.TOKEN, out_dtype=jnp.float32, k_split=ks1,
                           pairing=(p1 & ~Pairing.CHUNK_OUT) | a1, **common)
-        # Decode (8-row tiles, the paired intermediate): GEMM2's CTAs quantize their rows as they load them
-        # (RowScale.QUANT_ROW), one launch fewer. Else quant_dequant_rows first: rows of unused tiles are
-        # never written by the GPU, row_ids makes them zeros; the scales come out times the rows' routing
-        # weights, GEMM2's row scales.
-        if (tile_m == 8 and p2 == Pairing.A and inter <= QUANT_ROW_MAX_K
-                and not kernel_flags & (KernelFlag.SEPARATE_H_QUANT | KernelFlag.JAX_QUANT)):
-            y = grouped_gemm(h1, experts.down, sorted_ids, tile_expert, activation=Activation.IDENTITY,
-                             row_scale=w_flat, row_scale_mode=RowScale.QUANT_ROW, k_split=ks2, pairing=p2,
-                             **common2)
-        else:
-            aq, rs = quant_dequant_rows(h1, sorted_ids, row_weights=w_flat, chunk_out=chunk, impl=q_impl,
-                                        kernel_flags=kernel_flags)
-            y = grouped_gemm(aq, experts.down, sorted_ids, tile_expert, activation=Activation.IDENTITY,
-                             row_scale=rs, row_scale_mode=RowScale.ROW, k_split=ks2, pairing=p2, **common2)
+        # Rows of unused tiles are never written by the GPU: row_ids makes them zeros. The scales
+        # come out times the rows' routing weights: GEMM2's row scales.
+        aq, rs = quant_dequant_rows(h1, sorted_ids, row_weights=w_flat, chunk_out=chunk, impl=q_impl,
+                                    kernel_flags=kernel_flags)
+        y = grouped_gemm(aq, experts.down, sorted_ids, tile_expert, activation=Activation.IDENTITY,
+                         row_scale=rs, row_scale_mode=RowScale.ROW, k_split=ks2, pairing=p2, **common2)
     return moe_finalize(y, pair_to_row, impl=impl, kernel_flags=kernel_flags)
 
 

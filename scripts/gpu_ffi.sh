@@ -16,7 +16,7 @@
 #   ignored by git and named in the device call's carry),
 #   AB_TREE_ARGS (its moe_bench arguments),
 #   TEST_NODES (pytest targets of the test and sanitize stages, in order; default
-#   "tests/test_ffi_quant.py tests/test_ffi_quant_gemm.py tests/test_ffi_align_gemm.py tests/test_ffi.py"), TEST_S, TEST_WORKERS
+#   "tests/test_ffi_quant.py tests/test_ffi_align_gemm.py tests/test_ffi.py"), TEST_S, TEST_WORKERS
 #   (pytest-xdist processes),
 #   SAN_K (pytest -k expression of the sanitize stage; default the stage argument), SAN_S,
 #   SAN_EACH=1 (one sanitizer process per test), SAN_EACH=function (one per test function) or
@@ -27,7 +27,7 @@
 #   JAX_COMPILATION_CACHE_DIR (default /tmp/jax_nvfp4_jax_cache: the sanitize processes reuse what
 #   the test stage or an earlier call compiled).
 set -uo pipefail
-TEST_NODES=${TEST_NODES:-tests/test_ffi_quant.py tests/test_ffi_quant_gemm.py tests/test_ffi_align_gemm.py tests/test_ffi.py}
+TEST_NODES=${TEST_NODES:-tests/test_ffi_quant.py tests/test_ffi_align_gemm.py tests/test_ffi.py}
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
 what=",${1:-all},"; kexpr=${2:-}
 [[ $what == ",all," ]] && what=",test,graph,bench,"

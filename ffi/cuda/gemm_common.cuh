@@ -214,12 +214,10 @@ __device__ __forceinline__ void Store(float* out, int64_t i, float v) { out[i] =
 // acc[j][m][2h + c] = feature feat0 + g + 8h of weight block j (gate / up), sorted row
 // tile * 8FM + 8m + 2t + c (the m16n8 C layout, and the wgmma m64nN D layout per warp), whose pair is
 // rows[8m + 2t + c] (the tile's sorted_ids, in global or shared memory).
-// ACT: the activation, or -1 for p.activation (read per value). BATCHED: see kBatched. tile_scale: the
-// tile's row scales as the kernel computed them (RowScale::kQuantRow, decode tiles), else nullptr.
+// ACT: the activation, or -1 for p.activation (read per value). BATCHED: see kBatched.
 template <int FM, int NF, bool GATED, typename OutT, int ACT, bool BATCHED = (FM >= 8)>
 __device__ __forceinline__ void EpilogueAct(const GemmParams& p, int32_t e, int64_t tile, const int32_t* rows,
-                                            int64_t feat0, const float (&acc)[NF][FM][4],
-                                            const float* tile_scale = nullptr) {
+                                            int64_t feat0, const float (&acc)[NF][FM][4]) {
   constexpr int BM = FM * 8;
   const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
   const float alpha = p.alpha[e] * kDecodeBias;  // the 2^-8 left in the decoded weights
@@ -262,10 +260,9 @@ __device__ __forceinline__ void EpilogueAct(const GemmParams& p, int32_t e, int6
       const int32_t pair = kBatched ? 0 : rows[8 * m + 2 * t + c];
       if constexpr (!kBatched) valid[m][c] = SourceRow(p, pair, r) >= 0;
       const float scale =
-          kBatched       ? alpha * rs[m][c]
-          : !valid[m][c] ? alpha
-          : tile_scale   ? alpha * tile_scale[8 * m + 2 * t + c]
-                         : RowScaled(alpha, p.row_scale_mode, p.row_scale, p.row_scale_n, pair, p.top_k, r);
+          kBatched ? alpha * rs[m][c]
+          : valid[m][c] ? RowScaled(alpha, p.row_scale_mode, p.row_scale, p.row_scale_n, pair, p.top_k, r)
+                        : alpha;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int i = 2 * h + c;
@@ -283,8 +280,7 @@ __device__ __forceinline__ void EpilogueAct(const GemmParams& p, int32_t e, int6
 
 template <int FM, int NF, bool GATED, typename OutT, bool BATCHED = (FM >= 8)>
 __device__ __forceinline__ void Epilogue(const GemmParams& p, int32_t e, int64_t tile, const int32_t* rows,
-                                         int64_t feat0, const float (&acc)[NF][FM][4],
-                                         const float* tile_scale = nullptr) {
+                                         int64_t feat0, const float (&acc)[NF][FM][4]) {
   // Batched tiles (64 rows, and the wgmma kernels' 32) pick their activation once (the handlers pair
   // gated activations with gated kernels), not per value (H200 ncu, Qwen3 T=4096: GEMM2 503 -> 414 us,
   // GEMM1 582 -> 555; 2026-12-02). The decode tiles keep the switch per value, as their SASS was
@@ -292,7 +288,7 @@ __device__ __forceinline__ void Epilogue(const GemmParams& p, int32_t e, int64_t
   using A = Activation;
   constexpr bool B = BATCHED;
   if constexpr (!B) {
-    EpilogueAct<FM, NF, GATED, OutT, -1, B>(p, e, tile, rows, feat0, acc, tile_scale);
+    EpilogueAct<FM, NF, GATED, OutT, -1, B>(p, e, tile, rows, feat0, acc);
   } else if constexpr (GATED) {
     if (p.activation == int32_t(A::kGeglu)) EpilogueAct<FM, NF, GATED, OutT, int(A::kGeglu), B>(p, e, tile, rows, feat0, acc);
     else if (p.activation == int32_t(A::kSwigluOai))

@@ -36,7 +36,6 @@
 
 #include "cuda/cuda_util.h"
 #include "cuda/gemm_common.cuh"
-#include "cuda/quant_block.cuh"
 #include "moe_handlers.h"
 
 namespace jax_nvfp4 {
@@ -53,18 +52,15 @@ __device__ __forceinline__ void Mma16816(float (&c)[4], const uint32_t (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// The 16 bytes of activations (8 k) at k of each of the thread's rows (zeros where it has none), from
-// global memory or (QA: the rows this CTA quantized) shared memory.
+// The 16 bytes of activations (8 k) at k of each of the thread's rows (zeros where it has none).
 // Padding rows once read row 0 of a instead (no predicate; 11-18% fewer loop instructions on
 // 16-row tiles), but DeepSeek-V3 decode layers were 3-13% slower with it on the H200 (2026-12-01;
 // cause not established: BENCHMARKS.md, session 8).
-template <int FMU, int FM, bool QA>
+template <int FMU, int FM>
 __device__ __forceinline__ void LoadPiece(const uint16_t* const (&arow)[FM], int64_t k, uint4 (&x)[FM]) {
 #pragma unroll
-  for (int m = 0; m < FMU; ++m) {
-    const uint4* src = reinterpret_cast<const uint4*>(arow[m] + k);
-    x[m] = !arow[m] ? make_uint4(0, 0, 0, 0) : QA ? *src : __ldg(src);
-  }
+  for (int m = 0; m < FMU; ++m)
+    x[m] = arow[m] ? __ldg(reinterpret_cast<const uint4*>(arow[m] + k)) : make_uint4(0, 0, 0, 0);
 }
 
 // Piece p of a chunk (one 32-bit word of codes per weight row, the activations x = 8 k) feeds
@@ -103,7 +99,7 @@ __device__ __forceinline__ void ComputePiece(const WeightRegs<CH, NF>& w, const 
 }
 
 // Multiply one chunk: thread t's span is K [kc + t*CH/4, kc + (t+1)*CH/4), CH/32 pieces.
-template <int CH, int NF, int FMU, int FM, bool PA, bool QA>
+template <int CH, int NF, int FMU, int FM, bool PA>
 __device__ __forceinline__ void ComputeChunk(const WeightRegs<CH, NF>& w, const uint16_t* const (&arow)[FM],
                                              int64_t kc, int t, float (&acc)[NF][FM][4]) {
   constexpr int kSpan = CH / 4;
@@ -112,20 +108,20 @@ __device__ __forceinline__ void ComputeChunk(const WeightRegs<CH, NF>& w, const 
 #pragma unroll
   for (int p = 0; p < kSpan / 8; ++p) {
     uint4 x[FM];
-    LoadPiece<FMU, FM, QA>(arow, kc + kSpan * t + 8 * p, x);
+    LoadPiece<FMU, FM>(arow, kc + kSpan * t + 8 * p, x);
     ComputePiece<CH, NF, FMU, FM, PA>(w, scale, p, x, acc);
   }
 }
 
 // The 64-K tail at kc when kc < k1 ((k1 - k0) % 128 == 64), loaded straight into registers.
-template <int FMU, int FM, int NF, bool PA, bool QA>
+template <int FMU, int FM, int NF, bool PA>
 __device__ __forceinline__ void TailChunk(const uint8_t* const (&wrow)[NF][2], const uint8_t* const (&srow)[NF][2],
                                           const uint16_t* const (&arow)[FM], int64_t kc, int64_t k1, int t,
                                           float (&acc)[NF][FM][4]) {
   if (kc < k1) {
     WeightRegs<64, NF> tail;
     tail.Load(wrow, srow, kc, t);
-    ComputeChunk<64, NF, FMU, FM, PA, QA>(tail, arow, kc, t, acc);
+    ComputeChunk<64, NF, FMU, FM, PA>(tail, arow, kc, t, acc);
   }
 }
 
@@ -136,7 +132,7 @@ __device__ __forceinline__ void TailChunk(const uint8_t* const (&wrow)[NF][2], c
 // registers instead of 124-162 with a copy (H200, 2026-12-01: 4% faster on 16-row tiles, where
 // it beat the cp.async ring). Two or three chunks in flight (three or four buffers) were 4-14%
 // slower in 8 of 12 rows of the same A/B and 3-5% faster in 2 (fewer CTAs fit per SM).
-template <int FMU, int FM, int NF, bool PA, bool STREAM, bool BW, bool QA>
+template <int FMU, int FM, int NF, bool PA, bool STREAM, bool BW>
 __device__ __forceinline__ void MainLoop(const uint8_t* const (&wrow)[NF][2], const uint8_t* const (&srow)[NF][2],
                                          const uint16_t* const (&arow)[FM], int64_t k0, int64_t k1, int t,
                                          float (&acc)[NF][FM][4]) {
@@ -150,11 +146,11 @@ __device__ __forceinline__ void MainLoop(const uint8_t* const (&wrow)[NF][2], co
       const int64_t c = c0 + s;
       if (c < chunks) {
         if (c + 1 < chunks) buf[(s + 1) % D].template Load<STREAM, BW>(wrow, srow, k0 + 128 * (c + 1), t);
-        ComputeChunk<128, NF, FMU, FM, PA, QA>(buf[s], arow, k0 + 128 * c, t, acc);
+        ComputeChunk<128, NF, FMU, FM, PA>(buf[s], arow, k0 + 128 * c, t, acc);
       }
     }
   }
-  if constexpr (!BW) TailChunk<FMU, FM, NF, PA, QA>(wrow, srow, arow, k0 + 128 * chunks, k1, t, acc);
+  if constexpr (!BW) TailChunk<FMU, FM, NF, PA>(wrow, srow, arow, k0 + 128 * chunks, k1, t, acc);
 }
 
 // The tile's 8-row blocks up to its last one with a row (warp-uniform). moe_align leaves an
@@ -195,52 +191,8 @@ __device__ __forceinline__ void RunUsedBlocks(int used, Loop&& loop) {
 enum DecodeLoop : int { kRegisterLoop = 0, kStreamLoop = 2 };
 constexpr int64_t kStreamMinSpan = 768;  // K per warp from which decode tiles stream (Launch)
 
-// QA (RowScale::kQuantRow, 8-row tiles): the tile's rows of a, float32 in global memory, quantized per row as
-// quant_dequant_rows does and decoded back into shared memory (q: rows K + kQuantPad bf16 apart, so that the
-// 16-byte loads of a warp's eight rows spread over the banks), and each used row's scale, row_scale[pair]
-// times its decode scale: GEMM2 of w4a4 at decode without the quantize launch before it. Every CTA of a
-// row tile quantizes the whole rows (the row's abs-max needs them all): 16 threads a row read its blocks
-// twice (abs-max, then quantize), the second time mostly from L1.
-constexpr int64_t kQuantPad = 8;
-constexpr int64_t QuantTileBytes(int64_t K) { return 8 * (K + kQuantPad) * int64_t(sizeof(uint16_t)); }
-// (beside the static shared memory: at most 1.5 KB of partial sums with k_split 4, and 64 bytes)
-static_assert(QuantTileBytes(kQuantRowMaxK) + 1536 + 64 <= 48 * 1024, "kQuantRowMaxK's rows need no opt-in");
-
-__device__ __forceinline__ void QuantizeTileRows(const GemmParams& p, int64_t tile, const int32_t* rows, uint16_t* q,
-                                                 float* scale) {
-  constexpr int kRowThreads = kThreads / 8;  // 16 lanes of one warp
-  const int i = threadIdx.x / kRowThreads, j = threadIdx.x % kRowThreads;
-  const int32_t pair = rows[i];
-  const int64_t src = SourceRow(p, pair, tile * 8 + i), K = p.K, nb = K / 16;
-  const float* x = reinterpret_cast<const float*>(p.a) + (src >= 0 ? src : 0) * K;
-  uint32_t amax = 0;
-  if (src >= 0) {
-#pragma unroll 4
-    for (int64_t b = j; b < nb; b += kRowThreads) {
-      float v[16];
-      LoadBlock(x + 16 * b, v);
-#pragma unroll
-      for (int u = 0; u < 16; ++u) amax = max(amax, quant::AbsBits(v[u]));
-    }
-  }
-#pragma unroll
-  for (int o = kRowThreads / 2; o > 0; o /= 2) amax = max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
-  if (src >= 0) {
-    const quant::RowScales rs = quant::RowScalesFromAmax(amax);
-#pragma unroll 4
-    for (int64_t b = j; b < nb; b += kRowThreads) {
-      float v[16];
-      LoadBlock(x + 16 * b, v);
-      QuantStoreBlock<false>(q + i * (K + kQuantPad), b, v, rs);
-    }
-    if (j == 0) scale[i] = quant::WeightedScale(rs.stored, p.row_scale, p.row_scale_n, pair);
-  }
-  __syncthreads();
-}
-
-template <int FM, int KS, int LOOP, bool GATED, typename OutT, bool PA, bool BW, bool QA = false>
+template <int FM, int KS, int LOOP, bool GATED, typename OutT, bool PA, bool BW>
 __global__ void __launch_bounds__(kThreads) W4A16GroupedGemmKernel(const GemmParams p) {
-  static_assert(!QA || (FM == 1 && !GATED), "quantized rows: 8-row tiles of a non-gated GEMM");
   constexpr int BM = FM * 8;
   constexpr int NF = GATED ? 2 : 1;  // weight fragments per warp: [gate, up] or [h]
   constexpr int NS = kWarps / KS;    // warps along N; KS warps share each 16 features
@@ -248,8 +200,6 @@ __global__ void __launch_bounds__(kThreads) W4A16GroupedGemmKernel(const GemmPar
   constexpr bool kStream = LOOP == kStreamLoop && FM <= 2;
   __shared__ float partial[KS > 1 ? (KS - 1) * NS * kAcc * 32 : 1];
   __shared__ int32_t aligned_rows[FM == 1 ? BM : 1];
-  __shared__ float quant_scale[QA ? BM : 1];
-  extern __shared__ uint4 quant_smem[];  // QA: [BM][K + kQuantPad] bf16
   GridDependencyWait();
   const int64_t tile = blockIdx.x;
   // The tile's expert and sorted ids: moe_align's outputs, or (moe_align_gemm) aligned here, where the
@@ -264,8 +214,6 @@ __global__ void __launch_bounds__(kThreads) W4A16GroupedGemmKernel(const GemmPar
                         ? AlignTile(p.align, tile, BM, blockIdx.x == 0 && blockIdx.y == 0, aligned_rows)
                         : p.tile_expert[tile];
   if (e < 0 || e >= p.E) return;  // unused tile (uniform over the CTA)
-  uint16_t* const quant_rows = reinterpret_cast<uint16_t*>(quant_smem);
-  if constexpr (QA) QuantizeTileRows(p, tile, tile_rows(), quant_rows, quant_scale);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
   const int ns = warp % NS, kw = warp / NS;
@@ -295,7 +243,7 @@ __global__ void __launch_bounds__(kThreads) W4A16GroupedGemmKernel(const GemmPar
 #pragma unroll
     for (int m = 0; m < FM; ++m) {
       const int64_t src = SourceRow(p, tile_rows()[8 * m + g], tile * BM + 8 * m + g);
-      arow[m] = src < 0 ? nullptr : QA ? quant_rows + (8 * m + g) * (K + kQuantPad) : p.a + src * K;
+      arow[m] = src >= 0 ? p.a + src * K : nullptr;
     }
     // This warp's share of K, in 64-K units (128 with blocked weights; a warp may get none when K
     // is small).
@@ -304,7 +252,7 @@ __global__ void __launch_bounds__(kThreads) W4A16GroupedGemmKernel(const GemmPar
     const int64_t k0 = kUnit * (units * kw / KS), k1 = kUnit * (units * (kw + 1) / KS);
     RunUsedBlocks<FM>(UsedBlocks(arow), [&](auto fmu) {
       constexpr int FMU = decltype(fmu)::value;
-      MainLoop<FMU, FM, NF, PA, kStream, BW, QA>(wrow, srow, arow, k0, k1, t, acc);
+      MainLoop<FMU, FM, NF, PA, kStream, BW>(wrow, srow, arow, k0, k1, t, acc);
     });
   }
 
@@ -335,19 +283,15 @@ __global__ void __launch_bounds__(kThreads) W4A16GroupedGemmKernel(const GemmPar
   }
   if (!active) return;
 
-  Epilogue<FM, NF, GATED, OutT>(p, e, tile, tile_rows(), feat0, acc, QA ? quant_scale : nullptr);
+  Epilogue<FM, NF, GATED, OutT>(p, e, tile, tile_rows(), feat0, acc);
 }
 
 // Instances, each for row-major and blocked weights: k_split 1, 2, 4 and every DecodeLoop for 8-
 // and 16-row tiles (decode; paired activations: the streaming loop only); k_split 1 and the
 // register loop for 32 and 64 rows (CheckGemm).
-template <int KS, int LOOP, bool GATED, typename OutT, bool PA, bool BW, bool QA>
+template <int KS, int LOOP, bool GATED, typename OutT, bool PA, bool BW>
 void LaunchSplit(const GemmParams& p, int64_t tile_m, int64_t slabs, bool pdl, cudaStream_t stream) {
   const dim3 grid(unsigned(p.P / tile_m), unsigned(slabs));
-  if constexpr (QA) {  // 8-row tiles (the handler's check)
-    LaunchKernel(W4A16GroupedGemmKernel<1, KS, LOOP, GATED, OutT, PA, BW, true>, grid, kThreads,
-                 size_t(QuantTileBytes(p.K)), stream, pdl, p);
-  } else {
   switch (tile_m) {
     case 8:
       LaunchKernel(W4A16GroupedGemmKernel<1, KS, LOOP, GATED, OutT, PA, BW>, grid, kThreads, 0, stream, pdl, p);
@@ -362,22 +306,20 @@ void LaunchSplit(const GemmParams& p, int64_t tile_m, int64_t slabs, bool pdl, c
       LaunchKernel(W4A16GroupedGemmKernel<8, 1, kRegisterLoop, GATED, OutT, PA, BW>, grid, kThreads, 0, stream, pdl, p);
       break;
   }
-  }
 }
 
-template <int LOOP, bool GATED, typename OutT, bool PA, bool BW, bool QA>
+template <int LOOP, bool GATED, typename OutT, bool PA, bool BW>
 void LaunchLoop(const GemmParams& p, int64_t tile_m, int64_t k_split, int64_t slabs, bool pdl,
                 cudaStream_t stream) {
   switch (k_split) {
-    case 2: LaunchSplit<2, LOOP, GATED, OutT, PA, BW, QA>(p, tile_m, slabs, pdl, stream); break;
-    case 4: LaunchSplit<4, LOOP, GATED, OutT, PA, BW, QA>(p, tile_m, slabs, pdl, stream); break;
-    default: LaunchSplit<1, LOOP, GATED, OutT, PA, BW, QA>(p, tile_m, slabs, pdl, stream); break;
+    case 2: LaunchSplit<2, LOOP, GATED, OutT, PA, BW>(p, tile_m, slabs, pdl, stream); break;
+    case 4: LaunchSplit<4, LOOP, GATED, OutT, PA, BW>(p, tile_m, slabs, pdl, stream); break;
+    default: LaunchSplit<1, LOOP, GATED, OutT, PA, BW>(p, tile_m, slabs, pdl, stream); break;
   }
 }
 
-// BW: w in the blocked order (Pairing::kBlockedW), with the same choice of loads as rows. QA: a's rows
-// quantized in the kernel (RowScale::kQuantRow; paired a).
-template <bool GATED, typename OutT, bool PA, bool BW, bool QA = false>
+// BW: w in the blocked order (Pairing::kBlockedW), with the same choice of loads as rows.
+template <bool GATED, typename OutT, bool PA, bool BW>
 void Launch(const GemmParams& p, int64_t tile_m, int64_t k_split, int64_t slabs, int64_t flags,
             cudaStream_t stream) {
   const bool pdl = flags & int64_t(KernelFlag::kPdl);
@@ -390,20 +332,19 @@ void Launch(const GemmParams& p, int64_t tile_m, int64_t k_split, int64_t slabs,
   // and up to 17% slower on the H200, 2026-12-01: removed; shared-memory rings: DecodeLoop.)
   if constexpr (!PA) {
     if ((flags & int64_t(KernelFlag::kPlainWeightLoads)) || p.K / k_split < kStreamMinSpan)
-      return LaunchLoop<kRegisterLoop, GATED, OutT, PA, BW, false>(p, tile_m, k_split, slabs, pdl, stream);
+      return LaunchLoop<kRegisterLoop, GATED, OutT, PA, BW>(p, tile_m, k_split, slabs, pdl, stream);
   }
-  LaunchLoop<kStreamLoop, GATED, OutT, PA, BW, QA>(p, tile_m, k_split, slabs, pdl, stream);
+  LaunchLoop<kStreamLoop, GATED, OutT, PA, BW>(p, tile_m, k_split, slabs, pdl, stream);
 }
 
 template <bool BW>
-void LaunchFor(const GemmParams& p, bool gated, bool f32_out, bool a_paired, bool quant_row, int64_t tile_m,
-               int64_t k_split, int64_t slabs, int64_t f, cudaStream_t stream) {
+void LaunchFor(const GemmParams& p, bool gated, bool f32_out, bool a_paired, int64_t tile_m, int64_t k_split,
+               int64_t slabs, int64_t f, cudaStream_t stream) {
   if (gated) {
     f32_out ? Launch<true, float, false, BW>(p, tile_m, k_split, slabs, f, stream)
             : Launch<true, uint16_t, false, BW>(p, tile_m, k_split, slabs, f, stream);
   } else if (a_paired) {
-    quant_row ? Launch<false, uint16_t, true, BW, true>(p, tile_m, k_split, slabs, f, stream)
-              : Launch<false, uint16_t, true, BW>(p, tile_m, k_split, slabs, f, stream);
+    Launch<false, uint16_t, true, BW>(p, tile_m, k_split, slabs, f, stream);
   } else {
     f32_out ? Launch<false, float, false, BW>(p, tile_m, k_split, slabs, f, stream)
             : Launch<false, uint16_t, false, BW>(p, tile_m, k_split, slabs, f, stream);
@@ -412,7 +353,7 @@ void LaunchFor(const GemmParams& p, bool gated, bool f32_out, bool a_paired, boo
 
 // grouped_gemm's launch after its checks (d); `align` (moe_align_gemm; validated by CheckAlignGemm):
 // the mma.sync kernel aligns in every CTA, sorted_ids / tile_expert being the align's outputs.
-ffi::Error GroupedGemmCuda(cudaStream_t stream, const GemmDims& d, ffi::AnyBuffer a,
+ffi::Error GroupedGemmCuda(cudaStream_t stream, const GemmDims& d, ffi::Buffer<ffi::BF16> a,
                            ffi::Buffer<ffi::U8> w_data, ffi::AnyBuffer w_scales, ffi::Buffer<ffi::F32> alpha,
                            ffi::Buffer<ffi::S32> sorted_ids, ffi::Buffer<ffi::S32> tile_expert,
                            ffi::Buffer<ffi::F32> row_scale, ffi::Result<ffi::AnyBuffer> out, int64_t activation,
@@ -426,12 +367,6 @@ ffi::Error GroupedGemmCuda(cudaStream_t stream, const GemmDims& d, ffi::AnyBuffe
   // gated ones, for a paired GEMM1 input, gave no gain on the H200, 2026-12-01).
   if (a_paired && (gated || f32_out))
     return Invalid(op, "paired activations (pairing & 1) need a non-gated activation and bfloat16 output on the GPU");
-  // a quantized per row in the kernel: moe's w4a4 GEMM2 at decode, on the paired intermediate.
-  const bool quant_row = row_scale_mode == int64_t(RowScale::kQuantRow);
-  if (quant_row && (tile_m != 8 || !a_paired || d.K > kQuantRowMaxK))
-    return Invalid(op, "row_scale_mode 4 (QUANT_ROW) on the GPU needs tile_m = 8, paired a (pairing & 1) and K <= " +
-                           std::to_string(kQuantRowMaxK) + ", got tile_m = " + std::to_string(tile_m) + ", K = " +
-                           std::to_string(d.K));
   // Chunk-ordered activations are moe's GEMM input on 64- and 32-row tiles (GEMM2's intermediate, and GEMM1's
   // x on blocked weights): only the sm_90a wgmma kernels read them, the warp-specialized one
   // (WarpSpecializedGemm: blocked weights, gathered or with kWsGemm2 not; bf16 or fp32 out) and the
@@ -462,7 +397,7 @@ ffi::Error GroupedGemmCuda(cudaStream_t stream, const GemmDims& d, ffi::AnyBuffe
   if (d.tiles > 0x7FFFFFFF || slabs > 65535)
     return Invalid(op, "too many row tiles or output features for the grid");
   GemmParams p{};
-  p.a = static_cast<const uint16_t*>(a.untyped_data());  // (float32 with kQuantRow: the kernel casts)
+  p.a = a.typed_data();
   p.w = w_data.typed_data();
   p.ws = static_cast<const uint8_t*>(w_scales.untyped_data());
   p.alpha = alpha.typed_data();
@@ -491,12 +426,12 @@ ffi::Error GroupedGemmCuda(cudaStream_t stream, const GemmDims& d, ffi::AnyBuffe
   if (a_chunk)
     return Invalid(op, "chunk-ordered activations (pairing & 8) need an sm_90 GPU and a build with sm_90a "
                        "(JAX_NVFP4_CUDA_ARCHS)");
-  blocked ? LaunchFor<true>(p, gated, f32_out, a_paired, quant_row, tile_m, k_split, slabs, kernel_flags, stream)
-          : LaunchFor<false>(p, gated, f32_out, a_paired, quant_row, tile_m, k_split, slabs, kernel_flags, stream);
+  blocked ? LaunchFor<true>(p, gated, f32_out, a_paired, tile_m, k_split, slabs, kernel_flags, stream)
+          : LaunchFor<false>(p, gated, f32_out, a_paired, tile_m, k_split, slabs, kernel_flags, stream);
   return LaunchError(op);
 }
 
-ffi::Error GroupedGemmCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi::U8> w_data,
+ffi::Error GroupedGemmCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> a, ffi::Buffer<ffi::U8> w_data,
                                ffi::AnyBuffer w_scales, ffi::Buffer<ffi::F32> alpha,
                                ffi::Buffer<ffi::S32> sorted_ids, ffi::Buffer<ffi::S32> tile_expert,
                                ffi::Buffer<ffi::F32> row_scale, ffi::Result<ffi::AnyBuffer> out,
@@ -514,7 +449,7 @@ ffi::Error GroupedGemmCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffe
 
 // moe_align_gemm: GEMM1's CTAs each align the (at most 32) pairs in one warp for their own tile, and
 // the first one writes the align's outputs for GEMM2 and the finalize: one launch fewer at decode.
-ffi::Error MoeAlignGemmCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> topk_ids, ffi::AnyBuffer a,
+ffi::Error MoeAlignGemmCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> topk_ids, ffi::Buffer<ffi::BF16> a,
                                 ffi::Buffer<ffi::U8> w_data, ffi::AnyBuffer w_scales, ffi::Buffer<ffi::F32> alpha,
                                 ffi::Buffer<ffi::F32> row_scale, ffi::Result<ffi::AnyBuffer> out,
                                 ffi::Result<ffi::Buffer<ffi::S32>> sorted_ids,
