@@ -13,6 +13,7 @@ elementwise, so they fuse into the surrounding computation.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -139,6 +140,19 @@ def mul_rn(a, b):
     mag = bits(_round_pack(jnp.maximum(hi, _u(1)), ea + eb + 16, (low & _u(0xFFFF)) != 0))
     mag = jnp.where((ma == 0) | (mb == 0), _u(0), mag)
     return jnp.where(jnp.isnan(a) | jnp.isnan(b), jnp.float32(jnp.nan), from_bits(mag | sign))
+
+
+@jax.custom_jvp
+def mul_rn_differentiable(a, b):
+    """:func:`mul_rn` with the product's derivative (``da * b + a * db``), for values that gradients flow
+    through (mode w4a4's routing weight times an activation decode scale)."""
+    return mul_rn(a, b)
+
+
+@mul_rn_differentiable.defjvp
+def _mul_rn_jvp(primals, tangents):
+    (a, b), (da, db) = primals, tangents
+    return mul_rn_differentiable(a, b), da * b + a * db
 
 
 def mul_fenced(a, b, zero=None):

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from . import _exact
 from .formats import NVFP4Array, NVFP4Experts, dequantize, from_blocked_weights
 from .quantize import quantize
 
@@ -116,6 +117,9 @@ class KernelFlag(enum.IntFlag):
     # item, six stages), not four of one (256, eight stages; H200, 2026-12-03: DeepSeek-V3 layers x0.97 at T = 48-64)
     SEPARATE_ALIGN = 33554432  # w4a16 decode (at most ALIGN_ONE_WARP_PAIRS pairs, 8-row tiles): moe_align in its own
     # launch before GEMM1, not in every GEMM1 CTA (moe_align_gemm)
+    QUANT_CTA_ROWS = 134217728  # quant_dequant_rows (and moe_align_quant's x): every row on a whole CTA, not rows under
+    # 128 blocks on a warp (decode's few used rows quantized by four times the threads; H200, 2026-12-03: Qwen3 T=1's
+    # 8 rows of 768 took 4.8 us on a warp each, DeepSeek-V3's of 2048 3.2 us on a CTA each; not yet timed)
     # 1048576 / 2097152: PREFETCH_NEXT / PREFETCH_NEXT_LATE (GEMM1's decode CTAs warming their experts' GEMM2
     # weights into L2) for one A/B on 2026-12-03, removed: up to 13% slower decode layers on the H200
     # 1024 / 2048: L2_PREFETCH / SPLIT_GATE_UP (decode tiles) for one A/B on 2026-12-01, removed: slower on the H200
@@ -665,7 +669,7 @@ def quant_dequant_rows(x, row_ids=None, *, row_weights=None, chunk_out: bool = F
         Write each output row in the wgmma chunk order (:func:`to_chunk_order`; K a multiple of
         128), which the sm_90a kernels read as it is. The scales are the same.
     impl : ``"ffi"`` or ``"jax"``
-    kernel_flags : :class:`KernelFlag` bits (``PDL``; the result is the same)
+    kernel_flags : :class:`KernelFlag` bits (``PDL``, ``QUANT_CTA_ROWS``; the result is the same)
 
     Returns
     -------
@@ -698,10 +702,11 @@ def quant_dequant_rows(x, row_ids=None, *, row_weights=None, chunk_out: bool = F
         q = quantize(x, per_token=True)
         out = dequantize(q, jnp.bfloat16, apply_global_scale=False)
         scale = q.global_scale
-        if row_weights is not None:  # row_weights[id] * scale, as the kernels multiply (0 past the end)
+        if row_weights is not None:  # row_weights[id] * scale, as the kernels multiply (0 past the end), its
+            # subnormal products kept as they keep them (XLA:CPU's multiply flushes them to zero)
             n = row_weights.shape[0]
             used = (row_ids >= 0) & (row_ids < n)
-            scale = jnp.where(used, row_weights[jnp.clip(row_ids, 0, n - 1)] * scale, 0.0)
+            scale = jnp.where(used, _exact.mul_rn_differentiable(row_weights[jnp.clip(row_ids, 0, n - 1)], scale), 0.0)
         return (to_chunk_order(out) if chunk_out else out), scale
     ensure_registered()
     ids = jnp.zeros((0,), jnp.int32) if row_ids is None else row_ids
@@ -727,7 +732,7 @@ def moe_align_quant(topk_ids, x, num_experts: int, *, tile_m: int, expert_offset
     num_experts, tile_m, expert_offset : as :func:`moe_align`
     chunk_out : as :func:`quant_dequant_rows`
     impl : ``"ffi"`` or ``"jax"``
-    kernel_flags : :class:`KernelFlag` bits (``PDL``; the result is the same)
+    kernel_flags : :class:`KernelFlag` bits (``PDL``, ``QUANT_CTA_ROWS``; the result is the same)
 
     Returns
     -------

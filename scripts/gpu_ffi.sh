@@ -288,9 +288,9 @@ if stage ab; then
     # shellcheck disable=SC2086
     ab "$s" ${var:-$def} --json "$OUT/ab_$name.json"; }
   abpart decode 300 "--modes w4a16 --tokens 1,4,16,64,128 --ffi-flags 128,512 --ffi-rows" "${AB_DECODE:-}"
-  # w4a4: the pure-JAX quantizer (8; the kernel became the default on 2026-12-01), PDL launches (64)
-  # and the natural-order intermediate (128).
-  abpart w4a4 180 "--modes w4a4 --tokens 1,4,64 --ffi-flags 8,64,128 --ffi-rows" "${AB_W4A4:-}"
+  # w4a4: the pure-JAX quantizer (8; the kernel became the default on 2026-12-01), PDL launches (64),
+  # the natural-order intermediate (128) and every quantized row on a whole CTA (134217728, not yet timed).
+  abpart w4a4 180 "--modes w4a4 --tokens 1,4,64 --ffi-flags 8,64,128,134217728 --ffi-rows" "${AB_W4A4:-}"
   # Prefill: the natural-order intermediate (128: GEMM2 on the staged wgmma kernel instead of the
   # TMA-fed one, the default since 2026-12-02: 1-5% faster layers) and two-block wgmma (4; for
   # GEMM2 the TMA-fed kernel's two-block form, 1.4-1.6x slower on 2026-12-02); PDL (64), row tiles

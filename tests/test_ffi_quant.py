@@ -21,6 +21,7 @@ pytestmark = pytest.mark.skipif(ops.extension_error() is not None,
                                 reason=f"FFI extension not built: {ops.extension_error()}")
 
 JAX_QUANT = int(ops.KernelFlag.JAX_QUANT)
+CTA_ROWS = int(ops.KernelFlag.QUANT_CTA_ROWS)
 
 
 def bits(a):
@@ -29,7 +30,10 @@ def bits(a):
 
 
 def assert_same_bytes(got, want):
-    for g, w, name in zip(got, want, ("out", "scale")):
+    """Every output equal byte for byte: quant_dequant_rows' (out, scale), or moe_align_quant's five."""
+    names = ("out", "scale") if len(want) == 2 else ("sorted_ids", "tile_expert", "pair_to_row", "xq", "x_scale")
+    assert len(got) == len(want) == len(names)
+    for g, w, name in zip(got, want, names):
         g, w = bits(g), bits(w)
         assert g.shape == w.shape and g.dtype == w.dtype, name
         bad = np.argwhere(g != w)
@@ -94,7 +98,7 @@ ALIGN_QUANT_CASES = [(1, 8, 128, 0, 2048, 8), (4, 8, 32, 0, 7168, 16), (3, 2, 5,
                      (2, 8, 64, 0, 4096, 8)]
 
 
-def _align_quant_check(t, k, e, offset, kk, tile_m, impls=("ffi", "jax")):
+def _align_quant_check(t, k, e, offset, kk, tile_m, impls=("ffi", "jax"), kernel_flags=0):
     rng = np.random.default_rng(t * 7 + kk)
     ids = jnp.asarray(rng.integers(-1, e + offset + 3, (t, k)), jnp.int32)  # some dropped, some past the slice
     x = rows_with_wide_range(rng, t, kk, jnp.bfloat16, -30, 30)
@@ -102,7 +106,8 @@ def _align_quant_check(t, k, e, offset, kk, tile_m, impls=("ffi", "jax")):
         want = (*ops.moe_align(ids, e, tile_m=tile_m, expert_offset=offset, impl="jax"),
                 *ops.quant_dequant_rows(x, chunk_out=chunk, impl="jax"))
         for impl in impls:
-            got = ops.moe_align_quant(ids, x, e, tile_m=tile_m, expert_offset=offset, chunk_out=chunk, impl=impl)
+            got = ops.moe_align_quant(ids, x, e, tile_m=tile_m, expert_offset=offset, chunk_out=chunk, impl=impl,
+                                      kernel_flags=kernel_flags)
             assert_same_bytes(got, want)
 
 
@@ -275,11 +280,29 @@ def test_gpu_matches_pure_jax_quantizer(dtype, r, k):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("flags", [0, CTA_ROWS])
 @pytest.mark.parametrize("t,k,e,offset,kk,tile_m", ALIGN_QUANT_CASES)
-def test_gpu_align_quant_is_align_then_quantize(t, k, e, offset, kk, tile_m):
+def test_gpu_align_quant_is_align_then_quantize(t, k, e, offset, kk, tile_m, flags):
     """One launch (the align in CTA 0, x's rows in the others: CTA- and warp-per-row instances holding
-    1, 2 or 4 blocks a thread, or reading twice past 8192; no pair, k = 0) gives the twins' bytes."""
-    _align_quant_check(t, k, e, offset, kk, tile_m, impls=("ffi",))
+    1, 2 or 4 blocks a thread, or reading twice past 8192; with QUANT_CTA_ROWS every row on a CTA; no
+    pair, k = 0) gives the twins' bytes."""
+    _align_quant_check(t, k, e, offset, kk, tile_m, impls=("ffi",), kernel_flags=flags)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("r,k", [(1, 16), (8, 768), (64, 768), (5, 96), (37, 2048), (3, 1536)])
+def test_cta_rows_flag_is_the_same_function(dtype, r, k):
+    """KernelFlag.QUANT_CTA_ROWS (the GPU: rows under 128 blocks on a whole CTA, most of its threads holding
+    no block; the CPU ignores it) gives the twin's bytes, with row ids, routing weights and the chunk order."""
+    rng = np.random.default_rng(r * 3 + k)
+    x = rows_with_wide_range(rng, r, k, dtype)
+    ids = jnp.asarray(np.where(rng.random(r) < 0.3, -1, np.arange(r)), jnp.int32)
+    wts = jnp.asarray(rng.uniform(0.5, 1.5, r // 2 + 1), jnp.float32)
+    cases = [dict(), dict(row_ids=ids), dict(row_ids=ids, row_weights=wts)]
+    cases += [dict(row_ids=ids, chunk_out=True)] if k % ops.CHUNK_K == 0 else []
+    for kw in cases:
+        assert_same_bytes(ops.quant_dequant_rows(x, **kw, kernel_flags=CTA_ROWS),
+                          ops.quant_dequant_rows(x, **kw, impl="jax"))
 
 
 @pytest.mark.gpu

@@ -193,13 +193,13 @@ void WithRowsKernel(int64_t K, F&& launch) {
   launch(RowsKernel<ALIGN, T, ROW_THREADS, 4, CHUNK>());
 }
 
-// Long rows (128 blocks or more) get a CTA each, shorter ones (at most 4 blocks a lane) a warp:
-// launch(kernel, CTAs for x's rows).
+// Long rows (128 blocks or more) get a CTA each, shorter ones (at most 4 blocks a lane) a warp, unless
+// cta_rows (KernelFlag::kQuantCtaRows): launch(kernel, CTAs for x's rows).
 template <bool ALIGN, typename T, typename F>
-void WithQuantLaunch(const QuantRowsArgs& a, bool chunk_out, F&& launch) {
+void WithQuantLaunch(const QuantRowsArgs& a, bool chunk_out, bool cta_rows, F&& launch) {
   const auto go = [&](auto chunk) {
     constexpr bool kChunk = decltype(chunk)::value;
-    if (a.K / 16 >= kQuantThreads)
+    if (cta_rows || a.K / 16 >= kQuantThreads)
       WithRowsKernel<ALIGN, T, kQuantThreads, kChunk>(a.K, [&](auto kernel) { launch(kernel, unsigned(a.R)); });
     else
       WithRowsKernel<ALIGN, T, 32, kChunk>(
@@ -209,8 +209,8 @@ void WithQuantLaunch(const QuantRowsArgs& a, bool chunk_out, F&& launch) {
 }
 
 template <typename T>
-void Launch(const T* x, const QuantRowsArgs& a, bool chunk_out, bool pdl, cudaStream_t stream) {
-  WithQuantLaunch<false, T>(a, chunk_out, [&](auto kernel, unsigned ctas) {
+void Launch(const T* x, const QuantRowsArgs& a, bool chunk_out, bool cta_rows, bool pdl, cudaStream_t stream) {
+  WithQuantLaunch<false, T>(a, chunk_out, cta_rows, [&](auto kernel, unsigned ctas) {
     LaunchKernel(kernel, ctas, kQuantThreads, 0, stream, pdl, x, a);
   });
 }
@@ -231,10 +231,11 @@ ffi::Error QuantDequantRowsCudaImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::
   a.out = out->typed_data();
   a.scale = scale->typed_data();
   const bool pdl = kernel_flags & int64_t(KernelFlag::kPdl);
+  const bool cta_rows = kernel_flags & int64_t(KernelFlag::kQuantCtaRows);
   if (x.element_type() == ffi::DataType::BF16) {
-    Launch(reinterpret_cast<const uint16_t*>(x.untyped_data()), a, chunk_out, pdl, stream);
+    Launch(reinterpret_cast<const uint16_t*>(x.untyped_data()), a, chunk_out, cta_rows, pdl, stream);
   } else {
-    Launch(reinterpret_cast<const float*>(x.untyped_data()), a, chunk_out, pdl, stream);
+    Launch(reinterpret_cast<const float*>(x.untyped_data()), a, chunk_out, cta_rows, pdl, stream);
   }
   return LaunchError("quant_dequant_rows");
 }
@@ -261,7 +262,8 @@ ffi::Error MoeAlignQuantCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> topk
   a.out = xq->typed_data();
   a.scale = x_scale->typed_data();
   const auto* xp = reinterpret_cast<const uint16_t*>(x.untyped_data());
-  WithQuantLaunch<true, uint16_t>(a, chunk_out, [&](auto kernel, unsigned ctas) {
+  WithQuantLaunch<true, uint16_t>(a, chunk_out, kernel_flags & int64_t(KernelFlag::kQuantCtaRows),
+                                  [&](auto kernel, unsigned ctas) {
     LaunchKernel(kernel, ctas + 1, kQuantThreads, 0, stream, kernel_flags & int64_t(KernelFlag::kPdl), al, xp, a);
   });
   return LaunchError("moe_align_quant");
