@@ -267,16 +267,20 @@ def test_gpu_matches_pure_jax_quantizer(dtype, r, k):
     """CTA-per-row (K >= 2048; over 8192, read twice) and warp-per-row (shorter) launches, each
     holding 1, 2 or 4 blocks a thread; partial last CTAs."""
     rng = np.random.default_rng(r + k)
-    x = rows_with_wide_range(rng, r, k, dtype)
-    assert_same_bytes(ops.quant_dequant_rows(x), ops.quant_dequant_rows(x, impl="jax"))
+    _check_row_variants(rng, rows_with_wide_range(rng, r, k, dtype))
+
+
+def _check_row_variants(rng, x, kernel_flags=0):
+    """quant_dequant_rows of x against its twin: every row used, unused rows (ids), the chunk-ordered
+    stores (K a multiple of 128) and GEMM2's row scales (routing weights; ids past their end: 0)."""
+    r, k = x.shape
     ids = jnp.asarray(np.where(rng.random(r) < 0.3, -1, np.arange(r)), jnp.int32)
-    assert_same_bytes(ops.quant_dequant_rows(x, ids), ops.quant_dequant_rows(x, ids, impl="jax"))
-    if k % ops.CHUNK_K == 0:  # the chunk-ordered stores
-        assert_same_bytes(ops.quant_dequant_rows(x, ids, chunk_out=True),
-                          ops.quant_dequant_rows(x, ids, chunk_out=True, impl="jax"))
-    wts = jnp.asarray(rng.uniform(0.5, 1.5, r // 2 + 1), jnp.float32)  # GEMM2's row scales (ids past the end: 0)
-    assert_same_bytes(ops.quant_dequant_rows(x, ids, row_weights=wts),
-                      ops.quant_dequant_rows(x, ids, row_weights=wts, impl="jax"))
+    wts = jnp.asarray(rng.uniform(0.5, 1.5, r // 2 + 1), jnp.float32)
+    cases = [dict(), dict(row_ids=ids), dict(row_ids=ids, row_weights=wts)]
+    cases += [dict(row_ids=ids, chunk_out=True)] if k % ops.CHUNK_K == 0 else []
+    for kw in cases:
+        assert_same_bytes(ops.quant_dequant_rows(x, **kw, kernel_flags=kernel_flags),
+                          ops.quant_dequant_rows(x, **kw, impl="jax"))
 
 
 @pytest.mark.gpu
@@ -295,14 +299,7 @@ def test_cta_rows_flag_is_the_same_function(dtype, r, k):
     """KernelFlag.QUANT_CTA_ROWS (the GPU: rows under 128 blocks on a whole CTA, most of its threads holding
     no block; the CPU ignores it) gives the twin's bytes, with row ids, routing weights and the chunk order."""
     rng = np.random.default_rng(r * 3 + k)
-    x = rows_with_wide_range(rng, r, k, dtype)
-    ids = jnp.asarray(np.where(rng.random(r) < 0.3, -1, np.arange(r)), jnp.int32)
-    wts = jnp.asarray(rng.uniform(0.5, 1.5, r // 2 + 1), jnp.float32)
-    cases = [dict(), dict(row_ids=ids), dict(row_ids=ids, row_weights=wts)]
-    cases += [dict(row_ids=ids, chunk_out=True)] if k % ops.CHUNK_K == 0 else []
-    for kw in cases:
-        assert_same_bytes(ops.quant_dequant_rows(x, **kw, kernel_flags=CTA_ROWS),
-                          ops.quant_dequant_rows(x, **kw, impl="jax"))
+    _check_row_variants(rng, rows_with_wide_range(rng, r, k, dtype), kernel_flags=CTA_ROWS)
 
 
 @pytest.mark.gpu
