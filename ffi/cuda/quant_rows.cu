@@ -193,13 +193,20 @@ void WithRowsKernel(int64_t K, F&& launch) {
   launch(RowsKernel<ALIGN, T, ROW_THREADS, 4, CHUNK>());
 }
 
-// Long rows (128 blocks or more) get a CTA each, shorter ones (at most 4 blocks a lane) a warp, unless
-// cta_rows (KernelFlag::kQuantCtaRows): launch(kernel, CTAs for x's rows).
+// Up to this many rows, every row gets a CTA: about one wave of 128-thread CTAs on an H200 (132 SMs x
+// 16), all rows in flight at once either way, so four times the threads a row shorten a decode launch
+// (H200, 2026-12-03: Qwen3-30B-A3B T=1's 8 used rows of 768, 4.8 -> 3.0 us; w4a4 layers x0.93-0.98 at
+// T = 1-8). Past it, short rows on a warp keep four times the rows in flight.
+constexpr int64_t kQuantCtaRowsMaxR = 2048;
+
+// Long rows (128 blocks or more) and those of at most kQuantCtaRowsMaxR rows get a CTA each, other
+// rows (at most 4 blocks a lane) a warp, as do all short rows with warp_rows (KernelFlag::kQuantWarpRows):
+// launch(kernel, CTAs for x's rows).
 template <bool ALIGN, typename T, typename F>
-void WithQuantLaunch(const QuantRowsArgs& a, bool chunk_out, bool cta_rows, F&& launch) {
+void WithQuantLaunch(const QuantRowsArgs& a, bool chunk_out, bool warp_rows, F&& launch) {
   const auto go = [&](auto chunk) {
     constexpr bool kChunk = decltype(chunk)::value;
-    if (cta_rows || a.K / 16 >= kQuantThreads)
+    if (a.K / 16 >= kQuantThreads || (!warp_rows && a.R <= kQuantCtaRowsMaxR))
       WithRowsKernel<ALIGN, T, kQuantThreads, kChunk>(a.K, [&](auto kernel) { launch(kernel, unsigned(a.R)); });
     else
       WithRowsKernel<ALIGN, T, 32, kChunk>(
@@ -209,8 +216,8 @@ void WithQuantLaunch(const QuantRowsArgs& a, bool chunk_out, bool cta_rows, F&& 
 }
 
 template <typename T>
-void Launch(const T* x, const QuantRowsArgs& a, bool chunk_out, bool cta_rows, bool pdl, cudaStream_t stream) {
-  WithQuantLaunch<false, T>(a, chunk_out, cta_rows, [&](auto kernel, unsigned ctas) {
+void Launch(const T* x, const QuantRowsArgs& a, bool chunk_out, bool warp_rows, bool pdl, cudaStream_t stream) {
+  WithQuantLaunch<false, T>(a, chunk_out, warp_rows, [&](auto kernel, unsigned ctas) {
     LaunchKernel(kernel, ctas, kQuantThreads, 0, stream, pdl, x, a);
   });
 }
@@ -231,11 +238,11 @@ ffi::Error QuantDequantRowsCudaImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::
   a.out = out->typed_data();
   a.scale = scale->typed_data();
   const bool pdl = kernel_flags & int64_t(KernelFlag::kPdl);
-  const bool cta_rows = kernel_flags & int64_t(KernelFlag::kQuantCtaRows);
+  const bool warp_rows = kernel_flags & int64_t(KernelFlag::kQuantWarpRows);
   if (x.element_type() == ffi::DataType::BF16) {
-    Launch(reinterpret_cast<const uint16_t*>(x.untyped_data()), a, chunk_out, cta_rows, pdl, stream);
+    Launch(reinterpret_cast<const uint16_t*>(x.untyped_data()), a, chunk_out, warp_rows, pdl, stream);
   } else {
-    Launch(reinterpret_cast<const float*>(x.untyped_data()), a, chunk_out, cta_rows, pdl, stream);
+    Launch(reinterpret_cast<const float*>(x.untyped_data()), a, chunk_out, warp_rows, pdl, stream);
   }
   return LaunchError("quant_dequant_rows");
 }
@@ -262,7 +269,7 @@ ffi::Error MoeAlignQuantCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> topk
   a.out = xq->typed_data();
   a.scale = x_scale->typed_data();
   const auto* xp = reinterpret_cast<const uint16_t*>(x.untyped_data());
-  WithQuantLaunch<true, uint16_t>(a, chunk_out, kernel_flags & int64_t(KernelFlag::kQuantCtaRows),
+  WithQuantLaunch<true, uint16_t>(a, chunk_out, kernel_flags & int64_t(KernelFlag::kQuantWarpRows),
                                   [&](auto kernel, unsigned ctas) {
     LaunchKernel(kernel, ctas + 1, kQuantThreads, 0, stream, kernel_flags & int64_t(KernelFlag::kPdl), al, xp, a);
   });
