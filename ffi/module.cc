@@ -142,7 +142,7 @@ NB_MODULE(_ffi, m) {
     kf["ws_three_groups"] = int64_t(KernelFlag::kWsThreeGroups);
     kf["ws_two_blocks"] = int64_t(KernelFlag::kWsTwoBlocks);
     kf["separate_align"] = int64_t(KernelFlag::kSeparateAlign);
-    kf["quant_warp_rows"] = int64_t(KernelFlag::kQuantWarpRows);
+    kf["quant_narrow_rows"] = int64_t(KernelFlag::kQuantNarrowRows);
     c["KernelFlag"] = kf;
     nb::dict pairing;
     pairing["none"] = int64_t(Pairing::kNone);

@@ -97,10 +97,10 @@ enum class KernelFlag : int64_t {
                                // DeepSeek-V3 layers x0.971-0.973 at T = 48-64, x0.987 at 96)
   kSeparateAlign = 33554432,   // w4a16 decode (at most kAlignOneWarpPairs pairs, 8-row tiles): moe_align in its own
                                // launch before GEMM1, not in every GEMM1 CTA (moe_align_gemm)
-  kQuantWarpRows = 134217728,  // quant_dequant_rows (and moe_align_quant's x): rows under 128 blocks on a warp at
-                               // any R, not on a whole CTA (128 threads) up to 2048 rows (quant_rows.cu; H200,
-                               // 2026-12-03: with a CTA a row, Qwen3 w4a4 layers x0.930 / x0.946 / x0.962 / x0.978
-                               // at T = 1 / 2 / 4 / 8; its intermediate's quantize 4.8 -> 3.0 us at T = 1)
+  kQuantNarrowRows = 134217728,  // quant_dequant_rows (and moe_align_quant's x) at any R as before 2026-12-03: rows
+                                 // under 128 blocks on a warp, longer ones on 128 threads; not, up to 2048 rows, a
+                                 // CTA a row of 128 threads, 512 over 128 blocks (quant_rows.cu; H200, 2026-12-03:
+                                 // Qwen3 w4a4 layers x0.93-0.99 at T = 1-64 with a CTA a row of 128)
   // 1048576 / 2097152: kPrefetchNext / kPrefetchNextLate (moe's GEMM1 decode CTAs warming their experts'
   // GEMM2 weights into L2 by bulk prefetches, before / after their main loop) for one H200 A/B on 2026-12-03,
   // removed: 4-13% / up to 12% slower decode layers (the prefetches take HBM bandwidth from GEMM1's loads).

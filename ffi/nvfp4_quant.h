@@ -96,23 +96,21 @@ NVFP4_HD uint8_t F32ToE4m3Bits(float x) {
   return uint8_t(code | sign);
 }
 
-// E2M1 code of an already scaled value: magnitude rounded to nearest even on
-// {0, 0.5, 1, 1.5, 2, 3, 4, 6} (saturating), sign bit set for negative nonzero values.
-NVFP4_HD uint8_t E2m1Code(float v) {
-  float a = v < 0.0f ? -v : v;
-  a = MinKeepNan(a, 6.0f);  // NaN: every comparison below is false, magnitude 0
-  const int idx = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) +
-                  (a > 5.0f);
+// The E2M1 value of an already scaled value v: |v| rounded to nearest even on {0, 0.5, 1, 1.5, 2, 3,
+// 4, 6} (saturating; NaN: every comparison is false, magnitude 0), negative for negative nonzero v
+// (bits above 0x80000000: -0.0 gives +0, a negative NaN -0.0). Selects, not an E2M1 code and its value
+// (a table walk with a branch that split the warps): 7 compare-selects an element (2026-12-03).
+NVFP4_HD float E2m1Round(float v) {
   const uint32_t b = Bits(v);
-  const bool neg = (b >> 31) && (b & 0x7FFFFFFFu);
-  return uint8_t(idx | (neg ? 8 : 0));
-}
-
-// E2M1 code -> its value (exact; code 8 is -0.0).
-NVFP4_HD float E2m1Value(uint8_t code) {
-  const int idx = code & 7;
-  const float mag = idx < 2 ? 0.5f * float(idx) : float(2 + (idx & 1)) * float(1 << (idx >> 1)) * 0.25f;
-  return (code & 8) ? -mag : mag;
+  const float a = FromBits(b & 0x7FFFFFFFu);
+  float m = a > 0.25f ? 0.5f : 0.0f;
+  m = a >= 0.75f ? 1.0f : m;
+  m = a > 1.25f ? 1.5f : m;
+  m = a >= 1.75f ? 2.0f : m;
+  m = a > 2.5f ? 3.0f : m;
+  m = a >= 3.5f ? 4.0f : m;
+  m = a > 5.0f ? 6.0f : m;
+  return FromBits(Bits(m) | (b > 0x80000000u ? 0x80000000u : 0u));
 }
 
 // The row's scales from its abs-max (as bits): encode scale `enc` (1 for an infinite amax),
@@ -163,7 +161,7 @@ NVFP4_HD BlockScale BlockScaleFromVmax(uint32_t vmax_bits, const RowScales& rs) 
 
 // The decoded value of one element without the global scale: e2m1(x * mult) * s8, exact in bf16.
 NVFP4_HD float QuantDequant(float x, const BlockScale& bs) {
-  return E2m1Value(E2m1Code(MulRn(x, bs.mult))) * bs.s8;
+  return E2m1Round(MulRn(x, bs.mult)) * bs.s8;
 }
 
 }  // namespace quant

@@ -117,9 +117,9 @@ class KernelFlag(enum.IntFlag):
     # item, six stages), not four of one (256, eight stages; H200, 2026-12-03: DeepSeek-V3 layers x0.97 at T = 48-64)
     SEPARATE_ALIGN = 33554432  # w4a16 decode (at most ALIGN_ONE_WARP_PAIRS pairs, 8-row tiles): moe_align in its own
     # launch before GEMM1, not in every GEMM1 CTA (moe_align_gemm)
-    QUANT_WARP_ROWS = 134217728  # quant_dequant_rows (and moe_align_quant's x): rows under 128 blocks on a warp at any
-    # R, not on a whole CTA up to 2048 rows (H200, 2026-12-03: with a CTA a row, Qwen3 w4a4 layers x0.930 / x0.946 /
-    # x0.962 / x0.978 at T = 1 / 2 / 4 / 8; its intermediate's quantize 4.8 -> 3.0 us at T = 1)
+    QUANT_NARROW_ROWS = 134217728  # quant_dequant_rows (and moe_align_quant's x) at any R as before 2026-12-03: rows
+    # under 128 blocks on a warp, longer ones on 128 threads; not, up to 2048 rows, a CTA a row of 128 threads, 512
+    # over 128 blocks (H200, 2026-12-03: Qwen3 w4a4 layers x0.93-0.99 at T = 1-64 with a CTA a row of 128)
     # 1048576 / 2097152: PREFETCH_NEXT / PREFETCH_NEXT_LATE (GEMM1's decode CTAs warming their experts' GEMM2
     # weights into L2) for one A/B on 2026-12-03, removed: up to 13% slower decode layers on the H200
     # 1024 / 2048: L2_PREFETCH / SPLIT_GATE_UP (decode tiles) for one A/B on 2026-12-01, removed: slower on the H200
@@ -669,7 +669,7 @@ def quant_dequant_rows(x, row_ids=None, *, row_weights=None, chunk_out: bool = F
         Write each output row in the wgmma chunk order (:func:`to_chunk_order`; K a multiple of
         128), which the sm_90a kernels read as it is. The scales are the same.
     impl : ``"ffi"`` or ``"jax"``
-    kernel_flags : :class:`KernelFlag` bits (``PDL``, ``QUANT_WARP_ROWS``; the result is the same)
+    kernel_flags : :class:`KernelFlag` bits (``PDL``, ``QUANT_NARROW_ROWS``; the result is the same)
 
     Returns
     -------
@@ -732,7 +732,7 @@ def moe_align_quant(topk_ids, x, num_experts: int, *, tile_m: int, expert_offset
     num_experts, tile_m, expert_offset : as :func:`moe_align`
     chunk_out : as :func:`quant_dequant_rows`
     impl : ``"ffi"`` or ``"jax"``
-    kernel_flags : :class:`KernelFlag` bits (``PDL``, ``QUANT_WARP_ROWS``; the result is the same)
+    kernel_flags : :class:`KernelFlag` bits (``PDL``, ``QUANT_NARROW_ROWS``; the result is the same)
 
     Returns
     -------

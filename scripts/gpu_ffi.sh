@@ -289,7 +289,7 @@ if stage ab; then
     ab "$s" ${var:-$def} --json "$OUT/ab_$name.json"; }
   abpart decode 300 "--modes w4a16 --tokens 1,4,16,64,128 --ffi-flags 128,512 --ffi-rows" "${AB_DECODE:-}"
   # w4a4: the pure-JAX quantizer (8; the kernel became the default on 2026-12-01), PDL launches (64),
-  # the natural-order intermediate (128) and short quantized rows on a warp at any R (134217728, the choice before 2026-12-03).
+  # the natural-order intermediate (128) and the quantize's rows on fewer threads (134217728, the choice before 2026-12-03).
   abpart w4a4 180 "--modes w4a4 --tokens 1,4,64 --ffi-flags 8,64,128,134217728 --ffi-rows" "${AB_W4A4:-}"
   # Prefill: the natural-order intermediate (128: GEMM2 on the staged wgmma kernel instead of the
   # TMA-fed one, the default since 2026-12-02: 1-5% faster layers) and two-block wgmma (4; for

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(ops.extension_error() is not None,
                                 reason=f"FFI extension not built: {ops.extension_error()}")
 
 JAX_QUANT = int(ops.KernelFlag.JAX_QUANT)
-WARP_ROWS = int(ops.KernelFlag.QUANT_WARP_ROWS)
+NARROW_ROWS = int(ops.KernelFlag.QUANT_NARROW_ROWS)
 
 
 def bits(a):
@@ -262,11 +262,11 @@ def test_moe_w4a4_kernel_quant_is_the_jax_quantizer(act):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("r,k", [(1, 16), (1, 7168), (8, 768), (37, 2048), (4096, 7168), (32768, 768), (5, 4096),
-                                 (3, 8448), (9, 1536)])
+                                 (3, 8448), (9, 1536), (2, 24576), (1, 33792), (2049, 8448)])
 def test_gpu_matches_pure_jax_quantizer(dtype, r, k):
-    """CTA-per-row (K >= 2048, over 8192 read twice; shorter rows up to 2048 of them) and warp-per-row
-    (shorter rows past 2048; at any R with QUANT_WARP_ROWS below) launches, each holding 1, 2 or 4 blocks a
-    thread; partial last CTAs."""
+    """Up to 2048 rows a CTA a row (512 threads over 128 blocks: 1, 2 or 4 blocks a thread, over 32768
+    elements read twice; else 128 threads); past 2048 rows, 128-thread rows from 128 blocks on (over 8192
+    elements read twice) and warp rows below (QUANT_NARROW_ROWS: at any R, below); partial last CTAs."""
     rng = np.random.default_rng(r + k)
     _check_row_variants(rng, rows_with_wide_range(rng, r, k, dtype))
 
@@ -285,22 +285,23 @@ def _check_row_variants(rng, x, kernel_flags=0):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("flags", [0, WARP_ROWS])
+@pytest.mark.parametrize("flags", [0, NARROW_ROWS])
 @pytest.mark.parametrize("t,k,e,offset,kk,tile_m", ALIGN_QUANT_CASES)
 def test_gpu_align_quant_is_align_then_quantize(t, k, e, offset, kk, tile_m, flags):
     """One launch (the align in CTA 0, x's rows in the others: CTA- and warp-per-row instances holding
-    1, 2 or 4 blocks a thread, or reading twice past 8192; with QUANT_WARP_ROWS short rows on a warp; no
+    1, 2 or 4 blocks a thread, or reading twice; 512-thread rows without QUANT_NARROW_ROWS; no
     pair, k = 0) gives the twins' bytes."""
     _align_quant_check(t, k, e, offset, kk, tile_m, impls=("ffi",), kernel_flags=flags)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("r,k", [(1, 16), (8, 768), (64, 768), (5, 96), (37, 2048), (3, 1536)])
-def test_warp_rows_flag_is_the_same_function(dtype, r, k):
-    """KernelFlag.QUANT_WARP_ROWS (the GPU: rows under 128 blocks on a warp at any R, not a whole CTA each
-    up to 2048 rows; the CPU ignores it) gives the twin's bytes, with row ids, routing weights and the chunk order."""
+def test_narrow_rows_flag_is_the_same_function(dtype, r, k):
+    """KernelFlag.QUANT_NARROW_ROWS (the GPU: rows under 128 blocks on a warp at any R, longer ones on 128
+    threads, not a CTA each of 128 or 512 up to 2048 rows; the CPU ignores it) gives the twin's bytes, with row
+    ids, routing weights and the chunk order."""
     rng = np.random.default_rng(r * 3 + k)
-    _check_row_variants(rng, rows_with_wide_range(rng, r, k, dtype), kernel_flags=WARP_ROWS)
+    _check_row_variants(rng, rows_with_wide_range(rng, r, k, dtype), kernel_flags=NARROW_ROWS)
 
 
 @pytest.mark.gpu

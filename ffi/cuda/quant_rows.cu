@@ -16,6 +16,11 @@ namespace jax_nvfp4 {
 namespace {
 
 constexpr int kQuantThreads = 128;
+constexpr int kQuantWideThreads = 512;  // a CTA of decode's long rows (over 128 blocks, see WithQuantLaunch)
+
+// Threads of a CTA whose rows have ROW_THREADS threads each: four warp rows, or one row.
+template <int ROW_THREADS>
+constexpr int QuantCtaThreads() { return ROW_THREADS < kQuantThreads ? kQuantThreads : ROW_THREADS; }
 
 // 16 consecutive elements (32 or 64 bytes, 16-byte aligned: rows hold a multiple of 16).
 __device__ __forceinline__ void LoadBlock(const uint16_t* p, float (&v)[16]) {
@@ -89,11 +94,12 @@ struct QuantRowsArgs {
 // The rows of CTA `block` of the launch (ROW_THREADS threads a row).
 template <typename T, int ROW_THREADS, int HELD, bool CHUNK>
 __device__ __forceinline__ void QuantRowsOfBlock(const T* __restrict__ x, const QuantRowsArgs& a, int64_t block) {
-  static_assert(ROW_THREADS == 32 || ROW_THREADS == kQuantThreads, "a row is one warp or the whole CTA");
+  static_assert(ROW_THREADS == 32 || ROW_THREADS == kQuantThreads || ROW_THREADS == kQuantWideThreads,
+                "a row is one warp or the whole CTA");
   constexpr int kWarpsPerRow = ROW_THREADS / 32;
   __shared__ uint32_t warp_amax[kWarpsPerRow];
   const int lane = threadIdx.x % ROW_THREADS;
-  const int64_t r = block * (kQuantThreads / ROW_THREADS) + threadIdx.x / ROW_THREADS;
+  const int64_t r = block * (QuantCtaThreads<ROW_THREADS>() / ROW_THREADS) + threadIdx.x / ROW_THREADS;
   if (r >= a.R) return;  // uniform over the row's threads (a CTA-wide row always has r < R)
   const int64_t nb = a.K / 16;
   uint16_t* orow = a.out + r * a.K;
@@ -158,17 +164,19 @@ __device__ __forceinline__ void QuantRowsOfBlock(const T* __restrict__ x, const 
 }
 
 template <typename T, int ROW_THREADS, int HELD, bool CHUNK>
-__global__ void __launch_bounds__(kQuantThreads) QuantDequantRowsKernel(const T* __restrict__ x, const QuantRowsArgs a) {
+__global__ void __launch_bounds__(QuantCtaThreads<ROW_THREADS>()) QuantDequantRowsKernel(const T* __restrict__ x,
+                                                                                        const QuantRowsArgs a) {
   GridDependencyWait();
   QuantRowsOfBlock<T, ROW_THREADS, HELD, CHUNK>(x, a, blockIdx.x);
 }
 
-// moe_align_quant: CTA 0 aligns the pairs (one warp), the others quantize x's rows, in one launch
-// (at decode, two launches of a few microseconds each that did not depend on each other).
+// moe_align_quant: CTA 0 aligns the pairs (one warp; the CTA's other threads help fill sorted_ids),
+// the others quantize x's rows, in one launch (at decode, two launches of a few microseconds each that
+// did not depend on each other).
 template <typename T, int ROW_THREADS, int HELD, bool CHUNK>
-__global__ void __launch_bounds__(kQuantThreads) AlignQuantKernel(const AlignArgs al, const T* __restrict__ x,
-                                                                   const QuantRowsArgs a) {
-  static_assert(kAlignSmallThreads == kQuantThreads, "one CTA size for both roles");
+__global__ void __launch_bounds__(QuantCtaThreads<ROW_THREADS>()) AlignQuantKernel(const AlignArgs al,
+                                                                                   const T* __restrict__ x,
+                                                                                   const QuantRowsArgs a) {
   GridDependencyWait();
   if (blockIdx.x == 0) return AlignOneWarp(al);
   QuantRowsOfBlock<T, ROW_THREADS, HELD, CHUNK>(x, a, blockIdx.x - 1);
@@ -186,39 +194,46 @@ constexpr auto RowsKernel() {
 template <bool ALIGN, typename T, int ROW_THREADS, bool CHUNK, typename F>
 void WithRowsKernel(int64_t K, F&& launch) {
   const int64_t per_thread = CeilDiv<int64_t>(K / 16, ROW_THREADS);
-  if constexpr (ROW_THREADS == kQuantThreads)  // (a warp's rows have at most 4 blocks a lane)
+  if constexpr (ROW_THREADS >= kQuantThreads)  // (a warp's rows have at most 4 blocks a lane)
     if (per_thread > 4) return launch(RowsKernel<ALIGN, T, ROW_THREADS, 0, CHUNK>());
   if (per_thread <= 1) return launch(RowsKernel<ALIGN, T, ROW_THREADS, 1, CHUNK>());
   if (per_thread <= 2) return launch(RowsKernel<ALIGN, T, ROW_THREADS, 2, CHUNK>());
   launch(RowsKernel<ALIGN, T, ROW_THREADS, 4, CHUNK>());
 }
 
-// Up to this many rows, every row gets a CTA: about one wave of 128-thread CTAs on an H200 (132 SMs x
-// 16), all rows in flight at once either way, so four times the threads a row shorten a decode launch
-// (H200, 2026-12-03: Qwen3-30B-A3B T=1's 8 used rows of 768, 4.8 -> 3.0 us; w4a4 layers x0.93-0.98 at
-// T = 1-8). Past it, short rows on a warp keep four times the rows in flight.
+// Up to this many rows (decode), every row gets a CTA of its own: about one wave of 128-thread CTAs on
+// an H200 (132 SMs x 16), all rows in flight at once either way. More threads a row shorten the launch,
+// whose time is each thread's chain of dependent steps over its blocks (a warp per SMSP hides no
+// latency: ncu, DeepSeek-V3 T=1, 14.7 K instructions at 5.7 cycles each, 10.7 us for one row of 448
+// blocks on 128 threads). H200, 2026-12-03: Qwen3-30B-A3B T=1's 8 used rows of 768 on a CTA each, not
+// a warp, 4.8 -> 3.0 us, w4a4 layers x0.93-0.99 at T = 1-64. Past it, rows on fewer threads keep more
+// rows in flight.
 constexpr int64_t kQuantCtaRowsMaxR = 2048;
 
-// Long rows (128 blocks or more) and those of at most kQuantCtaRowsMaxR rows get a CTA each, other
-// rows (at most 4 blocks a lane) a warp, as do all short rows with warp_rows (KernelFlag::kQuantWarpRows):
-// launch(kernel, CTAs for x's rows).
+// Up to kQuantCtaRowsMaxR rows, a CTA a row: 512 threads for rows over 128 blocks, else 128; more rows
+// (and any R with narrow, KernelFlag::kQuantNarrowRows: the choice before 2026-12-03) on 128 threads
+// a row from 128 blocks on, on a warp below: launch(kernel, CTAs, threads a CTA).
 template <bool ALIGN, typename T, typename F>
-void WithQuantLaunch(const QuantRowsArgs& a, bool chunk_out, bool warp_rows, F&& launch) {
+void WithQuantLaunch(const QuantRowsArgs& a, bool chunk_out, bool narrow, F&& launch) {
   const auto go = [&](auto chunk) {
     constexpr bool kChunk = decltype(chunk)::value;
-    if (a.K / 16 >= kQuantThreads || (!warp_rows && a.R <= kQuantCtaRowsMaxR))
-      WithRowsKernel<ALIGN, T, kQuantThreads, kChunk>(a.K, [&](auto kernel) { launch(kernel, unsigned(a.R)); });
-    else
-      WithRowsKernel<ALIGN, T, 32, kChunk>(
-          a.K, [&](auto kernel) { launch(kernel, unsigned(CeilDiv<int64_t>(a.R, kQuantThreads / 32))); });
+    const bool few_rows = !narrow && a.R <= kQuantCtaRowsMaxR;
+    const auto rows = [&](auto row_threads) {
+      constexpr int kRow = decltype(row_threads)::value, kCta = QuantCtaThreads<kRow>();
+      WithRowsKernel<ALIGN, T, kRow, kChunk>(
+          a.K, [&](auto kernel) { launch(kernel, unsigned(CeilDiv<int64_t>(a.R, kCta / kRow)), kCta); });
+    };
+    if (few_rows && a.K / 16 > kQuantThreads) rows(std::integral_constant<int, kQuantWideThreads>{});
+    else if (few_rows || a.K / 16 >= kQuantThreads) rows(std::integral_constant<int, kQuantThreads>{});
+    else rows(std::integral_constant<int, 32>{});
   };
   chunk_out ? go(std::true_type{}) : go(std::false_type{});
 }
 
 template <typename T>
-void Launch(const T* x, const QuantRowsArgs& a, bool chunk_out, bool warp_rows, bool pdl, cudaStream_t stream) {
-  WithQuantLaunch<false, T>(a, chunk_out, warp_rows, [&](auto kernel, unsigned ctas) {
-    LaunchKernel(kernel, ctas, kQuantThreads, 0, stream, pdl, x, a);
+void Launch(const T* x, const QuantRowsArgs& a, bool chunk_out, bool narrow, bool pdl, cudaStream_t stream) {
+  WithQuantLaunch<false, T>(a, chunk_out, narrow, [&](auto kernel, unsigned ctas, int threads) {
+    LaunchKernel(kernel, ctas, threads, 0, stream, pdl, x, a);
   });
 }
 
@@ -238,11 +253,11 @@ ffi::Error QuantDequantRowsCudaImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::
   a.out = out->typed_data();
   a.scale = scale->typed_data();
   const bool pdl = kernel_flags & int64_t(KernelFlag::kPdl);
-  const bool warp_rows = kernel_flags & int64_t(KernelFlag::kQuantWarpRows);
+  const bool narrow = kernel_flags & int64_t(KernelFlag::kQuantNarrowRows);
   if (x.element_type() == ffi::DataType::BF16) {
-    Launch(reinterpret_cast<const uint16_t*>(x.untyped_data()), a, chunk_out, warp_rows, pdl, stream);
+    Launch(reinterpret_cast<const uint16_t*>(x.untyped_data()), a, chunk_out, narrow, pdl, stream);
   } else {
-    Launch(reinterpret_cast<const float*>(x.untyped_data()), a, chunk_out, warp_rows, pdl, stream);
+    Launch(reinterpret_cast<const float*>(x.untyped_data()), a, chunk_out, narrow, pdl, stream);
   }
   return LaunchError("quant_dequant_rows");
 }
@@ -269,9 +284,9 @@ ffi::Error MoeAlignQuantCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> topk
   a.out = xq->typed_data();
   a.scale = x_scale->typed_data();
   const auto* xp = reinterpret_cast<const uint16_t*>(x.untyped_data());
-  WithQuantLaunch<true, uint16_t>(a, chunk_out, kernel_flags & int64_t(KernelFlag::kQuantWarpRows),
-                                  [&](auto kernel, unsigned ctas) {
-    LaunchKernel(kernel, ctas + 1, kQuantThreads, 0, stream, kernel_flags & int64_t(KernelFlag::kPdl), al, xp, a);
+  WithQuantLaunch<true, uint16_t>(a, chunk_out, kernel_flags & int64_t(KernelFlag::kQuantNarrowRows),
+                                  [&](auto kernel, unsigned ctas, int threads) {
+    LaunchKernel(kernel, ctas + 1, threads, 0, stream, kernel_flags & int64_t(KernelFlag::kPdl), al, xp, a);
   });
   return LaunchError("moe_align_quant");
 }
