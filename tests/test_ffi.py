@@ -1343,7 +1343,7 @@ OPT_IN_FLAGS = (ops.KernelFlag.JAX_QUANT, ops.KernelFlag.ROW_TILES_FIRST, ops.Ke
 def test_gpu_opt_in_variants_are_bitwise_the_default(gpu_experts, t, mode, flags):
     """The pure-JAX quantizer, the row-tiles-first wgmma grid, the one-CTA align, PDL launches, x
     quantized in its own launch (not moe_align_quant's: w4a4, t <= 4), the align in its own launch (not
-    in GEMM1's CTAs: w4a16, t <= 4), every quantized row on a whole CTA (w4a4), plain weight loads (the same K order per thread) and the natural intermediate (the same MMA
+    in GEMM1's CTAs: w4a16, t <= 4), the quantize's rows on fewer threads (w4a4), plain weight loads (the same K order per thread) and the natural intermediate (the same MMA
     operands as the paired one and, on 64-row tiles, as the chunk-ordered one that the TMA-fed
     wgmma GEMM2 reads) change where and how the work runs, not a single output bit (t = 2000 x 8
     pairs over 32 experts: 64-row wgmma tiles, the grid align by default; t = 48: 16-row decode

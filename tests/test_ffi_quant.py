@@ -95,7 +95,7 @@ def test_row_weights_scale_the_used_rows():
 
 ALIGN_QUANT_CASES = [(1, 8, 128, 0, 2048, 8), (4, 8, 32, 0, 7168, 16), (3, 2, 5, 2, 64, 8), (2, 8, 256, 96, 768, 8),
                      (1, 1, 8, 0, 16, 64), (4, 8, 8, 0, 8448, 8), (3, 4, 16, 0, 1536, 32), (2, 0, 8, 0, 64, 8),
-                     (2, 8, 64, 0, 4096, 8)]
+                     (2, 8, 64, 0, 4096, 8), (1, 4, 16, 0, 20480, 8), (2, 2, 8, 0, 33792, 8)]
 
 
 def _align_quant_check(t, k, e, offset, kk, tile_m, impls=("ffi", "jax"), kernel_flags=0):
@@ -264,9 +264,10 @@ def test_moe_w4a4_kernel_quant_is_the_jax_quantizer(act):
 @pytest.mark.parametrize("r,k", [(1, 16), (1, 7168), (8, 768), (37, 2048), (4096, 7168), (32768, 768), (5, 4096),
                                  (3, 8448), (9, 1536), (2, 24576), (1, 33792), (2049, 8448)])
 def test_gpu_matches_pure_jax_quantizer(dtype, r, k):
-    """Up to 2048 rows a CTA a row (512 threads over 128 blocks: 1, 2 or 4 blocks a thread, over 32768
-    elements read twice; else 128 threads); past 2048 rows, 128-thread rows from 128 blocks on (over 8192
-    elements read twice) and warp rows below (QUANT_NARROW_ROWS: at any R, below); partial last CTAs."""
+    """Up to 2048 rows a CTA a row: 512 threads over 128 blocks, holding 1 (K 4096, 7168), 2 (8448) or 4
+    (24576) blocks a thread or reading twice (33792), else 128 threads, 1 block; past 2048 rows, 128-thread
+    rows from 128 blocks on (4 blocks, 4096 x 7168; read twice, 2049 x 8448) and warp rows below (2
+    blocks a lane, 32768 x 768). The narrow rows at any R (partial last CTAs): the test below."""
     rng = np.random.default_rng(r + k)
     _check_row_variants(rng, rows_with_wide_range(rng, r, k, dtype))
 
@@ -289,13 +290,13 @@ def _check_row_variants(rng, x, kernel_flags=0):
 @pytest.mark.parametrize("t,k,e,offset,kk,tile_m", ALIGN_QUANT_CASES)
 def test_gpu_align_quant_is_align_then_quantize(t, k, e, offset, kk, tile_m, flags):
     """One launch (the align in CTA 0, x's rows in the others: CTA- and warp-per-row instances holding
-    1, 2 or 4 blocks a thread, or reading twice; 512-thread rows without QUANT_NARROW_ROWS; no
+    1, 2 or 4 blocks a thread, or reading twice: 512 threads by default, 128 with QUANT_NARROW_ROWS; no
     pair, k = 0) gives the twins' bytes."""
     _align_quant_check(t, k, e, offset, kk, tile_m, impls=("ffi",), kernel_flags=flags)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-@pytest.mark.parametrize("r,k", [(1, 16), (8, 768), (64, 768), (5, 96), (37, 2048), (3, 1536)])
+@pytest.mark.parametrize("r,k", [(1, 16), (8, 768), (64, 768), (5, 96), (37, 2048), (3, 1536), (5, 4096)])
 def test_narrow_rows_flag_is_the_same_function(dtype, r, k):
     """KernelFlag.QUANT_NARROW_ROWS (the GPU: rows under 128 blocks on a warp at any R, longer ones on 128
     threads, not a CTA each of 128 or 512 up to 2048 rows; the CPU ignores it) gives the twin's bytes, with row

@@ -170,7 +170,7 @@ __global__ void __launch_bounds__(QuantCtaThreads<ROW_THREADS>()) QuantDequantRo
   QuantRowsOfBlock<T, ROW_THREADS, HELD, CHUNK>(x, a, blockIdx.x);
 }
 
-// moe_align_quant: CTA 0 aligns the pairs (one warp; the CTA's other threads help fill sorted_ids),
+// moe_align_quant: CTA 0 aligns the pairs (one warp; its other threads help fill sorted_ids and tile_expert),
 // the others quantize x's rows, in one launch (at decode, two launches of a few microseconds each that
 // did not depend on each other).
 template <typename T, int ROW_THREADS, int HELD, bool CHUNK>
