@@ -70,7 +70,9 @@ enum class KernelFlag : int64_t {
                                // 1.33-1.45x faster w4a4 ones; 32-row tiles: the mma.sync kernel)
   kWsGemm2 = 65536,            // moe's GEMM2 (chunk-ordered `a`, not gathered) on the warp-specialized
                                // kernel too, instead of the TMA-fed one (64-row tiles: 1.02-1.22x slower
-                               // layers on the H200, 2026-12-02, sessions 17-19; moe sets it on 32-row
+                               // layers on the H200, 2026-12-02, sessions 17-19; as two groups of two MMA
+                               // warpgroups, each with its own ring and 128-feature items, staged stores:
+                               // 1.01-1.06x slower, session 30; moe sets it on 32-row
                                // tiles where I >= 1536: 8-9% faster decode layers, 2026-12-03)
   kNoPersistent = 131072,      // the warp-specialized kernel with a CTA per work item instead of a persistent
                                // grid (a CTA per SM walks the work items, its ring running on across them:

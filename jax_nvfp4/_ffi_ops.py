@@ -94,7 +94,8 @@ class KernelFlag(enum.IntFlag):
     # warpgroup stages weights and gathered rows for three MMA warpgroups, four on 32-row tiles; H200: 14-17% faster
     # w4a16 prefill layers, 1.33-1.45x faster w4a4 ones)
     WS_GEMM2 = 65536  # GEMM2 too (chunk-ordered a, not gathered) on the warp-specialized kernel, not the TMA-fed one
-    # (64-row tiles: 1.02-1.22x slower layers on the H200, 2026-12-02, sessions 17-19; moe sets it on 32-row
+    # (64-row tiles: 1.02-1.22x slower layers on the H200, 2026-12-02, sessions 17-19; as two groups of two MMA
+    # warpgroups with their own rings and 128-feature items: 1.01-1.06x slower, session 30; moe sets it on 32-row
     # tiles where I >= WS_GEMM2_MIN_K)
     NO_PERSISTENT = 131072  # the warp-specialized kernel with a CTA per work item, not on a persistent grid (a CTA
     # per SM walks the work items, its ring running on across them: prefill layers up to 1.8% faster, at most 0.6%
