@@ -103,6 +103,11 @@ enum class KernelFlag : int64_t {
                                  // under 128 blocks on a warp, longer ones on 128 threads; not, up to 2048 rows, a
                                  // CTA a row of 128 threads, 512 over 128 blocks (quant_rows.cu; H200, 2026-12-03:
                                  // Qwen3 w4a4 layers x0.93-0.99 at T = 1-64 with a CTA a row of 128)
+  // 268435456: kSeparateFinalize for one H200 A/B on 2026-12-03 (session 31), when moe's w4a16 decode on
+  // moe_align_gemm summed each of GEMM2's feature slabs in the slab's last CTA (moe_gemm_finalize: every CTA
+  // counted itself by an atomic, the counters zeroed by moe_align_gemm), removed: layers 1.00-1.10x slower than
+  // with the finalize's own launch at T = 1-4 (Qwen3-30B-A3B 1.04-1.10x, DeepSeek-V3 1.00-1.09x: the count's barrier
+  // and round trip lengthen every short decode CTA; BENCHMARKS.md session 31).
   // 1048576 / 2097152: kPrefetchNext / kPrefetchNextLate (moe's GEMM1 decode CTAs warming their experts'
   // GEMM2 weights into L2 by bulk prefetches, before / after their main loop) for one H200 A/B on 2026-12-03,
   // removed: 4-13% / up to 12% slower decode layers (the prefetches take HBM bandwidth from GEMM1's loads).

@@ -121,6 +121,9 @@ class KernelFlag(enum.IntFlag):
     QUANT_NARROW_ROWS = 134217728  # quant_dequant_rows (and moe_align_quant's x) at any R as before 2026-12-03: rows
     # under 128 blocks on a warp, longer ones on 128 threads; not, up to 2048 rows, a CTA a row of 128 threads, 512
     # over 128 blocks (H200, 2026-12-03: Qwen3 w4a4 layers x0.93-0.99 at T = 1-64 with a CTA a row of 128)
+    # 268435456: SEPARATE_FINALIZE for one A/B on 2026-12-03 (session 31), when moe_gemm_finalize (w4a16 decode on
+    # moe_align_gemm) summed each feature slab in GEMM2's last CTA of the slab, counted by an atomic per CTA: removed,
+    # layers 1.00-1.10x slower on the H200 than with the finalize's own launch (branch gemm2-finalize)
     # 1048576 / 2097152: PREFETCH_NEXT / PREFETCH_NEXT_LATE (GEMM1's decode CTAs warming their experts' GEMM2
     # weights into L2) for one A/B on 2026-12-03, removed: up to 13% slower decode layers on the H200
     # 1024 / 2048: L2_PREFETCH / SPLIT_GATE_UP (decode tiles) for one A/B on 2026-12-01, removed: slower on the H200

@@ -1,6 +1,7 @@
 // moe_finalize on the GPU: out[t] = bf16(sum_j y[pair_to_row[t, j]]) with j = 0..k-1 in order
 // (no atomics: one thread owns 8 output features of one token, so results are bitwise
-// reproducible). 16-byte loads and stores.
+// reproducible). 16-byte loads and stores. Its own launch: summing each feature slab in GEMM2's last CTA of
+// the slab (an atomic count per CTA) made decode layers 1.00-1.10x slower on the H200 (2026-12-03, session 31).
 #include "cuda/cuda_util.h"
 #include "moe_common.h"
 #include "moe_handlers.h"
