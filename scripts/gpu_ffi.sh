@@ -380,21 +380,20 @@ layers = [jax.jit(lambda x, i, w: nv.moe(x, exb, topk_ids=i, topk_weights=w, bac
           # (rows: the TMA-fed GEMM2 of the chunk order)
           jax.jit(lambda x, i, w: ops.moe(x, ex, i, w, kernel_flags=ops.KernelFlag.PDL))]
 outs = []
-for f in layers:
-    for t in (1, 8, 100, 300, 2000):  # (100: 32-row tiles, blocked GEMM1 on four MMA warpgroups; 300, 2000: 64-row)
-        x = make_x(t, t, 512); ids, w = make_routing(t, t, 4, 32)
-        for _ in range(3):
-            o = f(x, ids, w)
-        outs.append(np.asarray(o.astype(jnp.float32)))
-# w4a4 at DeepSeek-V3's width (H = 7168: x's rows of 448 blocks on the 512-thread quantize instances, in
-# moe_align_quant's launch at t <= 4 and quant_dequant_rows' after it; the intermediate's 128 blocks on 128).
-wide = nv.to_blocked_experts(make_experts(2, 8, 7168, 2048))
-f = jax.jit(lambda x, i, w: ops.moe(x, wide, i, w, mode="w4a4"))
-for t in (1, 4, 64):
-    x = make_x(t, t, 7168); ids, w = make_routing(t, t, 4, 8)
+def replay(f, t, h, e):  # t tokens of width h, 4 of e experts each; the third call's output kept
+    x = make_x(t, t, h); ids, w = make_routing(t, t, 4, e)
     for _ in range(3):
         o = f(x, ids, w)
     outs.append(np.asarray(o.astype(jnp.float32)))
+for f in layers:
+    for t in (1, 8, 100, 300, 2000):  # (100: 32-row tiles, blocked GEMM1 on four MMA warpgroups; 300, 2000: 64-row)
+        replay(f, t, 512, 32)
+# w4a4 at DeepSeek-V3's width (H = 7168: x's rows of 448 blocks on the 512-thread quantize instances, in
+# moe_align_quant's launch at t <= 4 and quant_dequant_rows' after it; the intermediate's 128 blocks on 128).
+wide = nv.to_blocked_experts(make_experts(2, 8, 7168, 2048))
+wide_layer = jax.jit(lambda x, i, w: ops.moe(x, wide, i, w, mode="w4a4"))
+for t in (1, 4, 64):
+    replay(wide_layer, t, 7168, 8)
 np.savez(sys.argv[1], *outs)
 print("ok", sys.argv[1], [o.shape for o in outs])
 PY
