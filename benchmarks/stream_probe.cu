@@ -13,7 +13,10 @@
 //   layout 1: 16-row fragments blocked by 128-K chunk (a fragment's chunk is 1 KB contiguous, so a
 //   warp's load is 512 contiguous bytes and a warp streams one contiguous range per fragment);
 // - hint: the streaming loads of the kernels (L1::no_allocate, L2::256B prefetch) or plain __ldg;
-// - ahead: chunks in flight per warp beyond the one being consumed (the kernels use 1).
+// - ahead: chunks in flight per warp beyond the one being consumed (the kernels use 1);
+// - blocked, plain, ahead 1 with lane 0 asking the L2 for its fragments' next 4 or 8 chunks by
+//   cp.async.bulk.prefetch.L2 (H200, 2026-12-04: 13-20% slower than without, as were the GEMMs
+//   with them: BENCHMARKS.md session 32).
 // Every case rotates over 8 disjoint expert sets (together above the H200's 60 MB L2) and reports the median of
 // 20 timed launches; "copy" is a contiguous 16-byte-per-lane read of the same bytes at full
 // occupancy, the ceiling. The shared memory that limits the CTAs per SM leaves ~28 KB of L1
@@ -73,7 +76,13 @@ __device__ __forceinline__ int64_t Offset(int64_t row, int64_t c, int t, int64_t
   return (((row / 16) * chunks + c) * 16 + row % 16) * 64 + 16 * t;
 }
 
-template <int LAYOUT, bool HINT, int NF, int AHEAD>
+// Asks the L2 for `bytes` at p through the copy engine (sm_90 cp.async.bulk.prefetch.L2).
+__device__ __forceinline__ void BulkPrefetchL2(const void* p, uint32_t bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+}
+
+// PF (blocked layout): lane 0 keeps the next PF chunks of each of its fragments asked of the L2.
+template <int LAYOUT, bool HINT, int NF, int AHEAD, int PF = 0>
 __global__ void __launch_bounds__(128) Stream(const Args a) {
   constexpr int D = AHEAD + 1;  // register buffers, rotated by unrolling
   extern __shared__ uint8_t occupancy_limiter[];
@@ -92,6 +101,16 @@ __global__ void __launch_bounds__(128) Stream(const Args a) {
       for (int h = 0; h < 2; ++h)
         b[j][h] = Load16<HINT>(base + Offset<LAYOUT>(feat0 + g + 8 * h + j * a.n_out, c, t, a.row_bytes));
   };
+  const auto prefetch = [&](int64_t c, int64_t n) {  // chunks [c, c + n), clipped to the span
+    if constexpr (PF > 0 && LAYOUT == 1) {
+      n = c + n < c1 ? n : c1 - c;
+      if (lane != 0 || n <= 0) return;
+#pragma unroll
+      for (int j = 0; j < NF; ++j)
+        BulkPrefetchL2(base + Offset<LAYOUT>(feat0 + j * a.n_out, c, 0, a.row_bytes), uint32_t(n * 1024));
+    }
+  };
+  prefetch(c0 + AHEAD, PF);
 #pragma unroll
   for (int s = 0; s < AHEAD; ++s)
     if (c0 + s < c1) load(buf[s], c0 + s);
@@ -100,6 +119,7 @@ __global__ void __launch_bounds__(128) Stream(const Args a) {
     for (int s = 0; s < D; ++s) {
       if (c + s < c1) {
         if (c + s + AHEAD < c1) load(buf[(s + AHEAD) % D], c + s + AHEAD);
+        prefetch(c + s + AHEAD + PF, 1);
 #pragma unroll
         for (int j = 0; j < NF; ++j)
 #pragma unroll
@@ -142,9 +162,9 @@ float MedianUs(F&& launch, int sets) {
   return us[us.size() / 2];
 }
 
-template <int LAYOUT, bool HINT, int NF, int AHEAD>
+template <int LAYOUT, bool HINT, int NF, int AHEAD, int PF = 0>
 float RunCase(const Shape& s, const uint8_t* w, uint32_t* sink, int sets, size_t smem) {
-  auto kernel = Stream<LAYOUT, HINT, NF, AHEAD>;
+  auto kernel = Stream<LAYOUT, HINT, NF, AHEAD, PF>;
   CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
   int per_sm = 0;
@@ -184,17 +204,23 @@ void RunShape(const Shape& s, const uint8_t* w, uint32_t* sink, int sets, int sm
   RunAhead<0, false, NF>(s, w, sink, sets, smem, bytes);
   RunAhead<1, true, NF>(s, w, sink, sets, smem, bytes);
   RunAhead<1, false, NF>(s, w, sink, sets, smem, bytes);
+  const float p4 = RunCase<1, false, NF, 1, 4>(s, w, sink, sets, smem);
+  const float p8 = RunCase<1, false, NF, 1, 8>(s, w, sink, sets, smem);
+  std::printf("  %-28s layout 1 hint 0 | ahead 1 + bulk L2 prefetch 4 chunks: %7.1f us %5.2f TB/s | 8 chunks: %7.1f us %5.2f TB/s\n",
+              s.name, p4, bytes / p4 * 1e-6, p8, bytes / p8 * 1e-6);
 }
 
 int main() {
   // The GEMMs of the benchmark's decode rows (moe_bench.py shapes; k_split and occupancy as the
-  // library chooses them on the H200: gated 8-row kernels 121-128 registers -> 4 CTAs per SM,
-  // non-gated 72 -> 7).
+  // library chooses them on the H200 since 2026-12-01's refit: blocked gated 8-row kernels 116-122
+  // registers -> 4 CTAs per SM, non-gated 64 -> 8; Qwen3 T=4 GEMM1 also at the splits it gave up).
   const Shape shapes[] = {
-      {"qwen3 T=4 GEMM1", 32, 1536, 2048, true, 4, 4},
-      {"qwen3 T=4 GEMM2", 32, 2048, 768, false, 2, 7},
+      {"qwen3 T=4 GEMM1", 30, 1536, 2048, true, 1, 4},
+      {"qwen3 T=4 GEMM1 ks2", 30, 1536, 2048, true, 2, 4},
+      {"qwen3 T=4 GEMM1 ks4", 30, 1536, 2048, true, 4, 4},
+      {"qwen3 T=4 GEMM2", 30, 2048, 768, false, 1, 8},
       {"deepseek-v3 T=1 GEMM1", 8, 4096, 7168, true, 4, 4},
-      {"deepseek-v3 T=1 GEMM2", 8, 7168, 2048, false, 2, 7},
+      {"deepseek-v3 T=1 GEMM2", 8, 7168, 2048, false, 2, 8},
   };
   int sms = 0;
   CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));

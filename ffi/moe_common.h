@@ -103,6 +103,10 @@ enum class KernelFlag : int64_t {
                                  // under 128 blocks on a warp, longer ones on 128 threads; not, up to 2048 rows, a
                                  // CTA a row of 128 threads, 512 over 128 blocks (quant_rows.cu; H200, 2026-12-03:
                                  // Qwen3 w4a4 layers x0.93-0.99 at T = 1-64 with a CTA a row of 128)
+  // 536870912 / 1073741824: kBulkPrefetch / kBulkPrefetchFar (the mma.sync decode tiles on blocked weights, lane 0
+  // of each warp keeping its fragments' next 4 / 8 chunks asked of the L2 by cp.async.bulk.prefetch.L2) for one H200
+  // A/B on 2026-12-04 (session 32), removed: layers 1.00-1.28x slower (a stream of the same loads without the math,
+  // benchmarks/stream_probe.cu, 1.13-1.20x slower with them; BENCHMARKS.md session 32).
   // 268435456: kSeparateFinalize for one H200 A/B on 2026-12-03 (session 31), when moe's w4a16 decode on
   // moe_align_gemm summed each of GEMM2's feature slabs in the slab's last CTA (moe_gemm_finalize: every CTA
   // counted itself by an atomic, the counters zeroed by moe_align_gemm), removed: layers 1.00-1.10x slower than

@@ -121,6 +121,9 @@ class KernelFlag(enum.IntFlag):
     QUANT_NARROW_ROWS = 134217728  # quant_dequant_rows (and moe_align_quant's x) at any R as before 2026-12-03: rows
     # under 128 blocks on a warp, longer ones on 128 threads; not, up to 2048 rows, a CTA a row of 128 threads, 512
     # over 128 blocks (H200, 2026-12-03: Qwen3 w4a4 layers x0.93-0.99 at T = 1-64 with a CTA a row of 128)
+    # 536870912 / 1073741824: BULK_PREFETCH / BULK_PREFETCH_FAR (decode tiles on blocked weights asking the L2 for
+    # their next 4 / 8 chunks by bulk prefetches) for one A/B on 2026-12-04, removed: layers up to 1.28x slower
+    # on the H200 (branch bulk-prefetch)
     # 268435456: SEPARATE_FINALIZE for one A/B on 2026-12-03 (session 31), when moe_gemm_finalize (w4a16 decode on
     # moe_align_gemm) summed each feature slab in GEMM2's last CTA of the slab, counted by an atomic per CTA: removed,
     # layers 1.00-1.10x slower on the H200 than with the finalize's own launch (branch gemm2-finalize)

@@ -191,6 +191,8 @@ __device__ __forceinline__ void RunUsedBlocks(int used, Loop&& loop) {
 enum DecodeLoop : int { kRegisterLoop = 0, kStreamLoop = 2 };
 constexpr int64_t kStreamMinSpan = 768;  // K per warp from which decode tiles stream (Launch)
 
+// No minimum of CTAs an SM: five for the gated 8-row tiles (at most 102 registers, 48-64 bytes spilled)
+// made decode layers 1.07-1.18x slower on the H200 (2026-12-04, BENCHMARKS.md session 32).
 template <int FM, int KS, int LOOP, bool GATED, typename OutT, bool PA, bool BW>
 __global__ void __launch_bounds__(kThreads) W4A16GroupedGemmKernel(const GemmParams p) {
   constexpr int BM = FM * 8;
@@ -329,7 +331,8 @@ void Launch(const GemmParams& p, int64_t tile_m, int64_t k_split, int64_t slabs,
   // 256-byte prefetch then mostly fetches other warps' bytes). kPlainWeightLoads: plain loads
   // everywhere (but for paired activations). Larger tiles ignore it; both give the same bits. (L2
   // prefetches 8-11 chunks ahead and gate / up rows in separate warps, 70-96 registers, were 2-76%
-  // and up to 17% slower on the H200, 2026-12-01: removed; shared-memory rings: DecodeLoop.)
+  // and up to 17% slower on the H200, 2026-12-01: removed; so were lane 0's bulk L2 prefetches of each
+  // fragment's next 4-12 chunks, up to 1.28x slower on 2026-12-04; shared-memory rings: DecodeLoop.)
   if constexpr (!PA) {
     if ((flags & int64_t(KernelFlag::kPlainWeightLoads)) || p.K / k_split < kStreamMinSpan)
       return LaunchLoop<kRegisterLoop, GATED, OutT, PA, BW>(p, tile_m, k_split, slabs, pdl, stream);
