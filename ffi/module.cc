@@ -143,6 +143,7 @@ NB_MODULE(_ffi, m) {
     kf["ws_two_blocks"] = int64_t(KernelFlag::kWsTwoBlocks);
     kf["separate_align"] = int64_t(KernelFlag::kSeparateAlign);
     kf["quant_narrow_rows"] = int64_t(KernelFlag::kQuantNarrowRows);
+    kf["activations_in_loop"] = int64_t(KernelFlag::kActivationsInLoop);
     c["KernelFlag"] = kf;
     nb::dict pairing;
     pairing["none"] = int64_t(Pairing::kNone);

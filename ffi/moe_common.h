@@ -103,6 +103,9 @@ enum class KernelFlag : int64_t {
                                  // under 128 blocks on a warp, longer ones on 128 threads; not, up to 2048 rows, a
                                  // CTA a row of 128 threads, 512 over 128 blocks (quant_rows.cu; H200, 2026-12-03:
                                  // Qwen3 w4a4 layers x0.93-0.99 at T = 1-64 with a CTA a row of 128)
+  kActivationsInLoop = 2147483648ll,  // gated 8-row decode tiles: a chunk's activations loaded as its pieces are
+                                     // multiplied, not with its weights a chunk ahead where a warp spans >= 2048 K
+                                     // (H200, 2026-12-04: layers x0.92-0.99 ahead, 8 of 12 decode rows faster)
   // 536870912 / 1073741824: kBulkPrefetch / kBulkPrefetchFar (the mma.sync decode tiles on blocked weights, lane 0
   // of each warp keeping its fragments' next 4 / 8 chunks asked of the L2 by cp.async.bulk.prefetch.L2) for one H200
   // A/B on 2026-12-04 (session 32), removed: layers 1.00-1.28x slower (a stream of the same loads without the math,
@@ -122,7 +125,7 @@ enum class KernelFlag : int64_t {
   // 16384: kWgmmaTilePairs (the TMA-fed GEMM2 on pairs of one expert's 64-row tiles, m64n128 wgmmas,
   // one CTA per SM) for one H200 A/B on 2026-12-02, removed: 1.25-1.42x slower layers (dabc4ef).
 };
-constexpr int64_t kAllKernelFlags = 198148830;
+constexpr int64_t kAllKernelFlags = 198148830 + 2147483648ll;
 // grouped_gemm's `pairing` bits: which operands hold a kernel order instead of the natural one.
 // kA / kOut: a's K axis / out's feature axis in the paired order (PairedPos). moe's intermediate
 // uses it on mma.sync tiles (but with KernelFlag kNaturalIntermediate): GEMM1 writes it paired,

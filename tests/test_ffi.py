@@ -1333,7 +1333,8 @@ _OPT_IN_DEFAULTS = {}  # (t, mode) -> the default kernels' output
 
 OPT_IN_FLAGS = (ops.KernelFlag.JAX_QUANT, ops.KernelFlag.ROW_TILES_FIRST, ops.KernelFlag.PDL,
                 ops.KernelFlag.NATURAL_INTERMEDIATE, ops.KernelFlag.PLAIN_WEIGHT_LOADS, ops.KernelFlag.ALIGN_ONE_CTA,
-                ops.KernelFlag.SEPARATE_X_QUANT, ops.KernelFlag.SEPARATE_ALIGN, ops.KernelFlag.QUANT_NARROW_ROWS)
+                ops.KernelFlag.SEPARATE_X_QUANT, ops.KernelFlag.SEPARATE_ALIGN, ops.KernelFlag.QUANT_NARROW_ROWS,
+                ops.KernelFlag.ACTIVATIONS_IN_LOOP)
 
 
 @pytest.mark.gpu

@@ -12,7 +12,8 @@
 //   splitting multiplies the CTAs, so that enough weight bytes are in flight on every SM.
 // - Weights go straight from global memory into registers with 16-byte loads (each thread
 //   reads 32 consecutive K of a row: 16 bytes of codes + 2 scale bytes), prefetched one
-//   128-K chunk ahead; no shared memory, no bf16 weights in memory. With the checkpoint's
+//   128-K chunk ahead (gated 8-row tiles, GEMM1, load that chunk's activations with it: MainLoop's XR);
+//   no shared memory, no bf16 weights in memory. With the checkpoint's
 //   row-major codes a warp's load touches 8 rows x 64 bytes; weights repacked into the blocked
 //   order (Pairing::kBlockedW, BlockedOffset: 16 rows x 128 K contiguous) make it 512
 //   contiguous bytes (7-13% faster decode layers on the H200; jax_nvfp4.weight_order makes
@@ -113,6 +114,27 @@ __device__ __forceinline__ void ComputeChunk(const WeightRegs<CH, NF>& w, const 
   }
 }
 
+// The activations of a 128-K chunk for the thread's rows (its 4 pieces), loaded a chunk ahead like the weights
+// (MainLoop's XR).
+template <int FMU, int FM>
+struct ActRegs {
+  uint4 x[4][FM];
+  __device__ __forceinline__ void Load(const uint16_t* const (&arow)[FM], int64_t kc, int t) {
+#pragma unroll
+    for (int p = 0; p < 4; ++p) LoadPiece<FMU, FM>(arow, kc + 32 * t + 8 * p, x[p]);
+  }
+};
+
+// ComputeChunk on activations loaded ahead.
+template <int NF, int FMU, int FM, bool PA>
+__device__ __forceinline__ void ComputeChunkX(const WeightRegs<128, NF>& w, const ActRegs<FMU, FM>& xa,
+                                              float (&acc)[NF][FM][4]) {
+  uint32_t scale[NF][2][2];
+  w.BlockScales(scale);
+#pragma unroll
+  for (int p = 0; p < 4; ++p) ComputePiece<128, NF, FMU, FM, PA>(w, scale, p, xa.x[p], acc);
+}
+
 // The 64-K tail at kc when kc < k1 ((k1 - k0) % 128 == 64), loaded straight into registers.
 template <int FMU, int FM, int NF, bool PA>
 __device__ __forceinline__ void TailChunk(const uint8_t* const (&wrow)[NF][2], const uint8_t* const (&srow)[NF][2],
@@ -132,21 +154,34 @@ __device__ __forceinline__ void TailChunk(const uint8_t* const (&wrow)[NF][2], c
 // registers instead of 124-162 with a copy (H200, 2026-12-01: 4% faster on 16-row tiles, where
 // it beat the cp.async ring). Two or three chunks in flight (three or four buffers) were 4-14%
 // slower in 8 of 12 rows of the same A/B and 3-5% faster in 2 (fewer CTAs fit per SM).
-template <int FMU, int FM, int NF, bool PA, bool STREAM, bool BW>
+// XR: the next chunk's activations are loaded with its weights, into registers, instead of as each piece is
+// multiplied (whose loads, L1 misses that wait on the L2, were a third of the gated decode tiles' stall samples
+// on the H200: Nsight Compute, Qwen3-30B-A3B T = 4; Launch chooses it).
+template <int FMU, int FM, int NF, bool PA, bool STREAM, bool BW, bool XR = false>
 __device__ __forceinline__ void MainLoop(const uint8_t* const (&wrow)[NF][2], const uint8_t* const (&srow)[NF][2],
                                          const uint16_t* const (&arow)[FM], int64_t k0, int64_t k1, int t,
                                          float (&acc)[NF][FM][4]) {
   constexpr int D = 2;
   const int64_t chunks = (k1 - k0) / 128;
   WeightRegs<128, NF> buf[D];
-  if (chunks > 0) buf[0].template Load<STREAM, BW>(wrow, srow, k0, t);
+  ActRegs<FMU, FM> xbuf[XR ? D : 1];
+  if (chunks > 0) {
+    buf[0].template Load<STREAM, BW>(wrow, srow, k0, t);
+    if constexpr (XR) xbuf[0].Load(arow, k0, t);
+  }
   for (int64_t c0 = 0; c0 < chunks; c0 += D) {
 #pragma unroll
     for (int s = 0; s < D; ++s) {
       const int64_t c = c0 + s;
       if (c < chunks) {
-        if (c + 1 < chunks) buf[(s + 1) % D].template Load<STREAM, BW>(wrow, srow, k0 + 128 * (c + 1), t);
-        ComputeChunk<128, NF, FMU, FM, PA>(buf[s], arow, k0 + 128 * c, t, acc);
+        if (c + 1 < chunks) {
+          buf[(s + 1) % D].template Load<STREAM, BW>(wrow, srow, k0 + 128 * (c + 1), t);
+          if constexpr (XR) xbuf[(s + 1) % D].Load(arow, k0 + 128 * (c + 1), t);
+        }
+        if constexpr (XR)
+          ComputeChunkX<NF, FMU, FM, PA>(buf[s], xbuf[s], acc);
+        else
+          ComputeChunk<128, NF, FMU, FM, PA>(buf[s], arow, k0 + 128 * c, t, acc);
       }
     }
   }
@@ -188,8 +223,15 @@ __device__ __forceinline__ void RunUsedBlocks(int used, Loop&& loop) {
 // per-row 1-D bulk copies (1.4-1.8x: a bulk copy takes a warp-uniform address, so 32 lanes'
 // copies serialize) and 2-D tensor copies, one box per 16 rows and 256 K with an mbarrier per
 // stage (0.7-20% slower; commit 15d2b7c, BENCHMARKS.md session 11).
-enum DecodeLoop : int { kRegisterLoop = 0, kStreamLoop = 2 };
+// kXAhead (a bit over the others): MainLoop's XR, on gated 8-row tiles from kXAheadMinSpan. The activations a
+// chunk ahead elsewhere lost on the H200 (2026-12-04, BENCHMARKS.md session 33): in registers on the non-gated
+// tiles (moe's GEMM2: 64 -> 87-93 registers, layers x0.98-1.05), copied into shared memory by cp.async
+// (x0.95-1.02 on either GEMM), or asked of L1 by prefetches (x1.00-1.10).
+enum DecodeLoop : int { kRegisterLoop = 0, kStreamLoop = 2, kXAhead = 4 };
 constexpr int64_t kStreamMinSpan = 768;  // K per warp from which decode tiles stream (Launch)
+// K per warp from which gated 8-row tiles load activations a chunk ahead (kXAhead; H200, 2026-12-04: layers
+// x0.92-0.99 where warps span 2048-7168 K, x1.00-1.02 at 512-1024; BENCHMARKS.md session 33)
+constexpr int64_t kXAheadMinSpan = 2048;
 
 // No minimum of CTAs an SM: five for the gated 8-row tiles (at most 102 registers, 48-64 bytes spilled)
 // made decode layers 1.07-1.18x slower on the H200 (2026-12-04, BENCHMARKS.md session 32).
@@ -199,7 +241,8 @@ __global__ void __launch_bounds__(kThreads) W4A16GroupedGemmKernel(const GemmPar
   constexpr int NF = GATED ? 2 : 1;  // weight fragments per warp: [gate, up] or [h]
   constexpr int NS = kWarps / KS;    // warps along N; KS warps share each 16 features
   constexpr int kAcc = NF * FM * 4;  // fp32 accumulators per thread
-  constexpr bool kStream = LOOP == kStreamLoop && FM <= 2;
+  constexpr bool kStream = (LOOP & 3) == kStreamLoop && FM <= 2;
+  constexpr bool kXR = (LOOP & kXAhead) && FM <= 2;
   __shared__ float partial[KS > 1 ? (KS - 1) * NS * kAcc * 32 : 1];
   __shared__ int32_t aligned_rows[FM == 1 ? BM : 1];
   GridDependencyWait();
@@ -254,7 +297,7 @@ __global__ void __launch_bounds__(kThreads) W4A16GroupedGemmKernel(const GemmPar
     const int64_t k0 = kUnit * (units * kw / KS), k1 = kUnit * (units * (kw + 1) / KS);
     RunUsedBlocks<FM>(UsedBlocks(arow), [&](auto fmu) {
       constexpr int FMU = decltype(fmu)::value;
-      MainLoop<FMU, FM, NF, PA, kStream, BW>(wrow, srow, arow, k0, k1, t, acc);
+      MainLoop<FMU, FM, NF, PA, kStream, BW, kXR>(wrow, srow, arow, k0, k1, t, acc);
     });
   }
 
@@ -299,7 +342,8 @@ void LaunchSplit(const GemmParams& p, int64_t tile_m, int64_t slabs, bool pdl, c
       LaunchKernel(W4A16GroupedGemmKernel<1, KS, LOOP, GATED, OutT, PA, BW>, grid, kThreads, 0, stream, pdl, p);
       break;
     case 16:
-      LaunchKernel(W4A16GroupedGemmKernel<2, KS, LOOP, GATED, OutT, PA, BW>, grid, kThreads, 0, stream, pdl, p);
+      LaunchKernel(W4A16GroupedGemmKernel<2, KS, (LOOP & ~kXAhead), GATED, OutT, PA, BW>, grid, kThreads, 0, stream,
+                   pdl, p);
       break;
     case 32:
       LaunchKernel(W4A16GroupedGemmKernel<4, 1, kRegisterLoop, GATED, OutT, PA, BW>, grid, kThreads, 0, stream, pdl, p);
@@ -333,11 +377,15 @@ void Launch(const GemmParams& p, int64_t tile_m, int64_t k_split, int64_t slabs,
   // prefetches 8-11 chunks ahead and gate / up rows in separate warps, 70-96 registers, were 2-76%
   // and up to 17% slower on the H200, 2026-12-01: removed; so were lane 0's bulk L2 prefetches of each
   // fragment's next 4-12 chunks, up to 1.28x slower on 2026-12-04; shared-memory rings: DecodeLoop.)
-  if constexpr (!PA) {
-    if ((flags & int64_t(KernelFlag::kPlainWeightLoads)) || p.K / k_split < kStreamMinSpan)
-      return LaunchLoop<kRegisterLoop, GATED, OutT, PA, BW>(p, tile_m, k_split, slabs, pdl, stream);
+  const bool plain = !PA && ((flags & int64_t(KernelFlag::kPlainWeightLoads)) || p.K / k_split < kStreamMinSpan);
+  constexpr int R = kRegisterLoop, S = kStreamLoop;
+  if constexpr (GATED) {  // activations a chunk ahead: 8-row tiles where a warp's K span is >= kXAheadMinSpan
+    if (tile_m == 8 && p.K / k_split >= kXAheadMinSpan && !(flags & int64_t(KernelFlag::kActivationsInLoop)))
+      return plain ? LaunchLoop<R | kXAhead, GATED, OutT, PA, BW>(p, tile_m, k_split, slabs, pdl, stream)
+                   : LaunchLoop<S | kXAhead, GATED, OutT, PA, BW>(p, tile_m, k_split, slabs, pdl, stream);
   }
-  LaunchLoop<kStreamLoop, GATED, OutT, PA, BW>(p, tile_m, k_split, slabs, pdl, stream);
+  if (plain) return LaunchLoop<R, GATED, OutT, PA, BW>(p, tile_m, k_split, slabs, pdl, stream);
+  LaunchLoop<S, GATED, OutT, PA, BW>(p, tile_m, k_split, slabs, pdl, stream);
 }
 
 template <bool BW>
