@@ -241,7 +241,7 @@ __global__ void __launch_bounds__(kThreads) W4A16GroupedGemmKernel(const GemmPar
   constexpr int NF = GATED ? 2 : 1;  // weight fragments per warp: [gate, up] or [h]
   constexpr int NS = kWarps / KS;    // warps along N; KS warps share each 16 features
   constexpr int kAcc = NF * FM * 4;  // fp32 accumulators per thread
-  constexpr bool kStream = (LOOP & 3) == kStreamLoop && FM <= 2;
+  constexpr bool kStream = (LOOP & ~kXAhead) == kStreamLoop && FM <= 2;
   constexpr bool kXR = (LOOP & kXAhead) && FM <= 2;
   __shared__ float partial[KS > 1 ? (KS - 1) * NS * kAcc * 32 : 1];
   __shared__ int32_t aligned_rows[FM == 1 ? BM : 1];
