@@ -188,7 +188,9 @@ __device__ __forceinline__ void TmaLoadChunk(uint32_t dst, const CUtensorMap* am
 // One chunk (CH = 128 or the 64 tail) of MMAs from registers w and the staged buffer at
 // `buf` (shared address). A piece (one code word per row) is two 16-K steps; its decoded A
 // words are double buffered across pieces, so piece pp + 1 decodes while pp multiplies.
-// Ends with every wgmma of the chunk complete.
+// Ends with every wgmma of the chunk complete. (The last two pieces' wgmmas left in flight into the
+// next chunk, in the TMA-fed and warp-specialized kernels: layers x0.97-1.08, mostly slower; H200,
+// 2026-12-04, BENCHMARKS.md session 34.)
 template <int CH, int NF, int TOK>
 __device__ __forceinline__ void ChunkMma(const WeightRegs<CH, NF>& w, uint32_t buf, float (&acc)[NF][TOK / 8][4]) {
   constexpr int kPieces = CH / 32;
