@@ -271,6 +271,8 @@ constexpr float kDecodeBias = 256.0f;  // 2^(kDecodeExp - kScaleExp): applied to
 // w[0] = {c0, c4}, w[1] = {c1, c5}, w[2] = {c2, c6}, w[3] = {c3, c7} (first in the low half).
 // One multiply places a nibble's magnitude (shift 6) and its sign (shift 12) for both halves
 // at once (the shifted copies do not overlap), a mask keeps the wanted bits: 3 ops per pair.
+// (A blocked order that also permuted each code word's bits would take 8 ops for the 8 codes, not
+// 13: the probe of that op count made H200 layers 2-9% faster; BENCHMARKS.md session 35.)
 NVFP4_HD void DecodeE2M1x8(uint32_t q, uint32_t (&w)[4]) {
   constexpr uint32_t kKeep = 0x81C081C0u;  // sign bit 15 and magnitude bits 8..6, both halves
   const uint32_t q2 = q >> 8;
