@@ -19,19 +19,22 @@ nb::capsule Capsule(XLA_FFI_Error* (*fn)(XLA_FFI_CallFrame*)) {
   return nb::capsule(reinterpret_cast<void*>(fn));
 }
 
-// Checks the in-register E2M1 -> bf16 decode the CUDA kernel uses against the E2M1 table, for
-// all 65536 groups of four codes. Returns the number of wrong values (0 expected).
+// Checks the in-register E2M1 -> bf16 decodes the CUDA kernels use (of the rows order's code words and of
+// the blocked order's, bits permuted) against the E2M1 table, for all 65536 groups of four codes. Returns the
+// number of wrong values (0 expected).
 int SelfTestDecode() {
   // Every code in every one of the 8 positions (with varying neighbours): bits-as-bf16 must be
   // exactly code * 2^-126, -0.0 included (compared bitwise).
   int bad = 0;
   for (uint32_t v = 0; v < 65536; ++v) {
     const uint32_t q = v | (((v * 0x9E37u) ^ (v >> 3)) & 0xFFFFu) << 16;
-    uint32_t w[4];
-    jax_nvfp4::DecodeE2M1x8(q, w);
-    for (int i = 0; i < 8; ++i) {
-      const uint16_t got = uint16_t(w[i % 4] >> (16 * (i / 4)));
-      const float want = std::ldexp(jax_nvfp4::E2M1ToFloat((q >> (4 * i)) & 0xF), -jax_nvfp4::kDecodeExp);
+    uint32_t w[2][4];  // the rows order's word, and the blocked order's (its bits permuted)
+    jax_nvfp4::DecodeE2M1x8(q, w[0]);
+    jax_nvfp4::DecodeE2M1x8Blocked(jax_nvfp4::BlockedCodeBits(q), w[1]);
+    bad += jax_nvfp4::NaturalCodeBits(jax_nvfp4::BlockedCodeBits(q)) != q;
+    for (int i = 0; i < 16; ++i) {
+      const uint16_t got = uint16_t(w[i / 8][i % 4] >> (16 * (i % 8 / 4)));
+      const float want = std::ldexp(jax_nvfp4::E2M1ToFloat((q >> (4 * (i % 8))) & 0xF), -jax_nvfp4::kDecodeExp);
       const float v32 = jax_nvfp4::Bf16ToFloat(got);
       if (std::memcmp(&v32, &want, 4) != 0) ++bad;
     }
@@ -165,6 +168,9 @@ NB_MODULE(_ffi, m) {
     c["cuda_k_multiple"] = kCudaKMultiple;
     c["cuda_n_multiple"] = kCudaNMultiple;
     c["all_kernel_flags"] = kAllKernelFlags;
+    nb::list bits;
+    for (int b : kBlockedBitPos) bits.append(b);
+    c["blocked_bit_pos"] = bits;
     return c;
   }, "Enum values and tiling limits shared with the kernels (jax_nvfp4._ffi_ops checks its mirror).");
 

@@ -271,8 +271,6 @@ constexpr float kDecodeBias = 256.0f;  // 2^(kDecodeExp - kScaleExp): applied to
 // w[0] = {c0, c4}, w[1] = {c1, c5}, w[2] = {c2, c6}, w[3] = {c3, c7} (first in the low half).
 // One multiply places a nibble's magnitude (shift 6) and its sign (shift 12) for both halves
 // at once (the shifted copies do not overlap), a mask keeps the wanted bits: 3 ops per pair.
-// (A blocked order that also permuted each code word's bits would take 8 ops for the 8 codes, not
-// 13: the probe of that op count made H200 layers 2-9% faster; BENCHMARKS.md session 35.)
 NVFP4_HD void DecodeE2M1x8(uint32_t q, uint32_t (&w)[4]) {
   constexpr uint32_t kKeep = 0x81C081C0u;  // sign bit 15 and magnitude bits 8..6, both halves
   const uint32_t q2 = q >> 8;
@@ -280,6 +278,40 @@ NVFP4_HD void DecodeE2M1x8(uint32_t q, uint32_t (&w)[4]) {
   w[1] = ((q & 0x00F000F0u) * 0x0104u) & kKeep;   // c1, c5: << 2 and << 8
   w[2] = ((q2 & 0x000F000Fu) * 0x1040u) & kKeep;  // c2, c6
   w[3] = ((q2 & 0x00F000F0u) * 0x0104u) & kKeep;  // c3, c7
+}
+
+// The blocked order's code words (Pairing::kBlockedW) permute their 32 bits so that the decode takes 8 ops
+// for the 8 codes, not 13 (H200, 2026-12-04: layers 2-9% faster at the op count; BENCHMARKS.md session 35):
+// {c0, c4}, {c1, c5} and {c2, c6} sit at rotations 0, 3 and 6 of their bf16 positions (kKeep's bits),
+// read by a rotate and a mask; {c3, c7} in the remaining bits {0, 1, 3, 4, 16, 17, 19, 20}, placed by one
+// multiply (shifts 2, 7, 12; the copies do not overlap). kBlockedBitPos[4i + j]: where bit j (m, e0, e1, s)
+// of code i goes. formats.py's to_blocked_weights applies the same table (BLOCKED_BIT_POS).
+constexpr int kBlockedBitPos[32] = {6,  7,  8,  15, 9,  10, 11, 18, 12, 13, 14, 21, 4,  0,  1,  3,
+                                    22, 23, 24, 31, 25, 26, 27, 2,  28, 29, 30, 5,  20, 16, 17, 19};
+inline uint32_t BlockedCodeBits(uint32_t q) {  // a natural code word (code i in bits 4i..4i+3) -> blocked
+  uint32_t b = 0;
+  for (int i = 0; i < 32; ++i) b |= ((q >> i) & 1u) << kBlockedBitPos[i];
+  return b;
+}
+inline uint32_t NaturalCodeBits(uint32_t b) {  // the inverse
+  uint32_t q = 0;
+  for (int i = 0; i < 32; ++i) q |= ((b >> kBlockedBitPos[i]) & 1u) << i;
+  return q;
+}
+NVFP4_HD uint32_t RotateRight(uint32_t q, int n) {
+#ifdef __CUDA_ARCH__
+  return __funnelshift_r(q, q, n);
+#else
+  return (q >> n) | (q << (32 - n));
+#endif
+}
+// DecodeE2M1x8 of NaturalCodeBits(b), from the blocked word b.
+NVFP4_HD void DecodeE2M1x8Blocked(uint32_t b, uint32_t (&w)[4]) {
+  constexpr uint32_t kKeep = 0x81C081C0u;
+  w[0] = b & kKeep;
+  w[1] = RotateRight(b, 3) & kKeep;
+  w[2] = RotateRight(b, 6) & kKeep;
+  w[3] = ((b & 0x001B001Bu) * 0x1084u) & kKeep;
 }
 
 // ---- shape checks shared by both platforms --------------------------------------------------

@@ -31,9 +31,11 @@ void DecodeRows(const uint8_t* w, const uint8_t* ws, int64_t e, int64_t N, int64
       const float s = kE4M3[sd[blocked ? BlockedOffset(n, kb, K, kBlockScaleBytes) : n * (K / 16) + kb]];
       const uint8_t* bytes = wd + (blocked ? BlockedOffset(n, kb * 8, K, kBlockCodeBytes) : n * (K / 2) + kb * 8);
       float* out = dst + (n - n0) * K + kb * 16;
-      for (int i = 0; i < 8; ++i) {
-        out[2 * i] = E2M1ToFloat(bytes[i] & 0xF) * s;
-        out[2 * i + 1] = E2M1ToFloat(bytes[i] >> 4) * s;
+      for (int h = 0; h < 2; ++h) {  // two code words (little-endian), blocked ones with their bits permuted
+        uint32_t q = 0;
+        for (int i = 0; i < 4; ++i) q |= uint32_t(bytes[4 * h + i]) << (8 * i);
+        if (blocked) q = NaturalCodeBits(q);
+        for (int i = 0; i < 8; ++i) out[8 * h + i] = E2M1ToFloat((q >> (4 * i)) & 0xF) * s;
       }
     }
   }

@@ -39,7 +39,7 @@ import numpy as np
 from jax import lax
 
 from . import _exact
-from .formats import NVFP4Array, NVFP4Experts, dequantize, from_blocked_weights
+from .formats import BLOCKED_BIT_POS, NVFP4Array, NVFP4Experts, dequantize, from_blocked_weights
 from .quantize import quantize
 
 try:
@@ -236,6 +236,9 @@ def check_constants() -> None:
             raise RuntimeError(f"{cls.__name__} differs between Python {want} and C++ {dict(c[cls.__name__])}")
     if c["all_kernel_flags"] != int(sum(KernelFlag)):  # the handlers' mask of valid bits
         raise RuntimeError(f"the C++ kernel-flag mask {c['all_kernel_flags']} is not the sum of KernelFlag")
+    if tuple(c["blocked_bit_pos"]) != BLOCKED_BIT_POS:  # the blocked code words' bit layout
+        raise RuntimeError(f"the blocked order's bit positions differ: C++ {tuple(c['blocked_bit_pos'])}, "
+                           f"Python {BLOCKED_BIT_POS}")
     got = (tuple(c["tile_ms"]), tuple(c["k_splits"]), c["max_split_tile_m"], c["max_align_experts"],
            c["align_one_warp_pairs"], c["cuda_k_multiple"], c["cuda_n_multiple"])
     if got != (TILE_MS, K_SPLITS, MAX_SPLIT_TILE_M, MAX_ALIGN_EXPERTS, ALIGN_ONE_WARP_PAIRS, CUDA_K_MULTIPLE,

@@ -171,6 +171,28 @@ def _reblock(v, chunks: int, to_blocked: bool):
     return jnp.swapaxes(v.reshape(src), -3, -2).reshape(v.shape)
 
 
+# The blocked order's code words: each little-endian 32-bit word of 8 codes (code i in bits 4i..4i+3, its
+# bits m, e0, e1, sign) has bit 4i + j moved to BLOCKED_BIT_POS[4i + j], so that the CUDA kernels decode the
+# word in 8 integer ops, not 13 (ffi/moe_common.h kBlockedBitPos, DecodeE2M1x8Blocked).
+BLOCKED_BIT_POS = (6, 7, 8, 15, 9, 10, 11, 18, 12, 13, 14, 21, 4, 0, 1, 3,
+                   22, 23, 24, 31, 25, 26, 27, 2, 28, 29, 30, 5, 20, 16, 17, 19)
+
+
+def _permute_code_bits(data, to_blocked: bool):
+    """Code bytes ``[..., C]`` (C % 4 == 0) with each 32-bit word's bits moved by BLOCKED_BIT_POS (or back)."""
+    b = data.reshape(*data.shape[:-1], -1, 4).astype(jnp.uint32)
+    q = b[..., 0] | b[..., 1] << 8 | b[..., 2] << 16 | b[..., 3] << 24
+    moves = {}  # shift -> mask of the source bits that move by it
+    for src, dst in enumerate(BLOCKED_BIT_POS):
+        src, dst = (src, dst) if to_blocked else (dst, src)
+        moves[dst - src] = moves.get(dst - src, 0) | 1 << src
+    out = jnp.zeros_like(q)
+    for shift, mask in moves.items():
+        m = q & jnp.uint32(mask)
+        out = out | (m << shift if shift >= 0 else m >> -shift)
+    return jnp.stack([out >> 8 * i & 0xFF for i in range(4)], -1).astype(jnp.uint8).reshape(data.shape)
+
+
 def _reordered(w: NVFP4Array, to_blocked: bool, where: str) -> NVFP4Array:
     want = "rows" if to_blocked else "blocked"
     if not isinstance(w, NVFP4Array) or w.order != want:
@@ -180,8 +202,9 @@ def _reordered(w: NVFP4Array, to_blocked: bool, where: str) -> NVFP4Array:
         raise ValueError(f"{where}: the blocked order needs [..., N, K] weights with N % {BLOCK_ROWS} == 0 "
                          f"and K % {BLOCK_K} == 0, got {w.shape}")
     chunks = w.shape[-1] // BLOCK_K
-    return NVFP4Array(_reblock(w.data, chunks, to_blocked), _reblock(w.scales, chunks, to_blocked),
-                      w.global_scale, w.dtype, "blocked" if to_blocked else "rows")
+    data = _permute_code_bits(_reblock(w.data, chunks, to_blocked), to_blocked)
+    return NVFP4Array(data, _reblock(w.scales, chunks, to_blocked), w.global_scale, w.dtype,
+                      "blocked" if to_blocked else "rows")
 
 
 def to_blocked_weights(w: NVFP4Array) -> NVFP4Array:
@@ -191,8 +214,10 @@ def to_blocked_weights(w: NVFP4Array) -> NVFP4Array:
 
     For each leading index (expert), 16-row fragments by 128-K chunks, each one contiguous block of
     16 rows x 64 code bytes (and 16 rows x 8 scale bytes), so that a GPU warp's weight loads read
-    contiguous bytes. An exact permutation of ``data`` and ``scales``; shapes, dtypes and the global
-    scales are unchanged. Needs ``N % 16 == 0`` and ``K % 128 == 0`` (:func:`blockable`).
+    contiguous bytes; within each 32-bit word of 8 codes the bits are permuted (``BLOCKED_BIT_POS``) so
+    that the kernels decode it in 8 integer ops, not 13. An exact permutation of the bits of ``data`` and
+    of the bytes of ``scales``; shapes, dtypes and the global scales are unchanged. Needs ``N % 16 == 0``
+    and ``K % 128 == 0`` (:func:`blockable`).
     """
     return _reordered(w, True, "to_blocked_weights")
 

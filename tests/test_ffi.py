@@ -810,17 +810,28 @@ def test_gemm_pairing_checks():
                 tile_m=np.int64(8), k_split=np.int64(1), pairing=np.int64(pairing), kernel_flags=np.int64(0))
 
 
+def _code_words(v):
+    """Little-endian 32-bit words of code bytes [..., C] (numpy)."""
+    v = np.asarray(v).reshape(*np.shape(v)[:-1], -1, 4).astype(np.uint64)
+    return v[..., 0] | v[..., 1] << 8 | v[..., 2] << 16 | v[..., 3] << 24
+
+
 def test_blocked_weights_are_an_exact_permutation():
     """to_blocked_weights puts byte b of row n of expert e where ffi/moe_common.h's
     BlockedOffset says (16-row fragments x 128-K chunks, each block
-    contiguous), and from_blocked_weights undoes it."""
+    contiguous), with each 32-bit code word's bit i at BLOCKED_BIT_POS[i] (a permutation of 0..31, the
+    table of the C++ decode: check_constants), and from_blocked_weights undoes it."""
+    pos = nv.formats.BLOCKED_BIT_POS
+    assert sorted(pos) == list(range(32))
     e, n, k = 3, 48, 384
     w = random_nvfp4(np.random.default_rng(5), (e, n, k), np.ones(e, np.float32))
     b = nv.to_blocked_weights(w)
     assert b.shape == w.shape and b.data.dtype == w.data.dtype and b.scales.dtype == w.scales.dtype
     rows, cols = np.meshgrid(np.arange(n), np.arange(k // 2), indexing="ij")
     code_off = ((rows // 16 * (k // 128) + cols // 64) * 16 + rows % 16) * 64 + cols % 64
-    np.testing.assert_array_equal(np.asarray(b.data).reshape(e, -1)[:, code_off], np.asarray(w.data))
+    natural = _code_words(w.data)
+    want = sum(((natural >> np.uint64(i)) & np.uint64(1)) << np.uint64(p) for i, p in enumerate(pos))
+    np.testing.assert_array_equal(_code_words(np.asarray(b.data).reshape(e, -1)[:, code_off]), want)
     s_bits = lambda v: np.asarray(jax.lax.bitcast_convert_type(v, jnp.uint8))  # noqa: E731
     rows, cols = np.meshgrid(np.arange(n), np.arange(k // 16), indexing="ij")
     scale_off = ((rows // 16 * (k // 128) + cols // 8) * 16 + rows % 16) * 8 + cols % 8

@@ -71,9 +71,13 @@ __device__ __forceinline__ void PairActivations(const uint4& x, uint32_t (&b)[4]
 }
 
 // One 32-bit word of codes (8 k) of a weight row -> the four bf16x2 A words, times the
-// block scale {s, s} (bf16 products, exact).
+// block scale {s, s} (bf16 products, exact). BW: a word of the blocked order (its bits permuted).
+template <bool BW>
 __device__ __forceinline__ void DecodeScaled(uint32_t q, uint32_t s, uint32_t (&a)[4]) {
-  DecodeE2M1x8(q, a);
+  if constexpr (BW)
+    DecodeE2M1x8Blocked(q, a);
+  else
+    DecodeE2M1x8(q, a);
 #pragma unroll
   for (int i = 0; i < 4; ++i) a[i] = MulBf16x2(a[i], s);
 }

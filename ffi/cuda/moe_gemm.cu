@@ -68,7 +68,7 @@ __device__ __forceinline__ void LoadPiece(const uint16_t* const (&arow)[FM], int
 // two MMA steps per weight fragment and row block. PA: the activations are stored paired
 // (Pairing::kA), so the 16 bytes already are the B words. Only the first FMU of the tile's FM
 // row blocks are multiplied (the others hold no row: UsedBlocks).
-template <int CH, int NF, int FMU, int FM, bool PA>
+template <int CH, int NF, int FMU, int FM, bool PA, bool BW>
 __device__ __forceinline__ void ComputePiece(const WeightRegs<CH, NF>& w, const uint32_t (&scale)[NF][2][2], int p,
                                              const uint4 (&x)[FM], float (&acc)[NF][FM][4]) {
   uint32_t b[FM][4];
@@ -84,7 +84,7 @@ __device__ __forceinline__ void ComputePiece(const WeightRegs<CH, NF>& w, const 
 #pragma unroll
   for (int j = 0; j < NF; ++j)
 #pragma unroll
-    for (int h = 0; h < 2; ++h) DecodeScaled(w.q[j][h][p], scale[j][h][p / 2], wd[j][h]);
+    for (int h = 0; h < 2; ++h) DecodeScaled<BW>(w.q[j][h][p], scale[j][h][p / 2], wd[j][h]);
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
 #pragma unroll
@@ -100,7 +100,7 @@ __device__ __forceinline__ void ComputePiece(const WeightRegs<CH, NF>& w, const 
 }
 
 // Multiply one chunk: thread t's span is K [kc + t*CH/4, kc + (t+1)*CH/4), CH/32 pieces.
-template <int CH, int NF, int FMU, int FM, bool PA>
+template <int CH, int NF, int FMU, int FM, bool PA, bool BW>
 __device__ __forceinline__ void ComputeChunk(const WeightRegs<CH, NF>& w, const uint16_t* const (&arow)[FM],
                                              int64_t kc, int t, float (&acc)[NF][FM][4]) {
   constexpr int kSpan = CH / 4;
@@ -110,7 +110,7 @@ __device__ __forceinline__ void ComputeChunk(const WeightRegs<CH, NF>& w, const 
   for (int p = 0; p < kSpan / 8; ++p) {
     uint4 x[FM];
     LoadPiece<FMU, FM>(arow, kc + kSpan * t + 8 * p, x);
-    ComputePiece<CH, NF, FMU, FM, PA>(w, scale, p, x, acc);
+    ComputePiece<CH, NF, FMU, FM, PA, BW>(w, scale, p, x, acc);
   }
 }
 
@@ -126,13 +126,13 @@ struct ActRegs {
 };
 
 // ComputeChunk on activations loaded ahead.
-template <int NF, int FMU, int FM, bool PA>
+template <int NF, int FMU, int FM, bool PA, bool BW>
 __device__ __forceinline__ void ComputeChunkX(const WeightRegs<128, NF>& w, const ActRegs<FMU, FM>& xa,
                                               float (&acc)[NF][FM][4]) {
   uint32_t scale[NF][2][2];
   w.BlockScales(scale);
 #pragma unroll
-  for (int p = 0; p < 4; ++p) ComputePiece<128, NF, FMU, FM, PA>(w, scale, p, xa.x[p], acc);
+  for (int p = 0; p < 4; ++p) ComputePiece<128, NF, FMU, FM, PA, BW>(w, scale, p, xa.x[p], acc);
 }
 
 // The 64-K tail at kc when kc < k1 ((k1 - k0) % 128 == 64), loaded straight into registers.
@@ -143,7 +143,7 @@ __device__ __forceinline__ void TailChunk(const uint8_t* const (&wrow)[NF][2], c
   if (kc < k1) {
     WeightRegs<64, NF> tail;
     tail.Load(wrow, srow, kc, t);
-    ComputeChunk<64, NF, FMU, FM, PA>(tail, arow, kc, t, acc);
+    ComputeChunk<64, NF, FMU, FM, PA, false>(tail, arow, kc, t, acc);  // (rows: blocked K has no tail)
   }
 }
 
@@ -179,9 +179,9 @@ __device__ __forceinline__ void MainLoop(const uint8_t* const (&wrow)[NF][2], co
           if constexpr (XR) xbuf[(s + 1) % D].Load(arow, k0 + 128 * (c + 1), t);
         }
         if constexpr (XR)
-          ComputeChunkX<NF, FMU, FM, PA>(buf[s], xbuf[s], acc);
+          ComputeChunkX<NF, FMU, FM, PA, BW>(buf[s], xbuf[s], acc);
         else
-          ComputeChunk<128, NF, FMU, FM, PA>(buf[s], arow, k0 + 128 * c, t, acc);
+          ComputeChunk<128, NF, FMU, FM, PA, BW>(buf[s], arow, k0 + 128 * c, t, acc);
       }
     }
   }

@@ -191,7 +191,7 @@ __device__ __forceinline__ void TmaLoadChunk(uint32_t dst, const CUtensorMap* am
 // Ends with every wgmma of the chunk complete. (The last two pieces' wgmmas left in flight into the
 // next chunk, in the TMA-fed and warp-specialized kernels: layers x0.97-1.08, mostly slower; H200,
 // 2026-12-04, BENCHMARKS.md session 34.)
-template <int CH, int NF, int TOK>
+template <int CH, int NF, int TOK, bool BW>
 __device__ __forceinline__ void ChunkMma(const WeightRegs<CH, NF>& w, uint32_t buf, float (&acc)[NF][TOK / 8][4]) {
   constexpr int kPieces = CH / 32;
   uint32_t scale[NF][2][2];
@@ -211,7 +211,7 @@ __device__ __forceinline__ void ChunkMma(const WeightRegs<CH, NF>& w, uint32_t b
 #pragma unroll
     for (int j = 0; j < NF; ++j)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) DecodeScaled(w.q[j][h][pp], scale[j][h][pp / 2], a[b][j][h]);
+      for (int h = 0; h < 2; ++h) DecodeScaled<BW>(w.q[j][h][pp], scale[j][h][pp / 2], a[b][j][h]);
     WgmmaFence();
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -359,7 +359,7 @@ __global__ void __launch_bounds__(kWgThreadsPerCta, MinCtas<GATED, NB>()) W4A16W
     if (more) x.Load(xrow, kc + 128, next_ch, t);
     WeightRegs<128, NF> next;
     if (wmore) next.template Load<false, BW>(wrow, srow, kc + 128, t);
-    ChunkMma<128, NF, kTokens>(cur, smem_addr + uint32_t(c & 1) * kChunkBytes, acc);
+    ChunkMma<128, NF, kTokens, BW>(cur, smem_addr + uint32_t(c & 1) * kChunkBytes, acc);
     if (more) {  // the other buffer was last read by chunk c - 1, complete before the last barrier
       x.Store(smem + (~c & 1) * kChunkBytes, next_ch, n, t, paired);
       asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
@@ -370,7 +370,7 @@ __global__ void __launch_bounds__(kWgThreadsPerCta, MinCtas<GATED, NB>()) W4A16W
   if (!BW && tail) {  // (blocked weights have K % 128 == 0)
     WeightRegs<64, NF> w;
     w.Load(wrow, srow, full * 128, t);
-    ChunkMma<64, NF, kTokens>(w, smem_addr + uint32_t(full & 1) * kChunkBytes, acc);
+    ChunkMma<64, NF, kTokens, false>(w, smem_addr + uint32_t(full & 1) * kChunkBytes, acc);
   }
   StoreTile<GATED, NF, OutT>(p, e, tile, feat, active, acc);
 #endif
@@ -625,7 +625,7 @@ __global__ void __launch_bounds__(kWgThreadsPerCta, MinCtas<GATED, NB>()) W4A16W
     auto mma = [&]() {
       const int s = int(it % kStages);
       MbarWait(full_bar + 8 * s, uint32_t(it / kStages) & 1);
-      ChunkMma<128, NF, TOK>(cur, ring + s * kChunk, acc);
+      ChunkMma<128, NF, TOK, BW>(cur, ring + s * kChunk, acc);
       MbarArrive(empty_bar + 8 * s);
       ++it;
     };
@@ -867,7 +867,7 @@ __global__ void __launch_bounds__(WsShape<NC, NB>::kThreads, 1)
           w.s[j][h] = sv;
         }
       }
-      ChunkMma<128, NB, TOK>(w, stage, acc);
+      ChunkMma<128, NB, TOK, true>(w, stage, acc);
       MbarArrive(empty_bar + 8 * s);
     }
     StoreTile<GATED, NB, OutT>(p, e, tile, feat, active, acc);
