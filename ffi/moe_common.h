@@ -281,7 +281,7 @@ NVFP4_HD void DecodeE2M1x8(uint32_t q, uint32_t (&w)[4]) {
 }
 
 // The blocked order's code words (Pairing::kBlockedW) permute their 32 bits so that the decode takes 8 ops
-// for the 8 codes, not 13 (H200, 2026-12-04: layers 2-9% faster at the op count; BENCHMARKS.md session 35):
+// for the 8 codes, not 13 (H200, 2026-12-04: layers x0.91-0.99 at that op count; BENCHMARKS.md session 35):
 // {c0, c4}, {c1, c5} and {c2, c6} sit at rotations 0, 3 and 6 of their bf16 positions (kKeep's bits),
 // read by a rotate and a mask; {c3, c7} in the remaining bits {0, 1, 3, 4, 16, 17, 19, 20}, placed by one
 // multiply (shifts 2, 7, 12; the copies do not overlap). kBlockedBitPos[4i + j]: where bit j (m, e0, e1, s)
