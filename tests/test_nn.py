@@ -252,12 +252,16 @@ def test_weight_order_of_quantized_and_loaded_blocks(monkeypatch):
     assert nvnn.quantize_moe(rows, mode="w4a4").experts.gate_up_data is not None
     flat = lambda m: {p[-1] for p, _ in nnx.to_flat_state(nnx.state(m, nvnn.QuantizedWeight))}  # noqa: E731
     assert flat(blocked) == {f"{g}_{p}{t}" for g in ("gate_up", "down")
-                             for p, t in (("data", "_blocked"), ("scales", "_blocked"), ("global_scale", ""))}
+                             for p, t in (("data", "_blocked2"), ("scales", "_blocked2"), ("global_scale", ""))}
     assert flat(rows) == {f"{g}_{p}" for g in ("gate_up", "down") for p in ("data", "scales", "global_scale")}
     mixed = nnx.clone(rows)
     nnx.update(mixed, nnx.state(blocked))  # a state of the other order: refused, not misread
     with pytest.raises(ValueError, match="a state saved in the other byte order"):
         mixed(xb)
+    old = nnx.clone(blocked)  # a state of the first blocked layout (whole code bytes, until 2026-12-04) merged in
+    old.experts.gate_up_data_blocked = nvnn.QuantizedWeight(old.experts.gate_up_data_blocked2[...])
+    with pytest.raises(ValueError, match="before 2026-12-04"):
+        old(xb)
     expected = nv.weight_order("ffi", hidden_size=256, intermediate_size=128)
     assert nvnn.quantize_moe(blk).experts.order == expected
     seen = []

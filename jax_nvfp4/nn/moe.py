@@ -20,7 +20,10 @@ from ..routing import ROUTING_METHODS
 from .. import activations
 
 _EPS = 1e-20  # as in jax_nvfp4.routing
-_ORDER_TAGS = {"rows": "", "blocked": "_blocked"}  # NVFP4ExpertWeights' variable names per byte order
+_ORDER_TAGS = {"rows": "", "blocked": "_blocked2"}  # NVFP4ExpertWeights' variable names per byte order
+# ("2": the blocked code words' bits are permuted since 2026-12-04.) The first blocked layout's names: a state
+# saved in it is refused, not misread.
+_OLD_TAGS = ("_blocked",)
 
 
 class QuantizedWeight(nnx.Variable):
@@ -90,9 +93,10 @@ class NVFP4ExpertWeights(nnx.Module):
     gated : bool; dtype : the source dtype recorded by the quantizer; order : the byte order of
         the data and scales (:attr:`jax_nvfp4.NVFP4Array.order`) (static)
 
-    In the blocked order the data and scales are named ``gate_up_data_blocked``,
-    ``gate_up_scales_blocked``, ... so that the order is part of the state's structure: a state saved
-    in one order never loads silently into a model holding the other.
+    In the blocked order the data and scales are named ``gate_up_data_blocked2``,
+    ``gate_up_scales_blocked2``, ... so that the order is part of the state's structure: a state saved
+    in one order never loads silently into a model holding the other (nor one saved in the blocked order
+    of versions before 2026-12-04, ``..._blocked``, whose code words hold their bits otherwise).
     """
 
     def __init__(self, experts: NVFP4Experts):
@@ -110,12 +114,15 @@ class NVFP4ExpertWeights(nnx.Module):
     def experts(self) -> NVFP4Experts:
         """The weights as :class:`~jax_nvfp4.NVFP4Experts`, for :func:`jax_nvfp4.moe`."""
         tag = _ORDER_TAGS[self.order]
-        other = next(t for o, t in _ORDER_TAGS.items() if o != self.order)
-        if hasattr(self, f"gate_up_data{other}"):  # e.g. nnx.update with a state of the other order
+        others = [t for o, t in _ORDER_TAGS.items() if o != self.order] + list(_OLD_TAGS)
+        stale = [t for t in others if hasattr(self, f"gate_up_data{t}")]  # e.g. nnx.update with another order
+        if stale:
             raise ValueError(f"these NVFP4 experts are in the {self.order!r} order but also hold variables of "
-                             f"the other one ('gate_up_data{other}', ...): a state saved in the other byte "
-                             "order was merged into them; load it into a model quantized with the same "
-                             "order (jax_nvfp4.nn.quantize_moe(..., order=...))")
+                             f"another one ('gate_up_data{stale[0]}', ...): a state saved in the other byte "
+                             "order (or in the blocked order of jax_nvfp4 before 2026-12-04, '_blocked') was "
+                             "merged into them; load it into a model quantized with the same order "
+                             "(jax_nvfp4.nn.quantize_moe(..., order=...)), or re-quantize a state of the old "
+                             "blocked order from its source weights")
 
         def part(name):
             return NVFP4Array(getattr(self, f"{name}_data{tag}")[...], getattr(self, f"{name}_scales{tag}")[...],
