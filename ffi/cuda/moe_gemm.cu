@@ -24,8 +24,9 @@
 //   {2t, 2t+1} and {2t+8, 2t+9} are actual {k0, k4}, {k1, k5} and then {k2, k6}, {k3, k7}.
 //   The activations (B) are paired the same way (two byte permutes per pair of registers), so
 //   the dot product is unchanged and no repacking of the checkpoint layout is needed.
-// - Decode in registers, ~2 integer ops per value (DecodeE2M1x8: one multiply places a code's
-//   bits for two values), times the block's E4M3 scale as bf16x2 (exact: e2m1 * e4m3 has <= 6
+// - Decode in registers, ~2 integer ops per value on rows (DecodeE2M1x8: one multiply places a code's
+//   bits for two values), 1 on blocked weights (DecodeE2M1x8Blocked: their code words' bits are permuted
+//   for rotates and masks), times the block's E4M3 scale as bf16x2 (exact: e2m1 * e4m3 has <= 6
 //   significant bits; the scale carries a power-of-two bias). The global scale and the row
 //   scale are applied to the fp32 accumulators in the epilogue.
 // - Every tile edge is guarded: tiles with expert -1 exit, padding rows (sorted_ids -1) read
