@@ -104,8 +104,9 @@ enum class KernelFlag : int64_t {
                                  // CTA a row of 128 threads, 512 over 128 blocks (quant_rows.cu; H200, 2026-12-03:
                                  // Qwen3 w4a4 layers x0.93-0.99 at T = 1-64 with a CTA a row of 128)
   kActivationsInLoop = 2147483648ll,  // gated 8-row decode tiles: a chunk's activations loaded as its pieces are
-                                     // multiplied, not with its weights a chunk ahead where a warp spans >= 2048 K
-                                     // (H200, 2026-12-04: layers x0.92-0.99 ahead, 8 of 12 decode rows faster)
+                                     // multiplied, not with its weights a chunk ahead where a warp spans >= 512 K
+                                     // (H200, 2026-12-04: layers x0.92-0.99 ahead at 2048-7168 K, x0.96-0.99 at
+                                     // 512-1024 K since the bit-permuted decode; moe_gemm.cu, kXAheadMinSpan)
   // 536870912 / 1073741824: kBulkPrefetch / kBulkPrefetchFar (the mma.sync decode tiles on blocked weights, lane 0
   // of each warp keeping its fragments' next 4 / 8 chunks asked of the L2 by cp.async.bulk.prefetch.L2) for one H200
   // A/B on 2026-12-04 (session 32), removed: layers 1.00-1.28x slower (a stream of the same loads without the math,

@@ -50,14 +50,20 @@ install_tree() {
   (cd "$1" && python3 -m pip install -q --no-build-isolation --no-deps -e . \
      --config-settings=cmake.define.JAX_NVFP4_CUDA_ARCHS="${GPU_ARCHS:-90a}")
 }
-install_tree . >"$OUT/ffi_build.log" 2>&1 || { log "BUILD FAILED"; tail -60 "$OUT/ffi_build.log"; exit 1; }
-log "build $(( $(date +%s) - t0 )) s"
 # Before any GPU work: a kernel that raises its registers by setmaxnreg past what the CTA's pool holds
 # hangs the GPU (2026-12-03); its SASS naming a register at or above the allocation stops the run.
-python3 scripts/sass_loops.py --kernel . --check-setmaxnreg >"$OUT/setmaxnreg.txt" 2>&1; rc=$?
-if (( rc == 3 )); then log "SETMAXNREG CHECK FAILED: $(grep OVER "$OUT/setmaxnreg.txt" | head -3)"; exit 1; fi
-(( rc == 0 )) && log "setmaxnreg check: $(grep -c ': ok' "$OUT/setmaxnreg.txt") kernels ok" ||
-  log "setmaxnreg check not run: $(tail -1 "$OUT/setmaxnreg.txt")"
+check_setmaxnreg() {
+  python3 scripts/sass_loops.py --kernel . --check-setmaxnreg >"$OUT/setmaxnreg.txt" 2>&1; local rc=$?
+  if (( rc == 3 )); then log "SETMAXNREG CHECK FAILED: $(grep OVER "$OUT/setmaxnreg.txt" | head -3)"; exit 1; fi
+  (( rc == 0 )) && log "setmaxnreg check: $(grep -c ': ok' "$OUT/setmaxnreg.txt") kernels ok" ||
+    log "setmaxnreg check not run: $(tail -1 "$OUT/setmaxnreg.txt")"
+}
+# abtree alone builds this tree itself (after the other one): no build here.
+if [[ $what != ",abtree," ]]; then
+  install_tree . >"$OUT/ffi_build.log" 2>&1 || { log "BUILD FAILED"; tail -60 "$OUT/ffi_build.log"; exit 1; }
+  log "build $(( $(date +%s) - t0 )) s"
+  check_setmaxnreg
+fi
 python3 - <<'PY' 2>&1 | tee -a "$OUT/ffi_summary.txt"
 import jax, jax_nvfp4._ffi as f
 from jax_nvfp4.backends import ffi
@@ -332,6 +338,7 @@ elif stage abtree; then
       continue
     fi
     echo "# build of $tree" | tee -a "$OUT/ffi_summary.txt"
+    check_setmaxnreg
     (cd "$tree" && timeout $(left 200) python3 benchmarks/moe_bench.py "${b[@]}" >"$OUT/abtree_$name.log" 2>&1)
     grep "T=" "$OUT/abtree_$name.log" | tee -a "$OUT/ffi_summary.txt" || tail -5 "$OUT/abtree_$name.log"
   done

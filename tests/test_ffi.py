@@ -1289,14 +1289,16 @@ def test_gpu_kernel_variants_match_twin(act, gather, mode, out_dtype, h, tile_m,
 @pytest.mark.gpu
 @pytest.mark.parametrize("act,gather,mode,out_dtype", [GEMM_CASES[0], GEMM_CASES[2]])
 @pytest.mark.parametrize("h,k_split,blocked", [(2048, 1, True), (4096, 2, True), (2048, 1, False),
-                                               (2112, 1, False), (1920, 1, True)])
+                                               (2112, 1, False), (1920, 1, True), (2048, 4, True),
+                                               (1024, 4, True)])
 def test_gpu_activations_ahead_are_the_loop_that_loads_them_per_piece(act, gather, mode, out_dtype, h, k_split,
                                                                        blocked):
-    """Gated 8-row tiles whose warps span >= 2048 K load a chunk's activations with its weights, a
+    """Gated 8-row tiles whose warps span >= 512 K load a chunk's activations with its weights, a
     chunk ahead (the default there; ACTIVATIONS_IN_LOOP loads them as each piece is multiplied): the
     same bits, and the twin's values. K = 2048 and 4096 / 2 (16 chunks a warp, the last one's loads
     not issued past it), in both weight orders; K = 2112: 16 chunks and the 64-K tail (rows order);
-    K = 1920 (under the span): the old loop either way."""
+    K = 1920: 15 chunks; 2048 / 4: 4 chunks a warp (Qwen3-30B-A3B's GEMM1 at T = 1); 1024 / 4 (256 K
+    a warp, under the span): the old loop either way."""
     if not has_gpu():
         pytest.skip("needs an NVIDIA GPU")
     a, w, sid, te, rs = _gemm_problem(act, gather, mode, t=37, k=4, e=6, h=h, n=80, tile_m=8, seed=h)

@@ -231,8 +231,11 @@ __device__ __forceinline__ void RunUsedBlocks(int used, Loop&& loop) {
 enum DecodeLoop : int { kRegisterLoop = 0, kStreamLoop = 2, kXAhead = 4 };
 constexpr int64_t kStreamMinSpan = 768;  // K per warp from which decode tiles stream (Launch)
 // K per warp from which gated 8-row tiles load activations a chunk ahead (kXAhead; H200, 2026-12-04: layers
-// x0.92-0.99 where warps span 2048-7168 K, x1.00-1.02 at 512-1024; BENCHMARKS.md session 33)
-constexpr int64_t kXAheadMinSpan = 2048;
+// x0.92-0.99 where warps span 2048-7168 K, BENCHMARKS.md session 33; from 2048 until session 36, when spans of
+// 512-1024 K turned from x1.00-1.02 to x0.96-0.99: with the bit-permuted decode's 16 registers fewer, ptxas
+// no longer issued a chunk's activation loads ahead of its first MMA in the loop without kXAhead, but each
+// piece's just before its own; Qwen3-30B-A3B T = 1, 512 K a warp, 17.8 -> 17.1 us)
+constexpr int64_t kXAheadMinSpan = 512;
 
 // No minimum of CTAs an SM: five for the gated 8-row tiles (at most 102 registers, 48-64 bytes spilled)
 // made decode layers 1.07-1.18x slower on the H200 (2026-12-04, BENCHMARKS.md session 32).
