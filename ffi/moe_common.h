@@ -268,22 +268,24 @@ constexpr int kDecodeExp = 126;  // bits-as-bf16 = value * 2^-126
 constexpr int kScaleExp = 118;   // block scales enter the MMA as s * 2^118 (<= 448 * 2^118 < 2^127)
 constexpr float kDecodeBias = 256.0f;  // 2^(kDecodeExp - kScaleExp): applied to the fp32 accumulator
 
+// The bits of a bf16x2 word that a decoded code pair fills: sign bit 15 and magnitude bits 8..6, both halves.
+constexpr uint32_t kE2M1PairBits = 0x81C081C0u;
+
 // Eight codes in q (code i in bits 4i..4i+3) -> four bf16x2 words of value * 2^-126:
 // w[0] = {c0, c4}, w[1] = {c1, c5}, w[2] = {c2, c6}, w[3] = {c3, c7} (first in the low half).
 // One multiply places a nibble's magnitude (shift 6) and its sign (shift 12) for both halves
 // at once (the shifted copies do not overlap), a mask keeps the wanted bits: 3 ops per pair.
 NVFP4_HD void DecodeE2M1x8(uint32_t q, uint32_t (&w)[4]) {
-  constexpr uint32_t kKeep = 0x81C081C0u;  // sign bit 15 and magnitude bits 8..6, both halves
   const uint32_t q2 = q >> 8;
-  w[0] = ((q & 0x000F000Fu) * 0x1040u) & kKeep;   // c0, c4: << 6 and << 12
-  w[1] = ((q & 0x00F000F0u) * 0x0104u) & kKeep;   // c1, c5: << 2 and << 8
-  w[2] = ((q2 & 0x000F000Fu) * 0x1040u) & kKeep;  // c2, c6
-  w[3] = ((q2 & 0x00F000F0u) * 0x0104u) & kKeep;  // c3, c7
+  w[0] = ((q & 0x000F000Fu) * 0x1040u) & kE2M1PairBits;   // c0, c4: << 6 and << 12
+  w[1] = ((q & 0x00F000F0u) * 0x0104u) & kE2M1PairBits;   // c1, c5: << 2 and << 8
+  w[2] = ((q2 & 0x000F000Fu) * 0x1040u) & kE2M1PairBits;  // c2, c6
+  w[3] = ((q2 & 0x00F000F0u) * 0x0104u) & kE2M1PairBits;  // c3, c7
 }
 
 // The blocked order's code words (Pairing::kBlockedW) permute their 32 bits so that the decode takes 8 ops
 // for the 8 codes, not 13 (H200, 2026-12-04: layers x0.91-0.99 at that op count; BENCHMARKS.md session 35):
-// {c0, c4}, {c1, c5} and {c2, c6} sit at rotations 0, 3 and 6 of their bf16 positions (kKeep's bits),
+// {c0, c4}, {c1, c5} and {c2, c6} sit at rotations 0, 3 and 6 of their bf16 positions (kE2M1PairBits),
 // read by a rotate and a mask; {c3, c7} in the remaining bits {0, 1, 3, 4, 16, 17, 19, 20}, placed by one
 // multiply (shifts 2, 7, 12; the copies do not overlap). kBlockedBitPos[4i + j]: where bit j (m, e0, e1, s)
 // of code i goes. formats.py's to_blocked_weights applies the same table (BLOCKED_BIT_POS).
@@ -308,11 +310,10 @@ NVFP4_HD uint32_t RotateRight(uint32_t q, int n) {
 }
 // DecodeE2M1x8 of NaturalCodeBits(b), from the blocked word b.
 NVFP4_HD void DecodeE2M1x8Blocked(uint32_t b, uint32_t (&w)[4]) {
-  constexpr uint32_t kKeep = 0x81C081C0u;
-  w[0] = b & kKeep;
-  w[1] = RotateRight(b, 3) & kKeep;
-  w[2] = RotateRight(b, 6) & kKeep;
-  w[3] = ((b & 0x001B001Bu) * 0x1084u) & kKeep;
+  w[0] = b & kE2M1PairBits;
+  w[1] = RotateRight(b, 3) & kE2M1PairBits;
+  w[2] = RotateRight(b, 6) & kE2M1PairBits;
+  w[3] = ((b & 0x001B001Bu) * 0x1084u) & kE2M1PairBits;
 }
 
 // ---- shape checks shared by both platforms --------------------------------------------------
