@@ -63,14 +63,14 @@ if [[ $what != ",abtree," ]]; then
   install_tree . >"$OUT/ffi_build.log" 2>&1 || { log "BUILD FAILED"; tail -60 "$OUT/ffi_build.log"; exit 1; }
   log "build $(( $(date +%s) - t0 )) s"
   check_setmaxnreg
-fi
-python3 - <<'PY' 2>&1 | tee -a "$OUT/ffi_summary.txt"
+  python3 - <<'PY' 2>&1 | tee -a "$OUT/ffi_summary.txt"
 import jax, jax_nvfp4._ffi as f
 from jax_nvfp4.backends import ffi
 print(jax.__version__, jax.devices(), f.build_info())
 print("arch probe:", f.cuda_arch_probe(), "| decode selftest wrong:", f._selftest_decode())
 print("ffi unavailable_reason:", ffi.FFIBackend().unavailable_reason())
 PY
+fi
 log "tools: $(command -v compute-sanitizer nsys ncu | tr '\n' ' ')"
 
 if stage test; then
