@@ -123,7 +123,8 @@ class KernelFlag(enum.IntFlag):
     # over 128 blocks (H200, 2026-12-03: Qwen3 w4a4 layers x0.93-0.99 at T = 1-64 with a CTA a row of 128)
     ACTIVATIONS_IN_LOOP = 2147483648  # gated 8-row decode tiles (GEMM1): a chunk's activations loaded as its pieces
     # are multiplied, not with its weights a chunk ahead where a warp spans >= 512 K (H200, 2026-12-04: layers
-    # x0.92-0.99 ahead, x0.96-0.99 at 512-1024 K a warp since the bit-permuted decode; ahead on GEMM2, in shared memory or by L1 prefetches: lost)
+    # x0.92-0.99 ahead, x0.96-0.99 at 512-1024 K a warp since the bit-permuted decode; ahead on GEMM2, in shared
+    # memory or by L1 prefetches: lost)
     # 536870912 / 1073741824: BULK_PREFETCH / BULK_PREFETCH_FAR (decode tiles on blocked weights asking the L2 for
     # their next 4 / 8 chunks by bulk prefetches) for one A/B on 2026-12-04, removed: layers up to 1.28x slower
     # on the H200 (branch bulk-prefetch)
