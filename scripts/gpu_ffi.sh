@@ -304,6 +304,8 @@ if stage ab; then
   # 4096 (four-warpgroup CTAs) and 8192 (GEMM1 on the TMA-fed kernel after an XLA gather) removed on
   # 2026-12-02 (BENCHMARKS.md sessions 14-15), 16384 (GEMM2 on pairs of one expert's tiles, m64n128,
   # one CTA per SM: 1.25-1.42x slower) too (session 16).
+  # GEMM1's warp-specialized items on pairs of 64-row tiles (groups padded to 128 rows): 1.06-1.15x slower
+  # Qwen3 prefill layers in three forms (session 37, branch ws-pair-items).
   # 32768: GEMM1 on the staged kernel instead of the warp-specialized one (the default since 2026-12-02:
   # 14-17% faster layers); 65536: GEMM2 on the warp-specialized kernel too (1.02-1.22x slower layers, sessions 17-19;
   # as two groups of two MMA warpgroups with their own rings, 1.01-1.06x, session 30);
