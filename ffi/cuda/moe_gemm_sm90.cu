@@ -694,9 +694,9 @@ __global__ void __launch_bounds__(kWgThreadsPerCta, MinCtas<GATED, NB>()) W4A16W
 // reading the next item's expert during this one's MMAs, and its row ids into shared memory at its start,
 // instead of each where it is used: x0.993-1.003, no gain, session 30.)
 // (Work items of two 64-row tiles of one expert, groups padded to 128 rows: half the FP4 decode per MMA, wgmmas
-// over the used 32-row groups only; Qwen3-30B-A3B T = 4096 layers 1.06-1.15x slower on two MMA warpgroups, on four,
-// whose 64 accumulators a thread ptxas serialized, and on three of 96 features; H200 2026-12-04, session 37,
-// branch ws-pair-items.)
+// over the used 32-row groups only; Qwen3-30B-A3B T = 4096 layers 1.06-1.15x slower on two MMA warpgroups, on four
+// (64 accumulators a thread: ptxas serialized their wgmmas), and on three of 96 features; H200 2026-12-04,
+// session 37, branch ws-pair-items.)
 // NC, the MMA warpgroups: three, or four on 32-row gated tiles (GEMM1 at decode, whose accumulators
 // fit 112 registers): 256 features a work item, so that DeepSeek-V3's I = 2048 makes 8 slabs a tile
 // (192: 10.7, the last two thirds used) and 64 tokens' 32 tiles 256 items, two a CTA on 132 SMs
