@@ -147,6 +147,7 @@ NB_MODULE(_ffi, m) {
     kf["separate_align"] = int64_t(KernelFlag::kSeparateAlign);
     kf["quant_narrow_rows"] = int64_t(KernelFlag::kQuantNarrowRows);
     kf["activations_in_loop"] = int64_t(KernelFlag::kActivationsInLoop);
+    kf["tma_gemm2"] = int64_t(KernelFlag::kTmaGemm2);
     c["KernelFlag"] = kf;
     nb::dict pairing;
     pairing["none"] = int64_t(Pairing::kNone);

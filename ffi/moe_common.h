@@ -69,10 +69,11 @@ enum class KernelFlag : int64_t {
                                // and gathered rows; H200, 2026-12-02: 14-17% faster w4a16 prefill layers,
                                // 1.33-1.45x faster w4a4 ones; 32-row tiles: the mma.sync kernel)
   kWsGemm2 = 65536,            // moe's GEMM2 (chunk-ordered `a`, not gathered) on the warp-specialized
-                               // kernel too, instead of the TMA-fed one (64-row tiles: 1.02-1.22x slower
-                               // layers on the H200, 2026-12-02, sessions 17-19; as two groups of two MMA
+                               // kernel too, instead of the TMA-fed one (64-row tiles: four MMA warpgroups of
+                               // one block, staged stores: prefill layers x0.94-0.95, H200 2026-12-04; as three
+                               // of two blocks, unstaged: 1.02-1.22x slower, sessions 17-19; as two groups of two MMA
                                // warpgroups, each with its own ring and 128-feature items, staged stores:
-                               // 1.01-1.06x slower, session 30; moe sets it on 32-row
+                               // 1.01-1.06x slower, session 30; moe sets it on 64-row tiles, and on 32-row
                                // tiles where I >= 1536: 8-9% faster decode layers, 2026-12-03)
   kNoPersistent = 131072,      // the warp-specialized kernel with a CTA per work item instead of a persistent
                                // grid (a CTA per SM walks the work items, its ring running on across them:
@@ -93,8 +94,8 @@ enum class KernelFlag : int64_t {
   kWsThreeGroups = 8388608,    // 32-row gated tiles (moe's GEMM1 at 9-24 rows an expert) on the warp-specialized
                                // kernel with three MMA warpgroups (192 features a work item) instead of four (256;
                                // H200, 2026-12-03: four give DeepSeek-V3 layers x0.90-0.91 at T = 48-64)
-  kWsTwoBlocks = 16777216,     // 32-row non-gated bf16-out tiles on the warp-specialized kernel (moe's GEMM2 with
-                               // kWsGemm2) on three MMA warpgroups of two 64-feature blocks (384 features a work
+  kWsTwoBlocks = 16777216,     // 32-row non-gated bf16-out tiles, and 64-row ungathered ones, on the warp-specialized
+                               // kernel (moe's GEMM2 with kWsGemm2) on three MMA warpgroups of two 64-feature blocks (384 features a work
                                // item, six stages) instead of four of one (256, eight stages; H200, 2026-12-03:
                                // DeepSeek-V3 layers x0.971-0.973 at T = 48-64, x0.987 at 96)
   kSeparateAlign = 33554432,   // w4a16 decode (at most kAlignOneWarpPairs pairs, 8-row tiles): moe_align in its own
@@ -107,6 +108,9 @@ enum class KernelFlag : int64_t {
                                      // multiplied, not with its weights a chunk ahead where a warp spans >= 512 K
                                      // (H200, 2026-12-04: layers x0.92-0.99 ahead at 2048-7168 K, x0.96-0.99 at
                                      // 512-1024 K since the bit-permuted decode; moe_gemm.cu, kXAheadMinSpan)
+  kTmaGemm2 = 4294967296ll,  // moe's GEMM2 on 64-row tiles on the TMA-fed kernel, not the warp-specialized one
+                             // (four MMA warpgroups of one block, staged stores; H200, 2026-12-04: prefill layers
+                             // x0.94-0.95; a moe policy: the GEMM kernels read it only in kAllKernelFlags)
   // 536870912 / 1073741824: kBulkPrefetch / kBulkPrefetchFar (the mma.sync decode tiles on blocked weights, lane 0
   // of each warp keeping its fragments' next 4 / 8 chunks asked of the L2 by cp.async.bulk.prefetch.L2) for one H200
   // A/B on 2026-12-04 (session 32), removed: layers 1.00-1.28x slower (a stream of the same loads without the math,
@@ -126,7 +130,7 @@ enum class KernelFlag : int64_t {
   // 16384: kWgmmaTilePairs (the TMA-fed GEMM2 on pairs of one expert's 64-row tiles, m64n128 wgmmas,
   // one CTA per SM) for one H200 A/B on 2026-12-02, removed: 1.25-1.42x slower layers (dabc4ef).
 };
-constexpr int64_t kAllKernelFlags = 198148830 + 2147483648ll;
+constexpr int64_t kAllKernelFlags = 198148830 + 2147483648ll + 4294967296ll;
 // grouped_gemm's `pairing` bits: which operands hold a kernel order instead of the natural one.
 // kA / kOut: a's K axis / out's feature axis in the paired order (PairedPos). moe's intermediate
 // uses it on mma.sync tiles (but with KernelFlag kNaturalIntermediate): GEMM1 writes it paired,

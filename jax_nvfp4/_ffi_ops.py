@@ -94,9 +94,9 @@ class KernelFlag(enum.IntFlag):
     # warpgroup stages weights and gathered rows for three MMA warpgroups, four on 32-row tiles; H200: 14-17% faster
     # w4a16 prefill layers, 1.33-1.45x faster w4a4 ones)
     WS_GEMM2 = 65536  # GEMM2 too (chunk-ordered a, not gathered) on the warp-specialized kernel, not the TMA-fed one
-    # (64-row tiles: 1.02-1.22x slower layers on the H200, 2026-12-02, sessions 17-19; as two groups of two MMA
-    # warpgroups with their own rings and 128-feature items: 1.01-1.06x slower, session 30; moe sets it on 32-row
-    # tiles where I >= WS_GEMM2_MIN_K)
+    # (64-row tiles: four MMA warpgroups of one 64-feature block and stores staged as the TMA-fed kernel's, H200
+    # 2026-12-04: prefill layers x0.94-0.95; with WS_TWO_BLOCKS three of two blocks, unstaged, as before: 1.02-1.22x
+    # slower, sessions 17-19; moe sets it on 64-row tiles, and on 32-row ones where I >= WS_GEMM2_MIN_K)
     NO_PERSISTENT = 131072  # the warp-specialized kernel with a CTA per work item, not on a persistent grid (a CTA
     # per SM walks the work items, its ring running on across them: prefill layers up to 1.8% faster, at most 0.6%
     # slower on the H200)
@@ -125,6 +125,7 @@ class KernelFlag(enum.IntFlag):
     # are multiplied, not with its weights a chunk ahead where a warp spans >= 512 K (H200, 2026-12-04: layers
     # x0.92-0.99 ahead, x0.96-0.99 at 512-1024 K a warp since the bit-permuted decode; ahead on GEMM2, in shared
     # memory or by L1 prefetches: lost)
+    TMA_GEMM2 = 4294967296  # moe's GEMM2 on 64-row tiles on the TMA-fed kernel, as before 2026-12-04 (not WS_GEMM2)
     # 536870912 / 1073741824: BULK_PREFETCH / BULK_PREFETCH_FAR (decode tiles on blocked weights asking the L2 for
     # their next 4 / 8 chunks by bulk prefetches) for one A/B on 2026-12-04, removed: layers up to 1.28x slower
     # on the H200 (branch bulk-prefetch)
@@ -1011,7 +1012,10 @@ def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str =
     # (one permutation of x's K axis; H200, 2026-12-02: 14-17% faster w4a16 prefill layers).
     ws = wgmma and _ws_gemm1_layout(experts, kernel_flags)
     a1 = Pairing.CHUNK_A if ws else Pairing.NONE
-    ws2 = ws and chunk and tile_m == 32 and inter >= WS_GEMM2_MIN_K and experts.down.order == "blocked"
+    # GEMM2 on the warp-specialized kernel too: on 64-row tiles (four MMA warpgroups, staged stores: H200, 2026-12-04,
+    # prefill layers x0.94-0.95) and on 32-row ones from WS_GEMM2_MIN_K.
+    ws2 = (ws and chunk and experts.down.order == "blocked"
+           and (tile_m == 64 and not kernel_flags & KernelFlag.TMA_GEMM2 or tile_m == 32 and inter >= WS_GEMM2_MIN_K))
     common2 = dict(common, kernel_flags=kernel_flags | (KernelFlag.WS_GEMM2 if ws2 else 0))
 
     if MODES[mode] == Mode.W4A16:

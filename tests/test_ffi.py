@@ -958,7 +958,7 @@ TMA_CASES = [  # (activation, row_scale_mode, cut) of non-gated GEMMs on the TMA
 
 
 @pytest.mark.parametrize("on_gpu", [False, pytest.param(True, marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("flags", [0, int(ops.KernelFlag.TMA_PERSISTENT)])
+@pytest.mark.parametrize("flags", [0, int(ops.KernelFlag.TMA_PERSISTENT), int(ops.KernelFlag.WS_GEMM2)])
 @pytest.mark.parametrize("case", range(len(TMA_CASES)))
 def test_gemm_tma_epilogue_row_scales(on_gpu, flags, case):
     """The TMA-fed kernel's epilogue (on the GPU: each tile's row ids and row-scale factors fetched
@@ -1390,7 +1390,8 @@ _OPT_IN_DEFAULTS = {}  # (t, mode) -> the default kernels' output
 OPT_IN_FLAGS = (ops.KernelFlag.JAX_QUANT, ops.KernelFlag.ROW_TILES_FIRST, ops.KernelFlag.PDL,
                 ops.KernelFlag.NATURAL_INTERMEDIATE, ops.KernelFlag.PLAIN_WEIGHT_LOADS, ops.KernelFlag.ALIGN_ONE_CTA,
                 ops.KernelFlag.SEPARATE_X_QUANT, ops.KernelFlag.SEPARATE_ALIGN, ops.KernelFlag.QUANT_NARROW_ROWS,
-                ops.KernelFlag.ACTIVATIONS_IN_LOOP)  # (a no-op at H = 320: see test_gpu_activations_ahead_*)
+                ops.KernelFlag.ACTIVATIONS_IN_LOOP,  # (a no-op at H = 320: see test_gpu_activations_ahead_*)
+                ops.KernelFlag.TMA_GEMM2)
 
 
 @pytest.mark.gpu
@@ -1403,7 +1404,8 @@ def test_gpu_opt_in_variants_are_bitwise_the_default(gpu_experts, t, mode, flags
     in GEMM1's CTAs: w4a16, t <= 4), the quantize's rows on fewer threads (w4a4), plain weight loads (the same K order per thread) and the natural intermediate (the same MMA
     operands as the paired one and, on 64-row tiles, as the chunk-ordered one that the TMA-fed
     wgmma GEMM2 reads) change where and how the work runs, not a single output bit (t = 2000 x 8
-    pairs over 32 experts: 64-row wgmma tiles, the grid align by default; t = 48: 16-row decode
+    pairs over 32 experts: 64-row wgmma tiles, the grid align and the warp-specialized GEMM2 by default,
+    TMA_GEMM2's TMA-fed one as before; t = 48: 16-row decode
     tiles; t = 4: 32 pairs, the one-warp align by default; t = 1: 8-row tiles)."""
     ex = gpu_experts[(32, True)]
     x = make_x(t, t, 320)

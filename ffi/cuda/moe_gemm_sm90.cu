@@ -34,8 +34,9 @@
 //   piece's wgmmas run (two register sets, wait_group 1).
 // - The epilogue (global and row scales, activation, bf16/fp32 store) is the shared one.
 // - W4A16WgmmaWs (the default for chunk-ordered `a` gathered with blocked weights: moe's GEMM1 after
-//   XLA permutes x into the chunk order) splits the roles: a producer warpgroup stages weights and
-//   rows in shared memory for three MMA warpgroups, four on 32-row gated tiles (see there).
+//   XLA permutes x into the chunk order; and moe's GEMM2, KernelFlag::kWsGemm2) splits the roles: a producer
+//   warpgroup stages weights and rows in shared memory for three MMA warpgroups, four on 32-row gated
+//   tiles and on one-block tiles (see there).
 // Only built for sm_90a (wgmma does not exist on sm_100); elsewhere LaunchWgmmaGemm returns
 // false and the mma.sync kernel runs.
 #include <cuda.h>  // CUtensorMap (a type only: the encoder comes from the runtime)
@@ -684,9 +685,12 @@ __global__ void __launch_bounds__(kWgThreadsPerCta, MinCtas<GATED, NB>()) W4A16W
 // The MMA warps load their weights from shared memory (no global load in flight), decode and issue
 // wgmmas; the roles' register budgets are set apart (setmaxnreg), so three MMA warpgroups (four
 // on 32-row tiles) fit where the staged kernel has two. (H200, 2026-12-02: as GEMM1, 14-17% faster prefill layers than
-// the staged kernel; as GEMM2, 1.02-1.22x slower ones than the TMA-fed kernel, whose one-block CTAs
-// fit two to an SM; on 32-row tiles, as GEMM2 of K = 2048, 8-9% faster decode layers: the TMA-fed
-// kernel holds one chunk of weights a warp in flight, the ring six stages, 2026-12-03.) The grid is
+// the staged kernel; as GEMM2 on three MMA warpgroups of two blocks and unstaged stores, 1.02-1.22x slower ones
+// than the TMA-fed kernel, whose one-block CTAs fit two to an SM; on 32-row tiles, as GEMM2 of K = 2048, 8-9%
+// faster decode layers: the TMA-fed kernel holds one chunk of weights a warp in flight, the ring six stages,
+// 2026-12-03. As GEMM2 on 64-row tiles with four MMA warpgroups of one block (a chunk loop of 187 instructions,
+// the TMA-fed kernel's 234) and the TMA-fed kernel's staged stores (StoreStaged; the last MMA warp fetches the
+// row info): prefill layers x0.94-0.95, session 38.) The grid is
 // persistent: a CTA per SM walks the work items, so the ring's fill and the epilogue's stores of one
 // item overlap the next (prefill layers up to 1.8% faster, at most 0.6% slower; a warpgroup whose
 // rows of the last slab are all past n_out skipping its MMAs gained nothing and was not kept; H200,
@@ -703,7 +707,8 @@ __global__ void __launch_bounds__(kWgThreadsPerCta, MinCtas<GATED, NB>()) W4A16W
 // (192: 352 items, the last round on 88 SMs). H200, 2026-12-03: DeepSeek-V3 layers x0.90-0.91 at
 // T = 48-64, Qwen3-30B-A3B x0.96-1.00 at T = 128-384 (KernelFlag::kWsThreeGroups keeps three).
 // NB: weight copies a stage, 64-row blocks a warpgroup (gated: its gate and up rows; otherwise two
-// blocks of 64 features, or one on 32-row bf16-out tiles: four MMA warpgroups of one block, 256 features an
+// blocks of 64 features, or one on 32-row bf16-out tiles and 64-row ungathered ones (GEMM2): four MMA warpgroups
+// of one block, 256 features an
 // item, where GEMM2 at DeepSeek-V3 T = 64 made 608 items of 384 on 132 CTAs, the last slab two thirds used;
 // H200 2026-12-03: layers x0.97 at T = 48-64, KernelFlag::kWsTwoBlocks keeps two; two pairs of warpgroups of two
 // blocks, one the even 128-K chunks and one the odd, summed through shared memory: 10% fewer loop instructions,
@@ -727,12 +732,18 @@ struct WsShape {
 // A stage: [activations][codes 0, 1][scales 0, 1], and its full and empty mbarriers. 64-row tiles:
 // four stages of 43 KB (five, all that fit in 227 KB: 3-6% slower layers; three: 0.6-2.6% slower;
 // H200 2026-12-02). 32-row tiles (decode batches, whose weights stream from HBM): six of 35 KB, or
-// with four MMA warpgroups five of 44 KB (all that fit), of one block each eight of 26 KB.
+// with four MMA warpgroups five of 44 KB (all that fit), of one block each eight of 26 KB; 64-row tiles of one
+// block five of 34 KB and the staged stores' 33 KB.
 template <int TOK, int NC, int NB = 2>
 struct WsSmem {
   static constexpr int kStageBytes = ChunkBytes<TOK>() + WsShape<NC, NB>::kWeightBytes;
-  static constexpr int kStages = TOK == 64 ? 4 : NB == 1 ? 8 : NC == 3 ? 6 : 5;
-  static constexpr int kBytes = kStages * (kStageBytes + 16) + 1024;
+  static constexpr int kStages = TOK == 64 ? (NB == 1 ? 5 : 4) : NB == 1 ? 8 : NC == 3 ? 6 : 5;
+  // 64-row one-block bf16-out tiles (GEMM2) stage their stores as the TMA-fed kernel does: after the ring's
+  // mbarriers, the row mbarrier (16 bytes), the tile's row ids and row-scale factors, a warp's staged output each.
+  static constexpr bool kStaged = TOK == 64 && NB == 1;
+  static constexpr int kRowBar = kStages * (kStageBytes + 16), kRowIds = kRowBar + 16, kRowScales = kRowIds + 4 * TOK;
+  static constexpr int kStaging = kRowScales + 4 * TOK, kStagingBytes = TOK * kWarpFeatures * 2;
+  static constexpr int kBytes = (kStaged ? kStaging + 4 * NC * kStagingBytes : kRowBar) + 1024;
   static_assert(kStageBytes % 1024 == 0, "stages keep the 1024-byte alignment of the swizzled activations");
   static_assert(kBytes <= 227 * 1024, "the shared memory of an H200 CTA");
 };
@@ -753,6 +764,9 @@ __global__ void __launch_bounds__(WsShape<NC, NB>::kThreads, 1)
   extern __shared__ uint8_t smem_raw[];
   const uint32_t ring = (SmemU32(smem_raw) + 1023) & ~1023u;
   const uint32_t full_bar = ring + kWsStages * kWsStageBytes, empty_bar = full_bar + 8 * kWsStages;
+  using Smem = WsSmem<TOK, NC, NB>;
+  const uint32_t row_bar = ring + Smem::kRowBar, row_ids = ring + Smem::kRowIds, row_scales = ring + Smem::kRowScales;
+  const bool staged = Smem::kStaged && !GATED && std::is_same_v<OutT, uint16_t> && StagedStores(p);
 
   GridDependencyWait();
   // Work items (row tile, feature slab), slabs first, walked gridDim.x apart: a CTA per SM (the
@@ -769,6 +783,7 @@ __global__ void __launch_bounds__(WsShape<NC, NB>::kThreads, 1)
       MbarInit(full_bar + 8 * s, gather ? 1 + 128 : 1);
       MbarInit(empty_bar + 8 * s, 128 * NC);
     }
+    if (staged) MbarInit(row_bar, 64);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
@@ -829,12 +844,16 @@ __global__ void __launch_bounds__(WsShape<NC, NB>::kThreads, 1)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
   int64_t it = 0;
+  uint32_t done = 0;  // items done (the row mbarrier's phase)
+  // The staged epilogue's row info (as in W4A16WgmmaTma): the last MMA warp fetches it during the MMAs.
+  const bool row_warp = staged && warp == 4 * NC - 1;
   for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
     const int64_t tile = item / slabs, slab = item % slabs;
     const int32_t e = p.tile_expert[tile];
     // Unused tile; a vote, so that the compiler knows the branch is warp-uniform (a plain test
     // added 46 instructions to the loop below: sm_90a SASS, 2026-12-02).
     if (__all_sync(~0u, e < 0 || e >= p.E)) continue;
+    if (row_warp) RowIdsCopy<TOK>(p, tile, row_ids);
     const int64_t base = slab * WsFeatures<GATED, NC, NB>() + 16 * warp;
     int64_t feat[NB];
     bool active[NB];
@@ -845,7 +864,7 @@ __global__ void __launch_bounds__(WsShape<NC, NB>::kThreads, 1)
     }
     float acc[NB][TOK / 8][4];
     ZeroAcc(acc);
-    for (int64_t c = 0; c < chunks; ++c, ++it) {
+    auto chunk = [&]() {  // chunk `it` of the ring
       const int s = int(it % kWsStages);
       const uint32_t stage = ring + s * kWsStageBytes;
       MbarWait(full_bar + 8 * s, uint32_t(it / kWsStages) & 1);
@@ -873,6 +892,27 @@ __global__ void __launch_bounds__(WsShape<NC, NB>::kThreads, 1)
       }
       ChunkMma<128, NB, TOK, true>(w, stage, acc);
       MbarArrive(empty_bar + 8 * s);
+      ++it;
+    };
+    for (int64_t c = 0; c + 1 < chunks; ++c) chunk();
+    if (row_warp) RowFactors<TOK>(p, tile, row_ids, row_scales, row_bar);  // (peeled: the loop stays as it was)
+    chunk();
+    if constexpr (Smem::kStaged && !GATED && std::is_same_v<OutT, uint16_t>) {
+      if (staged) {
+        MbarWait(row_bar, done++ & 1);
+        Hold(acc);
+        const float alpha = p.alpha[e] * kDecodeBias;
+        const uint32_t out_stage = ring + Smem::kStaging + warp * Smem::kStagingBytes;
+        if (active[0]) {
+          if (p.activation == int32_t(Activation::kRelu2))
+            StoreStaged<int(Activation::kRelu2)>(p, alpha, tile, feat[0], acc[0], row_ids, row_scales, out_stage);
+          else
+            StoreStaged<int(Activation::kIdentity)>(p, alpha, tile, feat[0], acc[0], row_ids, row_scales, out_stage);
+        }
+        // The MMA warpgroups only (named barrier 1): the row info is read before the next item's overwrites it.
+        asm volatile("bar.sync 1, %0;\n" ::"n"(128 * NC) : "memory");
+        continue;
+      }
     }
     StoreTile<GATED, NB, OutT>(p, e, tile, feat, active, acc);
   }
@@ -1077,6 +1117,9 @@ std::string LaunchChunkA(const GemmParams& p, bool gated, bool f32_out, int64_t 
                        : LaunchWs<true, uint16_t, 32, 4>(p, persistent, pdl, stream);
       if (!gated && !f32_out && !(kernel_flags & int64_t(KernelFlag::kWsTwoBlocks)))
         return LaunchWs<false, uint16_t, 32, 4, 1>(p, persistent, pdl, stream);
+    } else {
+      if (!gated && !f32_out && !p.gather && !(kernel_flags & int64_t(KernelFlag::kWsTwoBlocks)))
+        return LaunchWs<false, uint16_t, 64, 4, 1>(p, persistent, pdl, stream);
     }
     return gated ? (f32_out ? LaunchWs<true, float, TOK, 3>(p, persistent, pdl, stream)
                             : LaunchWs<true, uint16_t, TOK, 3>(p, persistent, pdl, stream))
