@@ -94,9 +94,9 @@ enum class KernelFlag : int64_t {
   kWsThreeGroups = 8388608,    // 32-row gated tiles (moe's GEMM1 at 9-24 rows an expert) on the warp-specialized
                                // kernel with three MMA warpgroups (192 features a work item) instead of four (256;
                                // H200, 2026-12-03: four give DeepSeek-V3 layers x0.90-0.91 at T = 48-64)
-  kWsTwoBlocks = 16777216,     // 32-row non-gated bf16-out tiles, and 64-row ungathered ones, on the warp-specialized
-                               // kernel (moe's GEMM2 with kWsGemm2) on three MMA warpgroups of two 64-feature blocks (384 features a work
-                               // item, six stages) instead of four of one (256, eight stages; H200, 2026-12-03:
+  kWsTwoBlocks = 16777216,     // 32-row non-gated bf16-out tiles, and 64-row ungathered ones, on the
+                               // warp-specialized kernel (moe's GEMM2 with kWsGemm2) on three MMA warpgroups
+                               // of two 64-feature blocks (384 features a work item, six stages) instead of four of one (256, eight stages; H200, 2026-12-03:
                                // DeepSeek-V3 layers x0.971-0.973 at T = 48-64, x0.987 at 96)
   kSeparateAlign = 33554432,   // w4a16 decode (at most kAlignOneWarpPairs pairs, 8-row tiles): moe_align in its own
                                // launch before GEMM1, not in every GEMM1 CTA (moe_align_gemm)
@@ -108,9 +108,9 @@ enum class KernelFlag : int64_t {
                                      // multiplied, not with its weights a chunk ahead where a warp spans >= 512 K
                                      // (H200, 2026-12-04: layers x0.92-0.99 ahead at 2048-7168 K, x0.96-0.99 at
                                      // 512-1024 K since the bit-permuted decode; moe_gemm.cu, kXAheadMinSpan)
-  kTmaGemm2 = 4294967296ll,  // moe's GEMM2 on 64-row tiles on the TMA-fed kernel, not the warp-specialized one
-                             // (four MMA warpgroups of one block, staged stores; H200, 2026-12-04: prefill layers
-                             // x0.94-0.95; a moe policy: the GEMM kernels read it only in kAllKernelFlags)
+  kTmaGemm2 = 4294967296ll,  // moe's GEMM2 on 64-row tiles on the TMA-fed kernel, not on the warp-specialized
+                             // one (kWsGemm2: prefill layers x0.94-0.95 there, H200 2026-12-04); a moe policy:
+                             // the GEMM kernels read it only in kAllKernelFlags)
   // 536870912 / 1073741824: kBulkPrefetch / kBulkPrefetchFar (the mma.sync decode tiles on blocked weights, lane 0
   // of each warp keeping its fragments' next 4 / 8 chunks asked of the L2 by cp.async.bulk.prefetch.L2) for one H200
   // A/B on 2026-12-04 (session 32), removed: layers 1.00-1.28x slower (a stream of the same loads without the math,

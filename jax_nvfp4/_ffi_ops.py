@@ -1001,7 +1001,7 @@ def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str =
                                                          impl=impl, kernel_flags=kernel_flags)
     # The intermediate in the paired order on the mma.sync tiles: GEMM2 then loads its activation
     # pairs as they are (H200, 2026-12-01: decode layers 1-2% faster; wgmma prefill 0.3-1% slower).
-    # On 64- and 32-row tiles, the chunk order where the sm_90a TMA-fed wgmma GEMM2 can read it.
+    # On 64- and 32-row tiles, the chunk order where the sm_90a wgmma GEMM2s (TMA-fed, warp-specialized) read it.
     natural = bool(kernel_flags & KernelFlag.NATURAL_INTERMEDIATE)
     paired = tile_m <= PAIRED_MAX_TILE_M and not natural
     wgmma = tile_m in WGMMA_TILE_MS and not kernel_flags & KernelFlag.NO_WGMMA and chunk_intermediate_supported()

@@ -308,7 +308,9 @@ if stage ab; then
   # Qwen3 prefill layers in three forms (session 37, branch ws-pair-items).
   # 32768: GEMM1 on the staged kernel instead of the warp-specialized one (the default since 2026-12-02:
   # 14-17% faster layers); 65536: GEMM2 on the warp-specialized kernel too (1.02-1.22x slower layers, sessions 17-19;
-  # as two groups of two MMA warpgroups with their own rings, 1.01-1.06x, session 30);
+  # as two groups of two MMA warpgroups with their own rings, 1.01-1.06x, session 30; the default on 64-row tiles
+  # since session 38, four MMA warpgroups of one block with staged stores: x0.94-0.95; 4294967296, TMA_GEMM2, the
+  # TMA-fed GEMM2 as before);
   # 131072: the warp-specialized kernel with a CTA per work item, not the persistent grid (the default
   # since 2026-12-02: layers up to 1.8% faster, at most 0.6% slower; with 65536 too, 2.5-16% slower
   # than the default). Three stages instead of four: 0.6-2.6% slower layers (abtree, 2026-12-02).

@@ -961,7 +961,8 @@ TMA_CASES = [  # (activation, row_scale_mode, cut) of non-gated GEMMs on the TMA
 @pytest.mark.parametrize("flags", [0, int(ops.KernelFlag.TMA_PERSISTENT), int(ops.KernelFlag.WS_GEMM2)])
 @pytest.mark.parametrize("case", range(len(TMA_CASES)))
 def test_gemm_tma_epilogue_row_scales(on_gpu, flags, case):
-    """The TMA-fed kernel's epilogue (on the GPU: each tile's row ids and row-scale factors fetched
+    """The TMA-fed kernel's epilogue, and with WS_GEMM2 the warp-specialized kernel's (the same staged stores),
+    (on the GPU: each tile's row ids and row-scale factors fetched
     into shared memory during the MMAs, values staged for 16-byte stores) under every row-scale mode
     and relu2, with dropped pairs (padding rows) and ``a`` ending 70 rows before the last used tile:
     bitwise the natural-order output of the staged kernel; with CHUNK_OUT too (the kernel's

@@ -512,9 +512,20 @@ __device__ __forceinline__ void StoreStaged(const GemmParams& p, float alpha, in
                  : "memory");
   }
 }
+
+// StoreStaged with moe's non-gated activation (relu2, else the identity), picked once a block.
+template <int FM>
+__device__ __forceinline__ void StoreStagedAct(const GemmParams& p, float alpha, int64_t tile, int64_t feat0,
+                                               const float (&acc)[FM][4], uint32_t rows, uint32_t factors,
+                                               uint32_t stage) {
+  if (p.activation == int32_t(Activation::kRelu2))
+    StoreStaged<int(Activation::kRelu2)>(p, alpha, tile, feat0, acc, rows, factors, stage);
+  else
+    StoreStaged<int(Activation::kIdentity)>(p, alpha, tile, feat0, acc, rows, factors, stage);
+}
 #endif
 
-// Whether the TMA-fed kernel stages its stores (StoreStaged): natural output columns, whole 16-feature
+// Whether the TMA-fed and the warp-specialized kernels stage their stores (StoreStaged): natural output columns, whole 16-feature
 // groups (and 32-byte rows).
 __device__ __forceinline__ bool StagedStores(const GemmParams& p) {
   return !(p.pairing & (int32_t(Pairing::kOut) | int32_t(Pairing::kChunkOut))) && p.n_out % 16 == 0;
@@ -656,14 +667,8 @@ __global__ void __launch_bounds__(kWgThreadsPerCta, MinCtas<GATED, NB>()) W4A16W
       const float alpha = p.alpha[e] * kDecodeBias;
       const uint32_t stage = ring + L::kStaging + warp * L::kStagingBytes;
 #pragma unroll
-      for (int j = 0; j < NF; ++j) {
-        const float(&a)[TOK / 8][4] = acc[j];
-        if (!active[j]) continue;
-        if (p.activation == int32_t(Activation::kRelu2))
-          StoreStaged<int(Activation::kRelu2)>(p, alpha, tile, feat[j], a, row_ids, row_scales, stage);
-        else
-          StoreStaged<int(Activation::kIdentity)>(p, alpha, tile, feat[j], a, row_ids, row_scales, stage);
-      }
+      for (int j = 0; j < NF; ++j)
+        if (active[j]) StoreStagedAct(p, alpha, tile, feat[j], acc[j], row_ids, row_scales, stage);
       if (more) __syncthreads();  // the row info is read before the next item's overwrites it
     } else {
       StoreTile<GATED, NF, OutT>(p, e, tile, feat, active, acc);
@@ -766,7 +771,8 @@ __global__ void __launch_bounds__(WsShape<NC, NB>::kThreads, 1)
   const uint32_t full_bar = ring + kWsStages * kWsStageBytes, empty_bar = full_bar + 8 * kWsStages;
   using Smem = WsSmem<TOK, NC, NB>;
   const uint32_t row_bar = ring + Smem::kRowBar, row_ids = ring + Smem::kRowIds, row_scales = ring + Smem::kRowScales;
-  const bool staged = Smem::kStaged && !GATED && std::is_same_v<OutT, uint16_t> && StagedStores(p);
+  constexpr bool kStagedInstance = Smem::kStaged && !GATED && std::is_same_v<OutT, uint16_t>;
+  const bool staged = kStagedInstance && StagedStores(p);
 
   GridDependencyWait();
   // Work items (row tile, feature slab), slabs first, walked gridDim.x apart: a CTA per SM (the
@@ -897,18 +903,13 @@ __global__ void __launch_bounds__(WsShape<NC, NB>::kThreads, 1)
     for (int64_t c = 0; c + 1 < chunks; ++c) chunk();
     if (row_warp) RowFactors<TOK>(p, tile, row_ids, row_scales, row_bar);  // (peeled: the loop stays as it was)
     chunk();
-    if constexpr (Smem::kStaged && !GATED && std::is_same_v<OutT, uint16_t>) {
+    if constexpr (kStagedInstance) {
       if (staged) {
         MbarWait(row_bar, done++ & 1);
         Hold(acc);
         const float alpha = p.alpha[e] * kDecodeBias;
         const uint32_t out_stage = ring + Smem::kStaging + warp * Smem::kStagingBytes;
-        if (active[0]) {
-          if (p.activation == int32_t(Activation::kRelu2))
-            StoreStaged<int(Activation::kRelu2)>(p, alpha, tile, feat[0], acc[0], row_ids, row_scales, out_stage);
-          else
-            StoreStaged<int(Activation::kIdentity)>(p, alpha, tile, feat[0], acc[0], row_ids, row_scales, out_stage);
-        }
+        if (active[0]) StoreStagedAct(p, alpha, tile, feat[0], acc[0], row_ids, row_scales, out_stage);
         // The MMA warpgroups only (named barrier 1): the row info is read before the next item's overwrites it.
         asm volatile("bar.sync 1, %0;\n" ::"n"(128 * NC) : "memory");
         continue;
