@@ -166,6 +166,8 @@ NB_MODULE(_ffi, m) {
     c["max_split_tile_m"] = kMaxSplitTileM;
     c["max_align_experts"] = kMaxAlignExperts;
     c["align_one_warp_pairs"] = kAlignOneWarpPairs;
+    c["align_grid_min_pairs"] = kAlignGridMinPairs;
+    c["align_grid_max_slots"] = kAlignGridMaxSlots;
     c["cuda_k_multiple"] = kCudaKMultiple;
     c["cuda_n_multiple"] = kCudaNMultiple;
     c["all_kernel_flags"] = kAllKernelFlags;

@@ -14,13 +14,16 @@ namespace {
 
 ffi::Error MoeAlignCpuImpl(ffi::Buffer<ffi::S32> topk_ids, ffi::Result<ffi::Buffer<ffi::S32>> sorted_ids,
                            ffi::Result<ffi::Buffer<ffi::S32>> tile_expert,
-                           ffi::Result<ffi::Buffer<ffi::S32>> pair_to_row, int64_t num_experts,
-                           int64_t expert_offset, int64_t tile_m, int64_t kernel_flags) {
+                           ffi::Result<ffi::Buffer<ffi::S32>> pair_to_row,
+                           ffi::Result<ffi::Buffer<ffi::S32>> workspace, int64_t num_experts, int64_t expert_offset,
+                           int64_t tile_m, int64_t kernel_flags) {
   int64_t n, P;
   if (auto err = CheckAlign("moe_align", topk_ids, num_experts, tile_m, *sorted_ids, *tile_expert,
                             *pair_to_row, int64_t(1) << 30, kernel_flags, &n, &P);
       err.failure())
     return err;
+  // (The workspace is the GPU grid align's; checked here too, so that both platforms take the same call.)
+  if (auto err = CheckAlignWorkspace("moe_align", *workspace, n); err.failure()) return err;
   AlignPairsCpu(topk_ids.typed_data(), n, num_experts, expert_offset, tile_m, P, sorted_ids->typed_data(),
                 tile_expert->typed_data(), pair_to_row->typed_data());
   return ffi::Error::Success();

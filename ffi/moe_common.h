@@ -153,6 +153,11 @@ NVFP4_HD int64_t BlockedOffset(int64_t n, int64_t b, int64_t K, int64_t row_byte
   return ((n / kBlockRows * (K / kBlockK) + b / row_bytes) * kBlockRows + n % kBlockRows) * row_bytes + b % row_bytes;
 }
 constexpr int64_t kAlignOneWarpPairs = 32;
+// The CUDA align on a grid of CTAs from kAlignGridMinPairs pairs on; its workspace (moe_align's fourth
+// output) holds the CTAs' per-expert counts, CTAs x experts <= kAlignGridMaxSlots.
+constexpr int64_t kAlignGridMinPairs = 2048;
+constexpr int64_t kAlignGridMaxSlots = 8192;
+NVFP4_HD int64_t AlignWorkspaceSize(int64_t n_pairs) { return n_pairs >= kAlignGridMinPairs ? kAlignGridMaxSlots : 0; }
 // MoE modes (spec section 5); the kernels themselves are mode-agnostic.
 enum class Mode : int64_t { kBf16 = 0, kW4A16 = 1, kW4A4 = 2 };
 
@@ -474,6 +479,15 @@ ffi::Error CheckAlign(const char* op, const I& topk_ids, int64_t num_experts, in
       pair_to_row.dimensions()[1] != id[1])
     return Invalid(op, "pair_to_row must have the shape of topk_ids " + ShapeStr(id) + ", got " +
                            ShapeStr(pair_to_row.dimensions()));
+  return ffi::Error::Success();
+}
+
+template <typename WS>
+ffi::Error CheckAlignWorkspace(const char* op, const WS& workspace, int64_t n_pairs) {
+  const int64_t need = AlignWorkspaceSize(n_pairs);
+  if (workspace.dimensions().size() != 1 || workspace.dimensions()[0] != need)
+    return Invalid(op, "workspace must be int32 [" + std::to_string(need) + "] for " + std::to_string(n_pairs) +
+                           " pairs, got " + ShapeStr(workspace.dimensions()));
   return ffi::Error::Success();
 }
 

@@ -18,6 +18,7 @@ auto MoeAlign(B b) {
       .template Ret<ffi::Buffer<ffi::S32>>()  // sorted_ids [P]
       .template Ret<ffi::Buffer<ffi::S32>>()  // tile_expert [P / tile_m]
       .template Ret<ffi::Buffer<ffi::S32>>()  // pair_to_row [T, k]
+      .template Ret<ffi::Buffer<ffi::S32>>()  // workspace [AlignWorkspaceSize(T k)] (the GPU grid's counts)
       .template Attr<int64_t>("num_experts")  // local experts E
       .template Attr<int64_t>("expert_offset")  // first local global id
       .template Attr<int64_t>("tile_m")  // group padding

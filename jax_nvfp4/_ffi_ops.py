@@ -203,6 +203,8 @@ MAX_SPLIT_TILE_M = 16  # K splitting is for decode-sized tiles
 PAIRED_MAX_TILE_M = 32  # moe's intermediate is paired on tiles up to this size (KernelFlag.NATURAL_INTERMEDIATE)
 MAX_ALIGN_EXPERTS = 512  # local experts the GPU align kernel handles (one CTA, shared memory)
 ALIGN_ONE_WARP_PAIRS = 32  # pairs up to which the CUDA align runs in one warp (unless KernelFlag.ALIGN_ONE_CTA)
+ALIGN_GRID_MIN_PAIRS = 2048  # pairs from which it runs on a grid of CTAs, whose counts go through a workspace
+ALIGN_GRID_MAX_SLOTS = 8192  # of that many int32 (CTAs x experts)
 CUDA_K_MULTIPLE = 64  # the CUDA GEMM's K chunk: H and I must be multiples of it on the GPU
 CUDA_N_MULTIPLE = 16  # output features per MMA fragment
 
@@ -242,9 +244,10 @@ def check_constants() -> None:
         raise RuntimeError(f"the blocked order's bit positions differ: C++ {tuple(c['blocked_bit_pos'])}, "
                            f"Python {BLOCKED_BIT_POS}")
     got = (tuple(c["tile_ms"]), tuple(c["k_splits"]), c["max_split_tile_m"], c["max_align_experts"],
-           c["align_one_warp_pairs"], c["cuda_k_multiple"], c["cuda_n_multiple"])
-    if got != (TILE_MS, K_SPLITS, MAX_SPLIT_TILE_M, MAX_ALIGN_EXPERTS, ALIGN_ONE_WARP_PAIRS, CUDA_K_MULTIPLE,
-               CUDA_N_MULTIPLE):
+           c["align_one_warp_pairs"], c["align_grid_min_pairs"], c["align_grid_max_slots"], c["cuda_k_multiple"],
+           c["cuda_n_multiple"])
+    if got != (TILE_MS, K_SPLITS, MAX_SPLIT_TILE_M, MAX_ALIGN_EXPERTS, ALIGN_ONE_WARP_PAIRS, ALIGN_GRID_MIN_PAIRS,
+               ALIGN_GRID_MAX_SLOTS, CUDA_K_MULTIPLE, CUDA_N_MULTIPLE):
         raise RuntimeError(f"tiling constants differ between Python and C++: {got}")
 
 
@@ -429,11 +432,13 @@ def moe_align(topk_ids, num_experts: int, *, tile_m: int, expert_offset: int = 0
     if impl == "jax":
         return _moe_align_jax(topk_ids, num_experts, tile_m, expert_offset, p)
     ensure_registered()
+    # The fourth output is the CUDA grid align's workspace (its CTAs' counts), dropped here.
+    workspace = ALIGN_GRID_MAX_SLOTS if t * k >= ALIGN_GRID_MIN_PAIRS else 0
     out = (jax.ShapeDtypeStruct((p,), jnp.int32), jax.ShapeDtypeStruct((p // tile_m,), jnp.int32),
-           jax.ShapeDtypeStruct((t, k), jnp.int32))
+           jax.ShapeDtypeStruct((t, k), jnp.int32), jax.ShapeDtypeStruct((workspace,), jnp.int32))
     return jax.ffi.ffi_call(TARGET_ALIGN, out, vmap_method="sequential")(
         topk_ids, num_experts=np.int64(num_experts), expert_offset=np.int64(expert_offset),
-        tile_m=np.int64(tile_m), kernel_flags=np.int64(kernel_flags))
+        tile_m=np.int64(tile_m), kernel_flags=np.int64(kernel_flags))[:3]
 
 
 def _moe_align_jax(topk_ids, num_experts, tile_m, expert_offset, p):

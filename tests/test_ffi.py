@@ -274,10 +274,22 @@ def test_align_takes_kernel_flags_and_checks_them():
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
     ops.ensure_registered()
     out = (jax.ShapeDtypeStruct((32,), jnp.int32), jax.ShapeDtypeStruct((4,), jnp.int32),
-           jax.ShapeDtypeStruct((2, 2), jnp.int32))
+           jax.ShapeDtypeStruct((2, 2), jnp.int32), jax.ShapeDtypeStruct((0,), jnp.int32))
+    call = jax.ffi.ffi_call(ops.TARGET_ALIGN, out)
     with pytest.raises(Exception, match="kernel_flags must be a combination"):
-        jax.ffi.ffi_call(ops.TARGET_ALIGN, out)(ids, num_experts=np.int64(4), expert_offset=np.int64(0),
-                                                 tile_m=np.int64(8), kernel_flags=np.int64(UNKNOWN_FLAG))
+        call(ids, num_experts=np.int64(4), expert_offset=np.int64(0), tile_m=np.int64(8),
+             kernel_flags=np.int64(UNKNOWN_FLAG))
+    # The workspace (the GPU grid align's counts) is sized by the pairs, on both platforms.
+    wrong = jax.ffi.ffi_call(ops.TARGET_ALIGN, out[:3] + (jax.ShapeDtypeStruct((16,), jnp.int32),))
+    with pytest.raises(Exception, match=r"workspace must be int32 \[0\] for 4 pairs, got \[16\]"):
+        wrong(ids, num_experts=np.int64(4), expert_offset=np.int64(0), tile_m=np.int64(8), kernel_flags=np.int64(0))
+    big = jnp.zeros((ops.ALIGN_GRID_MIN_PAIRS, 1), jnp.int32)
+    grid_out = (jax.ShapeDtypeStruct((ops.padded_rows(ops.ALIGN_GRID_MIN_PAIRS, 4, 8),), jnp.int32),
+                jax.ShapeDtypeStruct((ops.padded_rows(ops.ALIGN_GRID_MIN_PAIRS, 4, 8) // 8,), jnp.int32),
+                jax.ShapeDtypeStruct(big.shape, jnp.int32), jax.ShapeDtypeStruct((0,), jnp.int32))
+    with pytest.raises(Exception, match=rf"workspace must be int32 \[{ops.ALIGN_GRID_MAX_SLOTS}\] for 2048 pairs"):
+        jax.ffi.ffi_call(ops.TARGET_ALIGN, grid_out)(big, num_experts=np.int64(4), expert_offset=np.int64(0),
+                                                     tile_m=np.int64(8), kernel_flags=np.int64(0))
 
 
 @pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
@@ -712,16 +724,16 @@ def _assert_align_is_one_cta_and_twin(ids, e, offset, tile_m, kernel_flags):
 @pytest.mark.gpu
 @pytest.mark.parametrize("t,k,e,offset,tile_m,order", [
     (256, 8, 32, 0, 64, "random"),      # 2048 pairs: 4 CTAs (the fewest)
-    (300, 7, 512, 3, 8, "random"),      # 2100 pairs over 512 experts: 4 CTAs of 525, each range >= E
+    (300, 7, 512, 3, 8, "random"),      # 2100 pairs over 512 experts: 4 CTAs of 525
     (4096, 8, 128, 0, 64, "random"),    # Qwen3 T=4096: 64 CTAs of 512 pairs
-    (4096, 8, 512, 0, 32, "random"),    # 16 CTAs: 16 x 512 expert slots fill the offsets kernel's 32 KB
+    (4096, 8, 512, 0, 32, "random"),    # 16 CTAs: 16 x 512 counts fill the workspace (32 KB)
     (4096, 8, 32, 96, 32, "sorted"),    # one expert per CTA range mostly; foreign ids; drops
     (5003, 3, 16, 0, 16, "one"),        # every pair on one expert, n not a multiple of the CTAs
     (2047, 1, 8, 0, 64, "random")])     # just below the threshold: the one-CTA kernel
 @pytest.mark.parametrize("pdl", [False, True])
 def test_gpu_align_grid_matches_twin(t, k, e, offset, tile_m, order, pdl):
-    """The grid align (the default from 2048 pairs on: counts, group offsets and ranks, three
-    kernels on up to 64 CTAs) writes the bytes of the one-CTA kernel (KernelFlag.ALIGN_ONE_CTA):
+    """The grid align (the default from 2048 pairs on: counts, then offsets and ranks, two kernels
+    on up to 64 CTAs, their counts through the call's workspace) writes the bytes of the one-CTA kernel (KernelFlag.ALIGN_ONE_CTA):
     random ids with drops and foreign experts, ids sorted (so that each CTA sees few experts), and
     all pairs on one expert."""
     rng = np.random.default_rng(t * k + e)

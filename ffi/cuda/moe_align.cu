@@ -159,28 +159,28 @@ __global__ void __launch_bounds__(kAlignThreads)
   WarpRanks(ids, wbegin, wend, offset, num_experts, off, hist + warp * E, lane, sorted_ids, pair_to_row);
 }
 
-// The grid align (n >= kAlignGridMinPairs, unless KernelFlag::kAlignOneCta): three kernels, so that
+// The grid align (n >= kAlignGridMinPairs, unless KernelFlag::kAlignOneCta): two kernels, so that
 // the serial rank steps and the scattered row stores of a large batch spread over many SMs (one CTA
-// takes 51 us for 32768 pairs, ncu). CTA g of G owns the pairs [g n / G, (g + 1) n / G), at least
-// E of them (G <= n / E; G E <= kAlignGridMaxSlots): the first E entries of pair_to_row in that
-// range carry the CTA's per-expert numbers from kernel to kernel, until its own pairs overwrite
-// them in the third. Same bytes as MoeAlignKernel.
+// takes 51 us for 32768 pairs, ncu). CTA g of G owns the pairs [g n / G, (g + 1) n / G) (G E <=
+// kAlignGridMaxSlots); `counts` (the call's workspace, [G][E]) carries the CTAs' per-expert counts
+// from the first kernel to the second. Same bytes as MoeAlignKernel.
 //  1. MoeAlignGridCount: the CTA's count of each expert; sorted_ids filled with -1.
-//  2. MoeAlignGridBases (one CTA): group offsets, tile owners, and for every CTA and expert the
-//     first row of the CTA's pairs of that expert.
-//  3. MoeAlignGridRanks: the one-CTA kernel's stable ranks from those rows.
-constexpr int64_t kAlignGridMinPairs = 2048;
+//  2. MoeAlignGridRanks: every CTA reads all the counts, takes the group offsets and its first row
+//     of each expert from them, writes its share of the tile owners, then the one-CTA kernel's
+//     stable ranks. (Until 2026-12-04 a one-CTA kernel between the two took the offsets and the
+//     first rows, through pair_to_row: 12.3 us of Qwen3-30B-A3B T=4096's 22.2 us align, ncu.)
 constexpr int64_t kAlignGridMaxCtas = 64;
-constexpr int64_t kAlignGridMaxSlots = 8192;  // CTAs x experts: MoeAlignGridBases' 32 KB of shared memory
-static_assert(kAlignGridMaxCtas <= kAlignThreads, "one CTA's first pair per thread in MoeAlignGridBases");
 constexpr int64_t kAlignGridPairsPerCta = 512;
+constexpr int kAlignGridSlotsPerThread = int(kAlignGridMaxSlots / kAlignThreads);
+static_assert(kAlignGridMaxSlots % kAlignThreads == 0, "a thread's share of the counts, loaded at once");
+static_assert(kAlignWarps * kMaxAlignExperts <= kAlignGridMaxSlots, "the counts' shared memory holds hist");
 
 // The first pair of CTA g of `ctas` (ranges of floor(n / ctas) pairs or one more).
 __device__ __forceinline__ int64_t CtaBegin(int64_t n, int64_t g, int64_t ctas) { return g * n / ctas; }
 
 __global__ void __launch_bounds__(kAlignThreads)
     MoeAlignGridCount(const int32_t* __restrict__ ids, int64_t n, int64_t num_experts, int64_t offset, int64_t P,
-                      int32_t* __restrict__ sorted_ids, int32_t* __restrict__ pair_to_row) {
+                      int32_t* __restrict__ sorted_ids, int32_t* __restrict__ counts) {
   GridDependencyWait();
   extern __shared__ int32_t smem[];
   const int E = int(num_experts);
@@ -190,63 +190,71 @@ __global__ void __launch_bounds__(kAlignThreads)
   for (int64_t r = blockIdx.x * int64_t(kAlignThreads) + tid; r < P; r += int64_t(gridDim.x) * kAlignThreads)
     sorted_ids[r] = -1;
   __syncthreads();
-  const int64_t begin = CtaBegin(n, blockIdx.x, gridDim.x);
   int64_t wbegin, wend;
-  WarpSegment(begin, CtaBegin(n, blockIdx.x + 1, gridDim.x), warp, &wbegin, &wend);
+  WarpSegment(CtaBegin(n, blockIdx.x, gridDim.x), CtaBegin(n, blockIdx.x + 1, gridDim.x), warp, &wbegin, &wend);
   WarpCounts(ids, wbegin, wend, offset, num_experts, hist + warp * E, lane);
   __syncthreads();
   const int32_t count = WarpPrefixes(hist, E, tid);
-  if (tid < E) pair_to_row[begin + tid] = count;
-}
-
-// All of the grid's counts pass through shared memory: read at once (one CTA reading its 64
-// slots a thread one after another took 8.3 us, ncu), written back at once.
-__global__ void __launch_bounds__(kAlignThreads)
-    MoeAlignGridBases(int64_t n, int64_t num_experts, int32_t tile_m, int64_t P, int32_t ctas,
-                      int32_t* __restrict__ tile_expert, int32_t* __restrict__ pair_to_row) {
-  GridDependencyWait();
-  __shared__ AlignScan::TempStorage scan_tmp;
-  __shared__ int32_t s_total;
-  __shared__ int32_t off[kMaxAlignExperts];
-  __shared__ int64_t begins[kAlignGridMaxCtas];  // (no 64-bit division per slot)
-  extern __shared__ int32_t slots[];             // [ctas][E]: counts, then first rows
-  const int E = int(num_experts), tid = threadIdx.x, nslots = ctas * E;
-  if (tid < ctas) begins[tid] = CtaBegin(n, tid, ctas);
-  __syncthreads();
-#pragma unroll 4
-  for (int i = tid; i < nslots; i += kAlignThreads) slots[i] = pair_to_row[begins[i / E] + i % E];
-  __syncthreads();
-  int32_t count = 0;
-  if (tid < E)
-    for (int g = 0; g < ctas; ++g) count += slots[g * E + tid];
-  const int32_t start = GroupOffsets(count, tile_m, E, tid, scan_tmp, off, &s_total);
-  if (tid < E) {
-    for (int g = 0, row = start; g < ctas; ++g) {
-      const int32_t c = slots[g * E + tid];
-      slots[g * E + tid] = row;
-      row += c;
-    }
-  }
-  __syncthreads();
-  TileOwners(off, E, s_total, tile_m, P, tid, kAlignThreads, tile_expert);
-  for (int i = tid; i < nslots; i += kAlignThreads) pair_to_row[begins[i / E] + i % E] = slots[i];
+  if (tid < E) counts[blockIdx.x * E + tid] = count;
 }
 
 __global__ void __launch_bounds__(kAlignThreads)
     MoeAlignGridRanks(const int32_t* __restrict__ ids, int64_t n, int64_t num_experts, int64_t offset,
-                      int32_t* __restrict__ sorted_ids, int32_t* __restrict__ pair_to_row) {
+                      int32_t tile_m, int64_t P, const int32_t* __restrict__ counts, int32_t* __restrict__ sorted_ids,
+                      int32_t* __restrict__ tile_expert, int32_t* __restrict__ pair_to_row) {
   GridDependencyWait();
-  extern __shared__ int32_t smem[];
-  const int E = int(num_experts);
-  int32_t* hist = smem;                    // [kAlignWarps][E]
-  int32_t* base = smem + kAlignWarps * E;  // [E]: the first row of this CTA's pairs of each expert
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int64_t begin = CtaBegin(n, blockIdx.x, gridDim.x);
+  __shared__ AlignScan::TempStorage scan_tmp;
+  __shared__ int32_t s_total;
+  __shared__ int32_t off[kMaxAlignExperts];   // first row of each group
+  __shared__ int32_t base[kMaxAlignExperts];  // the first row of this CTA's pairs of each expert
+  __shared__ int32_t part[2][kAlignThreads];  // per (CTA segment, expert): its count, and this CTA's share
+  extern __shared__ int32_t smem[];           // [ctas][E] counts, then [kAlignWarps][E] hist
+  const int E = int(num_experts), ctas = int(gridDim.x), me = int(blockIdx.x);
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, nslots = ctas * E;
+  // All CTAs' counts, a thread's loads in flight together (the old one-CTA kernel reading them a few
+  // at a time stalled on them: 7.4 long-scoreboard stalls an issue, ncu).
+  int32_t v[kAlignGridSlotsPerThread];
+#pragma unroll
+  for (int j = 0; j < kAlignGridSlotsPerThread; ++j) {
+    const int i = tid + j * kAlignThreads;
+    v[j] = i < nslots ? counts[i] : 0;
+  }
+#pragma unroll
+  for (int j = 0; j < kAlignGridSlotsPerThread; ++j)
+    if (tid + j * kAlignThreads < nslots) smem[tid + j * kAlignThreads] = v[j];
+  __syncthreads();
+  // Q threads an expert sum a segment of the CTAs each: the expert's count, and the pairs of CTAs
+  // before this one (its first row past the group's start).
+  const int Q = min(kAlignThreads / E, ctas);
+  if (tid < Q * E) {
+    const int e = tid % E, q = tid / E;
+    int32_t all = 0, before = 0;
+    for (int g = q * ctas / Q; g < (q + 1) * ctas / Q; ++g) {
+      const int32_t c = smem[g * E + e];
+      all += c;
+      before += g < me ? c : 0;
+    }
+    part[0][tid] = all;
+    part[1][tid] = before;
+  }
+  __syncthreads();
+  int32_t count = 0, before = 0;
+  if (tid < E) {
+    for (int q = 0; q < Q; ++q) {
+      count += part[0][q * E + tid];
+      before += part[1][q * E + tid];
+    }
+  }
+  const int32_t start = GroupOffsets(count, tile_m, E, tid, scan_tmp, off, &s_total);
+  if (tid < E) base[tid] = start + before;
+  int32_t* hist = smem;  // [kAlignWarps][E] (the counts are read)
+  __syncthreads();
+  TileOwners(off, E, s_total, tile_m, P, int64_t(me) * kAlignThreads + tid, int64_t(ctas) * kAlignThreads,
+             tile_expert);
   for (int i = tid; i < kAlignWarps * E; i += kAlignThreads) hist[i] = 0;
-  if (tid < E) base[tid] = pair_to_row[begin + tid];
   int64_t wbegin, wend;
-  WarpSegment(begin, CtaBegin(n, blockIdx.x + 1, gridDim.x), warp, &wbegin, &wend);
-  __syncthreads();  // (the rows are read before any pair's row overwrites them)
+  WarpSegment(CtaBegin(n, me, ctas), CtaBegin(n, me + 1, ctas), warp, &wbegin, &wend);
+  __syncthreads();
   WarpCounts(ids, wbegin, wend, offset, num_experts, hist + warp * E, lane);
   __syncthreads();
   WarpPrefixes(hist, E, tid);
@@ -262,13 +270,14 @@ __global__ void __launch_bounds__(kAlignSmallThreads) MoeAlignOneWarpKernel(cons
 ffi::Error MoeAlignCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> topk_ids,
                             ffi::Result<ffi::Buffer<ffi::S32>> sorted_ids,
                             ffi::Result<ffi::Buffer<ffi::S32>> tile_expert,
-                            ffi::Result<ffi::Buffer<ffi::S32>> pair_to_row, int64_t num_experts,
-                            int64_t expert_offset, int64_t tile_m, int64_t kernel_flags) {
+                            ffi::Result<ffi::Buffer<ffi::S32>> pair_to_row, ffi::Result<ffi::Buffer<ffi::S32>> workspace,
+                            int64_t num_experts, int64_t expert_offset, int64_t tile_m, int64_t kernel_flags) {
   int64_t n, P;
   if (auto err = CheckAlign("moe_align", topk_ids, num_experts, tile_m, *sorted_ids, *tile_expert,
                             *pair_to_row, kMaxAlignExperts, kernel_flags, &n, &P);
       err.failure())
     return err;
+  if (auto err = CheckAlignWorkspace("moe_align", *workspace, n); err.failure()) return err;
   if (P == 0) return ffi::Error::Success();  // empty batch: nothing to write
   const bool pdl = kernel_flags & int64_t(KernelFlag::kPdl);
   const bool one_cta = kernel_flags & int64_t(KernelFlag::kAlignOneCta);
@@ -280,17 +289,16 @@ ffi::Error MoeAlignCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> topk_ids,
   }
   const size_t smem = sizeof(int32_t) * (kAlignWarps + 1) * num_experts;  // <= 34 KB
   if (!one_cta && n >= kAlignGridMinPairs) {
-    // ctas <= n / E: each CTA's range holds its E per-expert numbers (MoeAlignGridCount).
-    const int64_t ctas = std::max<int64_t>(
-        1, std::min({kAlignGridMaxCtas, kAlignGridMaxSlots / num_experts, n / kAlignGridPairsPerCta, n / num_experts}));
+    const int64_t ctas =
+        std::max<int64_t>(1, std::min({kAlignGridMaxCtas, kAlignGridMaxSlots / num_experts, n / kAlignGridPairsPerCta}));
     const int32_t* ids = topk_ids.typed_data();
-    int32_t *sorted = sorted_ids->typed_data(), *rows = pair_to_row->typed_data();
+    int32_t* counts = workspace->typed_data();
     LaunchKernel(MoeAlignGridCount, ctas, kAlignThreads, smem, stream, pdl, ids, n, num_experts, expert_offset, P,
-                 sorted, rows);
-    LaunchKernel(MoeAlignGridBases, 1, kAlignThreads, sizeof(int32_t) * ctas * num_experts, stream, pdl, n,
-                 num_experts, int32_t(tile_m), P, int32_t(ctas), tile_expert->typed_data(), rows);
-    LaunchKernel(MoeAlignGridRanks, ctas, kAlignThreads, smem, stream, pdl, ids, n, num_experts, expert_offset,
-                 sorted, rows);
+                 sorted_ids->typed_data(), counts);
+    const size_t rank_smem = sizeof(int32_t) * std::max<int64_t>(ctas, kAlignWarps) * num_experts;  // <= 32 KB
+    LaunchKernel(MoeAlignGridRanks, ctas, kAlignThreads, rank_smem, stream, pdl, ids, n, num_experts, expert_offset,
+                 int32_t(tile_m), P, counts, sorted_ids->typed_data(), tile_expert->typed_data(),
+                 pair_to_row->typed_data());
     return LaunchError("moe_align");
   }
   LaunchKernel(MoeAlignKernel, 1, kAlignThreads, smem, stream, pdl, topk_ids.typed_data(), n, num_experts,
