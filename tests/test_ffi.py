@@ -958,10 +958,12 @@ TMA_CASES = [  # (activation, row_scale_mode, cut) of non-gated GEMMs on the TMA
 
 
 @pytest.mark.parametrize("on_gpu", [False, pytest.param(True, marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("flags", [0, int(ops.KernelFlag.TMA_PERSISTENT), int(ops.KernelFlag.WS_GEMM2)])
+@pytest.mark.parametrize("flags", [0, int(ops.KernelFlag.TMA_PERSISTENT), int(ops.KernelFlag.WS_GEMM2),
+                                   int(ops.KernelFlag.WS_GEMM2 | ops.KernelFlag.ROWS96)])
 @pytest.mark.parametrize("case", range(len(TMA_CASES)))
 def test_gemm_tma_epilogue_row_scales(on_gpu, flags, case):
-    """The TMA-fed kernel's epilogue, and with WS_GEMM2 the warp-specialized kernel's (the same staged stores),
+    """The TMA-fed kernel's epilogue, and with WS_GEMM2 the warp-specialized kernel's (the same staged stores;
+    with ROWS96 on work items of up to 96 rows),
     (on the GPU: each tile's row ids and row-scale factors fetched
     into shared memory during the MMAs, values staged for 16-byte stores) under every row-scale mode
     and relu2, with dropped pairs (padding rows) and ``a`` ending 70 rows before the last used tile:
@@ -997,6 +999,35 @@ def test_gemm_tma_epilogue_row_scales(on_gpu, flags, case):
     np.testing.assert_array_equal(f32(run(xa, ops.Pairing.CHUNK_A))[used], want)
     both = ops.Pairing.CHUNK_A | ops.Pairing.CHUNK_OUT
     np.testing.assert_array_equal(f32(ops.from_chunk_order(run(xa, both)))[used], want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("act,mode", [(ops.Activation.IDENTITY, ops.RowScale.PAIR),
+                                      (ops.Activation.RELU2, ops.RowScale.NONE)])
+def test_gpu_rows96_items_are_bitwise_the_64_row_tiles(act, mode):
+    """ROWS96 (GEMM2's warp-specialized work items of up to 96 rows of one expert's group, m64n96 wgmmas)
+    against 64-row tiles: experts with 1-7 tiles, so that groups end in items of 96, 64 and 32 rows (1 tile:
+    one item of 64; 2: 96 + 32; 3: 96 + 96; 4: 96 + 96 + 64; ...), an expert without rows, and padding
+    rows: every used row bitwise (the rows of unused tiles are written by neither)."""
+    rng = np.random.default_rng(96)
+    sizes = [64, 1, 100, 0, 192, 256, 300, 447, 65, 128]  # rows an expert: 1, 1, 2, -, 3, 4, 5, 7, 2, 2 tiles
+    ids = np.concatenate([np.full(n, e) for e, n in enumerate(sizes)])
+    ids = jnp.asarray(rng.permutation(ids).reshape(-1, 1), jnp.int32)
+    e, h, n = len(sizes), 256, 512
+    sid, te, _ = ops.moe_align(ids, e, tile_m=64, impl="jax")
+    p = sid.shape[0]
+    w = nv.to_blocked_weights(random_nvfp4(rng, (e, n, h), rng.uniform(0.5, 2, e) / np.sqrt(h)))
+    a = ops.to_chunk_order(jnp.asarray(rng.standard_normal((p, h)), BF16))
+    rs = jnp.asarray(rng.uniform(0.5, 2, ids.shape[0]), jnp.float32)
+
+    def run(flags):
+        return f32(_run_gemm("ffi", a, w, sid, te, rs, act, False, mode, BF16, 64, 1,
+                             kernel_flags=int(ops.KernelFlag.WS_GEMM2 | flags), pairing=ops.Pairing.CHUNK_A))
+
+    want, got = run(0), run(ops.KernelFlag.ROWS96)
+    used = used_rows(sid, te, 64)
+    assert (want[used] != 0).any() and (want[np.asarray(sid) < 0] == 0).all()
+    np.testing.assert_array_equal(got[used], want[used])
 
 
 WS_CASES = [  # (activation, gather, row_scale_mode, out_dtype): moe's GEMM1, its GEMM2, a gated GEMM on rows
@@ -1392,7 +1423,7 @@ OPT_IN_FLAGS = (ops.KernelFlag.JAX_QUANT, ops.KernelFlag.ROW_TILES_FIRST, ops.Ke
                 ops.KernelFlag.NATURAL_INTERMEDIATE, ops.KernelFlag.PLAIN_WEIGHT_LOADS, ops.KernelFlag.ALIGN_ONE_CTA,
                 ops.KernelFlag.SEPARATE_X_QUANT, ops.KernelFlag.SEPARATE_ALIGN, ops.KernelFlag.QUANT_NARROW_ROWS,
                 ops.KernelFlag.ACTIVATIONS_IN_LOOP,  # (a no-op at H = 320: see test_gpu_activations_ahead_*)
-                ops.KernelFlag.TMA_GEMM2)
+                ops.KernelFlag.TMA_GEMM2, ops.KernelFlag.ROWS96)
 
 
 @pytest.mark.gpu
