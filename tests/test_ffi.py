@@ -1002,13 +1002,16 @@ def test_gemm_tma_epilogue_row_scales(on_gpu, flags, case):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("act,mode", [(ops.Activation.IDENTITY, ops.RowScale.PAIR),
-                                      (ops.Activation.RELU2, ops.RowScale.NONE)])
-def test_gpu_rows96_items_are_bitwise_the_64_row_tiles(act, mode):
-    """ROWS96 (GEMM2's warp-specialized work items of up to 96 rows of one expert's group, m64n96 wgmmas)
-    against 64-row tiles: experts with 1-7 tiles, so that groups end in items of 96, 64 and 32 rows (1 tile:
-    one item of 64; 2: 96 + 32; 3: 96 + 96; 4: 96 + 96 + 64; ...), an expert without rows, and padding
-    rows: every used row bitwise (the rows of unused tiles are written by neither)."""
+@pytest.mark.parametrize("act,gather,mode", [(ops.Activation.IDENTITY, False, ops.RowScale.PAIR),
+                                             (ops.Activation.RELU2, False, ops.RowScale.NONE),
+                                             (ops.Activation.SWIGLU, True, ops.RowScale.NONE),
+                                             (ops.Activation.SWIGLU_OAI, True, ops.RowScale.TOKEN)])
+def test_gpu_rows96_items_are_bitwise_the_64_row_tiles(act, gather, mode):
+    """ROWS96 (the warp-specialized work items of up to 96 rows of one expert's group, m64n96 wgmmas: GEMM2,
+    and gated gathered GEMM1 on pairs of gate and up warpgroups) against 64-row tiles: experts with 1-7
+    tiles, so that groups end in items of 96, 64 and 32 rows (1 tile: one item of 64; 2: 96 + 32; 3: 96 +
+    96; 4: 96 + 96 + 64; ...), an expert without rows, and padding rows: every used row bitwise (the rows
+    of unused tiles are written by neither)."""
     rng = np.random.default_rng(96)
     sizes = [64, 1, 100, 0, 192, 256, 300, 447, 65, 128]  # rows an expert: 1, 1, 2, -, 3, 4, 5, 7, 2, 2 tiles
     ids = np.concatenate([np.full(n, e) for e, n in enumerate(sizes)])
@@ -1017,16 +1020,18 @@ def test_gpu_rows96_items_are_bitwise_the_64_row_tiles(act, mode):
     sid, te, _ = ops.moe_align(ids, e, tile_m=64, impl="jax")
     p = sid.shape[0]
     w = nv.to_blocked_weights(random_nvfp4(rng, (e, n, h), rng.uniform(0.5, 2, e) / np.sqrt(h)))
-    a = ops.to_chunk_order(jnp.asarray(rng.standard_normal((p, h)), BF16))
+    a = ops.to_chunk_order(jnp.asarray(rng.standard_normal((ids.shape[0] if gather else p, h)), BF16))
     rs = jnp.asarray(rng.uniform(0.5, 2, ids.shape[0]), jnp.float32)
+    ws = ops.KernelFlag.WS_GEMM2 if not gather else 0
+    pairing = ops.Pairing.CHUNK_A | (ops.Pairing.CHUNK_OUT if gather else 0)  # (moe's GEMM1 writes the chunk order)
 
     def run(flags):
-        return f32(_run_gemm("ffi", a, w, sid, te, rs, act, False, mode, BF16, 64, 1,
-                             kernel_flags=int(ops.KernelFlag.WS_GEMM2 | flags), pairing=ops.Pairing.CHUNK_A))
+        return f32(_run_gemm("ffi", a, w, sid, te, rs, act, gather, mode, BF16, 64, 1,
+                             kernel_flags=int(ws | flags), pairing=pairing))
 
     want, got = run(0), run(ops.KernelFlag.ROWS96)
     used = used_rows(sid, te, 64)
-    assert (want[used] != 0).any() and (want[np.asarray(sid) < 0] == 0).all()
+    assert (want[used] != 0).any() and (want[used & (np.asarray(sid) < 0)] == 0).all()
     np.testing.assert_array_equal(got[used], want[used])
 
 
@@ -1045,14 +1050,16 @@ WS_CASES = [  # (activation, gather, row_scale_mode, out_dtype): moe's GEMM1, it
 @pytest.mark.parametrize("on_gpu", [False, pytest.param(True, marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("h", [128, 1280])
 @pytest.mark.parametrize("flags", [0, int(ops.KernelFlag.PDL), int(ops.KernelFlag.NO_PERSISTENT),
-                                   int(ops.KernelFlag.NO_PERSISTENT | ops.KernelFlag.PDL)])
+                                   int(ops.KernelFlag.NO_PERSISTENT | ops.KernelFlag.PDL), int(ops.KernelFlag.ROWS96),
+                                   int(ops.KernelFlag.ROWS96 | ops.KernelFlag.NO_PERSISTENT)])
 @pytest.mark.parametrize("case", range(len(WS_CASES)))
 def test_gemm_warp_specialized_is_the_same_function(on_gpu, h, flags, case):
     """64-row tiles with blocked weights and ``a`` in the chunk order (on the GPU the warp-specialized
     kernel, bfloat16 or float32 out, ungathered ``a`` with WS_GEMM2: weights by tensor copies into a ring, rows by cp.async
     (gathered) or tensor copies, over one chunk and over ten, round the ring; launched plainly and
     with PDL; on the persistent grid, where CTAs walk several work items and the ring runs on across
-    them, or with a CTA per item, NO_PERSISTENT): bitwise the natural-order output of the staged
+    them, or with a CTA per item, NO_PERSISTENT; with ROWS96, items of up to 96 rows for moe's GEMM1 (gated,
+    gathered: pairs of gate and up warpgroups) and GEMM2): bitwise the natural-order output of the staged
     kernel. 320 features: the last slab is partly idle (192 features a gated CTA, else 384); 2400
     tokens x 4 over 5 experts on the GPU's persistent grid (over 132 items), else 200, some pairs
     dropped; an ungathered ``a`` ends 70 rows before the last used tile does (the copies' bounds)."""
@@ -1211,8 +1218,8 @@ def test_gpu_moe_chunk_intermediate_is_bitwise_natural(i, mode):
     TMA-fed wgmma kernel (blocked weights: GEMM1 on the warp-specialized kernel, reading x in the
     chunk order; w4a4: fp32 out): bitwise the layer of the staged kernels (NATURAL_INTERMEDIATE |
     NO_WARP_SPECIALIZED), as are the variants in between (GEMM2 on the warp-specialized kernel too:
-    WS_GEMM2; either with a CTA per work item, not the persistent grid: NO_PERSISTENT), and close to
-    the twin."""
+    WS_GEMM2; either with a CTA per work item, not the persistent grid: NO_PERSISTENT; both GEMMs on work
+    items of up to 96 rows: ROWS96), and close to the twin."""
     if not has_gpu() or not ops.chunk_intermediate_supported():
         pytest.skip("needs an sm_90 GPU and an sm_90a build")
     assert ops.choose_tile_m(600 * 4, 16) == 64
@@ -1225,7 +1232,7 @@ def test_gpu_moe_chunk_intermediate_is_bitwise_natural(i, mode):
         want = run(kf.NATURAL_INTERMEDIATE | kf.NO_WARP_SPECIALIZED)
         assert np.isfinite(want).all() and (want != 0).any()
         for flags in (0, kf.NATURAL_INTERMEDIATE, kf.NO_WARP_SPECIALIZED, kf.WS_GEMM2, kf.NO_PERSISTENT,
-                      kf.NO_PERSISTENT | kf.WS_GEMM2, kf.TMA_PERSISTENT):
+                      kf.NO_PERSISTENT | kf.WS_GEMM2, kf.TMA_PERSISTENT, kf.ROWS96, kf.ROWS96 | kf.NO_PERSISTENT):
             np.testing.assert_array_equal(run(flags), want, err_msg=f"{experts.gate_up.order} {flags!r}")
         assert relerr(run(0), run(0, impl="jax")) < (1e-2 if mode == "w4a16" else 5e-2)
 
@@ -1423,7 +1430,7 @@ OPT_IN_FLAGS = (ops.KernelFlag.JAX_QUANT, ops.KernelFlag.ROW_TILES_FIRST, ops.Ke
                 ops.KernelFlag.NATURAL_INTERMEDIATE, ops.KernelFlag.PLAIN_WEIGHT_LOADS, ops.KernelFlag.ALIGN_ONE_CTA,
                 ops.KernelFlag.SEPARATE_X_QUANT, ops.KernelFlag.SEPARATE_ALIGN, ops.KernelFlag.QUANT_NARROW_ROWS,
                 ops.KernelFlag.ACTIVATIONS_IN_LOOP,  # (a no-op at H = 320: see test_gpu_activations_ahead_*)
-                ops.KernelFlag.TMA_GEMM2, ops.KernelFlag.ROWS96)
+                ops.KernelFlag.TMA_GEMM2)
 
 
 @pytest.mark.gpu

@@ -758,6 +758,9 @@ __global__ void __launch_bounds__(kWgThreadsPerCta, MinCtas<GATED, NB>()) W4A16W
 // H200 2026-12-03: layers x0.97 at T = 48-64, KernelFlag::kWsTwoBlocks keeps two; two pairs of warpgroups of two
 // blocks, one the even 128-K chunks and one the odd, summed through shared memory: 10% fewer loop instructions,
 // layers x1.02 slower, session 35).
+// KernelFlag::kRows96 (opt-in): TOK = 96 buffers holding work items of 32-96 rows of one expert's group
+// (RowItemTables), four MMA warpgroups of one block: GEMM2, and GEMM1 with its gate and up rows on pairs of
+// warpgroups (kSplit; the chunk loop 179 instructions for the 96 rows' 8 wgmmas, sm_90a SASS).
 template <int NC, int NB = 2>
 struct WsShape {
   static constexpr int kThreads = (NC + 1) * 128;
@@ -854,16 +857,68 @@ __device__ __forceinline__ void RowItemAt(const int32_t* cnt, const int32_t* fir
   rows = min(96, cnt[lo] * kRowsTile - 96 * j);
 }
 
-// Output features of a warp-specialized CTA.
+// Output features of a warp-specialized CTA (gated with one block a warpgroup: pairs of gate and up warpgroups).
 template <bool GATED, int NC, int NB = 2>
-constexpr int WsFeatures() { return (GATED ? 64 : 64 * NB) * NC; }
+constexpr int WsFeatures() { return (GATED ? (NB == 1 ? 32 : 64) : 64 * NB) * NC; }
+
+// The gated 96-row items' epilogue (kRows96, GEMM1) in a gate warpgroup: its 16 features of a warp (acc, the gate
+// rows' sums) with the up rows' sums that its pair's up warpgroup left in shared memory (`up`: [FM][128 threads]
+// of 16 bytes), and the row info in shared memory (as StoreStaged's), to EpilogueAct's values and stores; rows from
+// nrows on (the next item's) are not stored.
+template <int ACT, typename OutT, int FM>
+__device__ __forceinline__ void SplitGatedStores(const GemmParams& p, float alpha, int64_t row0, int64_t feat0,
+                                                 const float (&acc)[FM][4], uint32_t up, uint32_t rows,
+                                                 uint32_t factors, int nrows) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, twg = threadIdx.x & 127;
+  const int64_t col[2] = {PairingPos(p.pairing, Pairing::kOut, feat0 + g),
+                          PairingPos(p.pairing, Pairing::kOut, feat0 + g + 8)};
+#pragma unroll
+  for (int m = 0; m < FM; ++m) {
+    const int row = 8 * m + 2 * t;
+    int2 valid;
+    float2 rs;
+    float4 u;
+    asm volatile("ld.shared.v2.s32 {%0, %1}, [%2];\n" : "=r"(valid.x), "=r"(valid.y) : "r"(rows + 4 * row));
+    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(rs.x), "=f"(rs.y) : "r"(factors + 4 * row));
+    asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=f"(u.x), "=f"(u.y), "=f"(u.z), "=f"(u.w)
+                 : "r"(up + uint32_t((m * 128 + twg) * 16)));
+    const float upv[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const float scale = alpha * (c ? rs.y : rs.x);
+      if (row + c >= nrows) continue;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int i = 2 * h + c;
+        const float v = (c ? valid.y : valid.x) ? ApplyActivation(ACT, acc[m][i] * scale, upv[i] * scale) : 0.0f;
+        Store(static_cast<OutT*>(p.out), (row0 + row + c) * p.n_out + col[h], v);
+      }
+    }
+  }
+}
+template <typename OutT, int FM>
+__device__ __forceinline__ void SplitGatedStoresAct(const GemmParams& p, float alpha, int64_t row0, int64_t feat0,
+                                                    const float (&acc)[FM][4], uint32_t up, uint32_t rows,
+                                                    uint32_t factors, int nrows) {
+  using A = Activation;
+  if (p.activation == int32_t(A::kGeglu))
+    SplitGatedStores<int(A::kGeglu), OutT>(p, alpha, row0, feat0, acc, up, rows, factors, nrows);
+  else if (p.activation == int32_t(A::kSwigluOai))
+    SplitGatedStores<int(A::kSwigluOai), OutT>(p, alpha, row0, feat0, acc, up, rows, factors, nrows);
+  else
+    SplitGatedStores<int(A::kSwiglu), OutT>(p, alpha, row0, feat0, acc, up, rows, factors, nrows);
+}
 
 template <bool GATED, typename OutT, int TOK, int NC, int NB>
 __global__ void __launch_bounds__(WsShape<NC, NB>::kThreads, 1)
     W4A16WgmmaWs(const GemmParams p, const __grid_constant__ CUtensorMap codes,
                  const __grid_constant__ CUtensorMap scales, const __grid_constant__ CUtensorMap amap) {
 #ifdef JAX_NVFP4_WGMMA
-  static_assert(!GATED || NB == 2, "gated: a gate and an up block");
+  // Gated: a gate and an up block a warpgroup, or (kSplit, 96-row items) the gate and the up block of 64 features
+  // in a pair of warpgroups, the up one handing its sums to the gate one through shared memory.
+  constexpr bool kSplit = GATED && NB == 1;
+  static_assert(!GATED || NB == 2 || TOK == 96, "gated: a gate and an up block, or 96-row split pairs");
   using Shape = WsShape<NC, NB>;
   constexpr int kWsStages = WsSmem<TOK, NC, NB>::kStages, kWsStageBytes = WsSmem<TOK, NC, NB>::kStageBytes;
   constexpr int kChunk = ChunkBytes<TOK>();
@@ -873,9 +928,10 @@ __global__ void __launch_bounds__(WsShape<NC, NB>::kThreads, 1)
   using Smem = WsSmem<TOK, NC, NB>;
   const uint32_t row_bar = ring + Smem::kRowBar, row_ids = ring + Smem::kRowIds, row_scales = ring + Smem::kRowScales;
   constexpr bool kStagedInstance = Smem::kStaged && !GATED && std::is_same_v<OutT, uint16_t>;
-  // 96-row buffers (kRows96): items of an expert's 32-96 rows, never gathered, staged stores (LaunchWs checks).
+  // 96-row buffers (kRows96): items of an expert's 32-96 rows; GEMM2 (not gathered, staged stores) or GEMM1
+  // (gathered, kSplit): LaunchChunkA's choice.
   constexpr bool kRows = TOK == 96;
-  static_assert(!kRows || kStagedInstance, "96-row items: GEMM2's staged kernel");
+  static_assert(!kRows || kStagedInstance || kSplit, "96-row items: GEMM2's staged kernel, or GEMM1's split pairs");
   const bool staged = kStagedInstance && (kRows || StagedStores(p));
 
   GridDependencyWait();
@@ -886,14 +942,14 @@ __global__ void __launch_bounds__(WsShape<NC, NB>::kThreads, 1)
   const int64_t slabs = CeilDiv<int64_t>(p.n_out, WsFeatures<GATED, NC, NB>());
   const int64_t chunks = p.K / 128;
   const int wg = threadIdx.x >> 7;
-  const bool gather = !kRows && p.gather;
+  const bool gather = p.gather;
   if (threadIdx.x == 0) {
     for (int s = 0; s < kWsStages; ++s) {
       // The tensor copies' thread, and with gathered rows each producer thread's cp.async.
       MbarInit(full_bar + 8 * s, gather ? 1 + 128 : 1);
       MbarInit(empty_bar + 8 * s, 128 * NC);
     }
-    if (staged) MbarInit(row_bar, 64);
+    if (staged || kSplit) MbarInit(row_bar, 64);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
@@ -927,7 +983,7 @@ __global__ void __launch_bounds__(WsShape<NC, NB>::kThreads, 1)
       int rows;
       item_rows(item, e, row0, rows);
       if (e < 0 || e >= p.E) continue;  // unused tile
-      const int64_t src = gather ? SourceRow<true>(p, row0 + n) : -1;
+      const int64_t src = gather && n < rows ? SourceRow<true>(p, row0 + n) : -1;
       const uint16_t* xrow = p.a + (src >= 0 ? src : 0) * p.K + 8 * PPT * sub;
       const uint32_t x_bytes = src >= 0 ? 16 : 0;
       // The first rows of the CTA's two weight copies in the maps ([E * N / 16] fragments): gated,
@@ -943,8 +999,15 @@ __global__ void __launch_bounds__(WsShape<NC, NB>::kThreads, 1)
           const uint32_t w = stage + kChunk, sc = w + NB * Shape::kCopyCodeBytes;
           const int32_t kc = int32_t(c * kBlockRows * kBlockCodeBytes / 4);  // (32-bit words)
           const int32_t ks = int32_t(c * kBlockRows * kBlockScaleBytes / 4);
-          TmaLoad2d(w, &codes, kc, frag0, full_bar + 8 * s);
-          TmaLoad2d(sc, &scales, ks, frag0, full_bar + 8 * s);
+          if constexpr (kSplit) {  // the gate rows' half copies, then the up rows'
+            TmaLoad2d(w, &codes, kc, frag0, full_bar + 8 * s);
+            TmaLoad2d(w + Shape::kCopyCodeBytes / 2, &codes, kc, frag1, full_bar + 8 * s);
+            TmaLoad2d(sc, &scales, ks, frag0, full_bar + 8 * s);
+            TmaLoad2d(sc + Shape::kCopyScaleBytes / 2, &scales, ks, frag1, full_bar + 8 * s);
+          } else {
+            TmaLoad2d(w, &codes, kc, frag0, full_bar + 8 * s);
+            TmaLoad2d(sc, &scales, ks, frag0, full_bar + 8 * s);
+          }
           if constexpr (NB == 2) {
             TmaLoad2d(w + Shape::kCopyCodeBytes, &codes, kc, frag1, full_bar + 8 * s);
             TmaLoad2d(sc + Shape::kCopyScaleBytes, &scales, ks, frag1, full_bar + 8 * s);
@@ -952,9 +1015,11 @@ __global__ void __launch_bounds__(WsShape<NC, NB>::kThreads, 1)
           if (!gather) TmaLoadChunk<TOK>(stage, &amap, c, row0, full_bar + 8 * s);
         }
         if (gather) {
-          // Logical 16-byte piece i (a is in the chunk order) to its swizzled place in panel i / 8.
+          // Logical 16-byte piece i (a is in the chunk order) to its swizzled place in panel i / 8 (96-row
+          // buffers: a row a thread, threads 96-127 only arrive).
 #pragma unroll
           for (int j = 0; j < PPT; ++j) {
+            if (TOK == 96 && n >= TOK) break;
             const int i = PPT * sub + j, q = i & 7;
             CpAsync<16>(stage + (i >> 3) * PanelBytes<TOK>() + n * 128 + ((q ^ (n & 7)) << 4), xrow + c * 128 + 8 * j,
                         x_bytes);
@@ -974,7 +1039,11 @@ __global__ void __launch_bounds__(WsShape<NC, NB>::kThreads, 1)
   int64_t it = 0;
   uint32_t done = 0;  // items done (the row mbarrier's phase)
   // The staged epilogue's row info (as in W4A16WgmmaTma): the last MMA warp fetches it during the MMAs.
-  const bool row_warp = staged && warp == 4 * NC - 1;
+  // (kSplit: the last warp of gate warpgroup 0, which reads it)
+  const bool row_warp = (staged && warp == 4 * NC - 1) || (kSplit && warp == 3);
+  // This warp's fragment in the stage's weights: kSplit, gate warpgroups 0 / 2 the gate rows' fragments 0-3 / 4-7
+  // (the first half copy), up warpgroups 1 / 3 the up rows' (the second).
+  const int wfrag = kSplit ? ((warp >> 2) & 1) * 8 + (warp >> 3) * 4 + (warp & 3) : warp;
   for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
     const int64_t slab = item % slabs;
     int32_t e;
@@ -985,7 +1054,7 @@ __global__ void __launch_bounds__(WsShape<NC, NB>::kThreads, 1)
     // added 46 instructions to the loop below: sm_90a SASS, 2026-12-02).
     if (__all_sync(~0u, e < 0 || e >= p.E)) continue;
     if (row_warp) RowIdsCopy<TOK>(p, row0, row_ids, rows);
-    const int64_t base = slab * WsFeatures<GATED, NC, NB>() + 16 * warp;
+    const int64_t base = slab * WsFeatures<GATED, NC, NB>() + 16 * (kSplit ? (warp >> 3) * 4 + (warp & 3) : warp);
     int64_t feat[NB];
     bool active[NB];
 #pragma unroll
@@ -1004,9 +1073,9 @@ __global__ void __launch_bounds__(WsShape<NC, NB>::kThreads, 1)
 #pragma unroll
       for (int j = 0; j < NB; ++j) {  // weight copy j
         const uint32_t code =
-            stage + kChunk + j * Shape::kCopyCodeBytes + uint32_t(warp * kBlockRows * kBlockCodeBytes);
+            stage + kChunk + j * Shape::kCopyCodeBytes + uint32_t(wfrag * kBlockRows * kBlockCodeBytes);
         const uint32_t scale = stage + kChunk + NB * Shape::kCopyCodeBytes + j * Shape::kCopyScaleBytes +
-                               uint32_t(warp * kBlockRows * kBlockScaleBytes);
+                               uint32_t(wfrag * kBlockRows * kBlockScaleBytes);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           uint4 v;
@@ -1036,6 +1105,40 @@ __global__ void __launch_bounds__(WsShape<NC, NB>::kThreads, 1)
       else mmas(std::integral_constant<int, 32>{});
     } else {
       mmas(std::integral_constant<int, TOK>{});
+    }
+    if constexpr (kSplit) {
+      // The up warpgroup of each pair (1, 3) leaves its sums in the pair's half of the staging area, for the gate
+      // warpgroup's epilogue; then it waits until the gate one has stored (named barriers 2 + pair, 4 + pair),
+      // and the gate warpgroups until both read the row info (1), before the next item's overwrites them.
+      // (votes: warp-uniform branches, else the chunk loop's descriptors left the uniform registers: 206
+      // instructions, not 187, sm_90a SASS)
+      const int pair = warp >> 3, twg = threadIdx.x & 127;
+      const bool pair0 = __all_sync(~0u, pair == 0), up_wg = __all_sync(~0u, (warp >> 2) & 1);
+      const uint32_t up = ring + Smem::kStaging + uint32_t(pair * 128 * 16 * (TOK / 8));
+      // (immediate barrier ids: with a register one, ptxas reserves all 16)
+      auto pair_sync = [&](auto id) {
+        if (pair0) asm volatile("bar.sync %0, 256;\n" ::"n"(decltype(id)::value) : "memory");
+        else asm volatile("bar.sync %0, 256;\n" ::"n"(decltype(id)::value + 1) : "memory");
+      };
+      if (up_wg) {
+        Hold(acc);
+#pragma unroll
+        for (int m = 0; m < TOK / 8; ++m)
+          asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(up + uint32_t((m * 128 + twg) * 16)),
+                       "f"(acc[0][m][0]), "f"(acc[0][m][1]), "f"(acc[0][m][2]), "f"(acc[0][m][3])
+                       : "memory");
+        pair_sync(std::integral_constant<int, 2>{});
+        pair_sync(std::integral_constant<int, 4>{});
+      } else {
+        pair_sync(std::integral_constant<int, 2>{});
+        MbarWait(row_bar, done++ & 1);
+        Hold(acc);
+        const float alpha = p.alpha[e] * kDecodeBias;
+        if (active[0]) SplitGatedStoresAct<OutT>(p, alpha, row0, feat[0], acc[0], up, row_ids, row_scales, rows);
+        pair_sync(std::integral_constant<int, 4>{});
+        asm volatile("bar.sync 1, 256;\n" ::: "memory");
+      }
+      continue;
     }
     if constexpr (kStagedInstance) {
       if (staged) {
@@ -1212,7 +1315,8 @@ template <bool GATED, typename OutT, int TOK, int NC, int NB = 2>
 std::string LaunchWs(GemmParams p, bool persistent, bool pdl, cudaStream_t stream) {
   constexpr auto kernel = W4A16WgmmaWs<GATED, OutT, TOK, NC, NB>;
   using Shape = WsShape<NC, NB>;
-  constexpr int kWsSmemBytes = WsSmem<TOK, NC, NB>::kBytes, kFrags = Shape::kCopyFrags;
+  // (gated with one block a warpgroup: half copies of the gate and of the up rows)
+  constexpr int kWsSmemBytes = WsSmem<TOK, NC, NB>::kBytes, kFrags = Shape::kCopyFrags / (GATED && NB == 1 ? 2 : 1);
   // (96-row buffers: at most an item per 64-row tile, whose count the kernel finds)
   const int64_t frags = p.E * p.N / kBlockRows,
                 items = p.P / (TOK == 96 ? kRowsTile : TOK) * CeilDiv<int64_t>(p.n_out, WsFeatures<GATED, NC, NB>());
@@ -1261,6 +1365,9 @@ std::string LaunchChunkA(const GemmParams& p, bool gated, bool f32_out, int64_t 
         return LaunchWs<false, uint16_t, 64, 4, 1>(p, persistent, pdl, stream);
       }
     }
+    if (gated && p.gather && kernel_flags & int64_t(KernelFlag::kRows96) && TOK == 64 && p.E <= kMaxAlignExperts)
+      return f32_out ? LaunchWs<true, float, 96, 4, 1>(p, persistent, pdl, stream)
+                     : LaunchWs<true, uint16_t, 96, 4, 1>(p, persistent, pdl, stream);
     return gated ? (f32_out ? LaunchWs<true, float, TOK, 3>(p, persistent, pdl, stream)
                             : LaunchWs<true, uint16_t, TOK, 3>(p, persistent, pdl, stream))
                  : (f32_out ? LaunchWs<false, float, TOK, 3>(p, persistent, pdl, stream)
