@@ -978,7 +978,10 @@ def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str =
         topk_ids = jnp.where(topk_ids < 0, -1, topk_ids)
         offset = 0
     if tile_m is None:
-        tile_m = choose_tile_m(t * k, e, impl == "ffi" and wgmma_tiles(experts, kernel_flags))
+        wgmma_ws = impl == "ffi" and wgmma_tiles(experts, kernel_flags)
+        tile_m = choose_tile_m(t * k, e, wgmma_ws)
+        if tile_m == 64 and wgmma_ws and kernel_flags & KernelFlag.ROWS96:
+            tile_m = 32  # (groups padded to 32 rows: ROWS96's items of up to 96 rows add no padding)
     w4a4 = MODES[mode] == Mode.W4A4
     # w4a4 decode: the align and the quantize of x in one launch (moe_align_quant), where the align is
     # the one-warp kernel and x is quantized by the kernel.
@@ -1018,7 +1021,8 @@ def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str =
     # GEMM2 on the warp-specialized kernel too: on 64-row tiles (four MMA warpgroups, staged stores: H200, 2026-12-04,
     # prefill layers x0.94-0.95) and on 32-row ones from WS_GEMM2_MIN_K.
     ws2 = (ws and chunk and experts.down.order == "blocked"
-           and (tile_m == 64 and not kernel_flags & KernelFlag.TMA_GEMM2 or tile_m == 32 and inter >= WS_GEMM2_MIN_K))
+           and (tile_m == 64 and not kernel_flags & KernelFlag.TMA_GEMM2 or tile_m == 32 and inter >= WS_GEMM2_MIN_K
+                or kernel_flags & KernelFlag.ROWS96))
     common2 = dict(common, kernel_flags=kernel_flags | (KernelFlag.WS_GEMM2 if ws2 else 0))
 
     if MODES[mode] == Mode.W4A16:

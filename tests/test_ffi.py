@@ -1219,7 +1219,8 @@ def test_gpu_moe_chunk_intermediate_is_bitwise_natural(i, mode):
     chunk order; w4a4: fp32 out): bitwise the layer of the staged kernels (NATURAL_INTERMEDIATE |
     NO_WARP_SPECIALIZED), as are the variants in between (GEMM2 on the warp-specialized kernel too:
     WS_GEMM2; either with a CTA per work item, not the persistent grid: NO_PERSISTENT; both GEMMs on work
-    items of up to 96 rows: ROWS96), and close to the twin."""
+    items of up to 96 rows: ROWS96, over 32-row tiles, moe's choice with it, or 64-row ones), and close to
+    the twin."""
     if not has_gpu() or not ops.chunk_intermediate_supported():
         pytest.skip("needs an sm_90 GPU and an sm_90a build")
     assert ops.choose_tile_m(600 * 4, 16) == 64
@@ -1234,6 +1235,11 @@ def test_gpu_moe_chunk_intermediate_is_bitwise_natural(i, mode):
         for flags in (0, kf.NATURAL_INTERMEDIATE, kf.NO_WARP_SPECIALIZED, kf.WS_GEMM2, kf.NO_PERSISTENT,
                       kf.NO_PERSISTENT | kf.WS_GEMM2, kf.TMA_PERSISTENT, kf.ROWS96, kf.ROWS96 | kf.NO_PERSISTENT):
             np.testing.assert_array_equal(run(flags), want, err_msg=f"{experts.gate_up.order} {flags!r}")
+        # ROWS96's items over groups of 64-row tiles too (moe's own choice with it: 32-row tiles, blocked experts)
+        np.testing.assert_array_equal(run(kf.ROWS96, tile_m=64), want)
+        layer = jax.jit(lambda x: ops.moe(x, experts, ids, w, mode=mode, kernel_flags=int(kf.ROWS96)))
+        tiles = re.findall(r"tile_m = (\d+)", layer.lower(x).as_text())
+        assert set(tiles) == {"32" if experts.gate_up.order == "blocked" else "64"}, tiles
         assert relerr(run(0), run(0, impl="jax")) < (1e-2 if mode == "w4a16" else 5e-2)
 
 

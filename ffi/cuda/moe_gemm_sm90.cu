@@ -798,17 +798,16 @@ struct WsSmem {
   static_assert(kBytes <= 227 * 1024, "the shared memory of an H200 CTA");
 };
 
-// KernelFlag::kRows96: the warp-specialized kernel's work items of up to 96 rows over the align's 64-row-padded
-// groups (moe's GEMM2 on 64-row tiles): expert e's group (cnt[e] tiles from tile first[e]) in items of 96 rows, its
-// last of 32, 64 or 96 (a group is a multiple of 64 rows), ioff[e] of them before e's, the total in ioff[kMaxAlign-
-// Experts]. One decode of a weight chunk feeds up to 96 rows, not 64, with no row added to the align's padding.
-// RowItemTables: every thread of the CTA builds them in shared memory from tile_expert; returns the items.
-constexpr int kRowsTile = 64;
+// KernelFlag::kRows96: the warp-specialized kernel's work items of up to 96 rows over the align's groups of 32- or
+// 64-row tiles (p.tile_m): expert e's group (cnt[e] tiles from tile first[e]) in items of 96 rows, its last of 32,
+// 64 or 96, ioff[e] of them before e's, the total in ioff[kMaxAlignExperts]. One decode of a weight chunk feeds up
+// to 96 rows, with no row added to the align's padding. RowItemTables: every thread of the CTA builds them in
+// shared memory from tile_expert; returns the items.
 __device__ __forceinline__ int32_t RowItemTables(const GemmParams& p, int32_t* cnt, int32_t* first, int32_t* ioff) {
   const int E = int(p.E), tid = threadIdx.x, nt = blockDim.x;
   for (int e = tid; e < E; e += nt) cnt[e] = 0;
   __syncthreads();
-  for (int64_t i = tid; i < p.P / kRowsTile; i += nt) {
+  for (int64_t i = tid; i < p.P / p.tile_m; i += nt) {
     const int32_t e = p.tile_expert[i];
     if (e >= 0 && e < p.E) {
       atomicAdd(&cnt[e], 1);
@@ -822,7 +821,7 @@ __device__ __forceinline__ int32_t RowItemTables(const GemmParams& p, int32_t* c
 #pragma unroll
     for (int j = 0; j < kPer; ++j) {
       const int e = tid * kPer + j;
-      n[j] = e < E ? (2 * cnt[e] + 2) / 3 : 0;  // ceil(64 cnt / 96)
+      n[j] = e < E ? (cnt[e] * p.tile_m + 95) / 96 : 0;
       sum += n[j];
     }
     int32_t incl = sum;
@@ -844,7 +843,7 @@ __device__ __forceinline__ int32_t RowItemTables(const GemmParams& p, int32_t* c
 }
 // Item k (< the total) of the tables: its expert (the last whose items start at or before k), first row and rows.
 __device__ __forceinline__ void RowItemAt(const int32_t* cnt, const int32_t* first, const int32_t* ioff, int E,
-                                          int32_t k, int32_t& e, int64_t& row0, int& rows) {
+                                          int tile_m, int32_t k, int32_t& e, int64_t& row0, int& rows) {
   int lo = 0, hi = E - 1;  // ioff[0] = 0 <= k
   while (lo < hi) {
     const int mid = (lo + hi + 1) >> 1;
@@ -853,8 +852,8 @@ __device__ __forceinline__ void RowItemAt(const int32_t* cnt, const int32_t* fir
   }
   const int32_t j = k - ioff[lo];
   e = lo;
-  row0 = int64_t(first[lo]) * kRowsTile + 96 * j;
-  rows = min(96, cnt[lo] * kRowsTile - 96 * j);
+  row0 = int64_t(first[lo]) * tile_m + 96 * j;
+  rows = min(96, cnt[lo] * tile_m - 96 * j);
 }
 
 // Output features of a warp-specialized CTA (gated with one block a warpgroup: pairs of gate and up warpgroups).
@@ -961,7 +960,7 @@ __global__ void __launch_bounds__(WsShape<NC, NB>::kThreads, 1)
   auto item_rows = [&](int64_t item, int32_t& e, int64_t& row0, int& rows) {
     const int64_t tile = item / slabs;
     if constexpr (kRows) {
-      RowItemAt(cnt, first, ioff, int(p.E), int32_t(tile), e, row0, rows);
+      RowItemAt(cnt, first, ioff, int(p.E), p.tile_m, int32_t(tile), e, row0, rows);
     } else {
       e = p.tile_expert[tile];
       row0 = tile * TOK;
@@ -1317,9 +1316,9 @@ std::string LaunchWs(GemmParams p, bool persistent, bool pdl, cudaStream_t strea
   using Shape = WsShape<NC, NB>;
   // (gated with one block a warpgroup: half copies of the gate and of the up rows)
   constexpr int kWsSmemBytes = WsSmem<TOK, NC, NB>::kBytes, kFrags = Shape::kCopyFrags / (GATED && NB == 1 ? 2 : 1);
-  // (96-row buffers: at most an item per 64-row tile, whose count the kernel finds)
+  // (96-row buffers: at most an item per tile, whose count the kernel finds)
   const int64_t frags = p.E * p.N / kBlockRows,
-                items = p.P / (TOK == 96 ? kRowsTile : TOK) * CeilDiv<int64_t>(p.n_out, WsFeatures<GATED, NC, NB>());
+                items = p.P / (TOK == 96 ? p.tile_m : TOK) * CeilDiv<int64_t>(p.n_out, WsFeatures<GATED, NC, NB>());
   if (items > 0x7FFFFFFF || frags > 0x7FFFFFFF) return "too many row tiles or weight rows";
   CUtensorMap codes, scales, amap{};
   const uint64_t code_row = uint64_t(kBlockRows) * (p.K / 2), scale_row = uint64_t(kBlockRows) * (p.K / 16);
@@ -1351,6 +1350,15 @@ std::string LaunchChunkA(const GemmParams& p, bool gated, bool f32_out, int64_t 
   const bool pdl = kernel_flags & int64_t(KernelFlag::kPdl);
   if (WarpSpecializedGemm(kernel_flags, p.pairing, p.gather)) {
     const bool persistent = !(kernel_flags & int64_t(KernelFlag::kNoPersistent));
+    // kRows96: 96-row buffers over the tiles' groups: gated gathered (moe's GEMM1, bf16 or fp32 out), or
+    // non-gated, not gathered, bf16 out with staged stores (its GEMM2).
+    if (kernel_flags & int64_t(KernelFlag::kRows96) && p.E <= kMaxAlignExperts) {
+      if (gated && p.gather)
+        return f32_out ? LaunchWs<true, float, 96, 4, 1>(p, persistent, pdl, stream)
+                       : LaunchWs<true, uint16_t, 96, 4, 1>(p, persistent, pdl, stream);
+      if (!gated && !f32_out && !p.gather && StagedStores(p))
+        return LaunchWs<false, uint16_t, 96, 4, 1>(p, persistent, pdl, stream);
+    }
     // fp32 out: mode w4a4's GEMM1, whose intermediate is quantized from unrounded values.
     if constexpr (TOK == 32) {
       if (gated && !(kernel_flags & int64_t(KernelFlag::kWsThreeGroups)))
@@ -1359,15 +1367,9 @@ std::string LaunchChunkA(const GemmParams& p, bool gated, bool f32_out, int64_t 
       if (!gated && !f32_out && !(kernel_flags & int64_t(KernelFlag::kWsTwoBlocks)))
         return LaunchWs<false, uint16_t, 32, 4, 1>(p, persistent, pdl, stream);
     } else {
-      if (!gated && !f32_out && !p.gather && !(kernel_flags & int64_t(KernelFlag::kWsTwoBlocks))) {
-        if (kernel_flags & int64_t(KernelFlag::kRows96) && StagedStores(p) && p.E <= kMaxAlignExperts)
-          return LaunchWs<false, uint16_t, 96, 4, 1>(p, persistent, pdl, stream);
+      if (!gated && !f32_out && !p.gather && !(kernel_flags & int64_t(KernelFlag::kWsTwoBlocks)))
         return LaunchWs<false, uint16_t, 64, 4, 1>(p, persistent, pdl, stream);
-      }
     }
-    if (gated && p.gather && kernel_flags & int64_t(KernelFlag::kRows96) && TOK == 64 && p.E <= kMaxAlignExperts)
-      return f32_out ? LaunchWs<true, float, 96, 4, 1>(p, persistent, pdl, stream)
-                     : LaunchWs<true, uint16_t, 96, 4, 1>(p, persistent, pdl, stream);
     return gated ? (f32_out ? LaunchWs<true, float, TOK, 3>(p, persistent, pdl, stream)
                             : LaunchWs<true, uint16_t, TOK, 3>(p, persistent, pdl, stream))
                  : (f32_out ? LaunchWs<false, float, TOK, 3>(p, persistent, pdl, stream)
