@@ -148,6 +148,7 @@ NB_MODULE(_ffi, m) {
     kf["quant_narrow_rows"] = int64_t(KernelFlag::kQuantNarrowRows);
     kf["activations_in_loop"] = int64_t(KernelFlag::kActivationsInLoop);
     kf["tma_gemm2"] = int64_t(KernelFlag::kTmaGemm2);
+    kf["rows96"] = int64_t(KernelFlag::kRows96);
     c["KernelFlag"] = kf;
     nb::dict pairing;
     pairing["none"] = int64_t(Pairing::kNone);

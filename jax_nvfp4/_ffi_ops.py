@@ -126,6 +126,9 @@ class KernelFlag(enum.IntFlag):
     # x0.92-0.99 ahead, x0.96-0.99 at 512-1024 K a warp since the bit-permuted decode; ahead on GEMM2, in shared
     # memory or by L1 prefetches: lost)
     TMA_GEMM2 = 4294967296  # moe's GEMM2 on 64-row tiles on the TMA-fed kernel, as before 2026-12-04 (not WS_GEMM2)
+    ROWS96 = 8589934592  # moe's GEMM1 and GEMM2 on 64-row tiles (the warp-specialized kernels): work items of up
+    # to 96 rows of an expert's group (m64n96 wgmmas; a group's last item 32, 64 or 96 rows), not a 64-row tile
+    # each, so that a decoded weight chunk feeds up to 96 rows; GEMM1's gate and up rows on pairs of warpgroups
     # 536870912 / 1073741824: BULK_PREFETCH / BULK_PREFETCH_FAR (decode tiles on blocked weights asking the L2 for
     # their next 4 / 8 chunks by bulk prefetches) for one A/B on 2026-12-04, removed: layers up to 1.28x slower
     # on the H200 (branch bulk-prefetch)
@@ -980,7 +983,10 @@ def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str =
         topk_ids = jnp.where(topk_ids < 0, -1, topk_ids)
         offset = 0
     if tile_m is None:
-        tile_m = choose_tile_m(t * k, e, impl == "ffi" and wgmma_tiles(experts, kernel_flags))
+        wgmma_ws = impl == "ffi" and wgmma_tiles(experts, kernel_flags)
+        tile_m = choose_tile_m(t * k, e, wgmma_ws)
+        if tile_m == 64 and wgmma_ws and kernel_flags & KernelFlag.ROWS96:
+            tile_m = 32  # (groups padded to 32 rows: ROWS96's items of up to 96 rows add no padding)
     w4a4 = MODES[mode] == Mode.W4A4
     # w4a4 decode: the align and the quantize of x in one launch (moe_align_quant), where the align is
     # the one-warp kernel and x is quantized by the kernel.
@@ -1020,7 +1026,8 @@ def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str =
     # GEMM2 on the warp-specialized kernel too: on 64-row tiles (four MMA warpgroups, staged stores: H200, 2026-12-04,
     # prefill layers x0.94-0.95) and on 32-row ones from WS_GEMM2_MIN_K.
     ws2 = (ws and chunk and experts.down.order == "blocked"
-           and (tile_m == 64 and not kernel_flags & KernelFlag.TMA_GEMM2 or tile_m == 32 and inter >= WS_GEMM2_MIN_K))
+           and (tile_m == 64 and not kernel_flags & KernelFlag.TMA_GEMM2 or tile_m == 32 and inter >= WS_GEMM2_MIN_K
+                or kernel_flags & KernelFlag.ROWS96))
     common2 = dict(common, kernel_flags=kernel_flags | (KernelFlag.WS_GEMM2 if ws2 else 0))
 
     if MODES[mode] == Mode.W4A16:

@@ -970,10 +970,12 @@ TMA_CASES = [  # (activation, row_scale_mode, cut) of non-gated GEMMs on the TMA
 
 
 @pytest.mark.parametrize("on_gpu", [False, pytest.param(True, marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("flags", [0, int(ops.KernelFlag.TMA_PERSISTENT), int(ops.KernelFlag.WS_GEMM2)])
+@pytest.mark.parametrize("flags", [0, int(ops.KernelFlag.TMA_PERSISTENT), int(ops.KernelFlag.WS_GEMM2),
+                                   int(ops.KernelFlag.WS_GEMM2 | ops.KernelFlag.ROWS96)])
 @pytest.mark.parametrize("case", range(len(TMA_CASES)))
 def test_gemm_tma_epilogue_row_scales(on_gpu, flags, case):
-    """The TMA-fed kernel's epilogue, and with WS_GEMM2 the warp-specialized kernel's (the same staged stores),
+    """The TMA-fed kernel's epilogue, and with WS_GEMM2 the warp-specialized kernel's (the same staged stores;
+    with ROWS96 on work items of up to 96 rows),
     (on the GPU: each tile's row ids and row-scale factors fetched
     into shared memory during the MMAs, values staged for 16-byte stores) under every row-scale mode
     and relu2, with dropped pairs (padding rows) and ``a`` ending 70 rows before the last used tile:
@@ -1011,6 +1013,40 @@ def test_gemm_tma_epilogue_row_scales(on_gpu, flags, case):
     np.testing.assert_array_equal(f32(ops.from_chunk_order(run(xa, both)))[used], want)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("act,gather,mode", [(ops.Activation.IDENTITY, False, ops.RowScale.PAIR),
+                                             (ops.Activation.RELU2, False, ops.RowScale.NONE),
+                                             (ops.Activation.SWIGLU, True, ops.RowScale.NONE),
+                                             (ops.Activation.SWIGLU_OAI, True, ops.RowScale.TOKEN)])
+def test_gpu_rows96_items_are_bitwise_the_64_row_tiles(act, gather, mode):
+    """ROWS96 (the warp-specialized work items of up to 96 rows of one expert's group, m64n96 wgmmas: GEMM2,
+    and gated gathered GEMM1 on pairs of gate and up warpgroups) against 64-row tiles: experts with 1-7
+    tiles, so that groups end in items of 96, 64 and 32 rows (1 tile: one item of 64; 2: 96 + 32; 3: 96 +
+    96; 4: 96 + 96 + 64; ...), an expert without rows, and padding rows: every used row bitwise (the rows
+    of unused tiles are written by neither)."""
+    rng = np.random.default_rng(96)
+    sizes = [64, 1, 100, 0, 192, 256, 300, 447, 65, 128]  # rows an expert: 1, 1, 2, -, 3, 4, 5, 7, 2, 2 tiles
+    ids = np.concatenate([np.full(n, e) for e, n in enumerate(sizes)])
+    ids = jnp.asarray(rng.permutation(ids).reshape(-1, 1), jnp.int32)
+    e, h, n = len(sizes), 256, 512
+    sid, te, _ = ops.moe_align(ids, e, tile_m=64, impl="jax")
+    p = sid.shape[0]
+    w = nv.to_blocked_weights(random_nvfp4(rng, (e, n, h), rng.uniform(0.5, 2, e) / np.sqrt(h)))
+    a = ops.to_chunk_order(jnp.asarray(rng.standard_normal((ids.shape[0] if gather else p, h)), BF16))
+    rs = jnp.asarray(rng.uniform(0.5, 2, ids.shape[0]), jnp.float32)
+    ws = ops.KernelFlag.WS_GEMM2 if not gather else 0
+    pairing = ops.Pairing.CHUNK_A | (ops.Pairing.CHUNK_OUT if gather else 0)  # (moe's GEMM1 writes the chunk order)
+
+    def run(flags):
+        return f32(_run_gemm("ffi", a, w, sid, te, rs, act, gather, mode, BF16, 64, 1,
+                             kernel_flags=int(ws | flags), pairing=pairing))
+
+    want, got = run(0), run(ops.KernelFlag.ROWS96)
+    used = used_rows(sid, te, 64)
+    assert (want[used] != 0).any() and (want[used & (np.asarray(sid) < 0)] == 0).all()
+    np.testing.assert_array_equal(got[used], want[used])
+
+
 WS_CASES = [  # (activation, gather, row_scale_mode, out_dtype): moe's GEMM1, its GEMM2, a gated GEMM on rows
     # not gathered (activations by tensor copies), relu2's GEMM1 (non-gated, gathered) and w4a4's GEMM1s
     # (token scales, float32 out)
@@ -1026,14 +1062,16 @@ WS_CASES = [  # (activation, gather, row_scale_mode, out_dtype): moe's GEMM1, it
 @pytest.mark.parametrize("on_gpu", [False, pytest.param(True, marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("h", [128, 1280])
 @pytest.mark.parametrize("flags", [0, int(ops.KernelFlag.PDL), int(ops.KernelFlag.NO_PERSISTENT),
-                                   int(ops.KernelFlag.NO_PERSISTENT | ops.KernelFlag.PDL)])
+                                   int(ops.KernelFlag.NO_PERSISTENT | ops.KernelFlag.PDL), int(ops.KernelFlag.ROWS96),
+                                   int(ops.KernelFlag.ROWS96 | ops.KernelFlag.NO_PERSISTENT)])
 @pytest.mark.parametrize("case", range(len(WS_CASES)))
 def test_gemm_warp_specialized_is_the_same_function(on_gpu, h, flags, case):
     """64-row tiles with blocked weights and ``a`` in the chunk order (on the GPU the warp-specialized
     kernel, bfloat16 or float32 out, ungathered ``a`` with WS_GEMM2: weights by tensor copies into a ring, rows by cp.async
     (gathered) or tensor copies, over one chunk and over ten, round the ring; launched plainly and
     with PDL; on the persistent grid, where CTAs walk several work items and the ring runs on across
-    them, or with a CTA per item, NO_PERSISTENT): bitwise the natural-order output of the staged
+    them, or with a CTA per item, NO_PERSISTENT; with ROWS96, items of up to 96 rows for moe's GEMM1 (gated,
+    gathered: pairs of gate and up warpgroups) and GEMM2): bitwise the natural-order output of the staged
     kernel. 320 features: the last slab is partly idle (192 features a gated CTA, else 384); 2400
     tokens x 4 over 5 experts on the GPU's persistent grid (over 132 items), else 200, some pairs
     dropped; an ungathered ``a`` ends 70 rows before the last used tile does (the copies' bounds)."""
@@ -1192,7 +1230,8 @@ def test_gpu_moe_chunk_intermediate_is_bitwise_natural(i, mode):
     TMA-fed wgmma kernel (blocked weights: GEMM1 on the warp-specialized kernel, reading x in the
     chunk order; w4a4: fp32 out): bitwise the layer of the staged kernels (NATURAL_INTERMEDIATE |
     NO_WARP_SPECIALIZED), as are the variants in between (GEMM2 on the warp-specialized kernel too:
-    WS_GEMM2; either with a CTA per work item, not the persistent grid: NO_PERSISTENT), and close to
+    WS_GEMM2; either with a CTA per work item, not the persistent grid: NO_PERSISTENT; both GEMMs on work
+    items of up to 96 rows: ROWS96, over 32-row tiles, moe's choice with it, or 64-row ones), and close to
     the twin."""
     if not has_gpu() or not ops.chunk_intermediate_supported():
         pytest.skip("needs an sm_90 GPU and an sm_90a build")
@@ -1206,8 +1245,13 @@ def test_gpu_moe_chunk_intermediate_is_bitwise_natural(i, mode):
         want = run(kf.NATURAL_INTERMEDIATE | kf.NO_WARP_SPECIALIZED)
         assert np.isfinite(want).all() and (want != 0).any()
         for flags in (0, kf.NATURAL_INTERMEDIATE, kf.NO_WARP_SPECIALIZED, kf.WS_GEMM2, kf.NO_PERSISTENT,
-                      kf.NO_PERSISTENT | kf.WS_GEMM2, kf.TMA_PERSISTENT):
+                      kf.NO_PERSISTENT | kf.WS_GEMM2, kf.TMA_PERSISTENT, kf.ROWS96, kf.ROWS96 | kf.NO_PERSISTENT):
             np.testing.assert_array_equal(run(flags), want, err_msg=f"{experts.gate_up.order} {flags!r}")
+        # ROWS96's items over groups of 64-row tiles too (moe's own choice with it: 32-row tiles, blocked experts)
+        np.testing.assert_array_equal(run(kf.ROWS96, tile_m=64), want)
+        layer = jax.jit(lambda x: ops.moe(x, experts, ids, w, mode=mode, kernel_flags=int(kf.ROWS96)))
+        tiles = re.findall(r"tile_m = (\d+)", layer.lower(x).as_text())
+        assert set(tiles) == {"32" if experts.gate_up.order == "blocked" else "64"}, tiles
         assert relerr(run(0), run(0, impl="jax")) < (1e-2 if mode == "w4a16" else 5e-2)
 
 

@@ -30,6 +30,7 @@ struct GemmParams {
   int32_t top_k, gather, activation, row_scale_mode;
   int32_t slabs_first;  // wgmma kernel: 1-D grid walking a row tile's feature slabs first
   int32_t pairing;      // Pairing bits (a's K / out's features paired, w blocked)
+  int32_t tile_m;       // rows a tile (the align's group padding)
   AlignArgs align;      // align.ids set: the mma.sync kernel aligns in each CTA (moe_align_gemm), which
                         // then reads its tile's expert and rows from there, not tile_expert / sorted_ids
 };

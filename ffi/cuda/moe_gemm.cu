@@ -472,6 +472,7 @@ ffi::Error GroupedGemmCuda(cudaStream_t stream, const GemmDims& d, ffi::Buffer<f
   p.activation = int32_t(activation);
   p.row_scale_mode = int32_t(row_scale_mode);
   p.pairing = int32_t(pairing);
+  p.tile_m = int32_t(tile_m);
   if (align) p.align = *align;
   const bool blocked = pairing & int64_t(Pairing::kBlockedW);
   std::string error;

@@ -118,6 +118,30 @@ __device__ __forceinline__ void Wgmma(float (&d)[4][4], const uint32_t (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
 }
 
+// d[64 features x 96 rows] += a x B (the 96-row work items of KernelFlag::kRows96).
+__device__ __forceinline__ void Wgmma(float (&d)[12][4], const uint32_t (&a)[4], uint64_t desc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n96k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47}, "
+      "{%48, %49, %50, %51}, %52, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
+        "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
+        "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+        "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
+        "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
+        "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
+        "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
+        "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]),
+        "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]),
+        "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]),
+        "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]),
+        "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+
 // This thread's share of the activation chunk: row n = 8 * warp + g of the tile, span t, its
 // CH / 32 pieces of 16 bytes.
 struct ActivationRegs {
@@ -176,14 +200,14 @@ __device__ __forceinline__ void TmaLoad2d(uint32_t dst, const CUtensorMap* map, 
       ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(bar)
       : "memory");
 }
-// Chunk c (128 K) of row tile `tile` of a chunk-ordered `a` into the buffer at `dst`: its two 64-K
+// Chunk c (128 K) of the TOK rows from row0 of a chunk-ordered `a` into the buffer at `dst`: its two 64-K
 // panels, by tensor copies of the activation map (ChunkBytes<TOK>, completing on `bar`).
 template <int TOK>
-__device__ __forceinline__ void TmaLoadChunk(uint32_t dst, const CUtensorMap* amap, int64_t c, int64_t tile,
+__device__ __forceinline__ void TmaLoadChunk(uint32_t dst, const CUtensorMap* amap, int64_t c, int64_t row0,
                                              uint32_t bar) {
 #pragma unroll
   for (int panel = 0; panel < 2; ++panel)
-    TmaLoad2d(dst + panel * PanelBytes<TOK>(), amap, int32_t(c * 128 + 64 * panel), int32_t(tile * TOK), bar);
+    TmaLoad2d(dst + panel * PanelBytes<TOK>(), amap, int32_t(c * 128 + 64 * panel), int32_t(row0), bar);
 }
 
 // One chunk (CH = 128 or the 64 tail) of MMAs from registers w and the staged buffer at
@@ -192,7 +216,8 @@ __device__ __forceinline__ void TmaLoadChunk(uint32_t dst, const CUtensorMap* am
 // Ends with every wgmma of the chunk complete. (The last two pieces' wgmmas left in flight into the
 // next chunk, in the TMA-fed and warp-specialized kernels: layers x0.97-1.08, mostly slower; H200,
 // 2026-12-04, BENCHMARKS.md session 34.)
-template <int CH, int NF, int TOK, bool BW>
+// NN: the rows multiplied (the first NN of the buffer's TOK; a 96-row buffer's items may hold 32 or 64).
+template <int CH, int NF, int TOK, bool BW, int NN = TOK>
 __device__ __forceinline__ void ChunkMma(const WeightRegs<CH, NF>& w, uint32_t buf, float (&acc)[NF][TOK / 8][4]) {
   constexpr int kPieces = CH / 32;
   uint32_t scale[NF][2][2];
@@ -222,7 +247,7 @@ __device__ __forceinline__ void ChunkMma(const WeightRegs<CH, NF>& w, uint32_t b
       for (int j = 0; j < NF; ++j) {
         uint32_t frag[4];
         AFragment(a[b][j], half, frag);
-        Wgmma(acc[j], frag, desc);
+        Wgmma(reinterpret_cast<float(&)[NN / 8][4]>(acc[j]), frag, desc);
       }
     }
     WgmmaCommit();
@@ -406,36 +431,47 @@ __device__ __forceinline__ void CpAsyncArrive(uint32_t bar) {  // one expected a
 }
 
 // The TMA-fed kernel's row info of a tile, fetched by one warp while the MMAs run, so that its
-// epilogue waits on no global load and reads no parameter but alpha: sorted_ids of the TOK rows
-// (RowIdsCopy, at the item's start) into `rows`, then (RowFactors, before the last chunk) each row's
+// epilogue waits on no global load and reads no parameter but alpha: sorted_ids of the TOK rows from
+// row0 (RowIdsCopy, at the item's start) into `rows`, then (RowFactors, before the last chunk) each row's
 // validity over them (1 / 0: SourceRow) and its row_scale factor into `factors` (RowScaled's rules: 1
 // without a row scale, 0 for rows that are padding, past a_rows or past row_scale_n), completing on
 // `bar` (64 arrivals: each lane's, and its copies'). Lane l takes rows RL * l .. RL * l + RL - 1 (RL =
-// TOK / 32 rows a lane).
+// TOK / 32 rows a lane). Rows from nrows on (a 96-row buffer's item of 32 or 64) are not read and not valid.
 template <int TOK>
-__device__ __forceinline__ void RowIdsCopy(const GemmParams& p, int64_t tile, uint32_t rows) {
+__device__ __forceinline__ void RowIdsCopy(const GemmParams& p, int64_t row0, uint32_t rows, int nrows = TOK) {
   constexpr int RL = TOK / 32;
   const int lane = threadIdx.x & 31;
-  CpAsync<4 * RL>(rows + 4 * RL * lane, p.sorted_ids + tile * TOK + RL * lane, 4 * RL);
+  if constexpr (RL == 3) {  // (12 bytes a lane: no such copy)
+#pragma unroll
+    for (int c = 0; c < RL; ++c) {
+      const bool read = RL * lane + c < nrows;
+      CpAsync<4>(rows + 4 * (RL * lane + c), read ? p.sorted_ids + row0 + RL * lane + c : p.sorted_ids, read ? 4 : 0);
+    }
+  } else {
+    CpAsync<4 * RL>(rows + 4 * RL * lane, p.sorted_ids + row0 + RL * lane, 4 * RL);
+  }
 }
 template <int TOK>
-__device__ __forceinline__ void RowFactors(const GemmParams& p, int64_t tile, uint32_t rows, uint32_t factors,
-                                           uint32_t bar) {
+__device__ __forceinline__ void RowFactors(const GemmParams& p, int64_t row0, uint32_t rows, uint32_t factors,
+                                           uint32_t bar, int nrows = TOK) {
   constexpr int RL = TOK / 32;
-  static_assert(RL == 1 || RL == 2, "32 or 64 rows");
+  static_assert(RL >= 1 && RL <= 3, "32, 64 or 96 rows");
   const int lane = threadIdx.x & 31;
   asm volatile("cp.async.wait_all;\n" ::: "memory");  // this lane's ids
-  int2 pair{0, 0};
-  if constexpr (RL == 2)
-    asm volatile("ld.shared.v2.s32 {%0, %1}, [%2];\n" : "=r"(pair.x), "=r"(pair.y) : "r"(rows + 8 * lane));
-  else
-    asm volatile("ld.shared.s32 %0, [%1];\n" : "=r"(pair.x) : "r"(rows + 4 * lane));
+  int32_t pair[RL];
+  if constexpr (RL == 2) {
+    asm volatile("ld.shared.v2.s32 {%0, %1}, [%2];\n" : "=r"(pair[0]), "=r"(pair[1]) : "r"(rows + 8 * lane));
+  } else {
+#pragma unroll
+    for (int c = 0; c < RL; ++c)
+      asm volatile("ld.shared.s32 %0, [%1];\n" : "=r"(pair[c]) : "r"(rows + 4 * (RL * lane + c)));
+  }
   int valid[RL];
 #pragma unroll
   for (int c = 0; c < RL; ++c) {
-    const int32_t pr = c ? pair.y : pair.x;
-    const int64_t r = tile * TOK + RL * lane + c;
-    valid[c] = SourceRow<true>(p, pr, r) >= 0;
+    const int32_t pr = pair[c];
+    const int64_t r = row0 + RL * lane + c;
+    valid[c] = RL * lane + c < nrows && SourceRow<true>(p, pr, r) >= 0;
     const uint32_t dst = factors + 4 * (RL * lane + c);
     if (p.row_scale_mode == int32_t(RowScale::kNone)) {
       asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(dst), "f"(1.0f) : "memory");
@@ -446,10 +482,13 @@ __device__ __forceinline__ void RowFactors(const GemmParams& p, int64_t tile, ui
       CpAsync<4>(dst, read ? static_cast<const void*>(p.row_scale + idx) : p.sorted_ids, read ? 4 : 0);  // 0: none read
     }
   }
-  if constexpr (RL == 2)
+  if constexpr (RL == 2) {
     asm volatile("st.shared.v2.s32 [%0], {%1, %2};\n" ::"r"(rows + 8 * lane), "r"(valid[0]), "r"(valid[1]) : "memory");
-  else
-    asm volatile("st.shared.s32 [%0], %1;\n" ::"r"(rows + 4 * lane), "r"(valid[0]) : "memory");
+  } else {
+#pragma unroll
+    for (int c = 0; c < RL; ++c)
+      asm volatile("st.shared.s32 [%0], %1;\n" ::"r"(rows + 4 * (RL * lane + c)), "r"(valid[c]) : "memory");
+  }
   MbarArrive(bar);     // (release: the stores above)
   CpAsyncArrive(bar);  // once the factors land
 }
@@ -465,9 +504,9 @@ __device__ __forceinline__ uint32_t StagedHalf(int row, int half) {
   return uint32_t(row * 32 + ((half ^ ((row >> 2) & 1)) << 4));
 }
 template <int ACT, int FM>
-__device__ __forceinline__ void StoreStaged(const GemmParams& p, float alpha, int64_t tile, int64_t feat0,
+__device__ __forceinline__ void StoreStaged(const GemmParams& p, float alpha, int64_t row0, int64_t feat0,
                                             const float (&acc)[FM][4], uint32_t rows, uint32_t factors,
-                                            uint32_t stage) {
+                                            uint32_t stage, int nrows = 8 * FM) {
   const int lane = threadIdx.x & 31, t = lane & 3;
   uint32_t packed[FM][2];  // rows 8m + 2t, +1 of features g + 8h, as bf16x2
 #pragma unroll
@@ -506,28 +545,29 @@ __device__ __forceinline__ void StoreStaged(const GemmParams& p, float alpha, in
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                  : "r"(stage + StagedHalf(row, half)));
     // (one 16-byte store: as a uint4 assignment it became four 4-byte ones, sm_90a SASS)
-    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"l"(
-                     static_cast<uint16_t*>(p.out) + (tile * 8 * FM + row) * p.n_out + feat0 + 8 * half),
-                 "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
-                 : "memory");
+    if (row < nrows)  // (rows past an item's end are the next one's)
+      asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"l"(
+                       static_cast<uint16_t*>(p.out) + (row0 + row) * p.n_out + feat0 + 8 * half),
+                   "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+                   : "memory");
   }
 }
 
 // StoreStaged with moe's non-gated activation (relu2, else the identity), picked once a block.
 template <int FM>
-__device__ __forceinline__ void StoreStagedAct(const GemmParams& p, float alpha, int64_t tile, int64_t feat0,
+__device__ __forceinline__ void StoreStagedAct(const GemmParams& p, float alpha, int64_t row0, int64_t feat0,
                                                const float (&acc)[FM][4], uint32_t rows, uint32_t factors,
-                                               uint32_t stage) {
+                                               uint32_t stage, int nrows = 8 * FM) {
   if (p.activation == int32_t(Activation::kRelu2))
-    StoreStaged<int(Activation::kRelu2)>(p, alpha, tile, feat0, acc, rows, factors, stage);
+    StoreStaged<int(Activation::kRelu2)>(p, alpha, row0, feat0, acc, rows, factors, stage, nrows);
   else
-    StoreStaged<int(Activation::kIdentity)>(p, alpha, tile, feat0, acc, rows, factors, stage);
+    StoreStaged<int(Activation::kIdentity)>(p, alpha, row0, feat0, acc, rows, factors, stage, nrows);
 }
 #endif
 
 // Whether the TMA-fed and the warp-specialized kernels stage their stores (StoreStaged): natural output columns, whole 16-feature
 // groups (and 32-byte rows).
-__device__ __forceinline__ bool StagedStores(const GemmParams& p) {
+__host__ __device__ __forceinline__ bool StagedStores(const GemmParams& p) {
   return !(p.pairing & (int32_t(Pairing::kOut) | int32_t(Pairing::kChunkOut))) && p.n_out % 16 == 0;
 }
 
@@ -588,7 +628,7 @@ __global__ void __launch_bounds__(kWgThreadsPerCta, MinCtas<GATED, NB>()) W4A16W
     const uint32_t round = uint32_t(i / kStages);
     if (round > 0) MbarWait(empty_bar + 8 * s, (round - 1) & 1);
     MbarExpectBytes(full_bar + 8 * s, kChunk);
-    TmaLoadChunk<TOK>(ring + s * kChunk, &amap, c, row_tile, full_bar + 8 * s);
+    TmaLoadChunk<TOK>(ring + s * kChunk, &amap, c, row_tile * TOK, full_bar + 8 * s);
   };
   int64_t item = blockIdx.x;
   int32_t tile, slab, e;
@@ -622,7 +662,7 @@ __global__ void __launch_bounds__(kWgThreadsPerCta, MinCtas<GATED, NB>()) W4A16W
     // Carried across items, the chunk counter would leave the uniform datapath (warp 0's value is
     // every thread's): the persistent loop takes 563 instructions for two chunks, not 627 (sm_90a SASS).
     if (PERSISTENT) it = __shfl_sync(~0u, it, 0);
-    if (row_warp) RowIdsCopy<TOK>(p, tile, row_ids);
+    if (row_warp) RowIdsCopy<TOK>(p, tile * TOK, row_ids);
     // The next item, known before its copies and weight loads start in this one's last chunks.
     int64_t nitem = item + gridDim.x;
     int32_t ntile = 0, nslab = 0, ne = 0;
@@ -658,7 +698,7 @@ __global__ void __launch_bounds__(kWgThreadsPerCta, MinCtas<GATED, NB>()) W4A16W
       WarpRows<GATED, NB, BW>(p, ne, nslab, warp, g, nfeat, nactive, wrow, srow);
       next.template Load<false, BW>(wrow, srow, 0, t);
     }
-    if (row_warp) RowFactors<TOK>(p, tile, row_ids, row_scales, row_bar);
+    if (row_warp) RowFactors<TOK>(p, tile * TOK, row_ids, row_scales, row_bar);
     mma();
     if (more) cur = next;
     if (staged) {
@@ -668,7 +708,7 @@ __global__ void __launch_bounds__(kWgThreadsPerCta, MinCtas<GATED, NB>()) W4A16W
       const uint32_t stage = ring + L::kStaging + warp * L::kStagingBytes;
 #pragma unroll
       for (int j = 0; j < NF; ++j)
-        if (active[j]) StoreStagedAct(p, alpha, tile, feat[j], acc[j], row_ids, row_scales, stage);
+        if (active[j]) StoreStagedAct(p, alpha, tile * TOK, feat[j], acc[j], row_ids, row_scales, stage);
       if (more) __syncthreads();  // the row info is read before the next item's overwrites it
     } else {
       StoreTile<GATED, NF, OutT>(p, e, tile, feat, active, acc);
@@ -718,6 +758,9 @@ __global__ void __launch_bounds__(kWgThreadsPerCta, MinCtas<GATED, NB>()) W4A16W
 // H200 2026-12-03: layers x0.97 at T = 48-64, KernelFlag::kWsTwoBlocks keeps two; two pairs of warpgroups of two
 // blocks, one the even 128-K chunks and one the odd, summed through shared memory: 10% fewer loop instructions,
 // layers x1.02 slower, session 35).
+// KernelFlag::kRows96 (opt-in): TOK = 96 buffers holding work items of 32-96 rows of one expert's group
+// (RowItemTables), four MMA warpgroups of one block: GEMM2, and GEMM1 with its gate and up rows on pairs of
+// warpgroups (kSplit; the chunk loop 179 instructions for the 96 rows' 8 wgmmas, sm_90a SASS).
 template <int NC, int NB = 2>
 struct WsShape {
   static constexpr int kThreads = (NC + 1) * 128;
@@ -742,27 +785,139 @@ struct WsShape {
 template <int TOK, int NC, int NB = 2>
 struct WsSmem {
   static constexpr int kStageBytes = ChunkBytes<TOK>() + WsShape<NC, NB>::kWeightBytes;
-  static constexpr int kStages = TOK == 64 ? (NB == 1 ? 5 : 4) : NB == 1 ? 8 : NC == 3 ? 6 : 5;
-  // 64-row one-block bf16-out tiles (GEMM2) stage their stores as the TMA-fed kernel does: after the ring's
-  // mbarriers, the row mbarrier (16 bytes), the tile's row ids and row-scale factors, a warp's staged output each.
-  static constexpr bool kStaged = TOK == 64 && NB == 1;
+  static constexpr int kStages = TOK == 96 ? 4 : TOK == 64 ? (NB == 1 ? 5 : 4) : NB == 1 ? 8 : NC == 3 ? 6 : 5;
+  // 64- and 96-row one-block bf16-out tiles (GEMM2) stage their stores as the TMA-fed kernel does: after the ring's
+  // mbarriers, the row mbarrier (16 bytes), the tile's row ids and row-scale factors, a warp's staged output each;
+  // 96-row buffers then their item tables (RowItemTables).
+  static constexpr bool kStaged = TOK >= 64 && NB == 1;
   static constexpr int kRowBar = kStages * (kStageBytes + 16), kRowIds = kRowBar + 16, kRowScales = kRowIds + 4 * TOK;
   static constexpr int kStaging = kRowScales + 4 * TOK, kStagingBytes = TOK * kWarpFeatures * 2;
-  static constexpr int kBytes = (kStaged ? kStaging + 4 * NC * kStagingBytes : kRowBar) + 1024;
+  static constexpr int kTables = (kStaged ? kStaging + 4 * NC * kStagingBytes : kRowBar);
+  static constexpr int kBytes = kTables + (TOK == 96 ? 4 * (3 * kMaxAlignExperts + 1) : 0) + 1024;
   static_assert(kStageBytes % 1024 == 0, "stages keep the 1024-byte alignment of the swizzled activations");
   static_assert(kBytes <= 227 * 1024, "the shared memory of an H200 CTA");
 };
 
-// Output features of a warp-specialized CTA.
+// KernelFlag::kRows96: the warp-specialized kernel's work items of up to 96 rows over the align's groups of 32- or
+// 64-row tiles (p.tile_m): expert e's group (cnt[e] tiles from tile first[e]) in items of 96 rows, its last of 32,
+// 64 or 96, ioff[e] of them before e's, the total in ioff[kMaxAlignExperts]. One decode of a weight chunk feeds up
+// to 96 rows, with no row added to the align's padding. RowItemTables: every thread of the CTA builds them in
+// shared memory from tile_expert; returns the items.
+__device__ __forceinline__ int32_t RowItemTables(const GemmParams& p, int32_t* cnt, int32_t* first, int32_t* ioff) {
+  const int E = int(p.E), tid = threadIdx.x, nt = blockDim.x;
+  for (int e = tid; e < E; e += nt) cnt[e] = 0;
+  __syncthreads();
+  for (int64_t i = tid; i < p.P / p.tile_m; i += nt) {
+    const int32_t e = p.tile_expert[i];
+    if (e >= 0 && e < p.E) {
+      atomicAdd(&cnt[e], 1);
+      if (i == 0 || p.tile_expert[i - 1] != e) first[e] = int32_t(i);  // (groups are contiguous)
+    }
+  }
+  __syncthreads();
+  if (tid < 32) {  // warp 0: the exclusive sum of the experts' items, kPer experts a lane
+    constexpr int kPer = kMaxAlignExperts / 32;
+    int32_t n[kPer], sum = 0;
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      const int e = tid * kPer + j;
+      n[j] = e < E ? (cnt[e] * p.tile_m + 95) / 96 : 0;
+      sum += n[j];
+    }
+    int32_t incl = sum;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const int32_t v = __shfl_up_sync(~0u, incl, d);
+      if (tid >= d) incl += v;
+    }
+    int32_t run = incl - sum;
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      if (tid * kPer + j < E) ioff[tid * kPer + j] = run;
+      run += n[j];
+    }
+    if (tid == 31) ioff[kMaxAlignExperts] = incl;
+  }
+  __syncthreads();
+  return ioff[kMaxAlignExperts];
+}
+// Item k (< the total) of the tables: its expert (the last whose items start at or before k), first row and rows.
+__device__ __forceinline__ void RowItemAt(const int32_t* cnt, const int32_t* first, const int32_t* ioff, int E,
+                                          int tile_m, int32_t k, int32_t& e, int64_t& row0, int& rows) {
+  int lo = 0, hi = E - 1;  // ioff[0] = 0 <= k
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (ioff[mid] <= k) lo = mid;
+    else hi = mid - 1;
+  }
+  const int32_t j = k - ioff[lo];
+  e = lo;
+  row0 = int64_t(first[lo]) * tile_m + 96 * j;
+  rows = min(96, cnt[lo] * tile_m - 96 * j);
+}
+
+// Output features of a warp-specialized CTA (gated with one block a warpgroup: pairs of gate and up warpgroups).
 template <bool GATED, int NC, int NB = 2>
-constexpr int WsFeatures() { return (GATED ? 64 : 64 * NB) * NC; }
+constexpr int WsFeatures() { return (GATED ? (NB == 1 ? 32 : 64) : 64 * NB) * NC; }
+
+// The gated 96-row items' epilogue (kRows96, GEMM1) in a gate warpgroup: its 16 features of a warp (acc, the gate
+// rows' sums) with the up rows' sums that its pair's up warpgroup left in shared memory (`up`: [FM][128 threads]
+// of 16 bytes), and the row info in shared memory (as StoreStaged's), to EpilogueAct's values and stores; rows from
+// nrows on (the next item's) are not stored.
+template <int ACT, typename OutT, int FM>
+__device__ __forceinline__ void SplitGatedStores(const GemmParams& p, float alpha, int64_t row0, int64_t feat0,
+                                                 const float (&acc)[FM][4], uint32_t up, uint32_t rows,
+                                                 uint32_t factors, int nrows) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, twg = threadIdx.x & 127;
+  const int64_t col[2] = {PairingPos(p.pairing, Pairing::kOut, feat0 + g),
+                          PairingPos(p.pairing, Pairing::kOut, feat0 + g + 8)};
+#pragma unroll
+  for (int m = 0; m < FM; ++m) {
+    const int row = 8 * m + 2 * t;
+    int2 valid;
+    float2 rs;
+    float4 u;
+    asm volatile("ld.shared.v2.s32 {%0, %1}, [%2];\n" : "=r"(valid.x), "=r"(valid.y) : "r"(rows + 4 * row));
+    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(rs.x), "=f"(rs.y) : "r"(factors + 4 * row));
+    asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=f"(u.x), "=f"(u.y), "=f"(u.z), "=f"(u.w)
+                 : "r"(up + uint32_t((m * 128 + twg) * 16)));
+    const float upv[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const float scale = alpha * (c ? rs.y : rs.x);
+      if (row + c >= nrows) continue;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int i = 2 * h + c;
+        const float v = (c ? valid.y : valid.x) ? ApplyActivation(ACT, acc[m][i] * scale, upv[i] * scale) : 0.0f;
+        Store(static_cast<OutT*>(p.out), (row0 + row + c) * p.n_out + col[h], v);
+      }
+    }
+  }
+}
+template <typename OutT, int FM>
+__device__ __forceinline__ void SplitGatedStoresAct(const GemmParams& p, float alpha, int64_t row0, int64_t feat0,
+                                                    const float (&acc)[FM][4], uint32_t up, uint32_t rows,
+                                                    uint32_t factors, int nrows) {
+  using A = Activation;
+  if (p.activation == int32_t(A::kGeglu))
+    SplitGatedStores<int(A::kGeglu), OutT>(p, alpha, row0, feat0, acc, up, rows, factors, nrows);
+  else if (p.activation == int32_t(A::kSwigluOai))
+    SplitGatedStores<int(A::kSwigluOai), OutT>(p, alpha, row0, feat0, acc, up, rows, factors, nrows);
+  else
+    SplitGatedStores<int(A::kSwiglu), OutT>(p, alpha, row0, feat0, acc, up, rows, factors, nrows);
+}
 
 template <bool GATED, typename OutT, int TOK, int NC, int NB>
 __global__ void __launch_bounds__(WsShape<NC, NB>::kThreads, 1)
     W4A16WgmmaWs(const GemmParams p, const __grid_constant__ CUtensorMap codes,
                  const __grid_constant__ CUtensorMap scales, const __grid_constant__ CUtensorMap amap) {
 #ifdef JAX_NVFP4_WGMMA
-  static_assert(!GATED || NB == 2, "gated: a gate and an up block");
+  // Gated: a gate and an up block a warpgroup, or (kSplit, 96-row items) the gate and the up block of 64 features
+  // in a pair of warpgroups, the up one handing its sums to the gate one through shared memory.
+  constexpr bool kSplit = GATED && NB == 1;
+  static_assert(!GATED || NB == 2 || TOK == 96, "gated: a gate and an up block, or 96-row split pairs");
   using Shape = WsShape<NC, NB>;
   constexpr int kWsStages = WsSmem<TOK, NC, NB>::kStages, kWsStageBytes = WsSmem<TOK, NC, NB>::kStageBytes;
   constexpr int kChunk = ChunkBytes<TOK>();
@@ -772,14 +927,18 @@ __global__ void __launch_bounds__(WsShape<NC, NB>::kThreads, 1)
   using Smem = WsSmem<TOK, NC, NB>;
   const uint32_t row_bar = ring + Smem::kRowBar, row_ids = ring + Smem::kRowIds, row_scales = ring + Smem::kRowScales;
   constexpr bool kStagedInstance = Smem::kStaged && !GATED && std::is_same_v<OutT, uint16_t>;
-  const bool staged = kStagedInstance && StagedStores(p);
+  // 96-row buffers (kRows96): items of an expert's 32-96 rows; GEMM2 (not gathered, staged stores) or GEMM1
+  // (gathered, kSplit): LaunchChunkA's choice.
+  constexpr bool kRows = TOK == 96;
+  static_assert(!kRows || kStagedInstance || kSplit, "96-row items: GEMM2's staged kernel, or GEMM1's split pairs");
+  const bool staged = kStagedInstance && (kRows || StagedStores(p));
 
   GridDependencyWait();
   // Work items (row tile, feature slab), slabs first, walked gridDim.x apart: a CTA per SM (the
   // persistent grid) or, with KernelFlag::kNoPersistent, per item. Both roles skip the same unused
   // tiles and count chunks over the CTA's items (`it`), so the ring runs on across items: the
   // producer fills the next item's first stages while the MMA warpgroups store the last one's tile.
-  const int64_t slabs = CeilDiv<int64_t>(p.n_out, WsFeatures<GATED, NC, NB>()), items = p.P / TOK * slabs;
+  const int64_t slabs = CeilDiv<int64_t>(p.n_out, WsFeatures<GATED, NC, NB>());
   const int64_t chunks = p.K / 128;
   const int wg = threadIdx.x >> 7;
   const bool gather = p.gather;
@@ -789,10 +948,25 @@ __global__ void __launch_bounds__(WsShape<NC, NB>::kThreads, 1)
       MbarInit(full_bar + 8 * s, gather ? 1 + 128 : 1);
       MbarInit(empty_bar + 8 * s, 128 * NC);
     }
-    if (staged) MbarInit(row_bar, 64);
+    if (staged || kSplit) MbarInit(row_bar, 64);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
+  int32_t* tables = reinterpret_cast<int32_t*>(smem_raw + (ring + Smem::kTables - SmemU32(smem_raw)));
+  int32_t *cnt = tables, *first = tables + kMaxAlignExperts, *ioff = tables + 2 * kMaxAlignExperts;
+  int64_t items = p.P / TOK * slabs;
+  if constexpr (kRows) items = int64_t(RowItemTables(p, cnt, first, ioff)) * slabs;
+  // Work item `item`'s expert, first row and rows (a row tile, or kRows' item).
+  auto item_rows = [&](int64_t item, int32_t& e, int64_t& row0, int& rows) {
+    const int64_t tile = item / slabs;
+    if constexpr (kRows) {
+      RowItemAt(cnt, first, ioff, int(p.E), p.tile_m, int32_t(tile), e, row0, rows);
+    } else {
+      e = p.tile_expert[tile];
+      row0 = tile * TOK;
+      rows = TOK;
+    }
+  };
 
   if (wg == NC) {  // the producer warpgroup
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(Shape::kProducerRegs));
@@ -802,10 +976,13 @@ __global__ void __launch_bounds__(WsShape<NC, NB>::kThreads, 1)
     if (!gather && pt != 0) return;
     int64_t it = 0;
     for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
-      const int64_t tile = item / slabs, slab = item % slabs;
-      const int32_t e = p.tile_expert[tile];
+      const int64_t slab = item % slabs;
+      int32_t e;
+      int64_t row0;
+      int rows;
+      item_rows(item, e, row0, rows);
       if (e < 0 || e >= p.E) continue;  // unused tile
-      const int64_t src = gather ? SourceRow<true>(p, tile * TOK + n) : -1;
+      const int64_t src = gather && n < rows ? SourceRow<true>(p, row0 + n) : -1;
       const uint16_t* xrow = p.a + (src >= 0 ? src : 0) * p.K + 8 * PPT * sub;
       const uint32_t x_bytes = src >= 0 ? 16 : 0;
       // The first rows of the CTA's two weight copies in the maps ([E * N / 16] fragments): gated,
@@ -821,18 +998,27 @@ __global__ void __launch_bounds__(WsShape<NC, NB>::kThreads, 1)
           const uint32_t w = stage + kChunk, sc = w + NB * Shape::kCopyCodeBytes;
           const int32_t kc = int32_t(c * kBlockRows * kBlockCodeBytes / 4);  // (32-bit words)
           const int32_t ks = int32_t(c * kBlockRows * kBlockScaleBytes / 4);
-          TmaLoad2d(w, &codes, kc, frag0, full_bar + 8 * s);
-          TmaLoad2d(sc, &scales, ks, frag0, full_bar + 8 * s);
+          if constexpr (kSplit) {  // the gate rows' half copies, then the up rows'
+            TmaLoad2d(w, &codes, kc, frag0, full_bar + 8 * s);
+            TmaLoad2d(w + Shape::kCopyCodeBytes / 2, &codes, kc, frag1, full_bar + 8 * s);
+            TmaLoad2d(sc, &scales, ks, frag0, full_bar + 8 * s);
+            TmaLoad2d(sc + Shape::kCopyScaleBytes / 2, &scales, ks, frag1, full_bar + 8 * s);
+          } else {
+            TmaLoad2d(w, &codes, kc, frag0, full_bar + 8 * s);
+            TmaLoad2d(sc, &scales, ks, frag0, full_bar + 8 * s);
+          }
           if constexpr (NB == 2) {
             TmaLoad2d(w + Shape::kCopyCodeBytes, &codes, kc, frag1, full_bar + 8 * s);
             TmaLoad2d(sc + Shape::kCopyScaleBytes, &scales, ks, frag1, full_bar + 8 * s);
           }
-          if (!gather) TmaLoadChunk<TOK>(stage, &amap, c, tile, full_bar + 8 * s);
+          if (!gather) TmaLoadChunk<TOK>(stage, &amap, c, row0, full_bar + 8 * s);
         }
         if (gather) {
-          // Logical 16-byte piece i (a is in the chunk order) to its swizzled place in panel i / 8.
+          // Logical 16-byte piece i (a is in the chunk order) to its swizzled place in panel i / 8 (96-row
+          // buffers: a row a thread, threads 96-127 only arrive).
 #pragma unroll
           for (int j = 0; j < PPT; ++j) {
+            if (TOK == 96 && n >= TOK) break;
             const int i = PPT * sub + j, q = i & 7;
             CpAsync<16>(stage + (i >> 3) * PanelBytes<TOK>() + n * 128 + ((q ^ (n & 7)) << 4), xrow + c * 128 + 8 * j,
                         x_bytes);
@@ -852,15 +1038,22 @@ __global__ void __launch_bounds__(WsShape<NC, NB>::kThreads, 1)
   int64_t it = 0;
   uint32_t done = 0;  // items done (the row mbarrier's phase)
   // The staged epilogue's row info (as in W4A16WgmmaTma): the last MMA warp fetches it during the MMAs.
-  const bool row_warp = staged && warp == 4 * NC - 1;
+  // (kSplit: the last warp of gate warpgroup 0, which reads it)
+  const bool row_warp = (staged && warp == 4 * NC - 1) || (kSplit && warp == 3);
+  // This warp's fragment in the stage's weights: kSplit, gate warpgroups 0 / 2 the gate rows' fragments 0-3 / 4-7
+  // (the first half copy), up warpgroups 1 / 3 the up rows' (the second).
+  const int wfrag = kSplit ? ((warp >> 2) & 1) * 8 + (warp >> 3) * 4 + (warp & 3) : warp;
   for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
-    const int64_t tile = item / slabs, slab = item % slabs;
-    const int32_t e = p.tile_expert[tile];
+    const int64_t slab = item % slabs;
+    int32_t e;
+    int64_t row0;
+    int rows;
+    item_rows(item, e, row0, rows);
     // Unused tile; a vote, so that the compiler knows the branch is warp-uniform (a plain test
     // added 46 instructions to the loop below: sm_90a SASS, 2026-12-02).
     if (__all_sync(~0u, e < 0 || e >= p.E)) continue;
-    if (row_warp) RowIdsCopy<TOK>(p, tile, row_ids);
-    const int64_t base = slab * WsFeatures<GATED, NC, NB>() + 16 * warp;
+    if (row_warp) RowIdsCopy<TOK>(p, row0, row_ids, rows);
+    const int64_t base = slab * WsFeatures<GATED, NC, NB>() + 16 * (kSplit ? (warp >> 3) * 4 + (warp & 3) : warp);
     int64_t feat[NB];
     bool active[NB];
 #pragma unroll
@@ -870,7 +1063,7 @@ __global__ void __launch_bounds__(WsShape<NC, NB>::kThreads, 1)
     }
     float acc[NB][TOK / 8][4];
     ZeroAcc(acc);
-    auto chunk = [&]() {  // chunk `it` of the ring
+    auto chunk = [&](auto nn) {  // chunk `it` of the ring, MMAs over nn rows
       const int s = int(it % kWsStages);
       const uint32_t stage = ring + s * kWsStageBytes;
       MbarWait(full_bar + 8 * s, uint32_t(it / kWsStages) & 1);
@@ -879,9 +1072,9 @@ __global__ void __launch_bounds__(WsShape<NC, NB>::kThreads, 1)
 #pragma unroll
       for (int j = 0; j < NB; ++j) {  // weight copy j
         const uint32_t code =
-            stage + kChunk + j * Shape::kCopyCodeBytes + uint32_t(warp * kBlockRows * kBlockCodeBytes);
+            stage + kChunk + j * Shape::kCopyCodeBytes + uint32_t(wfrag * kBlockRows * kBlockCodeBytes);
         const uint32_t scale = stage + kChunk + NB * Shape::kCopyCodeBytes + j * Shape::kCopyScaleBytes +
-                               uint32_t(warp * kBlockRows * kBlockScaleBytes);
+                               uint32_t(wfrag * kBlockRows * kBlockScaleBytes);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           uint4 v;
@@ -896,26 +1089,69 @@ __global__ void __launch_bounds__(WsShape<NC, NB>::kThreads, 1)
           w.s[j][h] = sv;
         }
       }
-      ChunkMma<128, NB, TOK, true>(w, stage, acc);
+      ChunkMma<128, NB, TOK, true, decltype(nn)::value>(w, stage, acc);
       MbarArrive(empty_bar + 8 * s);
       ++it;
     };
-    for (int64_t c = 0; c + 1 < chunks; ++c) chunk();
-    if (row_warp) RowFactors<TOK>(p, tile, row_ids, row_scales, row_bar);  // (peeled: the loop stays as it was)
-    chunk();
+    auto mmas = [&](auto nn) {
+      for (int64_t c = 0; c + 1 < chunks; ++c) chunk(nn);
+      if (row_warp) RowFactors<TOK>(p, row0, row_ids, row_scales, row_bar, rows);  // (peeled: the loop stays as it was)
+      chunk(nn);
+    };
+    if constexpr (kRows) {  // (votes: warp-uniform branches, as above)
+      if (__all_sync(~0u, rows == 96)) mmas(std::integral_constant<int, 96>{});
+      else if (__all_sync(~0u, rows == 64)) mmas(std::integral_constant<int, 64>{});
+      else mmas(std::integral_constant<int, 32>{});
+    } else {
+      mmas(std::integral_constant<int, TOK>{});
+    }
+    if constexpr (kSplit) {
+      // The up warpgroup of each pair (1, 3) leaves its sums in the pair's half of the staging area, for the gate
+      // warpgroup's epilogue; then it waits until the gate one has stored (named barriers 2 + pair, 4 + pair),
+      // and the gate warpgroups until both read the row info (1), before the next item's overwrites them.
+      // (votes: warp-uniform branches, else the chunk loop's descriptors left the uniform registers: 206
+      // instructions, not 187, sm_90a SASS)
+      const int pair = warp >> 3, twg = threadIdx.x & 127;
+      const bool pair0 = __all_sync(~0u, pair == 0), up_wg = __all_sync(~0u, (warp >> 2) & 1);
+      const uint32_t up = ring + Smem::kStaging + uint32_t(pair * 128 * 16 * (TOK / 8));
+      // (immediate barrier ids: with a register one, ptxas reserves all 16)
+      auto pair_sync = [&](auto id) {
+        if (pair0) asm volatile("bar.sync %0, 256;\n" ::"n"(decltype(id)::value) : "memory");
+        else asm volatile("bar.sync %0, 256;\n" ::"n"(decltype(id)::value + 1) : "memory");
+      };
+      if (up_wg) {
+        Hold(acc);
+#pragma unroll
+        for (int m = 0; m < TOK / 8; ++m)
+          asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(up + uint32_t((m * 128 + twg) * 16)),
+                       "f"(acc[0][m][0]), "f"(acc[0][m][1]), "f"(acc[0][m][2]), "f"(acc[0][m][3])
+                       : "memory");
+        pair_sync(std::integral_constant<int, 2>{});
+        pair_sync(std::integral_constant<int, 4>{});
+      } else {
+        pair_sync(std::integral_constant<int, 2>{});
+        MbarWait(row_bar, done++ & 1);
+        Hold(acc);
+        const float alpha = p.alpha[e] * kDecodeBias;
+        if (active[0]) SplitGatedStoresAct<OutT>(p, alpha, row0, feat[0], acc[0], up, row_ids, row_scales, rows);
+        pair_sync(std::integral_constant<int, 4>{});
+        asm volatile("bar.sync 1, 256;\n" ::: "memory");
+      }
+      continue;
+    }
     if constexpr (kStagedInstance) {
       if (staged) {
         MbarWait(row_bar, done++ & 1);
         Hold(acc);
         const float alpha = p.alpha[e] * kDecodeBias;
         const uint32_t out_stage = ring + Smem::kStaging + warp * Smem::kStagingBytes;
-        if (active[0]) StoreStagedAct(p, alpha, tile, feat[0], acc[0], row_ids, row_scales, out_stage);
+        if (active[0]) StoreStagedAct(p, alpha, row0, feat[0], acc[0], row_ids, row_scales, out_stage, rows);
         // The MMA warpgroups only (named barrier 1): the row info is read before the next item's overwrites it.
         asm volatile("bar.sync 1, %0;\n" ::"n"(128 * NC) : "memory");
         continue;
       }
     }
-    StoreTile<GATED, NB, OutT>(p, e, tile, feat, active, acc);
+    if constexpr (!kRows) StoreTile<GATED, NB, OutT>(p, e, item / slabs, feat, active, acc);
   }
 #endif
 }
@@ -1078,8 +1314,11 @@ template <bool GATED, typename OutT, int TOK, int NC, int NB = 2>
 std::string LaunchWs(GemmParams p, bool persistent, bool pdl, cudaStream_t stream) {
   constexpr auto kernel = W4A16WgmmaWs<GATED, OutT, TOK, NC, NB>;
   using Shape = WsShape<NC, NB>;
-  constexpr int kWsSmemBytes = WsSmem<TOK, NC, NB>::kBytes, kFrags = Shape::kCopyFrags;
-  const int64_t frags = p.E * p.N / kBlockRows, items = p.P / TOK * CeilDiv<int64_t>(p.n_out, WsFeatures<GATED, NC, NB>());
+  // (gated with one block a warpgroup: half copies of the gate and of the up rows)
+  constexpr int kWsSmemBytes = WsSmem<TOK, NC, NB>::kBytes, kFrags = Shape::kCopyFrags / (GATED && NB == 1 ? 2 : 1);
+  // (96-row buffers: at most an item per tile, whose count the kernel finds)
+  const int64_t frags = p.E * p.N / kBlockRows,
+                items = p.P / (TOK == 96 ? p.tile_m : TOK) * CeilDiv<int64_t>(p.n_out, WsFeatures<GATED, NC, NB>());
   if (items > 0x7FFFFFFF || frags > 0x7FFFFFFF) return "too many row tiles or weight rows";
   CUtensorMap codes, scales, amap{};
   const uint64_t code_row = uint64_t(kBlockRows) * (p.K / 2), scale_row = uint64_t(kBlockRows) * (p.K / 16);
@@ -1111,6 +1350,15 @@ std::string LaunchChunkA(const GemmParams& p, bool gated, bool f32_out, int64_t 
   const bool pdl = kernel_flags & int64_t(KernelFlag::kPdl);
   if (WarpSpecializedGemm(kernel_flags, p.pairing, p.gather)) {
     const bool persistent = !(kernel_flags & int64_t(KernelFlag::kNoPersistent));
+    // kRows96: 96-row buffers over the tiles' groups: gated gathered (moe's GEMM1, bf16 or fp32 out), or
+    // non-gated, not gathered, bf16 out with staged stores (its GEMM2).
+    if (kernel_flags & int64_t(KernelFlag::kRows96) && p.E <= kMaxAlignExperts) {
+      if (gated && p.gather)
+        return f32_out ? LaunchWs<true, float, 96, 4, 1>(p, persistent, pdl, stream)
+                       : LaunchWs<true, uint16_t, 96, 4, 1>(p, persistent, pdl, stream);
+      if (!gated && !f32_out && !p.gather && StagedStores(p))
+        return LaunchWs<false, uint16_t, 96, 4, 1>(p, persistent, pdl, stream);
+    }
     // fp32 out: mode w4a4's GEMM1, whose intermediate is quantized from unrounded values.
     if constexpr (TOK == 32) {
       if (gated && !(kernel_flags & int64_t(KernelFlag::kWsThreeGroups)))
