@@ -985,7 +985,8 @@ def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str =
     if tile_m is None:
         wgmma_ws = impl == "ffi" and wgmma_tiles(experts, kernel_flags)
         tile_m = choose_tile_m(t * k, e, wgmma_ws)
-        if tile_m == 64 and wgmma_ws and kernel_flags & KernelFlag.ROWS96:
+        if (tile_m == 64 and wgmma_ws and kernel_flags & KernelFlag.ROWS96 and experts.gated
+                and experts.down.order == "blocked"):  # (where both GEMMs take ROWS96's items)
             tile_m = 32  # (groups padded to 32 rows: ROWS96's items of up to 96 rows add no padding)
     w4a4 = MODES[mode] == Mode.W4A4
     # w4a4 decode: the align and the quantize of x in one launch (moe_align_quant), where the align is

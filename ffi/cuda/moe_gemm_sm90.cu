@@ -842,8 +842,10 @@ __device__ __forceinline__ int32_t RowItemTables(const GemmParams& p, int32_t* c
   return ioff[kMaxAlignExperts];
 }
 // Item k (< the total) of the tables: its expert (the last whose items start at or before k), first row and rows.
+// (Rows end at P: a tile_expert whose groups are not contiguous, which moe_align never writes, gives wrong rows,
+// not accesses out of bounds.)
 __device__ __forceinline__ void RowItemAt(const int32_t* cnt, const int32_t* first, const int32_t* ioff, int E,
-                                          int tile_m, int32_t k, int32_t& e, int64_t& row0, int& rows) {
+                                          int tile_m, int64_t P, int32_t k, int32_t& e, int64_t& row0, int& rows) {
   int lo = 0, hi = E - 1;  // ioff[0] = 0 <= k
   while (lo < hi) {
     const int mid = (lo + hi + 1) >> 1;
@@ -853,7 +855,9 @@ __device__ __forceinline__ void RowItemAt(const int32_t* cnt, const int32_t* fir
   const int32_t j = k - ioff[lo];
   e = lo;
   row0 = int64_t(first[lo]) * tile_m + 96 * j;
+  const int64_t left = P - row0;  // (>= 0 but for a malformed tile_expert)
   rows = min(96, cnt[lo] * tile_m - 96 * j);
+  rows = left < rows ? int(left > 0 ? left : 0) : rows;
 }
 
 // Output features of a warp-specialized CTA (gated with one block a warpgroup: pairs of gate and up warpgroups).
@@ -960,7 +964,7 @@ __global__ void __launch_bounds__(WsShape<NC, NB>::kThreads, 1)
   auto item_rows = [&](int64_t item, int32_t& e, int64_t& row0, int& rows) {
     const int64_t tile = item / slabs;
     if constexpr (kRows) {
-      RowItemAt(cnt, first, ioff, int(p.E), p.tile_m, int32_t(tile), e, row0, rows);
+      RowItemAt(cnt, first, ioff, int(p.E), p.tile_m, p.P, int32_t(tile), e, row0, rows);
     } else {
       e = p.tile_expert[tile];
       row0 = tile * TOK;
