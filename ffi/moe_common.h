@@ -111,11 +111,11 @@ enum class KernelFlag : int64_t {
   kTmaGemm2 = 4294967296ll,  // moe's GEMM2 on 64-row tiles on the TMA-fed kernel, not on the warp-specialized
                              // one (kWsGemm2: prefill layers x0.94-0.95 there, H200 2026-12-04); a moe policy:
                              // the GEMM kernels read it only in kAllKernelFlags)
-  kRows96 = 8589934592ll,  // moe's GEMM2 (64-row tiles, warp-specialized with staged stores) and gathered gated
-                           // GEMM1 on work items of up to 96 rows of one expert's group (m64n96 wgmmas; a group's
-                           // last item 32, 64 or 96 rows), not one 64-row tile each: a decoded weight chunk feeds up
+  kRows96 = 8589934592ll,  // moe's GEMM2 (warp-specialized, staged stores) and gathered gated GEMM1 on 32- and
+                           // 64-row tiles: work items of up to 96 rows of one expert's group (m64n96 wgmmas; a
+                           // group's last item 32, 64 or 96 rows), not one tile each: a decoded weight chunk feeds up
                            // to 96 rows. GEMM1's warpgroups then pair up: one multiplies the gate rows, one the up
-                           // rows of the same 64 features, handing its sums over in shared memory
+                           // rows of the same 64 features, and each stores half the rows from the other's sums
   // 536870912 / 1073741824: kBulkPrefetch / kBulkPrefetchFar (the mma.sync decode tiles on blocked weights, lane 0
   // of each warp keeping its fragments' next 4 / 8 chunks asked of the L2 by cp.async.bulk.prefetch.L2) for one H200
   // A/B on 2026-12-04 (session 32), removed: layers 1.00-1.28x slower (a stream of the same loads without the math,

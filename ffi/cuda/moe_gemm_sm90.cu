@@ -864,29 +864,25 @@ __device__ __forceinline__ void RowItemAt(const int32_t* cnt, const int32_t* fir
 template <bool GATED, int NC, int NB = 2>
 constexpr int WsFeatures() { return (GATED ? (NB == 1 ? 32 : 64) : 64 * NB) * NC; }
 
-// The gated 96-row items' epilogue (kRows96, GEMM1) in a gate warpgroup: its 16 features of a warp (acc, the gate
-// rows' sums) with the up rows' sums that its pair's up warpgroup left in shared memory (`up`: [FM][128 threads]
-// of 16 bytes), and the row info in shared memory (as StoreStaged's), to EpilogueAct's values and stores; rows from
-// nrows on (the next item's) are not stored.
-template <int ACT, typename OutT, int FM>
+// The gated 96-row items' epilogue (kRows96, GEMM1) of a pair of warpgroups: a warp's 16 features of rows 8m..8m+7,
+// m < FM / 2 in the gate warpgroup (UP false), the others in the up one, from its own sums (acc) and the other's
+// (other[m - m0], handed over in shared memory), with the row info in shared memory (as StoreStaged's), to
+// EpilogueAct's values and stores; rows from nrows on (the next item's) are not stored.
+template <int ACT, bool UP, typename OutT, int FM>
 __device__ __forceinline__ void SplitGatedStores(const GemmParams& p, float alpha, int64_t row0, int64_t feat0,
-                                                 const float (&acc)[FM][4], uint32_t up, uint32_t rows,
-                                                 uint32_t factors, int nrows) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, twg = threadIdx.x & 127;
+                                                 const float (&acc)[FM][4], const float (&other)[FM / 2][4],
+                                                 uint32_t rows, uint32_t factors, int nrows) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int64_t col[2] = {PairingPos(p.pairing, Pairing::kOut, feat0 + g),
                           PairingPos(p.pairing, Pairing::kOut, feat0 + g + 8)};
+  constexpr int m0 = UP ? FM / 2 : 0;
 #pragma unroll
-  for (int m = 0; m < FM; ++m) {
-    const int row = 8 * m + 2 * t;
+  for (int mm = 0; mm < FM / 2; ++mm) {
+    const int m = m0 + mm, row = 8 * m + 2 * t;
     int2 valid;
     float2 rs;
-    float4 u;
     asm volatile("ld.shared.v2.s32 {%0, %1}, [%2];\n" : "=r"(valid.x), "=r"(valid.y) : "r"(rows + 4 * row));
     asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(rs.x), "=f"(rs.y) : "r"(factors + 4 * row));
-    asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
-                 : "=f"(u.x), "=f"(u.y), "=f"(u.z), "=f"(u.w)
-                 : "r"(up + uint32_t((m * 128 + twg) * 16)));
-    const float upv[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
       const float scale = alpha * (c ? rs.y : rs.x);
@@ -894,23 +890,24 @@ __device__ __forceinline__ void SplitGatedStores(const GemmParams& p, float alph
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int i = 2 * h + c;
-        const float v = (c ? valid.y : valid.x) ? ApplyActivation(ACT, acc[m][i] * scale, upv[i] * scale) : 0.0f;
+        const float gate = UP ? other[mm][i] : acc[m][i], up = UP ? acc[m][i] : other[mm][i];
+        const float v = (c ? valid.y : valid.x) ? ApplyActivation(ACT, gate * scale, up * scale) : 0.0f;
         Store(static_cast<OutT*>(p.out), (row0 + row + c) * p.n_out + col[h], v);
       }
     }
   }
 }
-template <typename OutT, int FM>
+template <bool UP, typename OutT, int FM>
 __device__ __forceinline__ void SplitGatedStoresAct(const GemmParams& p, float alpha, int64_t row0, int64_t feat0,
-                                                    const float (&acc)[FM][4], uint32_t up, uint32_t rows,
-                                                    uint32_t factors, int nrows) {
+                                                    const float (&acc)[FM][4], const float (&other)[FM / 2][4],
+                                                    uint32_t rows, uint32_t factors, int nrows) {
   using A = Activation;
   if (p.activation == int32_t(A::kGeglu))
-    SplitGatedStores<int(A::kGeglu), OutT>(p, alpha, row0, feat0, acc, up, rows, factors, nrows);
+    SplitGatedStores<int(A::kGeglu), UP, OutT>(p, alpha, row0, feat0, acc, other, rows, factors, nrows);
   else if (p.activation == int32_t(A::kSwigluOai))
-    SplitGatedStores<int(A::kSwigluOai), OutT>(p, alpha, row0, feat0, acc, up, rows, factors, nrows);
+    SplitGatedStores<int(A::kSwigluOai), UP, OutT>(p, alpha, row0, feat0, acc, other, rows, factors, nrows);
   else
-    SplitGatedStores<int(A::kSwiglu), OutT>(p, alpha, row0, feat0, acc, up, rows, factors, nrows);
+    SplitGatedStores<int(A::kSwiglu), UP, OutT>(p, alpha, row0, feat0, acc, other, rows, factors, nrows);
 }
 
 template <bool GATED, typename OutT, int TOK, int NC, int NB>
@@ -919,7 +916,7 @@ __global__ void __launch_bounds__(WsShape<NC, NB>::kThreads, 1)
                  const __grid_constant__ CUtensorMap scales, const __grid_constant__ CUtensorMap amap) {
 #ifdef JAX_NVFP4_WGMMA
   // Gated: a gate and an up block a warpgroup, or (kSplit, 96-row items) the gate and the up block of 64 features
-  // in a pair of warpgroups, the up one handing its sums to the gate one through shared memory.
+  // in a pair of warpgroups, each storing half the rows from the sums the other hands it in shared memory.
   constexpr bool kSplit = GATED && NB == 1;
   static_assert(!GATED || NB == 2 || TOK == 96, "gated: a gate and an up block, or 96-row split pairs");
   using Shape = WsShape<NC, NB>;
@@ -1042,7 +1039,7 @@ __global__ void __launch_bounds__(WsShape<NC, NB>::kThreads, 1)
   int64_t it = 0;
   uint32_t done = 0;  // items done (the row mbarrier's phase)
   // The staged epilogue's row info (as in W4A16WgmmaTma): the last MMA warp fetches it during the MMAs.
-  // (kSplit: the last warp of gate warpgroup 0, which reads it)
+  // (kSplit: warp 3)
   const bool row_warp = (staged && warp == 4 * NC - 1) || (kSplit && warp == 3);
   // This warp's fragment in the stage's weights: kSplit, gate warpgroups 0 / 2 the gate rows' fragments 0-3 / 4-7
   // (the first half copy), up warpgroups 1 / 3 the up rows' (the second).
@@ -1110,37 +1107,44 @@ __global__ void __launch_bounds__(WsShape<NC, NB>::kThreads, 1)
       mmas(std::integral_constant<int, TOK>{});
     }
     if constexpr (kSplit) {
-      // The up warpgroup of each pair (1, 3) leaves its sums in the pair's half of the staging area, for the gate
-      // warpgroup's epilogue; then it waits until the gate one has stored (named barriers 2 + pair, 4 + pair),
-      // and the gate warpgroups until both read the row info (1), before the next item's overwrites them.
+      // Each warpgroup of a pair stores half the rows: the gate one (0, 2) rows 0-47, the up one (1, 3) rows
+      // 48-95. Each hands the other its sums of the other's rows in the pair's half of the staging area (slot m
+      // of a thread: m < 6 the up sums, else the gate sums), reads its own after the pair's named barrier (2 + pair),
+      // and all MMA warpgroups meet at barrier 1 before the next item overwrites the slots and the row info.
       // (votes: warp-uniform branches, else the chunk loop's descriptors left the uniform registers: 206
       // instructions, not 187, sm_90a SASS)
+      constexpr int FM = TOK / 8;
       const int pair = warp >> 3, twg = threadIdx.x & 127;
       const bool pair0 = __all_sync(~0u, pair == 0), up_wg = __all_sync(~0u, (warp >> 2) & 1);
-      const uint32_t up = ring + Smem::kStaging + uint32_t(pair * 128 * 16 * (TOK / 8));
-      // (immediate barrier ids: with a register one, ptxas reserves all 16)
-      auto pair_sync = [&](auto id) {
-        if (pair0) asm volatile("bar.sync %0, 256;\n" ::"n"(decltype(id)::value) : "memory");
-        else asm volatile("bar.sync %0, 256;\n" ::"n"(decltype(id)::value + 1) : "memory");
-      };
-      if (up_wg) {
-        Hold(acc);
+      const uint32_t slots = ring + Smem::kStaging + uint32_t(pair * 128 * 16 * FM);
+      auto slot = [&](int m) { return slots + uint32_t((m * 128 + twg) * 16); };
+      Hold(acc);
+      float other[FM / 2][4];
+      auto hand_over = [&](auto up) {  // (compile-time halves: no dynamic register indexing)
+        constexpr bool kUp = decltype(up)::value;
 #pragma unroll
-        for (int m = 0; m < TOK / 8; ++m)
-          asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(up + uint32_t((m * 128 + twg) * 16)),
-                       "f"(acc[0][m][0]), "f"(acc[0][m][1]), "f"(acc[0][m][2]), "f"(acc[0][m][3])
+        for (int mm = 0; mm < FM / 2; ++mm) {
+          const int m = kUp ? mm : FM / 2 + mm;  // the other's rows
+          asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(slot(m)), "f"(acc[0][m][0]),
+                       "f"(acc[0][m][1]), "f"(acc[0][m][2]), "f"(acc[0][m][3])
                        : "memory");
-        pair_sync(std::integral_constant<int, 2>{});
-        pair_sync(std::integral_constant<int, 4>{});
-      } else {
-        pair_sync(std::integral_constant<int, 2>{});
+        }
+        // (immediate barrier ids: with a register one, ptxas reserves all 16)
+        if (pair0) asm volatile("bar.sync 2, 256;\n" ::: "memory");
+        else asm volatile("bar.sync 3, 256;\n" ::: "memory");
+#pragma unroll
+        for (int mm = 0; mm < FM / 2; ++mm)
+          asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+                       : "=f"(other[mm][0]), "=f"(other[mm][1]), "=f"(other[mm][2]), "=f"(other[mm][3])
+                       : "r"(slot(kUp ? FM / 2 + mm : mm)));
         MbarWait(row_bar, done++ & 1);
-        Hold(acc);
         const float alpha = p.alpha[e] * kDecodeBias;
-        if (active[0]) SplitGatedStoresAct<OutT>(p, alpha, row0, feat[0], acc[0], up, row_ids, row_scales, rows);
-        pair_sync(std::integral_constant<int, 4>{});
-        asm volatile("bar.sync 1, 256;\n" ::: "memory");
-      }
+        if (active[0])
+          SplitGatedStoresAct<kUp, OutT>(p, alpha, row0, feat[0], acc[0], other, row_ids, row_scales, rows);
+      };
+      if (up_wg) hand_over(std::true_type{});
+      else hand_over(std::false_type{});
+      asm volatile("bar.sync 1, %0;\n" ::"n"(128 * NC) : "memory");
       continue;
     }
     if constexpr (kStagedInstance) {
