@@ -1226,13 +1226,13 @@ def test_moe_chunk_intermediate_is_the_same_layer_on_cpu(monkeypatch, mode):
 @pytest.mark.parametrize("i", [256, 1280])
 def test_gpu_moe_chunk_intermediate_is_bitwise_natural(i, mode):
     """moe on 64-row tiles (600 tokens x 4 of 16 experts) with I % 128 == 0 writes its intermediate
-    in the chunk order (w4a16: GEMM1's epilogue; w4a4: quant_dequant_rows) and runs GEMM2 on it on the
-    TMA-fed wgmma kernel (blocked weights: GEMM1 on the warp-specialized kernel, reading x in the
-    chunk order; w4a4: fp32 out): bitwise the layer of the staged kernels (NATURAL_INTERMEDIATE |
+    in the chunk order (w4a16: GEMM1's epilogue; w4a4: quant_dequant_rows) and runs GEMM2 on it on a
+    wgmma kernel (rows: the TMA-fed one; blocked weights: GEMM1 and GEMM2 on the warp-specialized one,
+    GEMM1 reading x in the chunk order; w4a4: fp32 out): bitwise the layer of the staged kernels (NATURAL_INTERMEDIATE |
     NO_WARP_SPECIALIZED), as are the variants in between (GEMM2 on the warp-specialized kernel too:
-    WS_GEMM2; either with a CTA per work item, not the persistent grid: NO_PERSISTENT; both GEMMs on work
-    items of up to 96 rows: ROWS96, over 32-row tiles, moe's choice with it, or 64-row ones), and close to
-    the twin."""
+    WS_GEMM2, moe's default on 64-row tiles since session 38; the TMA-fed GEMM2 again: TMA_GEMM2; either with
+    a CTA per work item, not the persistent grid: NO_PERSISTENT; both GEMMs on work items of up to 96 rows:
+    ROWS96, over 32-row tiles, moe's choice with it, or 64-row ones), and close to the twin."""
     if not has_gpu() or not ops.chunk_intermediate_supported():
         pytest.skip("needs an sm_90 GPU and an sm_90a build")
     assert ops.choose_tile_m(600 * 4, 16) == 64
@@ -1245,7 +1245,8 @@ def test_gpu_moe_chunk_intermediate_is_bitwise_natural(i, mode):
         want = run(kf.NATURAL_INTERMEDIATE | kf.NO_WARP_SPECIALIZED)
         assert np.isfinite(want).all() and (want != 0).any()
         for flags in (0, kf.NATURAL_INTERMEDIATE, kf.NO_WARP_SPECIALIZED, kf.WS_GEMM2, kf.NO_PERSISTENT,
-                      kf.NO_PERSISTENT | kf.WS_GEMM2, kf.TMA_PERSISTENT, kf.ROWS96, kf.ROWS96 | kf.NO_PERSISTENT):
+                      kf.NO_PERSISTENT | kf.WS_GEMM2, kf.TMA_PERSISTENT, kf.TMA_GEMM2, kf.ROWS96,
+                      kf.ROWS96 | kf.NO_PERSISTENT):
             np.testing.assert_array_equal(run(flags), want, err_msg=f"{experts.gate_up.order} {flags!r}")
         # ROWS96's items over groups of 64-row tiles too (moe's own choice with it: 32-row tiles, blocked experts)
         np.testing.assert_array_equal(run(kf.ROWS96, tile_m=64), want)
@@ -1461,8 +1462,9 @@ def test_gpu_opt_in_variants_are_bitwise_the_default(gpu_experts, t, mode, flags
     in GEMM1's CTAs: w4a16, t <= 4), the quantize's rows on fewer threads (w4a4), plain weight loads (the same K order per thread) and the natural intermediate (the same MMA
     operands as the paired one and, on 64-row tiles, as the chunk-ordered one that the TMA-fed
     wgmma GEMM2 reads) change where and how the work runs, not a single output bit (t = 2000 x 8
-    pairs over 32 experts: 64-row wgmma tiles, the grid align and the warp-specialized GEMM2 by default,
-    TMA_GEMM2's TMA-fed one as before; t = 48: 16-row decode
+    pairs over 32 experts: 64-row wgmma tiles and the grid align by default; H = 320 and I = 192 keep the
+    experts in rows, so GEMM2 is TMA-fed here with or without TMA_GEMM2, which
+    test_gpu_moe_chunk_intermediate_is_bitwise_natural checks on blocked experts; t = 48: 16-row decode
     tiles; t = 4: 32 pairs, the one-warp align by default; t = 1: 8-row tiles)."""
     ex = gpu_experts[(32, True)]
     x = make_x(t, t, 320)
