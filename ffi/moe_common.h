@@ -86,8 +86,9 @@ enum class KernelFlag : int64_t {
                                // the chunk counter back on the uniform datapath, session 22: x0.993-1.012)
   kAlignOneCta = 524288,       // moe_align in one 512-thread CTA at any size, not in one warp up to 32 pairs
                                // (H200, 2026-12-02: Qwen3 T=1 layers 6% faster) nor on up to 64 CTAs from 2048
-                               // pairs on (three kernels: counts, group offsets, ranks; Qwen3 T=4096 layers 4%
-                               // faster, 957.6 -> 919.6 us: one CTA took 51 us for its 32768 pairs)
+                               // pairs on (counts, then offsets and ranks: two kernels; as three, with a one-CTA
+                               // offsets kernel, Qwen3 T=4096 layers were 4% faster, 957.6 -> 919.6 us: one
+                               // CTA took 51 us for its 32768 pairs)
   kSeparateXQuant = 4194304,   // w4a4 decode (at most kAlignOneWarpPairs pairs): x quantized by its own launch
                                // after moe_align's, not by moe_align_quant's CTAs beside the align's (H200,
                                // 2026-12-03: fused, Qwen3 w4a4 T=1 / 4 layers x0.919 / x0.947, DeepSeek-V3 x0.975 / x0.988)

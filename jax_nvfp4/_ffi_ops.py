@@ -106,7 +106,8 @@ class KernelFlag(enum.IntFlag):
     # with the staged epilogue, session 21; x0.993-1.012 with its chunk counter uniform again, session 22)
     ALIGN_ONE_CTA = 524288  # moe_align in one 512-thread CTA at any size, not in one warp up to
     # ALIGN_ONE_WARP_PAIRS pairs (H200, 2026-12-02: Qwen3 T=1 layers 6% faster) nor on up to 64 CTAs from 2048 pairs
-    # on (three kernels: counts, group offsets, ranks; Qwen3 T=4096 layers 4% faster)
+    # on (counts, then offsets and ranks: two kernels; as three, with a one-CTA offsets kernel, Qwen3 T=4096 layers
+    # were 4% faster)
     SEPARATE_X_QUANT = 4194304  # w4a4 decode (at most ALIGN_ONE_WARP_PAIRS pairs): x quantized by its own launch after
     # the align's, not by moe_align_quant's CTAs beside the align's (fused: Qwen3 w4a4 T=1 layers x0.919 on the H200)
     WS_THREE_GROUPS = 8388608  # 32-row gated tiles (moe's GEMM1 at WGMMA_MIN_ROWS to WGMMA_64_ROWS - 1 rows an
@@ -246,6 +247,8 @@ def check_constants() -> None:
     if tuple(c["blocked_bit_pos"]) != BLOCKED_BIT_POS:  # the blocked code words' bit layout
         raise RuntimeError(f"the blocked order's bit positions differ: C++ {tuple(c['blocked_bit_pos'])}, "
                            f"Python {BLOCKED_BIT_POS}")
+    if "align_grid_max_slots" not in c:  # an extension built from older sources
+        raise RuntimeError("jax_nvfp4._ffi predates the Python package (no align workspace constants): reinstall it")
     got = (tuple(c["tile_ms"]), tuple(c["k_splits"]), c["max_split_tile_m"], c["max_align_experts"],
            c["align_one_warp_pairs"], c["align_grid_min_pairs"], c["align_grid_max_slots"], c["cuda_k_multiple"],
            c["cuda_n_multiple"])
@@ -435,7 +438,8 @@ def moe_align(topk_ids, num_experts: int, *, tile_m: int, expert_offset: int = 0
     if impl == "jax":
         return _moe_align_jax(topk_ids, num_experts, tile_m, expert_offset, p)
     ensure_registered()
-    # The fourth output is the CUDA grid align's workspace (its CTAs' counts), dropped here.
+    # The fourth output is the CUDA grid align's scratch (its CTAs' counts; partly written, never by the CPU handler),
+    # dropped here.
     workspace = ALIGN_GRID_MAX_SLOTS if t * k >= ALIGN_GRID_MIN_PAIRS else 0
     out = (jax.ShapeDtypeStruct((p,), jnp.int32), jax.ShapeDtypeStruct((p // tile_m,), jnp.int32),
            jax.ShapeDtypeStruct((t, k), jnp.int32), jax.ShapeDtypeStruct((workspace,), jnp.int32))

@@ -729,16 +729,23 @@ def _assert_align_is_one_cta_and_twin(ids, e, offset, tile_m, kernel_flags):
     (4096, 8, 512, 0, 32, "random"),    # 16 CTAs: 16 x 512 counts fill the workspace (32 KB)
     (4096, 8, 32, 96, 32, "sorted"),    # one expert per CTA range mostly; foreign ids; drops
     (5003, 3, 16, 0, 16, "one"),        # every pair on one expert, n not a multiple of the CTAs
+    (4096, 8, 100, 0, 32, "random"),    # 512 % E != 0: threads left over, CTA segments of uneven length
+    (4096, 8, 257, 1, 8, "random"),     # 31 CTAs, one segment of counts each
+    (4096, 8, 3, 0, 64, "random"),      # as many count segments as CTAs (64)
+    (4096, 8, 128, 0, 64, "hot"),       # 80% of the pairs on one expert
     (2047, 1, 8, 0, 64, "random")])     # just below the threshold: the one-CTA kernel
 @pytest.mark.parametrize("pdl", [False, True])
 def test_gpu_align_grid_matches_twin(t, k, e, offset, tile_m, order, pdl):
     """The grid align (the default from 2048 pairs on: counts, then offsets and ranks, two kernels
     on up to 64 CTAs, their counts through the call's workspace) writes the bytes of the one-CTA kernel (KernelFlag.ALIGN_ONE_CTA):
-    random ids with drops and foreign experts, ids sorted (so that each CTA sees few experts), and
-    all pairs on one expert."""
+    random ids with drops and foreign experts, ids sorted (so that each CTA sees few experts), all
+    pairs on one expert or most on one, and expert counts that do not divide the 512 threads."""
     rng = np.random.default_rng(t * k + e)
     if order == "one":
         ids = np.full((t, k), offset + e // 2)
+    elif order == "hot":
+        ids = rng.integers(offset, e + offset, (t, k))
+        ids[rng.random((t, k)) < 0.8] = offset + e // 3
     else:
         ids = rng.integers(-2, e + offset + 3, (t, k))
         if order == "sorted":
