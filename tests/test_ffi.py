@@ -1020,23 +1020,36 @@ def test_gemm_tma_epilogue_row_scales(on_gpu, flags, case):
     np.testing.assert_array_equal(f32(ops.from_chunk_order(run(xa, both)))[used], want)
 
 
+ROWS96_LAYOUTS = {  # rows an expert
+    # 1, 1, 2, -, 3, 4, 5, 7, 2, 2 tiles of 64 rows: groups end in items of 96, 64 and 32 rows; an empty expert
+    "mixed": [64, 1, 100, 0, 192, 256, 300, 447, 65, 128],
+    # 128 experts (the item tables' scan over every lane of its warp), the last five empty
+    "many": [int(n) for n in np.random.default_rng(128).integers(0, 200, 123)] + [0] * 5,
+    "tiny": [20],  # fewer rows than one 96-row item (P = 64 on 32-row tiles: the tensor copies' box runs past P)
+}
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("layout,tile_m,flags", [("mixed", 64, 0), ("mixed", 64, int(ops.KernelFlag.PDL)),
+                                                 ("many", 64, 0), ("many", 32, 0), ("tiny", 32, 0),
+                                                 ("mixed", 32, int(ops.KernelFlag.NO_PERSISTENT))])
 @pytest.mark.parametrize("act,gather,mode", [(ops.Activation.IDENTITY, False, ops.RowScale.PAIR),
                                              (ops.Activation.RELU2, False, ops.RowScale.NONE),
                                              (ops.Activation.SWIGLU, True, ops.RowScale.NONE),
                                              (ops.Activation.SWIGLU_OAI, True, ops.RowScale.TOKEN)])
-def test_gpu_rows96_items_are_bitwise_the_64_row_tiles(act, gather, mode):
+def test_gpu_rows96_items_are_bitwise_the_row_tiles(act, gather, mode, layout, tile_m, flags):
     """ROWS96 (the warp-specialized work items of up to 96 rows of one expert's group, m64n96 wgmmas: GEMM2,
-    and gated gathered GEMM1 on pairs of gate and up warpgroups) against 64-row tiles: experts with 1-7
-    tiles, so that groups end in items of 96, 64 and 32 rows (1 tile: one item of 64; 2: 96 + 32; 3: 96 +
-    96; 4: 96 + 96 + 64; ...), an expert without rows, and padding rows: every used row bitwise (the rows
-    of unused tiles are written by neither)."""
+    and gated gathered GEMM1 on pairs of gate and up warpgroups) against the tiles of the same size without it:
+    groups that end in items of 96, 64 and 32 rows (64-row tiles: 1 tile, one item of 64; 2: 96 + 32; 3: 96 +
+    96; 4: 96 + 96 + 64; ...), empty experts (inside and at the end), 128 experts, fewer rows than one item,
+    padding rows; launched with PDL and with a CTA per item: every used row bitwise (the rows of unused tiles
+    are written by neither)."""
     rng = np.random.default_rng(96)
-    sizes = [64, 1, 100, 0, 192, 256, 300, 447, 65, 128]  # rows an expert: 1, 1, 2, -, 3, 4, 5, 7, 2, 2 tiles
+    sizes = ROWS96_LAYOUTS[layout]
     ids = np.concatenate([np.full(n, e) for e, n in enumerate(sizes)])
     ids = jnp.asarray(rng.permutation(ids).reshape(-1, 1), jnp.int32)
     e, h, n = len(sizes), 256, 512
-    sid, te, _ = ops.moe_align(ids, e, tile_m=64, impl="jax")
+    sid, te, _ = ops.moe_align(ids, e, tile_m=tile_m, impl="jax")
     p = sid.shape[0]
     w = nv.to_blocked_weights(random_nvfp4(rng, (e, n, h), rng.uniform(0.5, 2, e) / np.sqrt(h)))
     a = ops.to_chunk_order(jnp.asarray(rng.standard_normal((ids.shape[0] if gather else p, h)), BF16))
@@ -1044,12 +1057,12 @@ def test_gpu_rows96_items_are_bitwise_the_64_row_tiles(act, gather, mode):
     ws = ops.KernelFlag.WS_GEMM2 if not gather else 0
     pairing = ops.Pairing.CHUNK_A | (ops.Pairing.CHUNK_OUT if gather else 0)  # (moe's GEMM1 writes the chunk order)
 
-    def run(flags):
-        return f32(_run_gemm("ffi", a, w, sid, te, rs, act, gather, mode, BF16, 64, 1,
-                             kernel_flags=int(ws | flags), pairing=pairing))
+    def run(more):
+        return f32(_run_gemm("ffi", a, w, sid, te, rs, act, gather, mode, BF16, tile_m, 1,
+                             kernel_flags=int(ws | flags | more), pairing=pairing))
 
     want, got = run(0), run(ops.KernelFlag.ROWS96)
-    used = used_rows(sid, te, 64)
+    used = used_rows(sid, te, tile_m)
     assert (want[used] != 0).any() and (want[used & (np.asarray(sid) < 0)] == 0).all()
     np.testing.assert_array_equal(got[used], want[used])
 
