@@ -127,9 +127,11 @@ class KernelFlag(enum.IntFlag):
     # x0.92-0.99 ahead, x0.96-0.99 at 512-1024 K a warp since the bit-permuted decode; ahead on GEMM2, in shared
     # memory or by L1 prefetches: lost)
     TMA_GEMM2 = 4294967296  # moe's GEMM2 on 64-row tiles on the TMA-fed kernel, as before 2026-12-04 (not WS_GEMM2)
-    ROWS96 = 8589934592  # moe's GEMM1 and GEMM2 on 64-row tiles (the warp-specialized kernels): work items of up
-    # to 96 rows of an expert's group (m64n96 wgmmas; a group's last item 32, 64 or 96 rows), not a 64-row tile
-    # each, so that a decoded weight chunk feeds up to 96 rows; GEMM1's gate and up rows on pairs of warpgroups
+    ROWS96 = 8589934592  # moe's GEMM1 (gated) and GEMM2 on the warp-specialized kernels, on 32- and 64-row tiles
+    # (moe then pads groups to 32 rows where it would take 64; on 32-row tiles, 9-24 rows an expert, GEMM2 moves to
+    # the warp-specialized kernel at any I): work items of up to 96 rows of an expert's group (m64n96 wgmmas; a
+    # group's last item 32, 64 or 96 rows), not a tile each, so that a decoded weight chunk feeds up to 96 rows;
+    # GEMM1's gate and up rows on pairs of warpgroups. Ignored where those kernels do not run
     # 536870912 / 1073741824: BULK_PREFETCH / BULK_PREFETCH_FAR (decode tiles on blocked weights asking the L2 for
     # their next 4 / 8 chunks by bulk prefetches) for one A/B on 2026-12-04, removed: layers up to 1.28x slower
     # on the H200 (branch bulk-prefetch)
