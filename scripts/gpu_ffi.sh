@@ -53,7 +53,11 @@ t0=$(date +%s)
 # of a build: copied into DIR's package, which a .pth file puts on every Python's path (as the editable
 # install would), if it loads with this jax; else DIR is built.
 PREBUILT_ROOT=$(cd "$(dirname "$0")/.." && pwd)
-PREBUILT_PTH=$(python3 -c 'import site; print(site.getsitepackages()[0])')/jax_nvfp4_prebuilt.pth
+PREBUILT_PTH=$(python3 -c 'import os, site
+d = site.getsitepackages()[0]
+if not os.access(d, os.W_OK):  # (pip would install to the user site)
+    d = site.getusersitepackages(); os.makedirs(d, exist_ok=True)
+print(d)')/jax_nvfp4_prebuilt.pth
 export PREBUILT_ROOT PREBUILT_PTH  # (abtree runs install_tree in a child shell)
 install_tree() {
   local dir want d so
