@@ -26,6 +26,9 @@
 #   between calls while it stays warm: a later call skips them; default /tmp/jax_nvfp4_san_done.txt),
 #   JAX_COMPILATION_CACHE_DIR (default /tmp/jax_nvfp4_jax_cache: the sanitize processes reuse what
 #   the test stage or an earlier call compiled).
+# Prebuilt extensions: `PREBUILD_PYTHON=<python with the device's jax, jaxlib, nanobind> scripts/prebuild_ffi.sh
+#   [TREE] [NAME]` here writes .prebuilt/NAME/; with ".prebuilt" in the call's carry, every tree whose sources match
+#   one (scripts/ffi_stamp.sh) skips its build (about 2 minutes of device time a tree); any other tree is built.
 set -uo pipefail
 TEST_NODES=${TEST_NODES:-tests/test_ffi_quant.py tests/test_ffi_align_gemm.py tests/test_ffi.py}
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
@@ -44,10 +47,31 @@ left() { local l=$(( BUDGET - ($(date +%s) - start) - 5 )); (( l < $1 )) && echo
 
 log "$(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null)"
 t0=$(date +%s)
-# install_tree DIR: the editable install of the source tree DIR (this one, or abtree's other).
+# install_tree DIR: the extension of the source tree DIR (this one, or abtree's other), editable install.
 # Only the H200's architecture (GPU_ARCHS, default 90a): CI compiles sm_100a; half the build time here.
+# A prebuilt extension (scripts/prebuild_ffi.sh, carried in .prebuilt/) whose stamp is DIR's is taken instead
+# of a build: copied into DIR's package, which a .pth file puts on every Python's path (as the editable
+# install would), if it loads with this jax; else DIR is built.
+PREBUILT_ROOT=$(cd "$(dirname "$0")/.." && pwd)
+PREBUILT_PTH=$(python3 -c 'import os, site
+d = site.getsitepackages()[0]
+if not os.access(d, os.W_OK):  # (pip would install to the user site)
+    d = site.getusersitepackages(); os.makedirs(d, exist_ok=True)
+print(d)')/jax_nvfp4_prebuilt.pth
+export PREBUILT_ROOT PREBUILT_PTH  # (abtree runs install_tree in a child shell)
 install_tree() {
-  (cd "$1" && python3 -m pip install -q --no-build-isolation --no-deps -e . \
+  local dir want d so
+  dir=$(cd "$1" && pwd); want=$(bash "$PREBUILT_ROOT/scripts/ffi_stamp.sh" "$dir")
+  rm -f "$PREBUILT_PTH"
+  for d in "$PREBUILT_ROOT"/.prebuilt/*/; do
+    [[ -f $d/stamp && $(cat "$d/stamp") == "$want" ]] || continue
+    python3 -m pip uninstall -y -q jax_nvfp4 >/dev/null 2>&1 || true  # an earlier editable install's finder
+    so=$(basename "$d"/_ffi*.so); cp "$d/$so" "$dir/jax_nvfp4/$so" && echo "$dir" >"$PREBUILT_PTH"
+    if (cd / && python3 -c "import jax, jax_nvfp4._ffi as f; assert f.build_info()['jax_version'] == jax.__version__, \
+        f.build_info()"); then echo "prebuilt extension: $d ($want)"; return 0; fi
+    echo "prebuilt $d does not load with this jax: building"; rm -f "$dir/jax_nvfp4/$so" "$PREBUILT_PTH"
+  done
+  (cd "$dir" && python3 -m pip install -q --no-build-isolation --no-deps -e . \
      --config-settings=cmake.define.JAX_NVFP4_CUDA_ARCHS="${GPU_ARCHS:-90a}")
 }
 # Before any GPU work: a kernel that raises its registers by setmaxnreg past what the CTA's pool holds

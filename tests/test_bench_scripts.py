@@ -225,6 +225,34 @@ def test_gpu_scripts_parse(script):
     assert r.returncode == 0, r.stderr
 
 
+def test_ffi_stamp_follows_the_extension_sources(tmp_path):
+    """gpu_ffi.sh takes a prebuilt extension (scripts/prebuild_ffi.sh) only for a tree with its stamp: the
+    stamp must change with any C++/CUDA source or CMakeLists.txt, and with nothing else."""
+    root = os.path.join(os.path.dirname(__file__), "..")
+    stamp_sh = os.path.join(root, "scripts", "ffi_stamp.sh")
+
+    def stamp(tree, **env):
+        r = subprocess.run(["bash", stamp_sh, str(tree)], capture_output=True, text=True, check=True,
+                           env=dict(os.environ, **env))
+        return r.stdout.strip()
+    (tmp_path / "ffi" / "cuda").mkdir(parents=True)
+    for name in ("ffi/cuda/k.cu", "ffi/cuda/k.cuh", "ffi/h.h", "ffi/m.cc", "CMakeLists.txt"):
+        (tmp_path / name).write_text(name)
+    first = stamp(tmp_path)
+    assert first.startswith("sources=") and first.endswith(" archs=90a")
+    (tmp_path / "README.md").write_text("not a source")
+    (tmp_path / "ffi" / "notes.txt").write_text("not a source")
+    assert stamp(tmp_path) == first
+    assert stamp(tmp_path, GPU_ARCHS="90a;100a") != first
+    for name in ("ffi/cuda/k.cu", "ffi/cuda/k.cuh", "ffi/h.h", "ffi/m.cc", "CMakeLists.txt"):
+        old = (tmp_path / name).read_text()
+        (tmp_path / name).write_text(old + " ")
+        assert stamp(tmp_path) != first, name
+        (tmp_path / name).write_text(old)
+    assert stamp(tmp_path) == first
+    assert stamp(root).startswith("sources=")  # the repository's own tree
+
+
 def test_ab_summary_verdicts():
     def row(backend, t, us, mode="w4a16"):
         return dict(backend=backend, shape="s", tokens=t, mode=mode, median_us=us)
