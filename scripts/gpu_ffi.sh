@@ -71,6 +71,7 @@ install_tree() {
         f.build_info()"); then echo "prebuilt extension: $d ($want)"; return 0; fi
     echo "prebuilt $d does not load with this jax: building"; rm -f "$dir/jax_nvfp4/$so" "$PREBUILT_PTH"
   done
+  rm -f "$dir"/jax_nvfp4/_ffi*.so  # (an earlier call's prebuilt copy, kept on a warm machine)
   (cd "$dir" && python3 -m pip install -q --no-build-isolation --no-deps -e . \
      --config-settings=cmake.define.JAX_NVFP4_CUDA_ARCHS="${GPU_ARCHS:-90a}")
 }
