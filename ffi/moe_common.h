@@ -97,8 +97,9 @@ enum class KernelFlag : int64_t {
                                // H200, 2026-12-03: four give DeepSeek-V3 layers x0.90-0.91 at T = 48-64)
   kWsTwoBlocks = 16777216,     // 32-row non-gated bf16-out tiles, and 64-row ungathered ones, on the
                                // warp-specialized kernel (moe's GEMM2 with kWsGemm2) on three MMA warpgroups
-                               // of two 64-feature blocks (384 features a work item, six stages) instead of four of one (256, eight stages; H200, 2026-12-03:
-                               // DeepSeek-V3 layers x0.971-0.973 at T = 48-64, x0.987 at 96)
+                               // of two 64-feature blocks (384 features a work item, six stages) instead of
+                               // four of one (256, eight stages; H200, 2026-12-03: DeepSeek-V3 layers
+                               // x0.971-0.973 at T = 48-64, x0.987 at 96)
   kSeparateAlign = 33554432,   // w4a16 decode (at most kAlignOneWarpPairs pairs, 8-row tiles): moe_align in its own
                                // launch before GEMM1, not in every GEMM1 CTA (moe_align_gemm)
   kQuantNarrowRows = 134217728,  // quant_dequant_rows (and moe_align_quant's x) at any R as before 2026-12-03: rows

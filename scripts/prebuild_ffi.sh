@@ -24,11 +24,13 @@ fi
 bdir=${PREBUILD_DIR:-/tmp/jax_nvfp4_prebuild/build-$(echo "$tree" | sha256sum | cut -c1-12)}; mkdir -p "$bdir"
 cmake -S "$tree" -B "$bdir" -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE="$py" \
   -DJAX_NVFP4_CUDA_ARCHS="${GPU_ARCHS:-90a}" >"$bdir.configure.log" 2>&1 || { cat "$bdir.configure.log"; exit 1; }
-grep -q "CUDA kernels:" "$bdir.configure.log" || { echo "no nvcc: a CPU-only build is no use on the GPU machine"; exit 1; }
+grep -q "CUDA kernels:" "$bdir.configure.log" ||
+  { echo "no nvcc: a CPU-only build is no use on the GPU machine"; exit 1; }
 cmake --build "$bdir" -j "$(nproc)"
 mkdir -p "$root/.prebuilt"
 tmp=$(mktemp -d "$root/.prebuilt/.tmp.XXXXXX")  # written whole, then renamed into place
 cp "$bdir"/_ffi*.so "$tmp/"
 bash "$root/scripts/ffi_stamp.sh" "$tree" >"$tmp/stamp"
 rm -rf "${root:?}/.prebuilt/$name" && mv "$tmp" "$root/.prebuilt/$name"
-echo "prebuilt: .prebuilt/$name ($(cat "$root/.prebuilt/$name/stamp"), jax $("$py" -c 'import jax; print(jax.__version__)'))"
+jax_version=$("$py" -c 'import jax; print(jax.__version__)')
+echo "prebuilt: .prebuilt/$name ($(cat "$root/.prebuilt/$name/stamp"), jax $jax_version)"

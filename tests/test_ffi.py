@@ -981,9 +981,8 @@ TMA_CASES = [  # (activation, row_scale_mode, cut) of non-gated GEMMs on the TMA
                                    int(ops.KernelFlag.WS_GEMM2 | ops.KernelFlag.ROWS96)])
 @pytest.mark.parametrize("case", range(len(TMA_CASES)))
 def test_gemm_tma_epilogue_row_scales(on_gpu, flags, case):
-    """The TMA-fed kernel's epilogue, and with WS_GEMM2 the warp-specialized kernel's (the same staged stores;
-    with ROWS96 on work items of up to 96 rows),
-    (on the GPU: each tile's row ids and row-scale factors fetched
+    """The TMA-fed kernel's epilogue, and with WS_GEMM2 the warp-specialized kernel's (the same staged
+    stores; with ROWS96 on work items of up to 96 rows; on the GPU: each tile's row ids and row-scale factors fetched
     into shared memory during the MMAs, values staged for 16-byte stores) under every row-scale mode
     and relu2, with dropped pairs (padding rows) and ``a`` ending 70 rows before the last used tile:
     bitwise the natural-order output of the staged kernel; with CHUNK_OUT too (the kernel's
@@ -1248,11 +1247,12 @@ def test_gpu_moe_chunk_intermediate_is_bitwise_natural(i, mode):
     """moe on 64-row tiles (600 tokens x 4 of 16 experts) with I % 128 == 0 writes its intermediate
     in the chunk order (w4a16: GEMM1's epilogue; w4a4: quant_dequant_rows) and runs GEMM2 on it on a
     wgmma kernel (rows: the TMA-fed one; blocked weights: GEMM1 and GEMM2 on the warp-specialized one,
-    GEMM1 reading x in the chunk order; w4a4: fp32 out): bitwise the layer of the staged kernels (NATURAL_INTERMEDIATE |
-    NO_WARP_SPECIALIZED), as are the variants in between (GEMM2 on the warp-specialized kernel too:
-    WS_GEMM2, moe's default on 64-row tiles since session 38; the TMA-fed GEMM2 again: TMA_GEMM2; either with
-    a CTA per work item, not the persistent grid: NO_PERSISTENT; both GEMMs on work items of up to 96 rows:
-    ROWS96, over 32-row tiles, moe's choice with it, or 64-row ones), and close to the twin."""
+    GEMM1 reading x in the chunk order; w4a4: fp32 out): bitwise the layer of the staged kernels
+    (NATURAL_INTERMEDIATE | NO_WARP_SPECIALIZED), as are the variants in between (GEMM2 on the
+    warp-specialized kernel too: WS_GEMM2, moe's default on 64-row tiles since session 38; the TMA-fed
+    GEMM2 again: TMA_GEMM2; either with a CTA per work item, not the persistent grid: NO_PERSISTENT; both
+    GEMMs on work items of up to 96 rows: ROWS96, over 32-row tiles, moe's choice with it, or 64-row ones),
+    and close to the twin."""
     if not has_gpu() or not ops.chunk_intermediate_supported():
         pytest.skip("needs an sm_90 GPU and an sm_90a build")
     assert ops.choose_tile_m(600 * 4, 16) == 64
@@ -1482,8 +1482,8 @@ def test_gpu_opt_in_variants_are_bitwise_the_default(gpu_experts, t, mode, flags
     in GEMM1's CTAs: w4a16, t <= 4), the quantize's rows on fewer threads (w4a4), plain weight loads (the same K order per thread) and the natural intermediate (the same MMA
     operands as the paired one and, on 64-row tiles, as the chunk-ordered one that the TMA-fed
     wgmma GEMM2 reads) change where and how the work runs, not a single output bit (t = 2000 x 8
-    pairs over 32 experts: 64-row wgmma tiles and the grid align by default; H = 320 and I = 192 keep the
-    experts in rows, so GEMM2 is TMA-fed here with or without TMA_GEMM2, which
+    pairs over 32 experts: 64-row wgmma tiles and the grid align by default; H = 320 and I = 192 keep
+    the experts in rows, so GEMM2 is TMA-fed here with or without TMA_GEMM2, which
     test_gpu_moe_chunk_intermediate_is_bitwise_natural checks on blocked experts; t = 48: 16-row decode
     tiles; t = 4: 32 pairs, the one-warp align by default; t = 1: 8-row tiles)."""
     ex = gpu_experts[(32, True)]

@@ -565,8 +565,8 @@ __device__ __forceinline__ void StoreStagedAct(const GemmParams& p, float alpha,
 }
 #endif
 
-// Whether the TMA-fed and the warp-specialized kernels stage their stores (StoreStaged): natural output columns, whole 16-feature
-// groups (and 32-byte rows).
+// Whether the TMA-fed and the warp-specialized kernels stage their stores (StoreStaged): natural output
+// columns, whole 16-feature groups (and 32-byte rows).
 __host__ __device__ __forceinline__ bool StagedStores(const GemmParams& p) {
   return !(p.pairing & (int32_t(Pairing::kOut) | int32_t(Pairing::kChunkOut))) && p.n_out % 16 == 0;
 }
