@@ -149,6 +149,7 @@ NB_MODULE(_ffi, m) {
     kf["activations_in_loop"] = int64_t(KernelFlag::kActivationsInLoop);
     kf["tma_gemm2"] = int64_t(KernelFlag::kTmaGemm2);
     kf["rows96"] = int64_t(KernelFlag::kRows96);
+    kf["no_rows96"] = int64_t(KernelFlag::kNoRows96);
     c["KernelFlag"] = kf;
     nb::dict pairing;
     pairing["none"] = int64_t(Pairing::kNone);

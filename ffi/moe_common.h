@@ -117,7 +117,9 @@ enum class KernelFlag : int64_t {
                            // 64-row tiles: work items of up to 96 rows of one expert's group (m64n96 wgmmas; a
                            // group's last item 32, 64 or 96 rows), not one tile each: a decoded weight chunk feeds up
                            // to 96 rows. GEMM1's warpgroups then pair up: one multiplies the gate rows, one the up
-                           // rows of the same 64 features, and each stores half the rows from the other's sums
+                           // rows of the same 64 features, and each stores half the rows from the other's sums.
+                           // moe's default from 512 rows an expert (choose_rows96, H200 2026-12-05: x0.92-0.985)
+  kNoRows96 = 17179869184ll,  // moe without kRows96 where it would take it: a moe policy, no kernel reads it
   // 536870912 / 1073741824: kBulkPrefetch / kBulkPrefetchFar (the mma.sync decode tiles on blocked weights, lane 0
   // of each warp keeping its fragments' next 4 / 8 chunks asked of the L2 by cp.async.bulk.prefetch.L2) for one H200
   // A/B on 2026-12-04 (session 32), removed: layers 1.00-1.28x slower (a stream of the same loads without the math,
@@ -137,7 +139,7 @@ enum class KernelFlag : int64_t {
   // 16384: kWgmmaTilePairs (the TMA-fed GEMM2 on pairs of one expert's 64-row tiles, m64n128 wgmmas,
   // one CTA per SM) for one H200 A/B on 2026-12-02, removed: 1.25-1.42x slower layers (dabc4ef).
 };
-constexpr int64_t kAllKernelFlags = 198148830 + 2147483648ll + 4294967296ll + 8589934592ll;
+constexpr int64_t kAllKernelFlags = 198148830 + 2147483648ll + 4294967296ll + 8589934592ll + 17179869184ll;
 // grouped_gemm's `pairing` bits: which operands hold a kernel order instead of the natural one.
 // kA / kOut: a's K axis / out's feature axis in the paired order (PairedPos). moe's intermediate
 // uses it on mma.sync tiles (but with KernelFlag kNaturalIntermediate): GEMM1 writes it paired,

@@ -128,10 +128,12 @@ class KernelFlag(enum.IntFlag):
     # memory or by L1 prefetches: lost)
     TMA_GEMM2 = 4294967296  # moe's GEMM2 on 64-row tiles on the TMA-fed kernel, as before 2026-12-04 (not WS_GEMM2)
     ROWS96 = 8589934592  # moe's GEMM1 (gated) and GEMM2 on the warp-specialized kernels, on 32- and 64-row tiles
-    # (moe then pads groups to 32 rows where it would take 64; on 32-row tiles, 9-24 rows an expert, GEMM2 moves to
-    # the warp-specialized kernel at any I): work items of up to 96 rows of an expert's group (m64n96 wgmmas; a
-    # group's last item 32, 64 or 96 rows), not a tile each, so that a decoded weight chunk feeds up to 96 rows;
-    # GEMM1's gate and up rows on pairs of warpgroups. Ignored where those kernels do not run
+    # (on 32-row tiles, 9-24 rows an expert, GEMM2 moves to the warp-specialized kernel at any I): work items of up
+    # to 96 rows of an expert's group (m64n96 wgmmas; a group's last item 32, 64 or 96 rows), not a tile each, so
+    # that a decoded weight chunk feeds up to 96 rows; GEMM1's gate and up rows on pairs of warpgroups. moe's
+    # default from ROWS96_MIN_ROWS rows an expert (choose_rows96). Ignored where those kernels do not run
+    NO_ROWS96 = 17179869184  # moe without ROWS96 where choose_rows96 would take it (a tile per work item, as
+    # before 2026-12-05); a moe policy, no kernel reads it
     # 536870912 / 1073741824: BULK_PREFETCH / BULK_PREFETCH_FAR (decode tiles on blocked weights asking the L2 for
     # their next 4 / 8 chunks by bulk prefetches) for one A/B on 2026-12-04, removed: layers up to 1.28x slower
     # on the H200 (branch bulk-prefetch)
@@ -288,6 +290,7 @@ def ensure_registered() -> None:
 # Elsewhere (:func:`wgmma_tiles`) 64-row tiles wait for 32 rows, and 32-row ones are not chosen.
 WGMMA_MIN_ROWS = 9
 WGMMA_64_ROWS = 25
+ROWS96_MIN_ROWS = 512  # mean rows an expert from which moe takes ROWS96 (choose_rows96)
 WGMMA_TILE_MS = (32, 64)  # the tiles of the wgmma kernels (32 rows: chunk-ordered activations only)
 # On 32-row tiles, GEMM2 (K = I) runs on the warp-specialized kernel too (as WS_GEMM2) from this K on: its
 # six-stage weight ring keeps more bytes in flight than the TMA-fed kernel's one chunk of weights in registers
@@ -924,6 +927,18 @@ def wgmma_tiles(experts: NVFP4Experts, kernel_flags: int = 0) -> bool:
             and _chunk_intermediate_layout(experts, kernel_flags))
 
 
+def choose_rows96(n_pairs: int, num_experts: int, experts: NVFP4Experts, kernel_flags: int = 0) -> bool:
+    """Whether moe adds ROWS96 to ``kernel_flags``: from ``ROWS96_MIN_ROWS`` rows an expert (``n_pairs /
+    num_experts``) on :func:`wgmma_tiles`, with gated blocked experts (both GEMMs on ROWS96's items), unless
+    ``NO_ROWS96``. Measured on the H200 (2026-12-05, BENCHMARKS.md session 41; ROWS96 / tile items, w4a16 on
+    64-row tiles): DeepSeek-V3 EP8 x1.053 at 256 rows an expert, x0.965 at 512, x0.963 at 1024, x0.918 at 4096;
+    Qwen3-30B-A3B x1.088 at 128, x1.016 at 256, x0.985 at 512, x0.966 at 1024 (w4a4 alike). The rows a decoded
+    weight chunk feeds pay for m64n96's longer epilogues only where an expert holds several items."""
+    return (not kernel_flags & (KernelFlag.NO_ROWS96 | KernelFlag.ROWS96) and experts.gated
+            and experts.down.order == "blocked" and n_pairs >= ROWS96_MIN_ROWS * max(num_experts, 1)
+            and wgmma_tiles(experts, kernel_flags))
+
+
 def _chunk_intermediate_layout(experts: NVFP4Experts, kernel_flags: int) -> bool:
     """Whether moe's intermediate of ``experts`` takes the chunk order on wgmma tiles: I a multiple of 128 and
     no NATURAL_INTERMEDIATE."""
@@ -991,9 +1006,8 @@ def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str =
     if tile_m is None:
         wgmma_ws = impl == "ffi" and wgmma_tiles(experts, kernel_flags)
         tile_m = choose_tile_m(t * k, e, wgmma_ws)
-        if (tile_m == 64 and wgmma_ws and kernel_flags & KernelFlag.ROWS96 and experts.gated
-                and experts.down.order == "blocked"):  # (where both GEMMs take ROWS96's items)
-            tile_m = 32  # (groups padded to 32 rows: ROWS96's items of up to 96 rows add no padding)
+    if impl == "ffi" and choose_rows96(t * k, e, experts, kernel_flags):
+        kernel_flags |= KernelFlag.ROWS96
     w4a4 = MODES[mode] == Mode.W4A4
     # w4a4 decode: the align and the quantize of x in one launch (moe_align_quant), where the align is
     # the one-warp kernel and x is quantized by the kernel.

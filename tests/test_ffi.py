@@ -143,6 +143,39 @@ def test_moe_takes_wgmma_tiles_only_where_the_gpus_run_them():
         assert f"tile_m = {tile}" in text
 
 
+def test_moe_takes_rows96_from_its_minimum_rows_an_expert():
+    """ROWS96 is moe's default from ROWS96_MIN_ROWS rows an expert where the wgmma tiles run (an sm_90a GPU),
+    with gated experts in the blocked order, unless NO_ROWS96 (or ROWS96) is given; every lowered call
+    carries the flags moe chose. The backend judges by the experts routed over (global_experts), as it
+    does for the tile size: 512 rows for each of 4 local experts are 128 for each of 16."""
+    ex = make_experts(5, 4, 128, 128)
+    blocked = nv.to_blocked_experts(ex)
+    sm90a = has_gpu() and ops.chunk_intermediate_supported()
+    n = ops.ROWS96_MIN_ROWS * 4
+    assert ops.choose_rows96(n, 4, blocked) == sm90a
+    relu2 = nv.to_blocked_experts(make_experts(5, 4, 128, 128, gated=False))
+    assert not any((ops.choose_rows96(n - 1, 4, blocked), ops.choose_rows96(n, 4, ex), ops.choose_rows96(n, 4, relu2),
+                    ops.choose_rows96(n, 4, blocked, ops.KernelFlag.NO_ROWS96)))
+    x = make_x(1, n // 2, 128)
+    ids, w = make_routing(2, n // 2, 2, 4)
+    rows96, no_rows96 = int(ops.KernelFlag.ROWS96), int(ops.KernelFlag.NO_ROWS96)
+
+    def flags(f):
+        text = jax.jit(f).lower(x, ids, w).as_text()
+        got = {int(v) & (rows96 | no_rows96) for v in re.findall(r"kernel_flags = (\d+)", text)}
+        assert len(got) == 1, got  # (GEMM2's calls add WS_GEMM2)
+        return got.pop()
+
+    assert flags(lambda x, i, w: ops.moe(x, blocked, i, w)) == (rows96 if sm90a else 0)
+    assert flags(lambda x, i, w: ops.moe(x, blocked, i, w, kernel_flags=no_rows96)) == no_rows96
+    for spread, want in ((4, rows96 if sm90a else no_rows96), (16, no_rows96)):
+        problem = base.MoEProblem(n // 2, 128, 128, 4, 2, "w4a16", "swiglu", global_experts=spread)
+        backend = ffi_backend.FFIBackend()
+        assert flags(lambda x, i, w: backend(x, blocked, i, w, problem=problem, local_expert_offset=0)) == want
+    np.testing.assert_array_equal(f32(ops.moe(x, blocked, ids, w, kernel_flags=no_rows96)),
+                                  f32(ops.moe(x, blocked, ids, w)))
+
+
 # ------------------------------------------------------------------------------------------
 # Op 1: align
 
@@ -1251,7 +1284,7 @@ def test_gpu_moe_chunk_intermediate_is_bitwise_natural(i, mode):
     (NATURAL_INTERMEDIATE | NO_WARP_SPECIALIZED), as are the variants in between (GEMM2 on the
     warp-specialized kernel too: WS_GEMM2, moe's default on 64-row tiles since session 38; the TMA-fed
     GEMM2 again: TMA_GEMM2; either with a CTA per work item, not the persistent grid: NO_PERSISTENT; both
-    GEMMs on work items of up to 96 rows: ROWS96, over 32-row tiles, moe's choice with it, or 64-row ones),
+    GEMMs on work items of up to 96 rows: ROWS96, over 64-row tiles, moe's choice, or 32-row ones),
     and close to the twin."""
     if not has_gpu() or not ops.chunk_intermediate_supported():
         pytest.skip("needs an sm_90 GPU and an sm_90a build")
@@ -1268,11 +1301,10 @@ def test_gpu_moe_chunk_intermediate_is_bitwise_natural(i, mode):
                       kf.NO_PERSISTENT | kf.WS_GEMM2, kf.TMA_PERSISTENT, kf.TMA_GEMM2, kf.ROWS96,
                       kf.ROWS96 | kf.NO_PERSISTENT):
             np.testing.assert_array_equal(run(flags), want, err_msg=f"{experts.gate_up.order} {flags!r}")
-        # ROWS96's items over groups of 64-row tiles too (moe's own choice with it: 32-row tiles, blocked experts)
-        np.testing.assert_array_equal(run(kf.ROWS96, tile_m=64), want)
+        # ROWS96's items over groups of 32-row tiles too (moe's own choice: 64-row tiles, the tiles it was timed on)
+        np.testing.assert_array_equal(run(kf.ROWS96, tile_m=32), want)
         layer = jax.jit(lambda x: ops.moe(x, experts, ids, w, mode=mode, kernel_flags=int(kf.ROWS96)))
-        tiles = re.findall(r"tile_m = (\d+)", layer.lower(x).as_text())
-        assert set(tiles) == {"32" if experts.gate_up.order == "blocked" else "64"}, tiles
+        assert set(re.findall(r"tile_m = (\d+)", layer.lower(x).as_text())) == {"64"}
         assert relerr(run(0), run(0, impl="jax")) < (1e-2 if mode == "w4a16" else 5e-2)
 
 
