@@ -93,7 +93,7 @@ def moe(x, experts, *, router_logits=None, routing: str = "softmax_topk", top_k:
         topk_ids=None, topk_weights=None, bias=None, n_group: int | None = None,
         topk_group: int | None = None, routed_scaling_factor=1.0, activation: str = "swiglu",
         mode: str | None = None, local_expert_offset=0, backend: str = "auto",
-        return_routing: bool = False):
+        return_routing: bool = False, batch_invariant: bool = False):
     """Mixture-of-Experts layer (routed experts only).
 
     Parameters
@@ -134,6 +134,14 @@ def moe(x, experts, *, router_logits=None, routing: str = "softmax_topk", top_k:
         name such as ``"xla"``.
     return_routing : bool (static)
         Also return ``(topk_ids int32 [T, k], topk_weights float32 [T, k])``.
+    batch_invariant : bool (static)
+        Give each token the same output bytes whatever batch it runs in (e.g. RL, where rollout and
+        training compute one sequence's logprobs in batches of different sizes). Runs on the ``ffi``
+        backend (modes ``w4a16``/``w4a4``, ``backend`` ``"auto"`` or ``"ffi"``) with the decode tiles'
+        K split fixed to 1, so that every output element is summed over K in one order at any batch
+        size; slower decode where the split would have been taken. On the H200 (BENCHMARKS.md, session
+        41) the default ``ffi`` layer differed in the last bits from 16 tokens a batch on, this one at no
+        batch size. Only this layer: the router's matmul and the rest of a model are XLA's.
 
     Returns
     -------
@@ -219,6 +227,11 @@ def moe(x, experts, *, router_logits=None, routing: str = "softmax_topk", top_k:
     problem = MoEProblem(tokens=t, hidden=h, intermediate=experts.intermediate_size,
                          num_experts=experts.num_experts, top_k=k, mode=mode, activation=activation,
                          global_experts=e_global)
+    if batch_invariant:
+        if mode == "bf16" or backend not in ("auto", "ffi"):
+            raise ValueError(f"batch_invariant=True runs on backend 'ffi' in mode 'w4a16' or 'w4a4' (its K split "
+                             f"fixed to 1), got backend={backend!r}, mode={mode!r}")
+        backend = "ffi"
     if not isinstance(local_expert_offset, int):
         # The Backend protocol types the offset as a Python int; only "xla" also takes a traced one.
         if backend not in ("auto", "xla"):
@@ -226,6 +239,8 @@ def moe(x, experts, *, router_logits=None, routing: str = "softmax_topk", top_k:
                              "offset runs on backend 'xla'")
         backend = "xla"
     impl = _base.select(backend, problem)
+    if batch_invariant:
+        impl = impl.batch_invariant()
     if router_logits is not None:
         # A backend may route inside its kernel (e.g. FlashInfer's TensorRT-LLM-gen launcher).
         from_logits = getattr(impl, "moe_from_logits", None)

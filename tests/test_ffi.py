@@ -388,6 +388,48 @@ def test_backend_k_split_reaches_decode_tiles_only():
             ffi_backend.FFIBackend(k_split=bad)
 
 
+def test_moe_batch_invariant_fixes_the_k_split():
+    """moe(batch_invariant=True) runs the ffi backend with every GEMM's K split 1 (in the lowered calls, where the
+    default splits GEMM1's K 1024), the same function as the default layer on the CPU; other backends, bf16
+    experts and a traced offset are errors that say so."""
+    ex = make_experts(5, 4, 1024, 256)
+    x = make_x(1, 2, 1024)
+    ids, w = make_routing(2, 2, 2, 4, drop=0)
+
+    def layer(**kw):
+        f = jax.jit(lambda x, i, w: nv.moe(x, ex, topk_ids=i, topk_weights=w, **kw))
+        return set(re.findall(r"k_split = (\d+)", f.lower(x, ids, w).as_text())), f32(f(x, ids, w))
+
+    (split, want), (split_inv, got) = layer(backend="ffi"), layer(batch_invariant=True)
+    assert split != {"1"} and split_inv == {"1"}, (split, split_inv)
+    np.testing.assert_array_equal(got, want)
+    with pytest.raises(ValueError, match="batch_invariant=True runs on backend 'ffi'"):
+        nv.moe(x, ex, topk_ids=ids, topk_weights=w, backend="xla", batch_invariant=True)
+    bf16 = nv.BF16Experts(jnp.zeros((4, 512, 1024), BF16), jnp.zeros((4, 1024, 256), BF16))
+    with pytest.raises(ValueError, match="batch_invariant=True runs on backend 'ffi'"):
+        nv.moe(x, bf16, topk_ids=ids, topk_weights=w, batch_invariant=True)
+    with pytest.raises(ValueError, match="needs a Python int local_expert_offset"):
+        nv.moe(x, ex, topk_ids=ids, topk_weights=w, local_expert_offset=jnp.int32(0), batch_invariant=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", MODES)
+def test_gpu_moe_batch_invariant_probes_keep_their_bytes(mode):
+    """moe(batch_invariant=True), blocked weights: 4 probe tokens give the bytes they give alone as the first rows
+    of batches of 16-1024 tokens (8 experts, top-4: 8-, 16-, 32- and 64-row tiles, mma.sync and wgmma, ROWS96 at
+    1024), where the default layer's decode K split changes with the batch."""
+    if not has_gpu():
+        pytest.skip("needs a GPU")
+    ex = nv.to_blocked_experts(make_experts(21, 8, 1024, 512))
+    x = make_x(22, 1024, 1024)
+    ids, w = make_routing(23, 1024, 4, 8, drop=0)
+    run = jax.jit(lambda x, i, w: nv.moe(x, ex, topk_ids=i, topk_weights=w, mode=mode, batch_invariant=True))
+    want = f32(run(x[:4], ids[:4], w[:4]))
+    assert np.isfinite(want).all() and (want != 0).any()
+    for t in (16, 64, 256, 1024):
+        np.testing.assert_array_equal(f32(run(x[:t], ids[:t], w[:t]))[:4], want, err_msg=f"T={t}")
+
+
 def test_k_split_pair_sets_each_gemm():
     """k_split=(s1, s2) fixes GEMM1's split to s1 and GEMM2's to s2 (in the lowered calls, in order),
     and the layer is the same function as with any other split."""

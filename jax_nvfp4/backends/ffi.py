@@ -62,6 +62,12 @@ class FFIBackend:
             raise ValueError(f"tile_m must be None or one of {ops.TILE_MS}, got {tile_m!r}")
         self.k_split, self.tile_m = k_split, tile_m
 
+    def batch_invariant(self) -> FFIBackend:
+        """This backend with the decode tiles' K split fixed to 1 (``moe(batch_invariant=True)``): each output
+        element is then summed over K in one order whatever the tile size, the kernel (mma.sync or wgmma) or
+        ROWS96's items, which the batch picks; the align, finalize and w4a4 quantize do not depend on it."""
+        return FFIBackend(self.kernel_flags, k_split=1, tile_m=self.tile_m)
+
     def unavailable_reason(self) -> str | None:
         if ops.extension_error() is not None:
             return (f"the jax_nvfp4._ffi extension is not built ({ops.extension_error()}); "

@@ -153,6 +153,9 @@ class MoE(nnx.Module):
         ``w4a16``. :func:`quantize_moe` sets it.
     backend : str
         :func:`jax_nvfp4.moe` backend, ``"auto"`` by default.
+    batch_invariant : bool
+        :func:`jax_nvfp4.moe`'s ``batch_invariant``: the experts' output independent of the batch (ffi
+        backend, NVFP4 experts).
     router_bias : bool
         Add a learned per-expert router bias ``[E]`` (required by ``deepseek_v3``, where it affects
         selection only).
@@ -170,7 +173,7 @@ class MoE(nnx.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, *,
                  routing: str = "softmax_topk", activation: str = "swiglu", mode: str | None = None,
-                 backend: str = "auto", router_bias: bool = False, n_group: int | None = None,
+                 backend: str = "auto", batch_invariant: bool = False, router_bias: bool = False, n_group: int | None = None,
                  topk_group: int | None = None, routed_scaling_factor: float = 1.0,
                  param_dtype=jnp.bfloat16, rngs: nnx.Rngs):
         check_choice(routing, ROUTING_METHODS, "routing")
@@ -184,6 +187,7 @@ class MoE(nnx.Module):
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.num_experts, self.top_k = num_experts, top_k
         self.routing, self.activation, self.mode, self.backend = routing, activation, mode, backend
+        self.batch_invariant = batch_invariant
         self.n_group, self.topk_group = n_group, topk_group
         self.routed_scaling_factor = routed_scaling_factor
         self.router = nnx.Linear(hidden_size, num_experts, use_bias=False, dtype=param_dtype,
@@ -231,7 +235,8 @@ class MoE(nnx.Module):
                              "quantize them with jax_nvfp4.nn.quantize_moe(model)")
         bias = None if self.router_bias is None else self.router_bias[...]
         logits = self.router_logits(xt)
-        common = dict(activation=self.activation, mode=mode, backend=self.backend)
+        common = dict(activation=self.activation, mode=mode, backend=self.backend,
+                      batch_invariant=self.batch_invariant)
         if topk_ids is None:
             out, (ids, w) = moe(xt, experts, router_logits=logits, routing=self.routing, top_k=self.top_k,
                                 bias=bias, n_group=self.n_group, topk_group=self.topk_group,
