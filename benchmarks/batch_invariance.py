@@ -9,8 +9,8 @@ per T, whether the probe rows are bitwise equal to the probes-only run (else the
 
     python benchmarks/batch_invariance.py --shape deepseek_v3_ep8 --tokens 4,64,1024,4096
 
-Configurations: ``xla`` (the pure-JAX backend), ``ffi`` (default kernels), and ffi variants
-``ffi[flags=F,k_split=S]`` (``--variants "2:1,0:1"``: KernelFlag bits F, k_split S or ``auto``).
+Configurations: ``xla`` (the pure-JAX backend), ``ffi`` (default kernels), ``moe(batch_invariant=True)``,
+and ffi variants ``ffi[flags=F,k_split=S]`` (``--variants "2:1,0:1"``: KernelFlag bits F, k_split S or ``auto``).
 """
 
 from __future__ import annotations
@@ -52,6 +52,8 @@ def configurations(variants, mode):
                                                     local_expert_offset=off)}
     if ops.extension_error() is None:
         confs["ffi"] = ffi(0, None)
+        confs["moe(batch_invariant=True)"] = lambda x, i, w, ex, off: nv.moe(
+            x, ex, topk_ids=i, topk_weights=w, mode=mode, local_expert_offset=off, batch_invariant=True)
         for flags, split in variants:
             confs[f"ffi[flags={flags},k_split={split or 'auto'}]"] = ffi(flags, split)
     return confs

@@ -127,7 +127,8 @@ def test_batch_invariance_rows(tmp_path):
                                   "--json", str(out)])
     assert json.loads(out.read_text())["results"] == rows
     by = {(r["config"], r["tokens"]): r for r in rows}
-    assert {c for c, _ in by} == {"xla", "ffi", "ffi[flags=2,k_split=1]", "ffi[flags=0,k_split=4]"}
+    assert {c for c, _ in by} == {"xla", "ffi", "moe(batch_invariant=True)", "ffi[flags=2,k_split=1]",
+                                  "ffi[flags=0,k_split=4]"}
     assert all(r["bitwise_equal"] for r in rows if "error" not in r)  # the CPU kernels are batch-invariant
     assert "k_split" in by[("ffi[flags=0,k_split=4]", 600)]["error"]  # 64-row tiles take no K split
 

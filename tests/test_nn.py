@@ -279,3 +279,13 @@ def test_weight_order_of_quantized_and_loaded_blocks(monkeypatch):
         nvnn.quantize_moe(blk, order="columns")
     with pytest.raises(ValueError, match="order='blocked' needs H and I to be multiples of 128"):
         nvnn.quantize_moe(nvnn.MoE(64, 32, 4, 2, rngs=nnx.Rngs(3)), order="blocked")
+
+
+def test_batch_invariant_block_runs_the_ffi_backend(model, x):
+    """MoE(batch_invariant=True) reaches jax_nvfp4.moe: NVFP4 experts run on the ffi backend with the K split fixed
+    (on the CPU the same bytes as the ffi layer by hand); a block of bf16 experts with it is an error saying why."""
+    blk = nvnn.quantize_moe(model).model.layers[0].mlp
+    blk.batch_invariant = True
+    np.testing.assert_array_equal(blk(x), functional(blk, x, "w4a16", backend="ffi"))
+    with pytest.raises(ValueError, match="batch_invariant=True runs on backend 'ffi'"):
+        nvnn.MoE(H, I, E, K, rngs=nnx.Rngs(0), batch_invariant=True)(x)
