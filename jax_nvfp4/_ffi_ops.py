@@ -1004,8 +1004,7 @@ def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str =
         topk_ids = jnp.where(topk_ids < 0, -1, topk_ids)
         offset = 0
     if tile_m is None:
-        wgmma_ws = impl == "ffi" and wgmma_tiles(experts, kernel_flags)
-        tile_m = choose_tile_m(t * k, e, wgmma_ws)
+        tile_m = choose_tile_m(t * k, e, impl == "ffi" and wgmma_tiles(experts, kernel_flags))
     if impl == "ffi" and choose_rows96(t * k, e, experts, kernel_flags):
         kernel_flags |= KernelFlag.ROWS96
     w4a4 = MODES[mode] == Mode.W4A4

@@ -812,8 +812,8 @@ def _assert_align_is_one_cta_and_twin(ids, e, offset, tile_m, kernel_flags):
 @pytest.mark.parametrize("pdl", [False, True])
 def test_gpu_align_grid_matches_twin(t, k, e, offset, tile_m, order, pdl):
     """The grid align (the default from 2048 pairs on: counts, then offsets and ranks, two kernels
-    on up to 64 CTAs, their counts through the call's workspace) writes the bytes of the one-CTA kernel (KernelFlag.ALIGN_ONE_CTA):
-    random ids with drops and foreign experts, ids sorted (so that each CTA sees few experts), all
+    on up to 64 CTAs, their counts through the call's workspace) writes the bytes of the one-CTA kernel
+    (KernelFlag.ALIGN_ONE_CTA): random ids with drops and foreign experts, ids sorted (so that each CTA sees few experts), all
     pairs on one expert or most on one, and expert counts that do not divide the 512 threads."""
     rng = np.random.default_rng(t * k + e)
     if order == "one":

@@ -173,8 +173,8 @@ class MoE(nnx.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, *,
                  routing: str = "softmax_topk", activation: str = "swiglu", mode: str | None = None,
-                 backend: str = "auto", batch_invariant: bool = False, router_bias: bool = False, n_group: int | None = None,
-                 topk_group: int | None = None, routed_scaling_factor: float = 1.0,
+                 backend: str = "auto", batch_invariant: bool = False, router_bias: bool = False,
+                 n_group: int | None = None, topk_group: int | None = None, routed_scaling_factor: float = 1.0,
                  param_dtype=jnp.bfloat16, rngs: nnx.Rngs):
         check_choice(routing, ROUTING_METHODS, "routing")
         activations.check(activation)
