@@ -131,7 +131,8 @@ class KernelFlag(enum.IntFlag):
     # (on 32-row tiles, 9-24 rows an expert, GEMM2 moves to the warp-specialized kernel at any I): work items of up
     # to 96 rows of an expert's group (m64n96 wgmmas; a group's last item 32, 64 or 96 rows), not a tile each, so
     # that a decoded weight chunk feeds up to 96 rows; GEMM1's gate and up rows on pairs of warpgroups. moe's
-    # default from ROWS96_MIN_ROWS rows an expert (choose_rows96). Ignored where those kernels do not run
+    # default, on 32-row tiles, where its items cost less than 64-row tiles (choose_rows96). Ignored where those
+    # kernels do not run
     NO_ROWS96 = 17179869184  # moe without ROWS96 where choose_rows96 would take it (a tile per work item, as
     # before 2026-12-05); a moe policy, no kernel reads it
     # 536870912 / 1073741824: BULK_PREFETCH / BULK_PREFETCH_FAR (decode tiles on blocked weights asking the L2 for
@@ -290,7 +291,11 @@ def ensure_registered() -> None:
 # Elsewhere (:func:`wgmma_tiles`) 64-row tiles wait for 32 rows, and 32-row ones are not chosen.
 WGMMA_MIN_ROWS = 9
 WGMMA_64_ROWS = 25
-ROWS96_MIN_ROWS = 512  # mean rows an expert from which moe takes ROWS96 (choose_rows96)
+# ROWS96 against 64-row tiles is a matter of work items: on the H200 an item of up to 96 rows (32-row groups) took
+# about ROWS96_ITEM_COST times a 64-row tile's (fitted on the A/Bs of sessions 41-42: DeepSeek-V3 EP8 and
+# Qwen3-30B-A3B, 64-2048 rows an expert, 1.29-1.42), so moe takes ROWS96 where an expert's expected items cost
+# less (choose_rows96).
+ROWS96_ITEM_COST = 1.35
 WGMMA_TILE_MS = (32, 64)  # the tiles of the wgmma kernels (32 rows: chunk-ordered activations only)
 # On 32-row tiles, GEMM2 (K = I) runs on the warp-specialized kernel too (as WS_GEMM2) from this K on: its
 # six-stage weight ring keeps more bytes in flight than the TMA-fed kernel's one chunk of weights in registers
@@ -927,16 +932,45 @@ def wgmma_tiles(experts: NVFP4Experts, kernel_flags: int = 0) -> bool:
             and _chunk_intermediate_layout(experts, kernel_flags))
 
 
+def _poisson_mean(lam: float, f) -> float:
+    """E[f(N)] for N ~ Poisson(lam), summed over lam +- 10 standard deviations."""
+    if lam <= 0:
+        return float(f(0))
+    sd = math.sqrt(lam)
+    lo, hi = max(0, int(lam - 10 * sd)), int(lam + 10 * sd) + 2
+    return sum(math.exp(n * math.log(lam) - lam - math.lgamma(n + 1)) * f(n) for n in range(lo, hi))
+
+
+def rows96_item_ratio(rows_per_expert: float) -> float:
+    """ROWS96's work items over the 64-row tiles' for an expert of ``N ~ Poisson(rows_per_expert)`` rows, in
+    expectation: ``ceil(ceil(N / 32) / 3)`` items of up to 96 rows against ``ceil(N / 64)`` tiles (1 where
+    neither has any). It swings with the padding: 0.68 at 64 rows (one item, where half the experts take two
+    tiles), 0.81 at 128, 0.67 at 256, towards 2/3."""
+    tiles = _poisson_mean(rows_per_expert, lambda n: (n + 63) // 64)
+    items = _poisson_mean(rows_per_expert, lambda n: ((n + 31) // 32 + 2) // 3)
+    return items / tiles if tiles > 0 else 1.0
+
+
 def choose_rows96(n_pairs: int, num_experts: int, experts: NVFP4Experts, kernel_flags: int = 0) -> bool:
-    """Whether moe adds ROWS96 to ``kernel_flags``: from ``ROWS96_MIN_ROWS`` rows an expert (``n_pairs /
-    num_experts``) on :func:`wgmma_tiles`, with gated blocked experts (both GEMMs on ROWS96's items), unless
-    ``NO_ROWS96``. Measured on the H200 (2026-12-05, BENCHMARKS.md session 41; ROWS96 / tile items, w4a16 on
-    64-row tiles): DeepSeek-V3 EP8 x1.053 at 256 rows an expert, x0.965 at 512, x0.963 at 1024, x0.918 at 4096;
-    Qwen3-30B-A3B x1.088 at 128, x1.016 at 256, x0.985 at 512, x0.966 at 1024 (w4a4 alike). The rows a decoded
-    weight chunk feeds pay for m64n96's longer epilogues only where an expert holds several items."""
+    """Whether moe adds ROWS96 to ``kernel_flags`` and takes 32-row tiles: where ROWS96's items, at
+    ``ROWS96_ITEM_COST`` 64-row tiles each, cost less than the 64-row tiles (:func:`rows96_item_ratio` of
+    ``n_pairs / num_experts`` rows an expert), on :func:`wgmma_tiles`, with gated blocked experts (both GEMMs
+    on ROWS96's items), unless ``NO_ROWS96`` or ``ROWS96`` is given. On the H200 (BENCHMARKS.md sessions
+    41-42, w4a16, against 64-row tiles): Qwen3-30B-A3B x0.881 at 64 rows an expert, x1.065 at 128 (left off),
+    x0.926 at 256; DeepSeek-V3 EP8 x0.959 at 256, x0.95-0.98 from 512 (w4a4 alike)."""
     return (not kernel_flags & (KernelFlag.NO_ROWS96 | KernelFlag.ROWS96) and experts.gated
-            and experts.down.order == "blocked" and n_pairs >= ROWS96_MIN_ROWS * max(num_experts, 1)
-            and wgmma_tiles(experts, kernel_flags))
+            and experts.down.order == "blocked" and wgmma_tiles(experts, kernel_flags)
+            and ROWS96_ITEM_COST * rows96_item_ratio(n_pairs / max(num_experts, 1)) < 1)
+
+
+def choose_tiles(n_pairs: int, num_experts: int, experts: NVFP4Experts, kernel_flags: int = 0,
+                 tile_m: int | None = None) -> tuple[int, int]:
+    """moe's rows per tile and ROWS96 choice for ``n_pairs`` token-expert pairs over ``num_experts``: ``(tile_m,
+    kernel_flags)``; where :func:`choose_rows96`, ROWS96 added and 32-row tiles (unless ``tile_m`` is given),
+    else :func:`choose_tile_m`'s tiles."""
+    if choose_rows96(n_pairs, num_experts, experts, kernel_flags):
+        return tile_m or 32, kernel_flags | KernelFlag.ROWS96
+    return tile_m or choose_tile_m(n_pairs, num_experts, wgmma_tiles(experts, kernel_flags)), kernel_flags
 
 
 def _chunk_intermediate_layout(experts: NVFP4Experts, kernel_flags: int) -> bool:
@@ -1003,10 +1037,10 @@ def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str =
         topk_ids = jnp.where(topk_ids < 0, -1, topk_ids - jnp.asarray(local_expert_offset, jnp.int32))
         topk_ids = jnp.where(topk_ids < 0, -1, topk_ids)
         offset = 0
-    if tile_m is None:
-        tile_m = choose_tile_m(t * k, e, impl == "ffi" and wgmma_tiles(experts, kernel_flags))
-    if impl == "ffi" and choose_rows96(t * k, e, experts, kernel_flags):
-        kernel_flags |= KernelFlag.ROWS96
+    if impl == "ffi":
+        tile_m, kernel_flags = choose_tiles(t * k, e, experts, kernel_flags, tile_m)
+    elif tile_m is None:
+        tile_m = choose_tile_m(t * k, e)
     w4a4 = MODES[mode] == Mode.W4A4
     # w4a4 decode: the align and the quantize of x in one launch (moe_align_quant), where the align is
     # the one-warp kernel and x is quantized by the kernel.

@@ -143,19 +143,33 @@ def test_moe_takes_wgmma_tiles_only_where_the_gpus_run_them():
         assert f"tile_m = {tile}" in text
 
 
-def test_moe_takes_rows96_from_its_minimum_rows_an_expert():
-    """ROWS96 is moe's default from ROWS96_MIN_ROWS rows an expert where the wgmma tiles run (an sm_90a GPU),
-    with gated experts in the blocked order, unless NO_ROWS96 (or ROWS96) is given; every lowered call
-    carries the flags moe chose. The backend judges by the experts routed over (global_experts), as it
-    does for the tile size: 512 rows for each of 4 local experts are 128 for each of 16."""
+def test_rows96_item_ratio_is_the_expected_items_over_the_tiles():
+    """The ratio choose_rows96 weighs: ROWS96's items of up to 96 rows (32-row groups) over 64-row tiles, in
+    expectation over Poisson rows an expert; against a sampled mean."""
+    rng = np.random.default_rng(0)
+    for lam in (0.5, 20, 64, 80, 128, 256, 700):
+        n = rng.poisson(lam, 200_000)
+        want = (((n + 31) // 32 + 2) // 3).mean() / ((n + 63) // 64).mean()
+        assert abs(ops.rows96_item_ratio(lam) - want) < 0.01, (lam, ops.rows96_item_ratio(lam), want)
+    assert ops.rows96_item_ratio(0) == 1.0 and abs(ops.rows96_item_ratio(1e5) - 2 / 3) < 1e-3
+
+
+def test_moe_takes_rows96_where_its_items_cost_less():
+    """ROWS96 (on 32-row tiles) is moe's default where its items, at ROWS96_ITEM_COST tiles each, cost less
+    than 64-row tiles and the wgmma tiles run (an sm_90a GPU), with gated experts in the blocked order, unless
+    NO_ROWS96 (or ROWS96) is given: at 256 and 64 rows an expert, not at 128 (0.81 of the tiles' items) or 32.
+    Every lowered call carries the flags moe chose. The backend judges by the experts routed over
+    (global_experts), as it does for the tile size, and pins its choice: 256 rows for each of 4 local experts
+    are 128 for each of 8."""
     ex = make_experts(5, 4, 128, 128)
     blocked = nv.to_blocked_experts(ex)
     sm90a = has_gpu() and ops.chunk_intermediate_supported()
-    n = ops.ROWS96_MIN_ROWS * 4
-    assert ops.choose_rows96(n, 4, blocked) == sm90a
+    n = 256 * 4
+    assert [ops.choose_rows96(r * 4, 4, blocked) for r in (256, 64, 128, 32)] == [sm90a, sm90a, False, False]
     relu2 = nv.to_blocked_experts(make_experts(5, 4, 128, 128, gated=False))
-    assert not any((ops.choose_rows96(n - 1, 4, blocked), ops.choose_rows96(n, 4, ex), ops.choose_rows96(n, 4, relu2),
+    assert not any((ops.choose_rows96(n, 4, ex), ops.choose_rows96(n, 4, relu2),
                     ops.choose_rows96(n, 4, blocked, ops.KernelFlag.NO_ROWS96)))
+    assert ops.choose_tiles(n, 4, blocked) == ((32, ops.KernelFlag.ROWS96) if sm90a else (64, 0))
     x = make_x(1, n // 2, 128)
     ids, w = make_routing(2, n // 2, 2, 4)
     rows96, no_rows96 = int(ops.KernelFlag.ROWS96), int(ops.KernelFlag.NO_ROWS96)
@@ -164,11 +178,12 @@ def test_moe_takes_rows96_from_its_minimum_rows_an_expert():
         text = jax.jit(f).lower(x, ids, w).as_text()
         got = {int(v) & (rows96 | no_rows96) for v in re.findall(r"kernel_flags = (\d+)", text)}
         assert len(got) == 1, got  # (GEMM2's calls add WS_GEMM2)
+        assert f"tile_m = {32 if got == {rows96} else 64}" in text
         return got.pop()
 
     assert flags(lambda x, i, w: ops.moe(x, blocked, i, w)) == (rows96 if sm90a else 0)
     assert flags(lambda x, i, w: ops.moe(x, blocked, i, w, kernel_flags=no_rows96)) == no_rows96
-    for spread, want in ((4, rows96 if sm90a else no_rows96), (16, no_rows96)):
+    for spread, want in ((4, rows96 if sm90a else no_rows96), (8, no_rows96)):
         problem = base.MoEProblem(n // 2, 128, 128, 4, 2, "w4a16", "swiglu", global_experts=spread)
         backend = ffi_backend.FFIBackend()
         assert flags(lambda x, i, w: backend(x, blocked, i, w, problem=problem, local_expert_offset=0)) == want

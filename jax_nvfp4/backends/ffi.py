@@ -122,14 +122,11 @@ class FFIBackend:
         # Rows per expert tile from the expected rows per local expert: T*k spread over the
         # global experts when routing over them is known (expert parallelism), else the local ones.
         spread = getattr(problem, "global_experts", None) or problem.num_experts
-        tile_m = self.tile_m or ops.choose_tile_m(problem.tokens * problem.top_k, spread,
-                                                  ops.wgmma_tiles(experts, self.kernel_flags))
+        # ROWS96 from the same spread, the choice pinned (ops.moe would judge by the local experts alone).
+        tile_m, flags = ops.choose_tiles(problem.tokens * problem.top_k, spread, experts, self.kernel_flags,
+                                         self.tile_m)
+        flags |= 0 if flags & ops.KernelFlag.ROWS96 else ops.KernelFlag.NO_ROWS96
         k_split = self.k_split if tile_m <= ops.MAX_SPLIT_TILE_M else None
-        # ROWS96 from the same spread (ops.moe would judge by the local experts alone).
-        flags = self.kernel_flags
-        if not flags & (ops.KernelFlag.ROWS96 | ops.KernelFlag.NO_ROWS96):
-            rows96 = ops.choose_rows96(problem.tokens * problem.top_k, spread, experts, flags)
-            flags |= ops.KernelFlag.ROWS96 if rows96 else ops.KernelFlag.NO_ROWS96
         return ops.moe(x, experts, topk_ids, topk_weights, mode=problem.mode, activation=problem.activation,
                        local_expert_offset=local_expert_offset, tile_m=tile_m, kernel_flags=int(flags),
                        k_split=k_split)
