@@ -118,7 +118,8 @@ enum class KernelFlag : int64_t {
                            // group's last item 32, 64 or 96 rows), not one tile each: a decoded weight chunk feeds up
                            // to 96 rows. GEMM1's warpgroups then pair up: one multiplies the gate rows, one the up
                            // rows of the same 64 features, and each stores half the rows from the other's sums.
-                           // moe's default from 512 rows an expert (choose_rows96, H200 2026-12-05: x0.92-0.985)
+                           // moe's default on 32-row tiles where its items cost less than 64-row tiles (choose_rows96,
+                           // H200 2026-12-05: layers x0.71-0.98 there)
   kNoRows96 = 17179869184ll,  // moe without kRows96 where it would take it: a moe policy, no kernel reads it
   // 536870912 / 1073741824: kBulkPrefetch / kBulkPrefetchFar (the mma.sync decode tiles on blocked weights, lane 0
   // of each warp keeping its fragments' next 4 / 8 chunks asked of the L2 by cp.async.bulk.prefetch.L2) for one H200
