@@ -338,6 +338,17 @@ def feature_slabs(n_out: int, k_split: int) -> int:
     return -(-n_out // (_WARP_FEATURES * _CTA_WARPS // k_split))
 
 
+def _tiles_an_expert(lam: float, tile_m: int) -> float:
+    """``E[ceil(N / tile_m)] = sum_j P(N > j * tile_m)`` for an expert's rows ``N ~ Poisson(lam)``, lam > 0."""
+    top = lam + 12 * math.sqrt(lam) + 12  # P(N > top) is negligible
+    total, cdf = 0.0, 0.0
+    for i in range(int(top) + 1):
+        cdf += math.exp(i * math.log(lam) - lam - math.lgamma(i + 1))  # P(N <= i)
+        if i % tile_m == 0:
+            total += max(1.0 - cdf, 0.0)
+    return total
+
+
 def expected_tiles(n_pairs: int, num_experts: int, tile_m: int) -> float:
     """Row tiles that ``n_pairs`` pairs routed uniformly over ``num_experts`` experts fill on
     average: ``E * sum_j P(N > j * tile_m)`` for an expert's rows ``N ~ Poisson(n_pairs / E)``,
@@ -345,14 +356,7 @@ def expected_tiles(n_pairs: int, num_experts: int, tile_m: int) -> float:
     e = max(int(num_experts), 1)
     if n_pairs <= 0 or e == 1:
         return float(-(-max(n_pairs, 0) // tile_m))
-    lam = n_pairs / e
-    top = lam + 12 * math.sqrt(lam) + 12  # P(N > top) is negligible
-    total, cdf = 0.0, 0.0
-    for i in range(int(top) + 1):
-        cdf += math.exp(i * math.log(lam) - lam - math.lgamma(i + 1))  # P(N <= i)
-        if i % tile_m == 0:
-            total += max(1.0 - cdf, 0.0)
-    return min(e * total, float(padded_rows(n_pairs, e, tile_m) // tile_m))
+    return min(e * _tiles_an_expert(n_pairs / e, tile_m), float(padded_rows(n_pairs, e, tile_m) // tile_m))
 
 
 def choose_k_split(tiles: float, n_out: int, k: int, tile_m: int) -> int:
@@ -932,23 +936,14 @@ def wgmma_tiles(experts: NVFP4Experts, kernel_flags: int = 0) -> bool:
             and _chunk_intermediate_layout(experts, kernel_flags))
 
 
-def _poisson_mean(lam: float, f) -> float:
-    """E[f(N)] for N ~ Poisson(lam), summed over lam +- 10 standard deviations."""
-    if lam <= 0:
-        return float(f(0))
-    sd = math.sqrt(lam)
-    lo, hi = max(0, int(lam - 10 * sd)), int(lam + 10 * sd) + 2
-    return sum(math.exp(n * math.log(lam) - lam - math.lgamma(n + 1)) * f(n) for n in range(lo, hi))
-
-
 def rows96_item_ratio(rows_per_expert: float) -> float:
     """ROWS96's work items over the 64-row tiles' for an expert of ``N ~ Poisson(rows_per_expert)`` rows, in
-    expectation: ``ceil(ceil(N / 32) / 3)`` items of up to 96 rows against ``ceil(N / 64)`` tiles (1 where
-    neither has any). It swings with the padding: 0.68 at 64 rows (one item, where half the experts take two
-    tiles), 0.81 at 128, 0.67 at 256, towards 2/3."""
-    tiles = _poisson_mean(rows_per_expert, lambda n: (n + 63) // 64)
-    items = _poisson_mean(rows_per_expert, lambda n: ((n + 31) // 32 + 2) // 3)
-    return items / tiles if tiles > 0 else 1.0
+    expectation: ``ceil(ceil(N / 32) / 3) = ceil(N / 96)`` items of up to 96 rows over its 32-row groups against
+    ``ceil(N / 64)`` tiles (1 where neither has any). It swings with the padding: 0.68 at 64 rows (one item,
+    where half the experts take two tiles), 0.81 at 128, 0.67 at 256, towards 2/3."""
+    if rows_per_expert <= 0:
+        return 1.0
+    return _tiles_an_expert(rows_per_expert, 96) / _tiles_an_expert(rows_per_expert, 64)
 
 
 def choose_rows96(n_pairs: int, num_experts: int, experts: NVFP4Experts, kernel_flags: int = 0) -> bool:

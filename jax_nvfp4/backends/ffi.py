@@ -125,7 +125,8 @@ class FFIBackend:
         # ROWS96 from the same spread, the choice pinned (ops.moe would judge by the local experts alone).
         tile_m, flags = ops.choose_tiles(problem.tokens * problem.top_k, spread, experts, self.kernel_flags,
                                          self.tile_m)
-        flags |= 0 if flags & ops.KernelFlag.ROWS96 else ops.KernelFlag.NO_ROWS96
+        if not flags & ops.KernelFlag.ROWS96:
+            flags |= ops.KernelFlag.NO_ROWS96
         k_split = self.k_split if tile_m <= ops.MAX_SPLIT_TILE_M else None
         return ops.moe(x, experts, topk_ids, topk_weights, mode=problem.mode, activation=problem.activation,
                        local_expert_offset=local_expert_offset, tile_m=tile_m, kernel_flags=int(flags),
