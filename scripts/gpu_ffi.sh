@@ -378,6 +378,8 @@ if stage bench; then
   # shellcheck disable=SC2086
   timeout $(left ${BENCH_S:-400}) python3 benchmarks/moe_bench.py --backends "${FFI_BENCH_BACKENDS:-ffi,xla}" --modes w4a16,w4a4 \
     --chain 20 --json "$OUT/moe_ffi.json" ${FFI_BENCH_ARGS:-} 2>&1 | tail -80 | tee -a "$OUT/ffi_summary.txt"
+  # Issue 5's targets on this run's rows (the one-run table of BENCHMARKS.md; a partial run's finished rows).
+  [[ -f $OUT/moe_ffi.json ]] && python3 benchmarks/targets.py "$OUT/moe_ffi.json" 2>&1 | tee -a "$OUT/ffi_summary.txt"
 fi
 
 if stage invariance; then

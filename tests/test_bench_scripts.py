@@ -21,6 +21,7 @@ import profile_kernels  # noqa: E402
 import batch_invariance  # noqa: E402
 import ncu_summary  # noqa: E402
 import sass_loops  # noqa: E402
+import targets  # noqa: E402
 
 from jax_nvfp4 import _ffi_ops  # noqa: E402
 
@@ -276,6 +277,42 @@ def test_ab_summary_verdicts():
     assert "T=    4 w4a4   best default" in best[3] and "x1.000" in best[3]  # 295 is within 3% of 300
     assert len(best) == 4  # T=64 w4a4 has no default row
     assert ab_summary.best_lines([row("ffi[ks=2]", 1, 1.0)]) == []
+
+
+def test_targets_judge_each_row_by_the_issue_thresholds():
+    def rows(shape, t, w4a16, w4a4=None, ragged=None, floor=100.0, bf16_floor=356.0, flops_us=10.0):
+        common = dict(shape=shape, tokens=t, experts_hit=8.0, floor_nvfp4_bytes_us=floor,
+                      floor_bf16_bytes_us=bf16_floor, floor_flops_us=flops_us)
+        out = [dict(common, backend="ffi", mode="w4a16", median_us=w4a16)]
+        out += [dict(common, backend="ffi", mode="w4a4", median_us=w4a4)] if w4a4 else []
+        out += [dict(common, backend=targets.BASELINE, mode="bf16", median_us=ragged)] if ragged else []
+        return out
+    run = dict(hbm_bytes_per_s=4.3e12, bf16_flop_per_s=790e12, results=[
+        *rows("a", 1, 160.0, w4a4=200.0, ragged=1700.0),            # target 160: met; w4a4 1.25x; 10.6x
+        *rows("a", 4, 160.5, ragged=1000.0),                        # just over; 10x is 100 us = the floor
+        *rows("a", 64, 150.0, w4a4=196.0, ragged=1200.0),           # met; w4a4 1.31x; 10x needs 3.58 TB/s
+        *rows("b", 1, 60.0, ragged=900.0, floor=40.0, bf16_floor=59.0),  # under 70 but not the bf16 floor
+        *rows("b", 4096, 2000.0, ragged=30000.0, flops_us=1000.0),  # 395 TFLOP/s
+        *rows("b", 256, 500.0, flops_us=200.0),                     # no target, TFLOP/s shown
+        dict(shape="b", tokens=16, backend="ffi", mode="w4a16", error="boom")])
+    lines, unmet = targets.evaluate(run)
+    table = {tuple(c.strip() for c in ln.split("|")[1:3]): [c.strip() for c in ln.split("|")[1:-1]]
+             for ln in lines[2:]}
+    assert set(table) == {("a", "1"), ("a", "4"), ("a", "64"), ("b", "1"), ("b", "256"), ("b", "4096")}
+    assert table[("a", "1")][5:9] == ["160.0", "yes", "200.0", "1.25"]
+    assert table[("a", "4")][6] == "no" and table[("a", "64")][6] == "yes"
+    assert table[("a", "64")][11] == "3.58" and table[("a", "1")][11] == ""
+    assert table[("b", "1")][6] == "no"
+    assert table[("b", "4096")][5:7] == ["400 TFLOP/s", "no"] and table[("b", "4096")][12] == "395"
+    assert table[("b", "256")][5:7] == ["", ""] and table[("b", "256")][12] == "316"
+    assert unmet == ["a T=4: 160.5 us over the decode target 160.0",
+                     "a T=4: 6.2x ragged_dot; 10x is 100.0 us (the weights read at 4.30 TB/s)",
+                     "a T=64: 8.0x ragged_dot; 10x is 120.0 us (the weights read at 3.58 TB/s)",
+                     "a T=64: w4a4 1.31x of w4a16",
+                     "b T=1: 60.0 us, not under the bf16 byte floor 59.0",
+                     "b T=4096: 395 TFLOP/s under 400"]
+    run["results"] += rows("c", 16, 300.0, ragged=900.0)  # 10x is 90 us, under the 100-us floor
+    assert targets.evaluate(run)[1][-1] == "c T=16: 3.0x ragged_dot; 10x is 90.0 us (under the NVFP4 byte floor)"
 
 
 def test_stream_probe_compiles(tmp_path):
