@@ -22,6 +22,10 @@
 // occupancy, the ceiling. The shared memory that limits the CTAs per SM leaves ~28 KB of L1
 // (the real kernels have ~200 KB; they read their activations through it). Nothing here is used
 // by the library.
+//
+// Then the layer reads: the weight bytes (codes and block scales, both GEMMs) of the experts a decode
+// row of issue 5's table hits, read once with no math at several grids: a floor under any kernel's
+// layer time at that row, to set the 10x-ragged_dot target against (benchmarks/targets.py).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -210,6 +214,71 @@ void RunShape(const Shape& s, const uint8_t* w, uint32_t* sink, int sets, int sm
               s.name, p4, bytes / p4 * 1e-6, p8, bytes / p8 * 1e-6);
 }
 
+// A grid-stride read of n16 16-byte words, U loads in flight a thread.
+template <int U, bool HINT>
+__global__ void __launch_bounds__(256) ReadAll(const uint4* w, int64_t n16, uint32_t* sink) {
+  uint32_t acc = 0;
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  for (; i + (U - 1) * stride < n16; i += U * stride) {
+    uint4 v[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) v[u] = Load16<HINT>(reinterpret_cast<const uint8_t*>(w + i + u * stride));
+#pragma unroll
+    for (int u = 0; u < U; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
+  }
+  for (; i < n16; i += stride) {
+    const uint4 v = __ldg(w + i);
+    acc ^= v.x ^ v.y ^ v.z ^ v.w;
+  }
+  if (acc == 0x9E3779B9u) sink[0] = acc;
+}
+
+struct LayerRow {
+  const char* name;
+  int experts;                // experts hit (the benchmark's mean, rounded)
+  int64_t weights_per_expert;  // GEMM1 rows x H + H x I
+};
+
+// Each row's bytes (0.5625 a weight: codes + E4M3 scales) read by ReadAll at 2-8 CTAs an SM, 1-4 loads in
+// flight a thread, over two disjoint copies (each above the L2); the median of 20 launches per grid.
+void RunLayerReads(int sms) {
+  const LayerRow rows[] = {
+      {"deepseek-v3 T=4", 21, (2 * 2048 + 2048) * 7168LL},
+      {"deepseek-v3 T=16", 31, (2 * 2048 + 2048) * 7168LL},
+      {"deepseek-v3 T=64", 32, (2 * 2048 + 2048) * 7168LL},
+      {"qwen3 T=16", 84, (2 * 768 + 768) * 2048LL},
+  };
+  constexpr int kSets = 2;
+  int64_t most = 0;
+  for (const LayerRow& r : rows) most = std::max(most, r.experts * r.weights_per_expert * 9 / 16 / 16);
+  uint4* w = nullptr;
+  uint32_t* sink = nullptr;
+  CHECK(cudaMalloc(&w, size_t(most) * 16 * kSets));
+  CHECK(cudaMalloc(&sink, 64));
+  CHECK(cudaMemset(w, 0x5A, size_t(most) * 16 * kSets));
+  struct Grid { int per_sm, u; bool hint; };
+  const Grid grids[] = {{2, 1, false}, {4, 1, false}, {8, 1, false}, {2, 2, false}, {4, 2, false},
+                        {8, 2, false}, {2, 4, false}, {4, 4, false}, {4, 2, true}, {8, 2, true}};
+  for (const LayerRow& r : rows) {
+    const int64_t n16 = r.experts * r.weights_per_expert * 9 / 16 / 16;
+    std::printf("layer read, %s: %d experts, %.1f MB\n", r.name, r.experts, n16 * 16e-6);
+    float best = 1e30f;
+    for (const Grid& g : grids) {
+      auto kernel = g.u == 1 ? (g.hint ? ReadAll<1, true> : ReadAll<1, false>)
+                  : g.u == 2 ? (g.hint ? ReadAll<2, true> : ReadAll<2, false>)
+                             : (g.hint ? ReadAll<4, true> : ReadAll<4, false>);
+      const float us = MedianUs([&](int set) { kernel<<<sms * g.per_sm, 256>>>(w + set * most, n16, sink); }, kSets);
+      best = std::min(best, us);
+      std::printf("  %d CTAs of 256 an SM, %d loads in flight%s: %7.1f us %5.2f TB/s\n", g.per_sm, g.u,
+                  g.hint ? ", streaming hints" : "", us, n16 * 16 / us * 1e-6);
+    }
+    std::printf("  best: %.1f us, %.2f TB/s\n", best, n16 * 16 / best * 1e-6);
+  }
+  CHECK(cudaFree(w));
+  CHECK(cudaFree(sink));
+}
+
 int main() {
   // The GEMMs of the benchmark's decode rows (moe_bench.py shapes; k_split and occupancy as the
   // library chooses them on the H200 since 2026-12-01's refit: blocked gated 8-row kernels 116-122
@@ -235,5 +304,6 @@ int main() {
   for (const Shape& s : shapes) s.gated ? RunShape<2>(s, w, sink, kSets, sms) : RunShape<1>(s, w, sink, kSets, sms);
   CHECK(cudaFree(w));
   CHECK(cudaFree(sink));
+  RunLayerReads(sms);
   return 0;
 }
