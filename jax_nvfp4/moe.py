@@ -125,10 +125,11 @@ def moe(x, experts, *, router_logits=None, routing: str = "softmax_topk", top_k:
         ``"bf16"`` (BF16Experts), ``"w4a16"`` or ``"w4a4"`` (NVFP4Experts). Default: ``"bf16"`` for
         BF16Experts, ``"w4a16"`` for NVFP4Experts. ``w4a4`` quantizes ``x`` per token and the
         intermediate per row (spec section 5) and multiplies the exactly decoded values.
-    local_expert_offset : int (static) or int32 scalar (may be traced, ``xla`` backend)
+    local_expert_offset : int (static) or int32 scalar (may be traced)
         Global id of local expert 0 (expert parallelism): only ids in
         ``[local_expert_offset, local_expert_offset + E)`` contribute; summing the outputs of
-        all shards gives the full layer.
+        all shards gives the full layer. A traced offset (``lax.axis_index(axis) * E`` inside
+        ``jax.shard_map``) runs on backends ``ffi`` and ``xla``; ``flashinfer`` needs an int.
     backend : str (static)
         ``"auto"`` (best available, see :func:`jax_nvfp4.backends.base.select`) or a registered
         name such as ``"xla"``.
@@ -226,19 +227,13 @@ def moe(x, experts, *, router_logits=None, routing: str = "softmax_topk", top_k:
 
     problem = MoEProblem(tokens=t, hidden=h, intermediate=experts.intermediate_size,
                          num_experts=experts.num_experts, top_k=k, mode=mode, activation=activation,
-                         global_experts=e_global)
+                         global_experts=e_global, traced_offset=not isinstance(local_expert_offset, int))
     if batch_invariant:
         if mode == "bf16" or backend not in ("auto", "ffi"):
             raise ValueError(f"batch_invariant=True runs on backend 'ffi' in mode 'w4a16' or 'w4a4' (its K split "
                              f"fixed to 1), got backend={backend!r}, mode={mode!r}")
         backend = "ffi"
-    if not isinstance(local_expert_offset, int):
-        # The Backend protocol types the offset as a Python int; only "xla" also takes a traced one.
-        if backend not in ("auto", "xla"):
-            raise ValueError(f"backend={backend!r} needs a Python int local_expert_offset; a traced "
-                             "offset runs on backend 'xla'")
-        backend = "xla"
-    impl = _base.select(backend, problem)
+    impl = _base.select(backend, problem)  # (a backend that needs an int offset declines a traced one)
     if batch_invariant:
         impl = impl.batch_invariant()
     if router_logits is not None:

@@ -7,7 +7,11 @@ run the CUDA kernels and are skipped without a GPU.
 from __future__ import annotations
 
 import functools
+import os
 import re
+import subprocess
+import sys
+import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -406,7 +410,7 @@ def test_backend_k_split_reaches_decode_tiles_only():
 def test_moe_batch_invariant_fixes_the_k_split():
     """moe(batch_invariant=True) runs the ffi backend with every GEMM's K split 1 (in the lowered calls, where the
     default splits GEMM1's K 1024), the same function as the default layer on the CPU; other backends, bf16
-    experts and a traced offset are errors that say so."""
+    experts are errors that say so; a traced offset (shard_map's) runs it too."""
     ex = make_experts(5, 4, 1024, 256)
     x = make_x(1, 2, 1024)
     ids, w = make_routing(2, 2, 2, 4, drop=0)
@@ -423,8 +427,9 @@ def test_moe_batch_invariant_fixes_the_k_split():
     bf16 = nv.BF16Experts(jnp.zeros((4, 512, 1024), BF16), jnp.zeros((4, 1024, 256), BF16))
     with pytest.raises(ValueError, match="batch_invariant=True runs on backend 'ffi'"):
         nv.moe(x, bf16, topk_ids=ids, topk_weights=w, batch_invariant=True)
-    with pytest.raises(ValueError, match="needs a Python int local_expert_offset"):
-        nv.moe(x, ex, topk_ids=ids, topk_weights=w, local_expert_offset=jnp.int32(0), batch_invariant=True)
+    traced = jax.jit(lambda o: nv.moe(x, ex, topk_ids=ids, topk_weights=w, local_expert_offset=o,
+                                      batch_invariant=True))
+    np.testing.assert_array_equal(f32(traced(jnp.int32(0))), got)
 
 
 @pytest.mark.gpu
@@ -641,6 +646,49 @@ def test_expert_parallel_shards_sum_to_full(experts_cpu):
     # A traced offset (as from lax.axis_index under shard_map) gives the same shard output.
     traced = jax.jit(lambda o: ops.moe(x, halves[1], ids, w, local_expert_offset=o))(jnp.int32(4))
     np.testing.assert_array_equal(f32(traced), parts[1])
+
+
+# Expert parallelism as users write it (its own process: the CPU device count is fixed when JAX starts).
+_SHARD_MAP_EP = textwrap.dedent("""
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import PartitionSpec as P
+    import jax_nvfp4 as nv
+    from jax_nvfp4 import _ffi_ops as ops
+    assert jax.device_count() == 2, jax.devices()
+    k = jax.random.split(jax.random.key(0), 4)
+    ex = nv.quantize_experts(jax.random.normal(k[0], (8, 128, 128), jnp.bfloat16),
+                             jax.random.normal(k[1], (8, 128, 64), jnp.bfloat16))
+    x = jax.random.normal(k[2], (12, 128), jnp.bfloat16)
+    logits = jax.random.normal(k[3], (12, 8), jnp.float32)
+
+    def shard(x, ex, logits):  # this device's 4 experts: global ids 4 * axis_index ...
+        off = jax.lax.axis_index("ep") * 4
+        y = nv.moe(x, ex, router_logits=logits, top_k=2, local_expert_offset=off)
+        return jax.lax.psum(y.astype(jnp.float32), "ep")
+
+    mesh = jax.make_mesh((2,), ("ep",))
+    put = lambda v, spec: jax.device_put(v, jax.sharding.NamedSharding(mesh, spec))
+    args = put(x, P()), put(ex, P("ep")), put(logits, P())
+    f = jax.jit(jax.shard_map(shard, mesh=mesh, in_specs=(P(), P("ep"), P()), out_specs=P()))
+    assert ops.TARGET_GEMM in f.lower(*args).as_text()  # the ffi kernels, not the xla backend
+    got = np.asarray(f(*args))
+    halves = [jax.tree_util.tree_map(lambda a: a[s], ex) for s in (slice(0, 4), slice(4, 8))]
+    want = sum(np.asarray(nv.moe(x, h, router_logits=logits, top_k=2, local_expert_offset=o, backend="ffi"),
+                          np.float32) for h, o in zip(halves, (0, 4)))
+    np.testing.assert_array_equal(got, want)
+    full = np.asarray(nv.moe(x, ex, router_logits=logits, top_k=2, backend="ffi"), np.float32)
+    assert np.linalg.norm(got - full) <= 1e-2 * np.linalg.norm(full)
+    print("ok")
+""")
+
+
+def test_moe_in_shard_map_over_an_expert_axis():
+    """nv.moe in jax.shard_map over 2 CPU devices, the experts sharded along E, each shard's offset from
+    lax.axis_index (traced): it runs the ffi kernels (backend auto) and psum gives the two shards' sum, bitwise."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip())
+    r = subprocess.run([sys.executable, "-c", _SHARD_MAP_EP], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
 
 
 def test_deterministic_and_jit_equals_eager(experts_cpu):

@@ -535,8 +535,8 @@ def test_jax_tvm_ffi_registration(monkeypatch):
 # ------------------------------------------------------------------------------------------------
 # Gating, selection and errors
 
-def _problem(mode="w4a16", activation="swiglu", h=128, inter=64, e=8, k=2, global_e=None):
-    return base.MoEProblem(8, h, inter, e, k, mode, activation, global_e)
+def _problem(mode="w4a16", activation="swiglu", h=128, inter=64, e=8, k=2, global_e=None, traced_offset=False):
+    return base.MoEProblem(8, h, inter, e, k, mode, activation, global_e, traced_offset)
 
 
 class _NoImport:
@@ -598,6 +598,7 @@ def test_software_checks(monkeypatch):
     assert base.get("flashinfer").unavailable_reason() is None
     assert base.select("auto", _problem()).name == "flashinfer"
     assert base.select("auto", _problem(mode="bf16")).name != "flashinfer"
+    assert base.select("auto", _problem(traced_offset=True)).name == "ffi"  # (shard_map's axis_index offset)
 
 
 @pytest.mark.parametrize("problem, kernel, match", [
@@ -608,6 +609,7 @@ def test_software_checks(monkeypatch):
     (_problem(inter=32), "cutedsl", "I % 64"),
     (_problem(k=33), "auto", "top_k <= 32"),
     (_problem(global_e=1024), "auto", "at most 512 experts"),
+    (_problem(traced_offset=True), "auto", "local_expert_offset as a Python int, not a traced one"),
 ])
 def test_unsupported_problems(problem, kernel, match):
     assert re.search(match, fb.FlashInferBackend(kernel).unsupported_reason(problem))
@@ -634,7 +636,7 @@ def test_prepared_weights_errors():
         nv.moe(x, p, router_logits=logits, top_k=2, mode="w4a16")
     with pytest.raises(ValueError, match="does not run activation 'geglu'"):
         nv.moe(x, p, router_logits=logits, top_k=2, activation="geglu")
-    with pytest.raises(ValueError, match="needs a Python int local_expert_offset"):
+    with pytest.raises(ValueError, match="backend='flashinfer' cannot run this MoE"):
         nv.moe(x, p, router_logits=logits, top_k=2, local_expert_offset=jnp.int32(0))
     with pytest.raises(ValueError, match="in-kernel .* takes no bias"):
         fb.flashinfer_moe_from_logits(x, p, logits, routing="renormalize", top_k=2, bias=jnp.zeros(8))

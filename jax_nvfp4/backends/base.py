@@ -22,7 +22,8 @@ class MoEProblem:
 
     ``tokens`` is T, ``num_experts`` the local experts E held by ``experts``, ``top_k`` k;
     ``global_experts`` is the number of experts routed over (``router_logits.shape[1]``) when
-    known, else None (precomputed routing).
+    known, else None (precomputed routing); ``traced_offset``: ``local_expert_offset`` is a traced
+    int32 scalar (e.g. ``lax.axis_index`` under ``shard_map``), not a Python int.
     """
 
     tokens: int
@@ -33,6 +34,7 @@ class MoEProblem:
     mode: str
     activation: str
     global_experts: int | None = None
+    traced_offset: bool = False
 
 
 class Backend(Protocol):
@@ -45,6 +47,8 @@ class Backend(Protocol):
     - ``topk_ids`` int32 ``[T, k]`` global expert ids (negative = padding; ids outside
       ``[local_expert_offset, local_expert_offset + E)`` contribute nothing);
     - ``topk_weights`` float32 ``[T, k]``;
+    - ``local_expert_offset`` a Python int, or an int32 scalar array where ``problem.traced_offset``
+      (a backend that needs an int says so in ``unsupported_reason``);
     - returns bf16 ``[T, H]``.
 
     Optional: ``weight_order(hidden, intermediate)``, the :class:`~jax_nvfp4.NVFP4Array` byte
@@ -64,7 +68,7 @@ class Backend(Protocol):
         """None if this backend supports ``problem``, else why not."""
 
     def __call__(self, x, experts, topk_ids, topk_weights, *, problem: MoEProblem,
-                 local_expert_offset: int):
+                 local_expert_offset):
         ...
 
 

@@ -118,7 +118,7 @@ class FFIBackend:
         return None
 
     def __call__(self, x, experts, topk_ids, topk_weights, *, problem: base.MoEProblem,
-                 local_expert_offset: int):
+                 local_expert_offset):
         # Rows per expert tile from the expected rows per local expert: T*k spread over the
         # global experts when routing over them is known (expert parallelism), else the local ones.
         spread = getattr(problem, "global_experts", None) or problem.num_experts

@@ -958,6 +958,8 @@ class FlashInferBackend:
             return f"the kernels' routing handles at most {MAX_EXPERTS} experts, got {bound}"
         if problem.tokens * problem.top_k >= 2 ** 31:
             return f"T * k = {problem.tokens * problem.top_k} must be < 2^31"
+        if getattr(problem, "traced_offset", False):
+            return "the kernels take local_expert_offset as a Python int, not a traced one"
         return None
 
     # -- calls
