@@ -2,6 +2,8 @@
 
 import os
 import pathlib
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -19,6 +21,15 @@ def has_gpu() -> bool:
         return any(d.platform == "gpu" for d in jax.devices())
     except RuntimeError:
         return False
+
+
+def run_on_cpu_devices(code: str, n: int = 2) -> None:
+    """Run ``code`` in a Python process whose JAX has ``n`` CPU devices (fixed when JAX starts, hence the
+    process) and assert that it exits 0 with ``ok`` as its last line of output."""
+    flags = (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}").strip()
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags)
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
 
 
 def pytest_collection_modifyitems(config, items):

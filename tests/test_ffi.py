@@ -7,10 +7,7 @@ run the CUDA kernels and are skipped without a GPU.
 from __future__ import annotations
 
 import functools
-import os
 import re
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -22,7 +19,7 @@ import jax_nvfp4 as nv
 from jax_nvfp4 import _ffi_ops as ops
 from jax_nvfp4.backends import base
 from jax_nvfp4.backends import ffi as ffi_backend
-from conftest import golden_moe, golden_names, has_gpu
+from conftest import golden_moe, golden_names, has_gpu, run_on_cpu_devices
 
 pytestmark = pytest.mark.skipif(ops.extension_error() is not None,
                                 reason=f"FFI extension not built: {ops.extension_error()}")
@@ -685,10 +682,7 @@ _SHARD_MAP_EP = textwrap.dedent("""
 def test_moe_in_shard_map_over_an_expert_axis():
     """nv.moe in jax.shard_map over 2 CPU devices, the experts sharded along E, each shard's offset from
     lax.axis_index (traced): it runs the ffi kernels (backend auto) and psum gives the two shards' sum, bitwise."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip())
-    r = subprocess.run([sys.executable, "-c", _SHARD_MAP_EP], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+    run_on_cpu_devices(_SHARD_MAP_EP)
 
 
 def test_deterministic_and_jit_equals_eager(experts_cpu):

@@ -4,6 +4,8 @@ mode switches, routing replay, gradients, loading NVFP4 experts from a converted
 
 from __future__ import annotations
 
+import textwrap
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,6 +17,7 @@ from flax import nnx  # noqa: E402
 
 import jax_nvfp4 as nv  # noqa: E402
 from jax_nvfp4 import nn as nvnn  # noqa: E402
+from conftest import run_on_cpu_devices  # noqa: E402
 
 H, I, E, K, T = 64, 32, 8, 2, 10
 # jitted: one compilation instead of many eager ones (exact either way)
@@ -289,3 +292,67 @@ def test_batch_invariant_block_runs_the_ffi_backend(model, x):
     np.testing.assert_array_equal(blk(x), functional(blk, x, "w4a16", backend="ffi"))
     with pytest.raises(ValueError, match="batch_invariant=True runs on backend 'ffi'"):
         nvnn.MoE(H, I, E, K, rngs=nnx.Rngs(0), batch_invariant=True)(x)
+
+
+# Expert parallelism in a model (its own process: the CPU device count is fixed when JAX starts).
+_EXPERT_PARALLEL = textwrap.dedent("""
+import jax, jax.numpy as jnp, numpy as np
+from flax import nnx
+import jax_nvfp4 as nv
+from jax_nvfp4 import nn as nvnn, _ffi_ops as ops
+assert jax.device_count() == 2
+mesh = jax.make_mesh((2,), ("ep",))
+H, I, E, K = 128, 64, 8, 2
+x = jax.random.normal(jax.random.key(1), (3, 4, H), jnp.bfloat16)
+plain = nvnn.MoE(H, I, E, K, routing="renormalize_naive", rngs=nnx.Rngs(0))
+for quant in (False, True):
+    model = nvnn.quantize_moe(plain) if quant else plain
+    ep = nvnn.expert_parallel(model, mesh, "ep")
+    assert plain.expert_axis is None and ep.expert_axis == "ep"
+    leaf = jax.tree_util.tree_leaves(nnx.state(ep.experts))[0]
+    assert leaf.addressable_shards[0].data.shape[0] == E // 2  # each device holds its 4 experts
+    f = nnx.jit(lambda m, x: m(x, return_routing=True))
+    (want, (ids, w)), (got, (ids_ep, w_ep)) = f(model, x), f(ep, x)
+    np.testing.assert_array_equal(np.asarray(ids_ep), np.asarray(ids))
+    np.testing.assert_array_equal(np.asarray(w_ep), np.asarray(w))
+    xt = x.reshape(-1, H)
+    halves = [jax.tree_util.tree_map(lambda a: a[s], model.experts.experts()) for s in (slice(0, 4), slice(4, 8))]
+    ref = sum(np.asarray(nv.moe(xt, h, router_logits=model.router_logits(xt), routing="renormalize_naive", top_k=K,
+                                local_expert_offset=o), np.float32) for h, o in zip(halves, (0, 4)))
+    np.testing.assert_array_equal(np.asarray(got, np.float32).reshape(-1, H),
+                                  np.asarray(jnp.asarray(ref).astype(jnp.bfloat16), np.float32))
+    a, b = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    assert np.linalg.norm(a - b) <= 1e-2 * np.linalg.norm(b), np.linalg.norm(a - b) / np.linalg.norm(b)
+    if quant:
+        assert ops.TARGET_GEMM in nnx.jit(lambda m, x: m(x)).lower(ep, x).as_text()
+    replay = nnx.jit(lambda m, x, i: m(x, topk_ids=i))
+    np.testing.assert_array_equal(np.asarray(replay(ep, x, ids)), np.asarray(got))
+# A whole model's jitted generation (on Explicit mesh axes, jax 0.12's default, under jax.set_mesh)
+lm = nvnn.quantize_moe(nvnn.Qwen3MoeForCausalLM(nvnn.CONFIGS["tiny"], rngs=nnx.Rngs(0)))
+prompts = jax.random.randint(jax.random.key(0), (2, 8), 0, 200)
+gen = lambda m: nvnn.generate(m, prompts, key=jax.random.key(1), max_new_tokens=8, temperature=0.0,
+                              return_routing=True)
+a = gen(lm)
+with jax.set_mesh(mesh):
+    b = gen(nvnn.expert_parallel(lm, mesh, "ep"))
+assert b.tokens.shape == a.tokens.shape and (np.asarray(b.routing) == np.asarray(a.routing)).mean() > 0.9
+try:
+    nvnn.MoE(H, I, 3, K, expert_axis="ep", mesh=mesh, rngs=nnx.Rngs(0))
+    raise SystemExit("3 experts over 2 devices accepted")
+except ValueError as err:
+    assert "must be a multiple of the 2 devices of mesh axis 'ep'" in str(err), err
+print("ok")
+""")
+
+
+def test_expert_parallel_blocks_split_their_experts_over_a_mesh_axis():
+    """nvnn.expert_parallel on 2 CPU devices: each device holds 4 of 8 experts; the block (bf16 on xla, NVFP4 on the
+    ffi kernels) routes as before and its output is the two shards' sum, bitwise; routing replay alike."""
+    run_on_cpu_devices(_EXPERT_PARALLEL)
+
+
+def test_expert_axis_needs_its_mesh():
+    with pytest.raises(ValueError, match="expert_axis='ep' needs a jax.sharding.Mesh with that axis"):
+        nvnn.MoE(64, 32, 4, 2, expert_axis="ep", rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="expert_axis='tp' needs a jax.sharding.Mesh with that axis"):
+        nvnn.expert_parallel(nvnn.MoE(64, 32, 4, 2, rngs=nnx.Rngs(0)), jax.make_mesh((1,), ("ep",)), "tp")

@@ -8,6 +8,7 @@ Use in a Flax model::
     self.mlp = nvnn.MoE(hidden, inter, num_experts, top_k, routing="renormalize_naive", rngs=rngs)
     ...
     qmodel = nvnn.quantize_moe(model, ignore=["model.layers.0.mlp"])   # NVFP4 experts, w4a16
+    qmodel = nvnn.expert_parallel(qmodel, mesh, "ep")                   # optional: experts split over devices
     out = nvnn.generate(qmodel, prompts, key=key, max_new_tokens=128, temperature=1.0)
 
 Modules: :mod:`.moe` (the MoE module), :mod:`.quantization` (quantize_moe, load_experts),
@@ -16,7 +17,7 @@ Modules: :mod:`.moe` (the MoE module), :mod:`.quantization` (quantize_moe, load_
 """
 
 from .moe import BF16ExpertWeights, MoE, NVFP4ExpertWeights, QuantizedWeight, replay_weights
-from .quantization import load_experts, moe_modules, quantize_moe, set_moe_options
+from .quantization import expert_parallel, load_experts, moe_modules, quantize_moe, set_moe_options
 from .qwen3_moe import (CONFIGS, CausalLMOutput, DecoderOutput, KVCache, Qwen3MoeConfig, Qwen3MoeForCausalLM,
                         RMSNorm, rotary)
 from .qwen3_moe_loader import load_qwen3_moe
@@ -24,6 +25,7 @@ from .generation import GenerationOutput, generate, sample_logits, sequence_logp
 
 __all__ = [
     "MoE", "BF16ExpertWeights", "NVFP4ExpertWeights", "QuantizedWeight", "quantize_moe", "set_moe_options",
+    "expert_parallel",
     "load_experts", "moe_modules", "replay_weights",
     "Qwen3MoeConfig", "Qwen3MoeForCausalLM", "CONFIGS", "KVCache", "CausalLMOutput", "DecoderOutput", "RMSNorm",
     "rotary", "load_qwen3_moe",

@@ -135,6 +135,14 @@ def check_choice(value, choices, name):
         raise ValueError(f"{name} must be one of {tuple(choices)}, got {value!r}")
 
 
+def check_expert_axis(num_experts: int, expert_axis, mesh):
+    if not isinstance(mesh, jax.sharding.Mesh) or expert_axis not in mesh.shape:
+        raise ValueError(f"expert_axis={expert_axis!r} needs a jax.sharding.Mesh with that axis as mesh, got {mesh!r}")
+    if num_experts % mesh.shape[expert_axis]:
+        raise ValueError(f"num_experts={num_experts} must be a multiple of the {mesh.shape[expert_axis]} devices "
+                         f"of mesh axis {expert_axis!r}")
+
+
 class MoE(nnx.Module):
     """Routed Mixture-of-Experts block: a linear router and a stack of experts (spec section 5).
 
@@ -161,6 +169,16 @@ class MoE(nnx.Module):
         selection only).
     n_group, topk_group, routed_scaling_factor
         Routing parameters (see :func:`jax_nvfp4.route`).
+    expert_axis : str, optional
+        Expert parallelism: the name of an axis of ``mesh`` along which the experts are sharded
+        (``E % mesh.shape[expert_axis] == 0``). The experts then run in ``jax.shard_map`` over ``mesh``,
+        each device on its own experts (global ids from ``lax.axis_index``), and their outputs are summed
+        (``psum`` in float32); ``x``, the router and the output are replicated over the mesh. Without it,
+        under ``jit`` with experts sharded by a ``NamedSharding``, the ffi custom calls would gather
+        every expert onto every device. :func:`~jax_nvfp4.nn.expert_parallel` sets it on every block of a
+        model and places the experts along the axis.
+    mesh : jax.sharding.Mesh, optional
+        The mesh of ``expert_axis`` (required with it).
     param_dtype : dtype of the router and bf16 expert parameters (bfloat16)
     rngs : nnx.Rngs
 
@@ -175,6 +193,7 @@ class MoE(nnx.Module):
                  routing: str = "softmax_topk", activation: str = "swiglu", mode: str | None = None,
                  backend: str = "auto", batch_invariant: bool = False, router_bias: bool = False,
                  n_group: int | None = None, topk_group: int | None = None, routed_scaling_factor: float = 1.0,
+                 expert_axis: str | None = None, mesh: jax.sharding.Mesh | None = None,
                  param_dtype=jnp.bfloat16, rngs: nnx.Rngs):
         check_choice(routing, ROUTING_METHODS, "routing")
         activations.check(activation)
@@ -184,6 +203,9 @@ class MoE(nnx.Module):
             raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
         if routing == "deepseek_v3" and not router_bias:
             raise ValueError("routing 'deepseek_v3' needs router_bias=True (the score correction bias)")
+        if expert_axis is not None:
+            check_expert_axis(num_experts, expert_axis, mesh)
+        self.expert_axis, self.mesh = expert_axis, mesh
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.num_experts, self.top_k = num_experts, top_k
         self.routing, self.activation, self.mode, self.backend = routing, activation, mode, backend
@@ -238,10 +260,12 @@ class MoE(nnx.Module):
         common = dict(activation=self.activation, mode=mode, backend=self.backend,
                       batch_invariant=self.batch_invariant)
         if topk_ids is None:
-            out, (ids, w) = moe(xt, experts, router_logits=logits, routing=self.routing, top_k=self.top_k,
-                                bias=bias, n_group=self.n_group, topk_group=self.topk_group,
-                                routed_scaling_factor=self.routed_scaling_factor, return_routing=True,
-                                **common)
+            def layer(xt, experts, logits, bias, offset=0):
+                return moe(xt, experts, router_logits=logits, routing=self.routing, top_k=self.top_k, bias=bias,
+                           n_group=self.n_group, topk_group=self.topk_group,
+                           routed_scaling_factor=self.routed_scaling_factor, return_routing=True,
+                           local_expert_offset=offset, **common)
+            out, (ids, w) = self._over_experts(layer, xt, experts, logits, bias)
         else:
             if topk_ids.shape[:-1] != lead:
                 raise ValueError(f"topk_ids must have shape {lead + (topk_ids.shape[-1],)} (x's leading "
@@ -249,12 +273,32 @@ class MoE(nnx.Module):
             ids = topk_ids.reshape(-1, topk_ids.shape[-1]).astype(jnp.int32)
             w = replay_weights(logits, ids, self.routing, bias=bias,
                                routed_scaling_factor=self.routed_scaling_factor)
-            out = moe(xt, experts, topk_ids=ids, topk_weights=w, **common)
+
+            def layer(xt, experts, ids, w, offset=0):
+                return moe(xt, experts, topk_ids=ids, topk_weights=w, local_expert_offset=offset, **common), None
+            out, _ = self._over_experts(layer, xt, experts, ids, w)
         out = out.reshape(x.shape).astype(x.dtype)
         if return_routing:
             k = ids.shape[-1]
             return out, (ids.reshape(lead + (k,)), w.reshape(lead + (k,)))
         return out
+
+    def _over_experts(self, layer, xt, experts, *args):
+        """``layer(xt, experts, *args, offset) -> (out bf16 [T, H], rest)`` on all the experts, or with
+        ``expert_axis`` in ``jax.shard_map`` on each device's experts, the outputs summed over the axis
+        (``rest``, the routing, is the same on every device)."""
+        if self.expert_axis is None:
+            return layer(xt, experts, *args)
+        axis, spec = self.expert_axis, jax.sharding.PartitionSpec
+
+        def local(xt, experts, *args):  # this device's E / n experts, global ids from the axis index
+            out, rest = layer(xt, experts, *args, jax.lax.axis_index(axis) * experts.num_experts)
+            return jax.lax.psum(out.astype(jnp.float32), axis), rest
+
+        f = jax.shard_map(local, mesh=self.mesh, in_specs=(spec(), spec(axis)) + (spec(),) * len(args),
+                          out_specs=spec())
+        out, rest = f(xt, experts, *args)
+        return out.astype(jnp.bfloat16), rest
 
 
 def replay_weights(router_logits, topk_ids, routing: str, *, bias=None, routed_scaling_factor=1.0):

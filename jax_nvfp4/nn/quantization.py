@@ -22,7 +22,7 @@ from ..checkpoint.naming import ignore_patterns, matches_ignore, strip_model
 from ..formats import BLOCK_K, ORDERS, experts_blockable, from_blocked_experts, to_blocked_experts
 from ..moe import weight_order
 from ..quantize import RECIPES, quantize_experts
-from .moe import MoE, NVFP4ExpertWeights, check_choice
+from .moe import MoE, NVFP4ExpertWeights, check_choice, check_expert_axis
 
 QUANTIZED_MODES = ("w4a16", "w4a4")
 WEIGHT_ORDERS = ("auto",) + ORDERS
@@ -161,6 +161,33 @@ def set_moe_options(model, *, mode: str | None = None, backend: str | None = Non
             block.mode = mode
         if backend is not None:
             block.backend = backend
+    return target
+
+
+def expert_parallel(model, mesh: jax.sharding.Mesh, axis: str = "ep", *, inplace: bool = False):
+    """Run every :class:`MoE` block of ``model`` with its experts split over ``axis`` of ``mesh`` (a copy
+    unless ``inplace``).
+
+    Each block's ``expert_axis`` and ``mesh`` are set (the experts run in ``jax.shard_map``, each device on
+    its ``E / mesh.shape[axis]`` experts, the outputs summed over the axis) and its expert stacks, bf16 or
+    NVFP4, are placed along the axis (``NamedSharding(mesh, P(axis))`` on their leading E axis): each device
+    holds its own experts only. Everything else stays where it is (``x``, the router and the output are
+    replicated over ``axis``). Call it after :func:`quantize_moe` / :func:`load_experts`, which make new
+    expert arrays. On a mesh of ``Explicit`` axes (``jax.make_mesh``'s default in jax 0.12) run the model
+    under ``jax.set_mesh(mesh)``: the blocks' outputs are typed on the mesh, and a model's other arrays
+    (e.g. a KV cache) must be too. Tested on two CPU devices (``tests/test_nn.py``): blocks bitwise the sum of
+    their shards, a Qwen3-MoE model's jitted generation.
+    """
+    target = model if inplace else nnx.clone(model)
+    blocks = moe_modules(target)
+    if not blocks:
+        raise ValueError(f"model ({type(model).__name__}) has no jax_nvfp4.nn.MoE block")
+    for block in blocks.values():
+        check_expert_axis(block.num_experts, axis, mesh)
+    placed = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(axis))
+    for block in blocks.values():
+        block.expert_axis, block.mesh = axis, mesh
+        nnx.update(block.experts, jax.device_put(nnx.state(block.experts), placed))
     return target
 
 
