@@ -356,3 +356,46 @@ def test_expert_axis_needs_its_mesh():
         nvnn.MoE(64, 32, 4, 2, expert_axis="ep", rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="expert_axis='tp' needs a jax.sharding.Mesh with that axis"):
         nvnn.expert_parallel(nvnn.MoE(64, 32, 4, 2, rngs=nnx.Rngs(0)), jax.make_mesh((1,), ("ep",)), "tp")
+
+
+_DATA_AND_EXPERT_PARALLEL = textwrap.dedent("""
+import jax, jax.numpy as jnp, numpy as np
+from flax import nnx
+import jax_nvfp4 as nv
+from jax_nvfp4 import nn as nvnn
+assert jax.device_count() == 4
+mesh = jax.make_mesh((2, 2), ("dp", "ep"))
+H, I, E, K = 128, 64, 8, 2
+x = jax.random.normal(jax.random.key(1), (4, 3, H), jnp.bfloat16)
+xs = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("dp")))
+model = nvnn.quantize_moe(nvnn.MoE(H, I, E, K, routing="renormalize_naive", rngs=nnx.Rngs(0)))
+ep = nvnn.expert_parallel(model, mesh, "ep", token_axis="dp")
+with jax.set_mesh(mesh):
+    got, (ids, w) = nnx.jit(lambda m, x: m(x, return_routing=True))(ep, xs)
+assert got.sharding.spec[0] == "dp", got.sharding
+want, (ids0, w0) = model(x, return_routing=True)
+np.testing.assert_array_equal(np.asarray(ids), np.asarray(ids0))
+xt = x.reshape(-1, H)
+logits = model.router_logits(xt)
+halves = [jax.tree_util.tree_map(lambda a: a[s], model.experts.experts()) for s in (slice(0, 4), slice(4, 8))]
+for t in (slice(0, 6), slice(6, 12)):  # each dp shard's tokens on the two expert shards
+    ref = sum(np.asarray(nv.moe(xt[t], h, router_logits=logits[t], routing="renormalize_naive", top_k=K,
+                                local_expert_offset=o), np.float32) for h, o in zip(halves, (0, 4)))
+    np.testing.assert_array_equal(np.asarray(got, np.float32).reshape(-1, H)[t],
+                                  np.asarray(jnp.asarray(ref).astype(jnp.bfloat16), np.float32))
+a, b = np.asarray(got, np.float32), np.asarray(want, np.float32)
+assert np.linalg.norm(a - b) <= 1e-2 * np.linalg.norm(b)
+for bad, match in (("ep", "must name axes of the mesh other than"), ("tp", "must name axes of the mesh other than")):
+    try:
+        nvnn.expert_parallel(model, mesh, "ep", token_axis=bad)
+        raise SystemExit(f"token_axis={bad!r} accepted")
+    except ValueError as err:
+        assert match in str(err), err
+print("ok")
+""")
+
+
+def test_expert_parallel_with_tokens_split_over_another_axis():
+    """A 2 x 2 mesh of CPU devices ("dp", "ep"): tokens split over dp, experts over ep; each device's output rows are
+    its tokens' sum over the two expert shards, bitwise; the routing is the unsplit block's."""
+    run_on_cpu_devices(_DATA_AND_EXPERT_PARALLEL, n=4)

@@ -135,12 +135,16 @@ def check_choice(value, choices, name):
         raise ValueError(f"{name} must be one of {tuple(choices)}, got {value!r}")
 
 
-def check_expert_axis(num_experts: int, expert_axis, mesh):
+def check_expert_axis(num_experts: int, expert_axis, mesh, token_axis=None):
     if not isinstance(mesh, jax.sharding.Mesh) or expert_axis not in mesh.shape:
         raise ValueError(f"expert_axis={expert_axis!r} needs a jax.sharding.Mesh with that axis as mesh, got {mesh!r}")
     if num_experts % mesh.shape[expert_axis]:
         raise ValueError(f"num_experts={num_experts} must be a multiple of the {mesh.shape[expert_axis]} devices "
                          f"of mesh axis {expert_axis!r}")
+    tokens = () if token_axis is None else (token_axis,) if isinstance(token_axis, str) else tuple(token_axis)
+    if any(a not in mesh.shape or a == expert_axis for a in tokens):
+        raise ValueError(f"token_axis={token_axis!r} must name axes of the mesh other than expert_axis "
+                         f"{expert_axis!r}; the mesh has {tuple(mesh.shape)}")
 
 
 class MoE(nnx.Module):
@@ -173,12 +177,17 @@ class MoE(nnx.Module):
         Expert parallelism: the name of an axis of ``mesh`` along which the experts are sharded
         (``E % mesh.shape[expert_axis] == 0``). The experts then run in ``jax.shard_map`` over ``mesh``,
         each device on its own experts (global ids from ``lax.axis_index``), and their outputs are summed
-        (``psum`` in float32); ``x``, the router and the output are replicated over the mesh. Without it,
+        (``psum`` in float32); ``x``, the router and the output are replicated over the mesh, but for
+        ``token_axis``. Without it,
         under ``jit`` with experts sharded by a ``NamedSharding``, the ffi custom calls would gather
         every expert onto every device. :func:`~jax_nvfp4.nn.expert_parallel` sets it on every block of a
         model and places the experts along the axis.
     mesh : jax.sharding.Mesh, optional
         The mesh of ``expert_axis`` (required with it).
+    token_axis : str or tuple of str, optional
+        With ``expert_axis``: mesh axes (not ``expert_axis``) along which the tokens are split, data
+        parallel: each device runs its tokens (``x``'s flattened leading axes, in order) on its experts, and
+        the sum runs over ``expert_axis`` only.
     param_dtype : dtype of the router and bf16 expert parameters (bfloat16)
     rngs : nnx.Rngs
 
@@ -194,6 +203,7 @@ class MoE(nnx.Module):
                  backend: str = "auto", batch_invariant: bool = False, router_bias: bool = False,
                  n_group: int | None = None, topk_group: int | None = None, routed_scaling_factor: float = 1.0,
                  expert_axis: str | None = None, mesh: jax.sharding.Mesh | None = None,
+                 token_axis: str | tuple[str, ...] | None = None,
                  param_dtype=jnp.bfloat16, rngs: nnx.Rngs):
         check_choice(routing, ROUTING_METHODS, "routing")
         activations.check(activation)
@@ -204,8 +214,11 @@ class MoE(nnx.Module):
         if routing == "deepseek_v3" and not router_bias:
             raise ValueError("routing 'deepseek_v3' needs router_bias=True (the score correction bias)")
         if expert_axis is not None:
-            check_expert_axis(num_experts, expert_axis, mesh)
-        self.expert_axis, self.mesh = expert_axis, mesh
+            check_expert_axis(num_experts, expert_axis, mesh, token_axis)
+        elif token_axis is not None:
+            raise ValueError("token_axis applies with expert_axis (expert parallelism); without it the block "
+                             "runs under jit as any other layer")
+        self.expert_axis, self.mesh, self.token_axis = expert_axis, mesh, token_axis
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.num_experts, self.top_k = num_experts, top_k
         self.routing, self.activation, self.mode, self.backend = routing, activation, mode, backend
@@ -265,7 +278,7 @@ class MoE(nnx.Module):
                            n_group=self.n_group, topk_group=self.topk_group,
                            routed_scaling_factor=self.routed_scaling_factor, return_routing=True,
                            local_expert_offset=offset, **common)
-            out, (ids, w) = self._over_experts(layer, xt, experts, logits, bias)
+            out, (ids, w) = self._over_experts(layer, xt, experts, (logits,), (bias,))
         else:
             if topk_ids.shape[:-1] != lead:
                 raise ValueError(f"topk_ids must have shape {lead + (topk_ids.shape[-1],)} (x's leading "
@@ -276,29 +289,41 @@ class MoE(nnx.Module):
 
             def layer(xt, experts, ids, w, offset=0):
                 return moe(xt, experts, topk_ids=ids, topk_weights=w, local_expert_offset=offset, **common), None
-            out, _ = self._over_experts(layer, xt, experts, ids, w)
+            out, _ = self._over_experts(layer, xt, experts, (ids, w), ())
         out = out.reshape(x.shape).astype(x.dtype)
         if return_routing:
             k = ids.shape[-1]
             return out, (ids.reshape(lead + (k,)), w.reshape(lead + (k,)))
         return out
 
-    def _over_experts(self, layer, xt, experts, *args):
-        """``layer(xt, experts, *args, offset) -> (out bf16 [T, H], rest)`` on all the experts, or with
-        ``expert_axis`` in ``jax.shard_map`` on each device's experts, the outputs summed over the axis
-        (``rest``, the routing, is the same on every device)."""
+    def _over_experts(self, layer, xt, experts, per_token, shared):
+        """``layer(xt, experts, *per_token, *shared, offset) -> (out bf16 [T, H], rest)`` on all the experts,
+        or with ``expert_axis`` in ``jax.shard_map`` on each device's experts, the outputs summed over the
+        axis; ``xt``, ``per_token`` (``[T, ...]``) and ``rest`` split along ``token_axis`` when set, ``shared``
+        replicated."""
         if self.expert_axis is None:
-            return layer(xt, experts, *args)
+            return layer(xt, experts, *per_token, *shared)
         axis, spec = self.expert_axis, jax.sharding.PartitionSpec
+        tok = spec(self.token_axis) if self.token_axis else spec()
+        if self.token_axis and xt.shape[0] % _axes_size(self.mesh, self.token_axis):
+            raise ValueError(f"the {xt.shape[0]} tokens do not split evenly over mesh axes {self.token_axis!r} "
+                             f"({_axes_size(self.mesh, self.token_axis)} devices)")
 
         def local(xt, experts, *args):  # this device's E / n experts, global ids from the axis index
             out, rest = layer(xt, experts, *args, jax.lax.axis_index(axis) * experts.num_experts)
             return jax.lax.psum(out.astype(jnp.float32), axis), rest
 
-        f = jax.shard_map(local, mesh=self.mesh, in_specs=(spec(), spec(axis)) + (spec(),) * len(args),
-                          out_specs=spec())
-        out, rest = f(xt, experts, *args)
+        f = jax.shard_map(local, mesh=self.mesh, in_specs=(tok, spec(axis)) + (tok,) * len(per_token)
+                          + (spec(),) * len(shared), out_specs=tok)
+        out, rest = f(xt, experts, *per_token, *shared)
         return out.astype(jnp.bfloat16), rest
+
+
+def _axes_size(mesh, axes) -> int:
+    n = 1
+    for a in (axes,) if isinstance(axes, str) else axes:
+        n *= mesh.shape[a]
+    return n
 
 
 def replay_weights(router_logits, topk_ids, routing: str, *, bias=None, routed_scaling_factor=1.0):

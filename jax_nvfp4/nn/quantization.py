@@ -164,7 +164,7 @@ def set_moe_options(model, *, mode: str | None = None, backend: str | None = Non
     return target
 
 
-def expert_parallel(model, mesh: jax.sharding.Mesh, axis: str = "ep", *, inplace: bool = False):
+def expert_parallel(model, mesh: jax.sharding.Mesh, axis: str = "ep", *, token_axis=None, inplace: bool = False):
     """Run every :class:`MoE` block of ``model`` with its experts split over ``axis`` of ``mesh`` (a copy
     unless ``inplace``).
 
@@ -172,7 +172,8 @@ def expert_parallel(model, mesh: jax.sharding.Mesh, axis: str = "ep", *, inplace
     its ``E / mesh.shape[axis]`` experts, the outputs summed over the axis) and its expert stacks, bf16 or
     NVFP4, are placed along the axis (``NamedSharding(mesh, P(axis))`` on their leading E axis): each device
     holds its own experts only. Everything else stays where it is (``x``, the router and the output are
-    replicated over ``axis``). Call it after :func:`quantize_moe` / :func:`load_experts`, which make new
+    replicated over ``axis``; with ``token_axis``, mesh axes of data parallelism, the tokens are split along them:
+    :class:`MoE`'s ``token_axis``). Call it after :func:`quantize_moe` / :func:`load_experts`, which make new
     expert arrays. On a mesh of ``Explicit`` axes (``jax.make_mesh``'s default in jax 0.12) run the model
     under ``jax.set_mesh(mesh)``: the blocks' outputs are typed on the mesh, and a model's other arrays
     (e.g. a KV cache) must be too. Tested on two CPU devices (``tests/test_nn.py``): blocks bitwise the sum of
@@ -183,10 +184,10 @@ def expert_parallel(model, mesh: jax.sharding.Mesh, axis: str = "ep", *, inplace
     if not blocks:
         raise ValueError(f"model ({type(model).__name__}) has no jax_nvfp4.nn.MoE block")
     for block in blocks.values():
-        check_expert_axis(block.num_experts, axis, mesh)
+        check_expert_axis(block.num_experts, axis, mesh, token_axis)
     placed = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(axis))
     for block in blocks.values():
-        block.expert_axis, block.mesh = axis, mesh
+        block.expert_axis, block.mesh, block.token_axis = axis, mesh, token_axis
         nnx.update(block.experts, jax.device_put(nnx.state(block.experts), placed))
     return target
 
