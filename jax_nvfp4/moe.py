@@ -129,7 +129,7 @@ def moe(x, experts, *, router_logits=None, routing: str = "softmax_topk", top_k:
         Global id of local expert 0 (expert parallelism): only ids in
         ``[local_expert_offset, local_expert_offset + E)`` contribute; summing the outputs of
         all shards gives the full layer. A traced offset (``lax.axis_index(axis) * E`` inside
-        ``jax.shard_map``) runs on backends ``ffi`` and ``xla``; ``flashinfer`` needs an int.
+        ``jax.shard_map``) runs on every backend (``flashinfer`` then routes in JAX, not in its kernel).
     backend : str (static)
         ``"auto"`` (best available, see :func:`jax_nvfp4.backends.base.select`) or a registered
         name such as ``"xla"``.

@@ -481,6 +481,29 @@ def test_expert_parallel_padding_and_foreign_ids(fake_flashinfer, kernel):
     assert ids_seen.min() >= 0 and kw.get("local_expert_offset") == 4
 
 
+@pytest.mark.parametrize("kernel", fp.KERNELS)
+@pytest.mark.parametrize("routed", [False, True])
+def test_traced_offset_moves_the_ids_into_the_shard(fake_flashinfer, kernel, routed):
+    """A traced local_expert_offset (shard_map's axis_index): the kernels get this shard's ids and offset 0
+    (other shards' experts at the sentinel), the same layer as the int offset; routing from logits too."""
+    ex = make_experts(16, e=8, h=128, inter=64)
+    x, logits = _inputs(16)
+    mode = "w4a4" if kernel == "trtllm" else "w4a16"
+    sub = nv.prepare_flashinfer_weights(jax.tree_util.tree_map(lambda a: a[4:8], ex), kernel)
+    ids, w = nv.route(logits, "renormalize", top_k=2)
+    kw = dict(router_logits=logits, routing="renormalize", top_k=2) if routed else dict(topk_ids=ids, topk_weights=w)
+    want = nv.moe(x, sub, mode=mode, local_expert_offset=4, **kw)
+    got = jax.block_until_ready(jax.jit(lambda o: nv.moe(x, sub, mode=mode, local_expert_offset=o, **kw))(jnp.int32(4)))
+    args = fake_flashinfer.calls[-1][1]
+    if routed and kernel == "trtllm":  # the int offset routed in-kernel (bf16 weights), the traced one in JAX
+        assert args["routing_input_mode"] == fb.ROUTING_INPUT_MODE["UnpackedPrecomputed"]
+        assert relerr(got, want) < W4A4_TOL
+    else:
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    seen = np.asarray(fake.to_numpy(args.get("token_selected_experts", args.get("topk_ids"))))
+    assert args.get("local_expert_offset") == 0 and seen.max() <= 4  # 0-3 this shard's, 4 the sentinel
+
+
 @pytest.mark.parametrize("name", golden_names("moe_"))
 def test_golden_moe_through_cutedsl(fake_host, name):
     """FlashInfer's reference W4A16 MoE (golden) through prepared weights and the CuTe DSL call."""
@@ -598,7 +621,7 @@ def test_software_checks(monkeypatch):
     assert base.get("flashinfer").unavailable_reason() is None
     assert base.select("auto", _problem()).name == "flashinfer"
     assert base.select("auto", _problem(mode="bf16")).name != "flashinfer"
-    assert base.select("auto", _problem(traced_offset=True)).name == "ffi"  # (shard_map's axis_index offset)
+    assert base.select("auto", _problem(traced_offset=True)).name == "flashinfer"  # (shard_map's axis_index)
 
 
 @pytest.mark.parametrize("problem, kernel, match", [
@@ -609,7 +632,6 @@ def test_software_checks(monkeypatch):
     (_problem(inter=32), "cutedsl", "I % 64"),
     (_problem(k=33), "auto", "top_k <= 32"),
     (_problem(global_e=1024), "auto", "at most 512 experts"),
-    (_problem(traced_offset=True), "auto", "local_expert_offset as a Python int, not a traced one"),
 ])
 def test_unsupported_problems(problem, kernel, match):
     assert re.search(match, fb.FlashInferBackend(kernel).unsupported_reason(problem))
@@ -636,8 +658,6 @@ def test_prepared_weights_errors():
         nv.moe(x, p, router_logits=logits, top_k=2, mode="w4a16")
     with pytest.raises(ValueError, match="does not run activation 'geglu'"):
         nv.moe(x, p, router_logits=logits, top_k=2, activation="geglu")
-    with pytest.raises(ValueError, match="backend='flashinfer' cannot run this MoE"):
-        nv.moe(x, p, router_logits=logits, top_k=2, local_expert_offset=jnp.int32(0))
     with pytest.raises(ValueError, match="in-kernel .* takes no bias"):
         fb.flashinfer_moe_from_logits(x, p, logits, routing="renormalize", top_k=2, bias=jnp.zeros(8))
 

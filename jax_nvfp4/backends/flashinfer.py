@@ -39,6 +39,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ..formats import NVFP4Experts
 from ..quantize import quantize
@@ -958,8 +959,6 @@ class FlashInferBackend:
             return f"the kernels' routing handles at most {MAX_EXPERTS} experts, got {bound}"
         if problem.tokens * problem.top_k >= 2 ** 31:
             return f"T * k = {problem.tokens * problem.top_k} must be < 2^31"
-        if getattr(problem, "traced_offset", False):
-            return "the kernels take local_expert_offset as a Python int, not a traced one"
         return None
 
     # -- calls
@@ -972,16 +971,22 @@ class FlashInferBackend:
         return _prepared_for(experts, self.kernel_for(problem))
 
     def __call__(self, x, experts, topk_ids, topk_weights, *, problem: base.MoEProblem,
-                 local_expert_offset: int):
+                 local_expert_offset):
         w = self._weights(experts, problem)
+        num_experts = getattr(problem, "global_experts", None)
+        if not isinstance(local_expert_offset, (int, np.integer)):
+            # A traced offset (shard_map's axis_index): the kernels take an int, so the ids move into this
+            # shard's space (other shards' experts fall outside it, to the sentinel) and the offset becomes 0.
+            ids = topk_ids.astype(jnp.int32)
+            topk_ids = jnp.where(ids < 0, -1, ids - jnp.asarray(local_expert_offset, jnp.int32))
+            local_expert_offset, num_experts = 0, None
         return flashinfer_moe(x, w, topk_ids, topk_weights, mode=problem.mode, activation=problem.activation,
-                              local_expert_offset=local_expert_offset,
-                              num_experts=getattr(problem, "global_experts", None), **self.options)
+                              local_expert_offset=local_expert_offset, num_experts=num_experts, **self.options)
 
     def moe_from_logits(self, x, experts, router_logits, *, routing, top_k, bias, n_group, topk_group,
                         routed_scaling_factor, problem: base.MoEProblem, local_expert_offset: int):
-        """Route in-kernel when that applies (trtllm weights, a method it implements); else None."""
-        if not self.route_in_kernel or problem.mode != "w4a4":
+        """Route in-kernel when that applies (trtllm weights, a method it implements, an int offset); else None."""
+        if not (self.route_in_kernel and problem.mode == "w4a4" and isinstance(local_expert_offset, (int, np.integer))):
             return None
         if isinstance(experts, PreparedWeights):
             if experts.kernel != "trtllm":
