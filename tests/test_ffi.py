@@ -685,6 +685,33 @@ def test_moe_in_shard_map_over_an_expert_axis():
     run_on_cpu_devices(_SHARD_MAP_EP)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", MODES)
+def test_gpu_moe_in_shard_map_over_two_gpus(mode):
+    """The shard_map recipe on two GPUs (the ffi kernels on each): bitwise the sum of the two shards' layers run on
+    one GPU. Skipped with fewer than two GPUs."""
+    gpus = [d for d in jax.devices() if d.platform == "gpu"]
+    if len(gpus) < 2:
+        pytest.skip("needs two GPUs")
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    ex = nv.to_blocked_experts(make_experts(41, 8, 1024, 512))
+    x = make_x(41, 48, 1024)
+    logits = jnp.asarray(np.random.default_rng(41).standard_normal((48, 8)), jnp.float32)
+    mesh = jax.sharding.Mesh(np.array(gpus[:2]), ("ep",))
+
+    def shard(x, ex, logits):
+        y = nv.moe(x, ex, router_logits=logits, top_k=2, mode=mode, local_expert_offset=jax.lax.axis_index("ep") * 4)
+        return jax.lax.psum(y.astype(jnp.float32), "ep")
+
+    args = [jax.device_put(v, NamedSharding(mesh, spec)) for v, spec in ((x, P()), (ex, P("ep")), (logits, P()))]
+    f = jax.jit(jax.shard_map(shard, mesh=mesh, in_specs=(P(), P("ep"), P()), out_specs=P()))
+    assert ops.TARGET_GEMM in f.lower(*args).as_text()
+    halves = [jax.tree_util.tree_map(lambda a: a[s], ex) for s in (slice(0, 4), slice(4, 8))]
+    want = sum(f32(nv.moe(x, h, router_logits=logits, top_k=2, mode=mode, local_expert_offset=o, backend="ffi"))
+               for h, o in zip(halves, (0, 4)))
+    np.testing.assert_array_equal(f32(f(*args)), want)
+
+
 def test_deterministic_and_jit_equals_eager(experts_cpu):
     ex = experts_cpu[(8, True)]
     x = make_x(2, 50, 64)
