@@ -12,8 +12,8 @@ Per shape and token count, from the run's own rows (``ffi`` in w4a16 and w4a4, `
   the byte floor, no kernel can);
 - w4a4 within 1.3x of w4a16.
 
-Prints a markdown table, then each target not met. The floors use the run's ``hbm_bytes_per_s`` and
-``bf16_flop_per_s``.
+Prints a markdown table, then each target not met (a row that failed or was skipped counts as not met). The
+floors use the run's ``hbm_bytes_per_s`` and ``bf16_flop_per_s``.
 """
 
 from __future__ import annotations
@@ -34,17 +34,20 @@ def decode_target_us(floor_nvfp4_us: float) -> float:
     return 1.5 * floor_nvfp4_us + 10.0
 
 
+_KINDS = {("ffi", "w4a16"): "w4a16", ("ffi", "w4a4"): "w4a4", (BASELINE, "bf16"): "ragged"}
+
+
 def _rows(results):
-    """(shape, tokens) -> {"row": common fields, "w4a16"/"w4a4"/"ragged"/"xla": median us}."""
+    """(shape, tokens) -> {"row": common fields, "w4a16"/"w4a4"/"ragged": median us, "failed": [kind: why]}."""
     out = {}
     for r in results:
-        if "median_us" not in r:
-            continue
-        kind = {("ffi", "w4a16"): "w4a16", ("ffi", "w4a4"): "w4a4", (BASELINE, "bf16"): "ragged",
-                ("xla", "w4a16"): "xla"}.get((r.get("backend"), r.get("mode")))
+        kind = _KINDS.get((r.get("backend"), r.get("mode")))
         if kind:
-            entry = out.setdefault((r["shape"], r["tokens"]), {"row": r})
-            entry[kind] = r["median_us"]
+            entry = out.setdefault((r["shape"], r["tokens"]), {"row": r, "failed": []})
+            if "median_us" in r:
+                entry[kind] = r["median_us"]
+            else:  # an error or a skip: its target cannot count as met
+                entry["failed"].append(f"{kind} {r.get('error') or r.get('skipped') or 'not timed'}")
     return out
 
 
@@ -60,6 +63,7 @@ def evaluate(run: dict) -> tuple[list[str], list[str]]:
         r, us = e["row"], e.get("w4a16")
         floor = r["floor_nvfp4_bytes_us"]
         where = f"{shape} T={t}"
+        unmet += [f"{where}: {why}" for why in e["failed"]]
         target = met = tflops = None
         if us is not None and t <= DECODE_MAX_TOKENS:
             target = decode_target_us(floor)

@@ -41,6 +41,7 @@ from jax import lax
 from . import _exact
 from .formats import BLOCKED_BIT_POS, NVFP4Array, NVFP4Experts, dequantize, from_blocked_weights
 from .quantize import quantize
+from .routing import shard_ids
 
 try:
     from . import _ffi
@@ -1028,10 +1029,8 @@ def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str =
     topk_ids = jnp.asarray(topk_ids).astype(jnp.int32)
     if isinstance(local_expert_offset, (int, np.integer)):
         offset = int(local_expert_offset)
-    else:  # traced: shift the ids here, keeping padding negative
-        topk_ids = jnp.where(topk_ids < 0, -1, topk_ids - jnp.asarray(local_expert_offset, jnp.int32))
-        topk_ids = jnp.where(topk_ids < 0, -1, topk_ids)
-        offset = 0
+    else:  # traced: the ids into the shard's space here
+        topk_ids, offset = shard_ids(topk_ids, local_expert_offset), 0
     if impl == "ffi":
         tile_m, kernel_flags = choose_tiles(t * k, e, experts, kernel_flags, tile_m)
     elif tile_m is None:
@@ -1197,9 +1196,7 @@ def moe(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str = "w4a16"
         raise TypeError(f"the ffi kernels need NVFP4Experts (mode 'bf16' runs on backend 'xla'), "
                         f"got {type(experts).__name__}")
     if not isinstance(local_expert_offset, (int, np.integer)):
-        ids = jnp.asarray(topk_ids).astype(jnp.int32)
-        ids = jnp.where(ids < 0, -1, ids - jnp.asarray(local_expert_offset, jnp.int32))
-        topk_ids, local_expert_offset = jnp.where(ids < 0, -1, ids), 0
+        topk_ids, local_expert_offset = shard_ids(topk_ids, local_expert_offset), 0
     if k_split is not None:
         k_split = check_k_split(k_split)
     leaves, treedef = jax.tree_util.tree_flatten(experts)

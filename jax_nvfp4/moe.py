@@ -9,6 +9,7 @@ delegated to a backend (:mod:`jax_nvfp4.backends`); ``xla`` (pure JAX) runs ever
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 
 from . import activations
 from .backends import base as _base
@@ -227,13 +228,14 @@ def moe(x, experts, *, router_logits=None, routing: str = "softmax_topk", top_k:
 
     problem = MoEProblem(tokens=t, hidden=h, intermediate=experts.intermediate_size,
                          num_experts=experts.num_experts, top_k=k, mode=mode, activation=activation,
-                         global_experts=e_global, traced_offset=not isinstance(local_expert_offset, int))
+                         global_experts=e_global,
+                         traced_offset=not isinstance(local_expert_offset, (int, np.integer)))
     if batch_invariant:
         if mode == "bf16" or backend not in ("auto", "ffi"):
             raise ValueError(f"batch_invariant=True runs on backend 'ffi' in mode 'w4a16' or 'w4a4' (its K split "
                              f"fixed to 1), got backend={backend!r}, mode={mode!r}")
         backend = "ffi"
-    impl = _base.select(backend, problem)  # (a backend that needs an int offset declines a traced one)
+    impl = _base.select(backend, problem)  # (a backend declines a traced offset it cannot run: problem.traced_offset)
     if batch_invariant:
         impl = impl.batch_invariant()
     if router_logits is not None:

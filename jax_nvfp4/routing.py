@@ -166,3 +166,12 @@ def _route(router_logits, bias, routed_scaling_factor, *, method, top_k, n_group
             w = jax.nn.sigmoid(v)
     w = w * routed_scaling_factor
     return ids.astype(jnp.int32), w.astype(jnp.float32)
+
+
+def shard_ids(topk_ids, local_expert_offset):
+    """int32 ``[T, k]`` global expert ids -> ids of the shard whose expert 0 is ``local_expert_offset`` (an int32
+    scalar, e.g. traced from ``lax.axis_index`` under ``shard_map``): ``id - offset``, and -1 (padding) for
+    padding and for the experts of earlier shards; later shards' ids stay past the shard's experts."""
+    ids = jnp.asarray(topk_ids).astype(jnp.int32)
+    offset = jnp.asarray(local_expert_offset, jnp.int32)
+    return jnp.where(ids < offset, -1, ids - offset)

@@ -294,11 +294,13 @@ def test_targets_judge_each_row_by_the_issue_thresholds():
         *rows("b", 1, 60.0, ragged=900.0, floor=40.0, bf16_floor=59.0),  # under 70 but not the bf16 floor
         *rows("b", 4096, 2000.0, ragged=30000.0, flops_us=1000.0),  # 395 TFLOP/s
         *rows("b", 256, 500.0, flops_us=200.0),                     # no target, TFLOP/s shown
-        dict(shape="b", tokens=16, backend="ffi", mode="w4a16", error="boom")])
+        dict(shape="b", tokens=16, experts_hit=8.0, floor_nvfp4_bytes_us=100.0, floor_bf16_bytes_us=356.0,
+             floor_flops_us=1.0, backend="ffi", mode="w4a16", error="boom")])  # a failed row is not met
     lines, unmet = targets.evaluate(run)
     table = {tuple(c.strip() for c in ln.split("|")[1:3]): [c.strip() for c in ln.split("|")[1:-1]]
              for ln in lines[2:]}
-    assert set(table) == {("a", "1"), ("a", "4"), ("a", "64"), ("b", "1"), ("b", "256"), ("b", "4096")}
+    assert set(table) == {("a", "1"), ("a", "4"), ("a", "64"), ("b", "1"), ("b", "16"), ("b", "256"), ("b", "4096")}
+    assert table[("b", "16")][4:7] == ["", "", ""]
     assert table[("a", "1")][5:9] == ["160.0", "yes", "200.0", "1.25"]
     assert table[("a", "4")][6] == "no" and table[("a", "64")][6] == "yes"
     assert table[("a", "64")][11] == "3.58" and table[("a", "1")][11] == ""
@@ -310,6 +312,7 @@ def test_targets_judge_each_row_by_the_issue_thresholds():
                      "a T=64: 8.0x ragged_dot; 10x is 120.0 us (the weights read at 3.58 TB/s)",
                      "a T=64: w4a4 1.31x of w4a16",
                      "b T=1: 60.0 us, not under the bf16 byte floor 59.0",
+                     "b T=16: w4a16 boom",
                      "b T=4096: 395 TFLOP/s under 400"]
     run["results"] += rows("c", 16, 300.0, ragged=900.0)  # 10x is 90 us, under the 100-us floor
     assert targets.evaluate(run)[1][-1] == "c T=16: 3.0x ragged_dot; 10x is 90.0 us (under the NVFP4 byte floor)"

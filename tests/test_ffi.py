@@ -426,6 +426,7 @@ def test_moe_batch_invariant_fixes_the_k_split():
         nv.moe(x, bf16, topk_ids=ids, topk_weights=w, batch_invariant=True)
     traced = jax.jit(lambda o: nv.moe(x, ex, topk_ids=ids, topk_weights=w, local_expert_offset=o,
                                       batch_invariant=True))
+    assert set(re.findall(r"k_split = (\d+)", traced.lower(jnp.int32(0)).as_text())) == {"1"}
     np.testing.assert_array_equal(f32(traced(jnp.int32(0))), got)
 
 

@@ -622,6 +622,7 @@ def test_software_checks(monkeypatch):
     assert base.select("auto", _problem()).name == "flashinfer"
     assert base.select("auto", _problem(mode="bf16")).name != "flashinfer"
     assert base.select("auto", _problem(traced_offset=True)).name == "flashinfer"  # (shard_map's axis_index)
+    assert base.select("auto", _problem(e=2, k=8, traced_offset=True)).name == "ffi"  # 4 experts in its space
 
 
 @pytest.mark.parametrize("problem, kernel, match", [
@@ -632,6 +633,7 @@ def test_software_checks(monkeypatch):
     (_problem(inter=32), "cutedsl", "I % 64"),
     (_problem(k=33), "auto", "top_k <= 32"),
     (_problem(global_e=1024), "auto", "at most 512 experts"),
+    (_problem(e=2, k=8, traced_offset=True), "auto", r"traced local_expert_offset .* fewer than top_k=8"),
 ])
 def test_unsupported_problems(problem, kernel, match):
     assert re.search(match, fb.FlashInferBackend(kernel).unsupported_reason(problem))

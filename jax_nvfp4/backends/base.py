@@ -48,7 +48,7 @@ class Backend(Protocol):
       ``[local_expert_offset, local_expert_offset + E)`` contribute nothing);
     - ``topk_weights`` float32 ``[T, k]``;
     - ``local_expert_offset`` a Python int, or an int32 scalar array where ``problem.traced_offset``
-      (a backend that needs an int says so in ``unsupported_reason``);
+      (a backend that cannot run a traced one there says so in ``unsupported_reason``);
     - returns bf16 ``[T, H]``.
 
     Optional: ``weight_order(hidden, intermediate)``, the :class:`~jax_nvfp4.NVFP4Array` byte

@@ -43,6 +43,7 @@ import numpy as np
 
 from ..formats import NVFP4Experts
 from ..quantize import quantize
+from ..routing import shard_ids
 from . import base
 from .flashinfer_prepare import (KERNEL_ACTIVATIONS, KERNEL_MODES, KERNELS, PreparedWeights, check_prepared,
                                  layout_unsupported_reason, prepare_weights)
@@ -957,6 +958,11 @@ class FlashInferBackend:
         bound = global_e if global_e is not None else problem.num_experts + 4
         if bound > MAX_EXPERTS:
             return f"the kernels' routing handles at most {MAX_EXPERTS} experts, got {bound}"
+        if getattr(problem, "traced_offset", False) and problem.top_k > kernel_num_experts(0, problem.num_experts, None):
+            # (__call__ runs a traced offset in the shard's own space: its experts and the sentinel)
+            return (f"with a traced local_expert_offset the kernels route over the {problem.num_experts} local "
+                    f"experts and a sentinel ({kernel_num_experts(0, problem.num_experts, None)}), fewer than "
+                    f"top_k={problem.top_k}")
         if problem.tokens * problem.top_k >= 2 ** 31:
             return f"T * k = {problem.tokens * problem.top_k} must be < 2^31"
         return None
@@ -977,9 +983,7 @@ class FlashInferBackend:
         if not isinstance(local_expert_offset, (int, np.integer)):
             # A traced offset (shard_map's axis_index): the kernels take an int, so the ids move into this
             # shard's space (other shards' experts fall outside it, to the sentinel) and the offset becomes 0.
-            ids = topk_ids.astype(jnp.int32)
-            topk_ids = jnp.where(ids < 0, -1, ids - jnp.asarray(local_expert_offset, jnp.int32))
-            local_expert_offset, num_experts = 0, None
+            topk_ids, local_expert_offset, num_experts = shard_ids(topk_ids, local_expert_offset), 0, None
         return flashinfer_moe(x, w, topk_ids, topk_weights, mode=problem.mode, activation=problem.activation,
                               local_expert_offset=local_expert_offset, num_experts=num_experts, **self.options)
 

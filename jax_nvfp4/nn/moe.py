@@ -136,8 +136,10 @@ def check_choice(value, choices, name):
 
 
 def check_expert_axis(num_experts: int, expert_axis, mesh, token_axis=None):
-    if not isinstance(mesh, jax.sharding.Mesh) or expert_axis not in mesh.shape:
-        raise ValueError(f"expert_axis={expert_axis!r} needs a jax.sharding.Mesh with that axis as mesh, got {mesh!r}")
+    if not isinstance(mesh, jax.sharding.Mesh):
+        raise ValueError(f"expert_axis={expert_axis!r} needs mesh, a jax.sharding.Mesh, got {mesh!r}")
+    if expert_axis not in mesh.shape:
+        raise ValueError(f"expert_axis={expert_axis!r} is not an axis of the mesh {tuple(mesh.shape)}")
     if num_experts % mesh.shape[expert_axis]:
         raise ValueError(f"num_experts={num_experts} must be a multiple of the {mesh.shape[expert_axis]} devices "
                          f"of mesh axis {expert_axis!r}")
@@ -177,8 +179,9 @@ class MoE(nnx.Module):
         Expert parallelism: the name of an axis of ``mesh`` along which the experts are sharded
         (``E % mesh.shape[expert_axis] == 0``). The experts then run in ``jax.shard_map`` over ``mesh``,
         each device on its own experts (global ids from ``lax.axis_index``), and their outputs are summed
-        (``psum`` in float32); ``x``, the router and the output are replicated over the mesh, but for
-        ``token_axis``. Without it,
+        (``psum`` in float32; each device's output is rounded to bf16 first, so the sum may differ from the
+        unsharded layer in its last bits); ``x``, the router and the output are replicated over the mesh,
+        but for ``token_axis``. Without it,
         under ``jit`` with experts sharded by a ``NamedSharding``, the ffi custom calls would gather
         every expert onto every device. :func:`~jax_nvfp4.nn.expert_parallel` sets it on every block of a
         model and places the experts along the axis.
@@ -299,8 +302,8 @@ class MoE(nnx.Module):
     def _over_experts(self, layer, xt, experts, per_token, shared):
         """``layer(xt, experts, *per_token, *shared, offset) -> (out bf16 [T, H], rest)`` on all the experts,
         or with ``expert_axis`` in ``jax.shard_map`` on each device's experts, the outputs summed over the
-        axis; ``xt``, ``per_token`` (``[T, ...]``) and ``rest`` split along ``token_axis`` when set, ``shared``
-        replicated."""
+        axis in float32; ``xt``, ``per_token`` (``[T, ...]``) and ``rest`` split along ``token_axis`` when set,
+        ``shared`` replicated."""
         if self.expert_axis is None:
             return layer(xt, experts, *per_token, *shared)
         axis, spec = self.expert_axis, jax.sharding.PartitionSpec
@@ -315,8 +318,7 @@ class MoE(nnx.Module):
 
         f = jax.shard_map(local, mesh=self.mesh, in_specs=(tok, spec(axis)) + (tok,) * len(per_token)
                           + (spec(),) * len(shared), out_specs=tok)
-        out, rest = f(xt, experts, *per_token, *shared)
-        return out.astype(jnp.bfloat16), rest
+        return f(xt, experts, *per_token, *shared)  # (float32: rounded once, to x's dtype)
 
 
 def _axes_size(mesh, axes) -> int:

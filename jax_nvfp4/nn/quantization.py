@@ -171,7 +171,8 @@ def expert_parallel(model, mesh: jax.sharding.Mesh, axis: str = "ep", *, token_a
     Each block's ``expert_axis`` and ``mesh`` are set (the experts run in ``jax.shard_map``, each device on
     its ``E / mesh.shape[axis]`` experts, the outputs summed over the axis) and its expert stacks, bf16 or
     NVFP4, are placed along the axis (``NamedSharding(mesh, P(axis))`` on their leading E axis): each device
-    holds its own experts only. Everything else stays where it is (``x``, the router and the output are
+    holds its own experts only. Everything else stays where it is, so it must be uncommitted (as arrays
+    made by jax operations are) or on the mesh's devices (``x``, the router and the output are
     replicated over ``axis``; with ``token_axis``, mesh axes of data parallelism, the tokens are split along them:
     :class:`MoE`'s ``token_axis``). Call it after :func:`quantize_moe` / :func:`load_experts`, which make new
     expert arrays. On a mesh of ``Explicit`` axes (``jax.make_mesh``'s default in jax 0.12) run the model
