@@ -18,6 +18,11 @@ The bf16 row measures the engine alone (cached decoding vs one teacher-forced pa
     python examples/rl_rollout.py                      # tiny random model on the CPU, seconds
     python examples/rl_rollout.py --config qwen3-30b-a3b --layers 8 --batch 64 --prompt-len 128 \\
         --new-tokens 256                               # Qwen3-30B-A3B shapes on a GPU (random weights)
+    python examples/rl_rollout.py --expert-parallel 8  # the NVFP4 rollout copy's experts split over 8 devices
+
+With ``--expert-parallel N`` the quantized rollout copy holds ``E / N`` experts of every block on each of the first
+N devices (``jax_nvfp4.nn.expert_parallel``, a mesh axis "ep") and rolls out under ``jax.set_mesh``; the bf16 policy
+stays on the default device.
 
 Weights are random (drawn on the default device); nothing is downloaded.
 """
@@ -25,6 +30,7 @@ Weights are random (drawn on the default device); nothing is downloaded.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import statistics
@@ -60,6 +66,8 @@ def parse_args(argv=None):
     p.add_argument("--recipe", default="nvfp4", choices=("nvfp4", "4over6"))
     p.add_argument("--routing-replay", action="store_true",
                    help="also score with the policy replaying the rollout's expert choices")
+    p.add_argument("--expert-parallel", type=int, default=1, metavar="N",
+                   help="split the rollout copy's experts over the first N devices (default 1: no split)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--no-progress", action="store_true")
@@ -71,6 +79,8 @@ def parse_args(argv=None):
     args.modes = modes
     if args.prompt_len < 2 or args.new_tokens < 1 or args.batch < 1 or args.iters < 1:
         p.error("--prompt-len >= 2, --new-tokens >= 1, --batch >= 1 and --iters >= 1 are required")
+    if not 1 <= args.expert_parallel <= jax.device_count():
+        p.error(f"--expert-parallel must be in [1, {jax.device_count()}] (the devices JAX sees), got {args.expert_parallel}")
     return args
 
 
@@ -123,6 +133,9 @@ def rollout_model(policy, quantized, mode):
 
 def run(args, log=print):
     cfg = nvnn.CONFIGS[args.config].replace(moe_backend=args.backend)
+    mesh = None
+    if args.expert_parallel > 1:
+        mesh = jax.make_mesh((args.expert_parallel,), ("ep",), devices=jax.devices()[:args.expert_parallel])
     if args.layers is not None:
         cfg = cfg.replace(num_hidden_layers=args.layers)
     key = jax.random.key(args.seed)
@@ -135,8 +148,12 @@ def run(args, log=print):
         f"H {cfg.hidden_size}, I {cfg.moe_intermediate_size}, vocab {cfg.vocab_size}), {_count(n_params)} bf16 "
         f"parameters, random init {time.perf_counter() - t0:.1f} s")
     log(f"rollout: batch {args.batch}, prompt {args.prompt_len}, {args.new_tokens} new tokens, "
-        f"temperature {args.temperature}, top_p {args.top_p}, modes {', '.join(args.modes)}, backend {args.backend}")
+        f"temperature {args.temperature}, top_p {args.top_p}, modes {', '.join(args.modes)}, backend {args.backend}"
+        + (f", NVFP4 experts split over {args.expert_parallel} devices" if mesh is not None else ""))
     prompts, pmask = make_prompts(jax.random.fold_in(key, 1), args.batch, args.prompt_len, cfg.vocab_size)
+    mesh_prompts = None
+    if mesh is not None:  # (on a mesh of Explicit axes a jitted call's arrays must all be on it)
+        mesh_prompts = jax.device_put((prompts, pmask), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
     p = args.prompt_len
     rows = {m: dict(times=[], tokens=0, stats=[], replay=[]) for m in args.modes}
     quant_times = []
@@ -146,16 +163,21 @@ def run(args, log=print):
             update_policy(policy, jax.random.fold_in(key, 1000 + it), args.update_scale)
         t0 = time.perf_counter()
         quantized = nvnn.quantize_moe(policy, recipe=args.recipe)
+        if mesh is not None:
+            quantized = nvnn.expert_parallel(quantized, mesh, "ep", inplace=True)
         jax.block_until_ready(nnx.state(quantized, nvnn.QuantizedWeight))
         quant_times.append(time.perf_counter() - t0)
         postfix = {}
         for mode in args.modes:
             model = rollout_model(policy, quantized, mode)
             t0 = time.perf_counter()
-            out = nvnn.generate(model, prompts, prompt_mask=pmask, key=jax.random.fold_in(key, it),
-                                max_new_tokens=args.new_tokens, temperature=args.temperature, top_p=args.top_p,
-                                return_routing=args.routing_replay)
-            jax.block_until_ready(out)
+            split = mesh is not None and mode != "bf16"
+            toks, tmask = mesh_prompts if split else (prompts, pmask)
+            with jax.set_mesh(mesh) if split else contextlib.nullcontext():
+                out = nvnn.generate(model, toks, prompt_mask=tmask, key=jax.random.fold_in(key, it),
+                                    max_new_tokens=args.new_tokens, temperature=args.temperature, top_p=args.top_p,
+                                    return_routing=args.routing_replay)
+                jax.block_until_ready(out)
             dt = time.perf_counter() - t0
             seq = jnp.concatenate([prompts, out.tokens], axis=1)
             smask = jnp.concatenate([pmask, out.mask], axis=1)
@@ -190,7 +212,8 @@ def summarize(args, cfg, rows, quant_times, log):
             res["replay_kl_k3"] = float(np.mean([s["kl_k3"] for s in r["replay"]]))
         results.append(res)
     q = statistics.median(quant_times[steady])
-    log(f"online quantization of the experts (quantize_moe): {q * 1e3:.1f} ms "
+    placed = f" and their split over {args.expert_parallel} devices" if args.expert_parallel > 1 else ""
+    log(f"online quantization of the experts (quantize_moe){placed}: {q * 1e3:.1f} ms "
         f"(first, with compilation: {quant_times[0]:.2f} s)")
     head = f"{'mode':6s} {'tokens/s':>10s} {'rollout s':>10s} {'mean|dlogp|':>12s} {'max|dlogp|':>11s} {'KL(k3)':>10s}"
     if args.routing_replay:
@@ -205,7 +228,8 @@ def summarize(args, cfg, rows, quant_times, log):
     out = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, config=args.config,
                layers=cfg.num_hidden_layers, batch=args.batch, prompt_len=args.prompt_len,
                new_tokens=args.new_tokens, iters=args.iters, temperature=args.temperature, top_p=args.top_p,
-               backend=args.backend, recipe=args.recipe, quantize_s=q, first_quantize_s=quant_times[0],
+               backend=args.backend, recipe=args.recipe, expert_parallel=args.expert_parallel, quantize_s=q,
+               first_quantize_s=quant_times[0],
                results=results)
     if args.json:
         with open(args.json, "w") as f:

@@ -176,8 +176,9 @@ def expert_parallel(model, mesh: jax.sharding.Mesh, axis: str = "ep", *, token_a
     replicated over ``axis``; with ``token_axis``, mesh axes of data parallelism, the tokens are split along them:
     :class:`MoE`'s ``token_axis``). Call it after :func:`quantize_moe` / :func:`load_experts`, which make new
     expert arrays. On a mesh of ``Explicit`` axes (``jax.make_mesh``'s default in jax 0.12) run the model
-    under ``jax.set_mesh(mesh)``: the blocks' outputs are typed on the mesh, and a model's other arrays
-    (e.g. a KV cache) must be too. Tested on two CPU devices (``tests/test_nn.py``): blocks bitwise the sum of
+    under ``jax.set_mesh(mesh)``: the blocks' outputs are typed on the mesh, and a jitted call's other arrays
+    must be too (a KV cache made inside the call is; put inputs such as a ``prompt_mask`` there with
+    ``jax.device_put(v, NamedSharding(mesh, P()))``, as ``examples/rl_rollout.py --expert-parallel`` does). Tested on two CPU devices (``tests/test_nn.py``): blocks bitwise the sum of
     their shards, a Qwen3-MoE model's jitted generation.
     """
     target = model if inplace else nnx.clone(model)
