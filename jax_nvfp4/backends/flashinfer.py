@@ -39,7 +39,6 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from ..formats import NVFP4Experts
 from ..quantize import quantize
@@ -958,11 +957,10 @@ class FlashInferBackend:
         bound = global_e if global_e is not None else problem.num_experts + 4
         if bound > MAX_EXPERTS:
             return f"the kernels' routing handles at most {MAX_EXPERTS} experts, got {bound}"
-        if getattr(problem, "traced_offset", False) and problem.top_k > kernel_num_experts(0, problem.num_experts, None):
-            # (__call__ runs a traced offset in the shard's own space: its experts and the sentinel)
+        shard_space = kernel_num_experts(0, problem.num_experts, None)  # (__call__'s space for a traced offset)
+        if getattr(problem, "traced_offset", False) and problem.top_k > shard_space:
             return (f"with a traced local_expert_offset the kernels route over the {problem.num_experts} local "
-                    f"experts and a sentinel ({kernel_num_experts(0, problem.num_experts, None)}), fewer than "
-                    f"top_k={problem.top_k}")
+                    f"experts and a sentinel ({shard_space}), fewer than top_k={problem.top_k}")
         if problem.tokens * problem.top_k >= 2 ** 31:
             return f"T * k = {problem.tokens * problem.top_k} must be < 2^31"
         return None
@@ -980,7 +978,7 @@ class FlashInferBackend:
                  local_expert_offset):
         w = self._weights(experts, problem)
         num_experts = getattr(problem, "global_experts", None)
-        if not isinstance(local_expert_offset, (int, np.integer)):
+        if getattr(problem, "traced_offset", False):
             # A traced offset (shard_map's axis_index): the kernels take an int, so the ids move into this
             # shard's space (other shards' experts fall outside it, to the sentinel) and the offset becomes 0.
             topk_ids, local_expert_offset, num_experts = shard_ids(topk_ids, local_expert_offset), 0, None
@@ -990,7 +988,7 @@ class FlashInferBackend:
     def moe_from_logits(self, x, experts, router_logits, *, routing, top_k, bias, n_group, topk_group,
                         routed_scaling_factor, problem: base.MoEProblem, local_expert_offset: int):
         """Route in-kernel when that applies (trtllm weights, a method it implements, an int offset); else None."""
-        if not (self.route_in_kernel and problem.mode == "w4a4" and isinstance(local_expert_offset, (int, np.integer))):
+        if not self.route_in_kernel or problem.mode != "w4a4" or getattr(problem, "traced_offset", False):
             return None
         if isinstance(experts, PreparedWeights):
             if experts.kernel != "trtllm":

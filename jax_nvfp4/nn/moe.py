@@ -9,6 +9,8 @@ and loading NVFP4 experts into them: :mod:`jax_nvfp4.nn.quantization`.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -143,8 +145,7 @@ def check_expert_axis(num_experts: int, expert_axis, mesh, token_axis=None):
     if num_experts % mesh.shape[expert_axis]:
         raise ValueError(f"num_experts={num_experts} must be a multiple of the {mesh.shape[expert_axis]} devices "
                          f"of mesh axis {expert_axis!r}")
-    tokens = () if token_axis is None else (token_axis,) if isinstance(token_axis, str) else tuple(token_axis)
-    if any(a not in mesh.shape or a == expert_axis for a in tokens):
+    if any(a not in mesh.shape or a == expert_axis for a in _axis_names(token_axis)):
         raise ValueError(f"token_axis={token_axis!r} must name axes of the mesh other than expert_axis "
                          f"{expert_axis!r}; the mesh has {tuple(mesh.shape)}")
 
@@ -308,9 +309,10 @@ class MoE(nnx.Module):
             return layer(xt, experts, *per_token, *shared)
         axis, spec = self.expert_axis, jax.sharding.PartitionSpec
         tok = spec(self.token_axis) if self.token_axis else spec()
-        if self.token_axis and xt.shape[0] % _axes_size(self.mesh, self.token_axis):
+        splits = math.prod(self.mesh.shape[a] for a in _axis_names(self.token_axis))
+        if xt.shape[0] % splits:
             raise ValueError(f"the {xt.shape[0]} tokens do not split evenly over mesh axes {self.token_axis!r} "
-                             f"({_axes_size(self.mesh, self.token_axis)} devices)")
+                             f"({splits} devices)")
 
         def local(xt, experts, *args):  # this device's E / n experts, global ids from the axis index
             out, rest = layer(xt, experts, *args, jax.lax.axis_index(axis) * experts.num_experts)
@@ -321,11 +323,9 @@ class MoE(nnx.Module):
         return f(xt, experts, *per_token, *shared)  # (float32: rounded once, to x's dtype)
 
 
-def _axes_size(mesh, axes) -> int:
-    n = 1
-    for a in (axes,) if isinstance(axes, str) else axes:
-        n *= mesh.shape[a]
-    return n
+def _axis_names(axes) -> tuple[str, ...]:
+    """Mesh axis names from None, one name or a tuple of them."""
+    return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
 
 
 def replay_weights(router_logits, topk_ids, routing: str, *, bias=None, routed_scaling_factor=1.0):

@@ -178,8 +178,9 @@ def expert_parallel(model, mesh: jax.sharding.Mesh, axis: str = "ep", *, token_a
     expert arrays. On a mesh of ``Explicit`` axes (``jax.make_mesh``'s default in jax 0.12) run the model
     under ``jax.set_mesh(mesh)``: the blocks' outputs are typed on the mesh, and a jitted call's other arrays
     must be too (a KV cache made inside the call is; put inputs such as a ``prompt_mask`` there with
-    ``jax.device_put(v, NamedSharding(mesh, P()))``, as ``examples/rl_rollout.py --expert-parallel`` does). Tested on two CPU devices (``tests/test_nn.py``): blocks bitwise the sum of
-    their shards, a Qwen3-MoE model's jitted generation.
+    ``jax.device_put(v, NamedSharding(mesh, P()))``, as ``examples/rl_rollout.py --expert-parallel`` does).
+    Tested on two CPU devices (``tests/test_nn.py``): blocks bitwise the sum of their shards, a Qwen3-MoE
+    model's jitted generation.
     """
     target = model if inplace else nnx.clone(model)
     blocks = moe_modules(target)
