@@ -39,6 +39,7 @@ import numpy as np
 from jax import lax
 
 from . import _exact
+from .expert_sharding import over_experts
 from .formats import BLOCKED_BIT_POS, NVFP4Array, NVFP4Experts, dequantize, from_blocked_weights
 from .quantize import quantize
 from .routing import shard_ids
@@ -1132,11 +1133,14 @@ def _moe_fn(mode: str, activation: str, offset: int, impl: str, tile_m, kernel_f
     uint8 leaves are float0, which the NVFP4 containers would refuse.
     """
 
-    def forward(x, topk_ids, topk_weights, leaves):
+    def at(x, topk_ids, topk_weights, leaves, offset):
         experts = jax.tree_util.tree_unflatten(treedef, leaves)
         return moe_forward(x, experts, topk_ids, topk_weights, mode=mode, activation=activation,
                            local_expert_offset=offset, impl=impl, tile_m=tile_m, kernel_flags=kernel_flags,
                            k_split=k_split)
+
+    # Under jit with sharded experts or tokens the kernels' work is split, not gathered (XLA splits the twin).
+    forward = over_experts(at, offset) if impl == "ffi" else functools.partial(at, offset=offset)
 
     batched = jax.custom_batching.custom_vmap(forward)
 

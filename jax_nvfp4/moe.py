@@ -157,6 +157,12 @@ def moe(x, experts, *, router_logits=None, routing: str = "softmax_topk", top_k:
     differentiable with respect to ``x`` and ``router_logits`` in modes ``bf16`` and ``w4a16``
     (weights are constants; gradients pass straight through the exact decode). ``w4a4`` rounds
     ``x`` onto the NVFP4 grid, so its gradient with respect to ``x`` is zero.
+
+    Under ``jax.jit`` with the experts sharded along E (expert parallelism) and ``x`` along T
+    (data parallelism) by ``NamedSharding`` objects, backend ``ffi`` runs each device's experts
+    on its tokens and sums the outputs over the expert axes, gathering no expert
+    (:mod:`jax_nvfp4.expert_sharding`); inside ``jax.shard_map`` pass the shard's
+    ``local_expert_offset`` instead.
     """
     activations.check(activation)
     mode = _check_experts(experts, mode, activation)

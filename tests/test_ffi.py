@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import re
 import textwrap
+import types
 
 import jax
 import jax.numpy as jnp
@@ -647,17 +648,20 @@ def test_expert_parallel_shards_sum_to_full(experts_cpu):
 
 
 # Expert parallelism as users write it (its own process: the CPU device count is fixed when JAX starts).
-_SHARD_MAP_EP = textwrap.dedent("""
-    import jax, jax.numpy as jnp, numpy as np
-    from jax.sharding import PartitionSpec as P
+# Its setup: 8 experts (H 128, I 64), 12 tokens, top-2 routing.
+_EP_SETUP = textwrap.dedent("""
+    import re, jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
     import jax_nvfp4 as nv
     from jax_nvfp4 import _ffi_ops as ops
-    assert jax.device_count() == 2, jax.devices()
     k = jax.random.split(jax.random.key(0), 4)
     ex = nv.quantize_experts(jax.random.normal(k[0], (8, 128, 128), jnp.bfloat16),
                              jax.random.normal(k[1], (8, 128, 64), jnp.bfloat16))
     x = jax.random.normal(k[2], (12, 128), jnp.bfloat16)
     logits = jax.random.normal(k[3], (12, 8), jnp.float32)
+""")
+_SHARD_MAP_EP = _EP_SETUP + textwrap.dedent("""
+    assert jax.device_count() == 2, jax.devices()
 
     def shard(x, ex, logits):  # this device's 4 experts: global ids 4 * axis_index ...
         off = jax.lax.axis_index("ep") * 4
@@ -684,6 +688,90 @@ def test_moe_in_shard_map_over_an_expert_axis():
     """nv.moe in jax.shard_map over 2 CPU devices, the experts sharded along E, each shard's offset from
     lax.axis_index (traced): it runs the ffi kernels (backend auto) and psum gives the two shards' sum, bitwise."""
     run_on_cpu_devices(_SHARD_MAP_EP)
+
+
+# Plain jit with sharded inputs (no shard_map): the expert_sharding rule splits the kernels' work.
+_JIT_SHARDED = _EP_SETUP + textwrap.dedent("""
+    assert jax.device_count() == 4, jax.devices()
+    f32 = lambda v: np.asarray(v, np.float32)
+    layer = lambda x, ex, logits: nv.moe(x, ex, router_logits=logits, top_k=2)
+    loss = lambda x, ex, logits: layer(x, ex, logits).astype(jnp.float32).sum()
+
+    def shards_summed(n):  # n expert shards, each run alone; their bf16 outputs summed in f32, rounded once
+        e = 8 // n
+        parts = [f32(nv.moe(x, jax.tree_util.tree_map(lambda a: a[s * e:(s + 1) * e], ex), router_logits=logits,
+                            top_k=2, local_expert_offset=s * e, backend="ffi")) for s in range(n)]
+        return f32(jnp.asarray(sum(parts), jnp.bfloat16))
+
+    grad = f32(jax.grad(loss)(x, ex, logits))
+    cases = [(("dp", "ep"), P("dp"), P("ep"), 2),      # data x expert parallel
+             (("a", "b"), P(), P(("a", "b")), 4),      # experts over both axes: ids from axis_index(("a", "b"))
+             (("dp", "ep"), P(("dp", "ep")), P("ep"), 2),  # tokens also on the expert axis: gathered over it
+             (("dp", "ep"), P("dp"), P(), 1)]          # data parallel only
+    for types in ((AxisType.Auto,) * 2, (AxisType.Explicit,) * 2):
+        for axes, x_spec, ex_spec, n in cases:
+            mesh = jax.make_mesh((2, 2), axes, axis_types=types)
+            put = lambda v, spec: jax.device_put(v, NamedSharding(mesh, spec))
+            args = put(x, x_spec), put(ex, ex_spec), put(logits, x_spec)
+            hlo = jax.jit(layer).lower(*args).compile().as_text()
+            gathered = re.findall(r"= (\\w+)\\[[^]]*\\][^=]* all-gather(?:-start)?\\(", hlo)
+            assert not [g for g in gathered if g in ("u8", "f8e4m3fn")], (axes, ex_spec, gathered)  # no expert bytes
+            assert ("all-reduce" in hlo) == (n > 1), (axes, ex_spec)
+            out = jax.jit(layer)(*args)
+            assert out.sharding.spec == x_spec or (x_spec == P() and out.sharding.is_fully_replicated), out.sharding
+            np.testing.assert_array_equal(f32(out), shards_summed(n), err_msg=str((types, axes, x_spec, ex_spec)))
+            twice = jax.jit(lambda x, ex, logits: jax.lax.scan(  # in a loop, as in a decode loop
+                lambda h, _: (layer(h, ex, logits), None), x, length=2)[0])(*args)
+            np.testing.assert_array_equal(f32(twice), f32(jax.jit(layer)(out, args[1], args[2])))
+            if types[0] == AxisType.Auto:  # (the pure-JAX backward does not trace on Explicit axes)
+                g = f32(jax.jit(jax.grad(loss))(*args))
+                assert np.linalg.norm(g - grad) <= 1e-3 * np.linalg.norm(grad), (axes, ex_spec)
+
+        # shard_map over "ep" only, "dp" left to the partitioner: the kernels run as one op on it.
+        mesh = jax.make_mesh((2, 2), ("dp", "ep"), axis_types=types)
+        put = lambda v, spec: jax.device_put(v, NamedSharding(mesh, spec))
+        def ep_layer(x, ex, logits):
+            y = nv.moe(x, ex, router_logits=logits, top_k=2, local_expert_offset=jax.lax.axis_index("ep") * 4)
+            return jax.lax.psum(y.astype(jnp.float32), "ep").astype(jnp.bfloat16)
+        with jax.set_mesh(mesh):
+            f = jax.jit(jax.shard_map(ep_layer, in_specs=(P(), P("ep"), P()), out_specs=P(), axis_names={"ep"}))
+            np.testing.assert_array_equal(f32(f(put(x, P("dp")), put(ex, P("ep")), put(logits, P("dp")))),
+                                          shards_summed(2))
+    print("ok")
+""")
+
+
+def test_moe_under_jit_with_sharded_experts_and_tokens():
+    """Plain jax.jit over 4 CPU devices, experts sharded along E and/or tokens along T by NamedShardings (Auto and
+    Explicit mesh axes): no expert bytes are gathered, the output keeps x's sharding and equals the sum of the
+    expert shards run alone, bitwise; gradients match one device's; shard_map over part of the mesh still runs."""
+    run_on_cpu_devices(_JIT_SHARDED, n=4)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_moe_traces_without_constants_for_the_partitioning(monkeypatch, mode):
+    """The ffi forward's trace holds no constants (a custom partitioning refuses them: expert_sharding would run
+    it unsplit) at decode and prefill sizes, including the sm_90a branches, traced here as on an H200."""
+    monkeypatch.setattr(ops, "_cuda_devices", lambda: [types.SimpleNamespace(compute_capability="9.0")])
+    monkeypatch.setattr(ops, "build_info", lambda: {"cuda_archs": ["sm_90a"]})
+    ex = nv.to_blocked_experts(make_experts(5, 8, 256, 256))
+    leaves, treedef = jax.tree_util.tree_flatten(ex)
+    assert ops.wgmma_tiles(ex)
+    for t in (1, 8, 64, 512, 4096):
+        x, (ids, w) = make_x(5, t, 256), make_routing(5, t, 4, 8)
+        for flags in (0, ops.KernelFlag.ROWS96, ops.KernelFlag.NO_WGMMA):
+            jaxpr = jax.make_jaxpr(lambda x, i, w, l: ops.moe_forward(
+                x, jax.tree_util.tree_unflatten(treedef, l), i, w, mode=mode, kernel_flags=int(flags)))(x, ids, w, leaves)
+            assert not jaxpr.consts, (t, flags, [c.shape for c in jaxpr.consts])
+
+
+def test_moe_on_one_device_lowers_without_a_partitioning_call():
+    """On one device the expert_sharding rule leaves the lowered module as it was: the kernels, no custom
+    partitioning call."""
+    ex = make_experts(3, 4, 64, 32)
+    x, ids, w = make_x(3, 5, 64), jnp.zeros((5, 2), jnp.int32), jnp.ones((5, 2), jnp.float32)
+    hlo = jax.jit(lambda x, ex: ops.moe(x, ex, ids, w)).lower(x, ex).as_text()
+    assert ops.TARGET_GEMM in hlo and "CustomSPMDPartitioning" not in hlo
 
 
 @pytest.mark.gpu

@@ -1,0 +1,110 @@
+"""How the expert computation splits over devices under plain ``jax.jit`` (GSPMD / Shardy partitioning).
+
+XLA cannot split a custom call: without a rule it gathers every operand of the ffi kernels onto every device, so
+each device would hold and read all the experts. :func:`over_experts` gives the expert computation a
+``custom_partitioning`` rule instead:
+
+- experts sharded along E over some mesh axes run as expert parallelism: each device runs its own experts (global
+  ids from the axis index) and the outputs are summed over those axes in float32 (``psum``), then rounded to the
+  output dtype, as ``jax_nvfp4.nn.MoE(expert_axis=...)`` does in ``shard_map``;
+- tokens sharded along T over other axes run as data parallelism: each device its own tokens;
+- every other dimension is replicated (the partitioner gathers it if it was sharded).
+
+On one device and inside ``shard_map`` the function runs as it is.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+from .routing import shard_ids
+
+
+def _lead_axes(arg) -> tuple[str, ...]:
+    """The mesh axes that split ``arg``'s first dimension (none unless its sharding is a NamedSharding)."""
+    sharding = getattr(arg, "sharding", None)
+    if not isinstance(sharding, NamedSharding) or not len(sharding.spec):
+        return ()
+    entry = sharding.spec[0]
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
+
+
+def _in_shard_map() -> bool:
+    """Inside ``shard_map``, where the caller has split the work already. (With some axes left automatic, jax
+    0.12 cannot lower a custom partitioning on Explicit axes: 'No registered implementation for untyped custom
+    call to Sharding'; those axes then see the kernels as one replicated op, as without this module.)"""
+    return any(t == AxisType.Manual for t in jax.sharding.get_abstract_mesh().axis_types)
+
+
+def plan(mesh, x, leaves) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``(expert_axes, token_axes)``: the axes that split the experts' E (those of ``leaves[0]``, the GEMM1
+    codes) and the axes that split ``x``'s T, less the expert axes; each empty unless it divides its dimension."""
+    size = lambda axes: math.prod(mesh.shape[a] for a in axes)  # noqa: E731
+    ep = _lead_axes(leaves[0])
+    if leaves[0].shape[0] % size(ep):
+        ep = ()
+    tok = tuple(a for a in _lead_axes(x) if a not in ep)
+    if x.shape[0] % size(tok):
+        tok = ()
+    return ep, tok
+
+
+def _sharding_rule(ranks: tuple[int, ...]):
+    """Shardy's rule: T passes through from x, ids and weights to the output; E (every leaf's first dimension) is
+    reduced over; the rest must stay whole."""
+    leaves = [["e"] + [f"l{i}d{j}" for j in range(1, r)] for i, r in enumerate(ranks)]
+    operands = ["t h", "t k", "t k"] + [" ".join(f) for f in leaves]
+    whole = ("h", "k") + tuple(f for fs in leaves for f in fs[1:])
+    return ", ".join(operands) + " -> t h", whole
+
+
+def over_experts(forward, offset: int):
+    """``forward(x, topk_ids, topk_weights, leaves, offset)`` (x ``[T, H]``, ids and weights ``[T, k]``, ``leaves``
+    the experts' flat leaves, each ``[E, ...]``, ``offset`` the static global id of expert 0) as
+    ``f(x, topk_ids, topk_weights, leaves)`` at ``offset``, partitioned over experts and tokens (module docstring)."""
+
+    def partition(mesh, arg_shapes, result_shape):
+        x, _, _, leaves = arg_shapes
+        ep, tok = plan(mesh, x, leaves)
+        e_local = leaves[0].shape[0] // math.prod(mesh.shape[a] for a in ep)
+        rows = NamedSharding(mesh, P(tok or None, None))
+        in_shardings = (rows, rows, rows,
+                        tuple(NamedSharding(mesh, P(ep or None, *(None,) * (len(v.shape) - 1))) for v in leaves))
+
+        def shard(x, topk_ids, topk_weights, leaves):
+            if not ep:
+                return forward(x, topk_ids, topk_weights, leaves, offset)
+            first = offset + jax.lax.axis_index(ep) * e_local  # this device's expert 0
+            out = forward(x, shard_ids(topk_ids, first), topk_weights, leaves, 0)
+            return jax.lax.psum(out.astype(jnp.float32), ep).astype(out.dtype)
+
+        return mesh, shard, rows, in_shardings
+
+    @functools.lru_cache(maxsize=None)
+    def for_ranks(ranks):
+        @custom_partitioning
+        def f(x, topk_ids, topk_weights, leaves):
+            return forward(x, topk_ids, topk_weights, leaves, offset)
+
+        rule, whole = _sharding_rule(ranks)
+        f.def_partition(partition, sharding_rule=rule, reduction_factors=("e",), need_replication_factors=whole)
+        return f
+
+    def f(x, topk_ids, topk_weights, leaves):
+        args = (x, topk_ids, topk_weights, tuple(leaves))
+        at = lambda *a: forward(*a, offset)  # noqa: E731
+        # A custom partitioning may not hold constants: a forward whose trace has some (e.g. the pure-JAX
+        # quantizer's tables, KernelFlag.JAX_QUANT) runs unsplit, as it would without this module.
+        if jax.device_count() == 1 or _in_shard_map() or jax.make_jaxpr(at)(*args).consts:
+            return at(*args)
+        return for_ranks(tuple(v.ndim for v in leaves))(*args)
+
+    return f
