@@ -10,7 +10,8 @@ each device would hold and read all the experts. :func:`over_experts` gives the 
 - tokens sharded along T over other axes run as data parallelism: each device its own tokens;
 - every other dimension is replicated (the partitioner gathers it if it was sharded).
 
-On one device and inside ``shard_map`` the function runs as it is.
+On one device and inside ``shard_map`` the function runs as it is. The kernels' tiles are those chosen for the
+whole batch (its rows per expert), not for one device's share of the tokens.
 """
 
 from __future__ import annotations
@@ -79,12 +80,18 @@ def over_experts(forward, offset: int):
         in_shardings = (rows, rows, rows,
                         tuple(NamedSharding(mesh, P(ep or None, *(None,) * (len(v.shape) - 1))) for v in leaves))
 
+        # Each device's function sees every mesh axis as manual, as in shard_map (under jax.set_mesh, an
+        # ambient mesh of Explicit axes would leave sharding annotations in it that nothing lowers).
+        manual = jax.sharding.AbstractMesh(tuple(mesh.shape.values()), tuple(mesh.shape),
+                                           axis_types=(AxisType.Manual,) * len(mesh.shape))
+
         def shard(x, topk_ids, topk_weights, leaves):
-            if not ep:
-                return forward(x, topk_ids, topk_weights, leaves, offset)
-            first = offset + jax.lax.axis_index(ep) * e_local  # this device's expert 0
-            out = forward(x, shard_ids(topk_ids, first), topk_weights, leaves, 0)
-            return jax.lax.psum(out.astype(jnp.float32), ep).astype(out.dtype)
+            with jax.sharding.use_abstract_mesh(manual):
+                if not ep:
+                    return forward(x, topk_ids, topk_weights, leaves, offset)
+                first = offset + jax.lax.axis_index(ep) * e_local  # this device's expert 0
+                out = forward(x, shard_ids(topk_ids, first), topk_weights, leaves, 0)
+                return jax.lax.psum(out.astype(jnp.float32), ep).astype(out.dtype)
 
         return mesh, shard, rows, in_shardings
 

@@ -336,6 +336,18 @@ a = gen(lm)
 with jax.set_mesh(mesh):
     b = gen(nvnn.expert_parallel(lm, mesh, "ep"))
 assert b.tokens.shape == a.tokens.shape and (np.asarray(b.routing) == np.asarray(a.routing)).mean() > 0.9
+# Or the experts only placed along "ep" (no expert_parallel): plain jit splits the ffi kernels by their
+# partitioning rule (jax_nvfp4.expert_sharding), the same sums as shard_map's
+placed = nnx.clone(lm)
+for block in nvnn.moe_modules(placed).values():
+    nnx.update(block.experts, jax.device_put(nnx.state(block.experts),
+                                             jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("ep"))))
+with jax.set_mesh(mesh):
+    c = gen(placed)
+np.testing.assert_array_equal(np.asarray(c.tokens), np.asarray(b.tokens))
+np.testing.assert_array_equal(np.asarray(c.routing), np.asarray(b.routing))
+c = gen(placed)  # no ambient mesh
+assert c.tokens.shape == a.tokens.shape and (np.asarray(c.routing) == np.asarray(a.routing)).mean() > 0.9
 try:
     nvnn.MoE(H, I, 3, K, expert_axis="ep", mesh=mesh, rngs=nnx.Rngs(0))
     raise SystemExit("3 experts over 2 devices accepted")
@@ -347,7 +359,9 @@ print("ok")
 
 def test_expert_parallel_blocks_split_their_experts_over_a_mesh_axis():
     """nvnn.expert_parallel on 2 CPU devices: each device holds 4 of 8 experts; the block (bf16 on xla, NVFP4 on the
-    ffi kernels) routes as before and its output is the two shards' sum, bitwise; routing replay alike."""
+    ffi kernels) routes as before and its output is the two shards' sum, bitwise; routing replay alike. A Qwen3-MoE
+    model generates under it, and with its experts only placed along the axis (plain jit, the ffi partitioning rule)
+    the same tokens, bitwise."""
     run_on_cpu_devices(_EXPERT_PARALLEL)
 
 
