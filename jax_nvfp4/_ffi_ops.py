@@ -985,7 +985,8 @@ def _ws_gemm1_layout(experts: NVFP4Experts, kernel_flags: int) -> bool:
 
 def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str = "w4a16",
                 activation: str = "swiglu", local_expert_offset=0, impl: str = "ffi", tile_m: int | None = None,
-                kernel_flags: int = 0, k_split: int | tuple[int, int] | None = None):
+                kernel_flags: int = 0, k_split: int | tuple[int, int] | None = None,
+                spread_experts: int | None = None, k_split_decode_only: bool = False):
     """Expert part of the MoE layer through the ops (no custom_vjp/custom_vmap; see :func:`moe`).
 
     Parameters
@@ -1005,7 +1006,10 @@ def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str =
     tile_m : optional override of :func:`choose_tile_m`
     kernel_flags : :class:`KernelFlag` bits (CUDA kernel variants; 0: the default)
     k_split : optional override of :func:`choose_k_split`: 1, 2 or 4 for both GEMMs, or a pair
-        (GEMM1's, GEMM2's)
+        (GEMM1's, GEMM2's); one that the tiles cannot take (a split of tiles of more than ``MAX_SPLIT_TILE_M``
+        rows) is an error, unless ``k_split_decode_only``: then it applies to decode tiles only
+    spread_experts : the experts the ``T * k`` pairs spread over when the tiles are chosen (the global
+        experts under expert parallelism, where a shard's experts take ``1 / n`` of the pairs); default ``E``
 
     Returns
     -------
@@ -1033,9 +1037,11 @@ def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str =
     else:  # traced: the ids into the shard's space here
         topk_ids, offset = shard_ids(topk_ids, local_expert_offset), 0
     if impl == "ffi":
-        tile_m, kernel_flags = choose_tiles(t * k, e, experts, kernel_flags, tile_m)
+        tile_m, kernel_flags = choose_tiles(t * k, spread_experts or e, experts, kernel_flags, tile_m)
     elif tile_m is None:
         tile_m = choose_tile_m(t * k, e)
+    if k_split_decode_only and tile_m > MAX_SPLIT_TILE_M:
+        k_split = None  # (larger tiles never split)
     w4a4 = MODES[mode] == Mode.W4A4
     # w4a4 decode: the align and the quantize of x in one launch (moe_align_quant), where the align is
     # the one-warp kernel and x is quantized by the kernel.
@@ -1126,7 +1132,8 @@ def _zero_cotangent(v):
 
 
 @functools.lru_cache(maxsize=None)
-def _moe_fn(mode: str, activation: str, offset: int, impl: str, tile_m, kernel_flags: int, k_split, treedef):
+def _moe_fn(mode: str, activation: str, offset: int, impl: str, tile_m, kernel_flags: int, k_split, spread_experts,
+            k_split_decode_only: bool, treedef):
     """The jit-able MoE for one static configuration, with its vmap and vjp rules.
 
     The experts travel as their flat leaves (``treedef`` rebuilds them): cotangents of the
@@ -1137,7 +1144,7 @@ def _moe_fn(mode: str, activation: str, offset: int, impl: str, tile_m, kernel_f
         experts = jax.tree_util.tree_unflatten(treedef, leaves)
         return moe_forward(x, experts, topk_ids, topk_weights, mode=mode, activation=activation,
                            local_expert_offset=offset, impl=impl, tile_m=tile_m, kernel_flags=kernel_flags,
-                           k_split=k_split)
+                           k_split=k_split, spread_experts=spread_experts, k_split_decode_only=k_split_decode_only)
 
     # Under jit with sharded experts or tokens the kernels' work is split, not gathered (XLA splits the twin).
     forward = over_experts(at, offset) if impl == "ffi" else functools.partial(at, offset=offset)
@@ -1187,7 +1194,8 @@ def _moe_fn(mode: str, activation: str, offset: int, impl: str, tile_m, kernel_f
 
 def moe(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str = "w4a16", activation: str = "swiglu",
         local_expert_offset=0, impl: str = "ffi", tile_m: int | None = None, kernel_flags: int = 0,
-        k_split: int | tuple[int, int] | None = None):
+        k_split: int | tuple[int, int] | None = None, spread_experts: int | None = None,
+        k_split_decode_only: bool = False):
     """The expert part of the MoE layer on the FFI kernels (see :func:`moe_forward` for arguments).
 
     Differentiable w.r.t. ``x``, ``topk_weights`` and the experts' float leaves (a ``custom_vjp``
@@ -1205,6 +1213,6 @@ def moe(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str = "w4a16"
         k_split = check_k_split(k_split)
     leaves, treedef = jax.tree_util.tree_flatten(experts)
     fn = _moe_fn(mode, activation, int(local_expert_offset), impl, tile_m, _check_kernel_flags(kernel_flags),
-                 k_split, treedef)
+                 k_split, spread_experts, bool(k_split_decode_only), treedef)
     return fn(jnp.asarray(x).astype(jnp.bfloat16), jnp.asarray(topk_ids).astype(jnp.int32),
               jnp.asarray(topk_weights, jnp.float32), tuple(leaves))

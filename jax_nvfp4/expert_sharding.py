@@ -10,8 +10,8 @@ each device would hold and read all the experts. :func:`over_experts` gives the 
 - tokens sharded along T over other axes run as data parallelism: each device its own tokens;
 - every other dimension is replicated (the partitioner gathers it if it was sharded).
 
-On one device and inside ``shard_map`` the function runs as it is. The kernels' tiles are those chosen for the
-whole batch (its rows per expert), not for one device's share of the tokens.
+On one device and inside ``shard_map`` the function runs as it is. Each device's kernels choose their tiles from
+its own share of the tokens, as they would in ``shard_map``.
 """
 
 from __future__ import annotations

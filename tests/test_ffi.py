@@ -160,9 +160,9 @@ def test_moe_takes_rows96_where_its_items_cost_less():
     """ROWS96 (on 32-row tiles) is moe's default where its items, at ROWS96_ITEM_COST tiles each, cost less
     than 64-row tiles and the wgmma tiles run (an sm_90a GPU), with gated experts in the blocked order, unless
     NO_ROWS96 (or ROWS96) is given: at 256 and 64 rows an expert, not at 128 (0.81 of the tiles' items) or 32.
-    Every lowered call carries the flags moe chose. The backend judges by the experts routed over
-    (global_experts), as it does for the tile size, and pins its choice: 256 rows for each of 4 local experts
-    are 128 for each of 8."""
+    Every lowered call carries the flags moe chose. The backend has moe judge by the experts routed over
+    (global_experts, as spread_experts), as for the tile size: 256 rows for each of 4 local experts are 128 for
+    each of 8."""
     ex = make_experts(5, 4, 128, 128)
     blocked = nv.to_blocked_experts(ex)
     sm90a = has_gpu() and ops.chunk_intermediate_supported()
@@ -185,7 +185,7 @@ def test_moe_takes_rows96_where_its_items_cost_less():
 
     assert flags(lambda x, i, w: ops.moe(x, blocked, i, w)) == (rows96 if sm90a else 0)
     assert flags(lambda x, i, w: ops.moe(x, blocked, i, w, kernel_flags=no_rows96)) == no_rows96
-    for spread, want in ((4, rows96 if sm90a else no_rows96), (8, no_rows96)):
+    for spread, want in ((4, rows96 if sm90a else 0), (8, 0)):
         problem = base.MoEProblem(n // 2, 128, 128, 4, 2, "w4a16", "swiglu", global_experts=spread)
         backend = ffi_backend.FFIBackend()
         assert flags(lambda x, i, w: backend(x, blocked, i, w, problem=problem, local_expert_offset=0)) == want
@@ -726,6 +726,13 @@ _JIT_SHARDED = _EP_SETUP + textwrap.dedent("""
             if types[0] == AxisType.Auto:  # (the pure-JAX backward does not trace on Explicit axes)
                 g = f32(jax.jit(jax.grad(loss))(*args))
                 assert np.linalg.norm(g - grad) <= 1e-3 * np.linalg.norm(grad), (axes, ex_spec)
+
+        # Tiles chosen from one device's tokens: 192 tokens (384 pairs: 64-row tiles) over dp = 2, 16-row tiles.
+        mesh = jax.make_mesh((2, 2), ("dp", "ep"), axis_types=types)
+        put = lambda v, spec: jax.device_put(v, NamedSharding(mesh, spec))
+        xb, lb = jnp.tile(x, (16, 1)), jnp.tile(logits, (16, 1))
+        tiles = lambda *a: set(re.findall(r"tile_m = (\\d+)", jax.jit(layer).lower(*a).compile().as_text()))
+        assert tiles(xb, ex, lb) == {"64"} and tiles(put(xb, P("dp")), put(ex, P()), put(lb, P("dp"))) == {"16"}
 
         # shard_map over "ep" only, "dp" left to the partitioner: the kernels run as one op on it.
         mesh = jax.make_mesh((2, 2), ("dp", "ep"), axis_types=types)

@@ -119,18 +119,13 @@ class FFIBackend:
 
     def __call__(self, x, experts, topk_ids, topk_weights, *, problem: base.MoEProblem,
                  local_expert_offset):
-        # Rows per expert tile from the expected rows per local expert: T*k spread over the
-        # global experts when routing over them is known (expert parallelism), else the local ones.
-        spread = getattr(problem, "global_experts", None) or problem.num_experts
-        # ROWS96 from the same spread, the choice pinned (ops.moe would judge by the local experts alone).
-        tile_m, flags = ops.choose_tiles(problem.tokens * problem.top_k, spread, experts, self.kernel_flags,
-                                         self.tile_m)
-        if not flags & ops.KernelFlag.ROWS96:
-            flags |= ops.KernelFlag.NO_ROWS96
-        k_split = self.k_split if tile_m <= ops.MAX_SPLIT_TILE_M else None
+        # Tiles from the expected rows per expert: T*k spread over the global experts when routing over them is
+        # known (expert parallelism), else the local ones. Chosen where the kernels are traced, from the rows of
+        # one device's tokens (under jit with tokens sharded along T, expert_sharding splits them).
         return ops.moe(x, experts, topk_ids, topk_weights, mode=problem.mode, activation=problem.activation,
-                       local_expert_offset=local_expert_offset, tile_m=tile_m, kernel_flags=int(flags),
-                       k_split=k_split)
+                       local_expert_offset=local_expert_offset, tile_m=self.tile_m, kernel_flags=self.kernel_flags,
+                       k_split=self.k_split, k_split_decode_only=True,
+                       spread_experts=getattr(problem, "global_experts", None) or problem.num_experts)
 
 
 base.register(FFIBackend())
