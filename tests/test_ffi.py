@@ -785,7 +785,8 @@ def test_moe_on_one_device_lowers_without_a_partitioning_call():
 @pytest.mark.parametrize("mode", MODES)
 def test_gpu_moe_in_shard_map_over_two_gpus(mode):
     """The shard_map recipe on two GPUs (the ffi kernels on each): bitwise the sum of the two shards' layers run on
-    one GPU. Skipped with fewer than two GPUs."""
+    one GPU; and the same under plain jit with the experts only placed along the axis (expert_sharding), rounded to
+    bf16. Skipped with fewer than two GPUs."""
     gpus = [d for d in jax.devices() if d.platform == "gpu"]
     if len(gpus) < 2:
         pytest.skip("needs two GPUs")
@@ -806,6 +807,8 @@ def test_gpu_moe_in_shard_map_over_two_gpus(mode):
     want = sum(f32(nv.moe(x, h, router_logits=logits, top_k=2, mode=mode, local_expert_offset=o, backend="ffi"))
                for h, o in zip(halves, (0, 4)))
     np.testing.assert_array_equal(f32(f(*args)), want)
+    plain = jax.jit(lambda x, ex, logits: nv.moe(x, ex, router_logits=logits, top_k=2, mode=mode))
+    np.testing.assert_array_equal(f32(plain(*args)), f32(jnp.asarray(want, BF16)))
 
 
 def test_deterministic_and_jit_equals_eager(experts_cpu):
