@@ -1009,7 +1009,8 @@ def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str =
         (GEMM1's, GEMM2's); one that the tiles cannot take (a split of tiles of more than ``MAX_SPLIT_TILE_M``
         rows) is an error, unless ``k_split_decode_only``: then it applies to decode tiles only
     spread_experts : the experts the ``T * k`` pairs spread over when the tiles are chosen (the global
-        experts under expert parallelism, where a shard's experts take ``1 / n`` of the pairs); default ``E``
+        experts under expert parallelism, where a shard's experts take ``1 / n`` of the pairs); default
+        ``E`` (:func:`moe`: the experts it is given, before any split over devices)
 
     Returns
     -------
@@ -1212,6 +1213,8 @@ def moe(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str = "w4a16"
     if k_split is not None:
         k_split = check_k_split(k_split)
     leaves, treedef = jax.tree_util.tree_flatten(experts)
+    # Tiles for these experts' share of the pairs, also where expert_sharding runs each device on fewer experts.
+    spread_experts = spread_experts or experts.num_experts
     fn = _moe_fn(mode, activation, int(local_expert_offset), impl, tile_m, _check_kernel_flags(kernel_flags),
                  k_split, spread_experts, bool(k_split_decode_only), treedef)
     return fn(jnp.asarray(x).astype(jnp.bfloat16), jnp.asarray(topk_ids).astype(jnp.int32),

@@ -1,4 +1,4 @@
-"""How the expert computation splits over devices under plain ``jax.jit`` (GSPMD / Shardy partitioning).
+"""How the expert computation splits over devices under plain ``jax.jit`` (Shardy partitioning).
 
 XLA cannot split a custom call: without a rule it gathers every operand of the ffi kernels onto every device, so
 each device would hold and read all the experts. :func:`over_experts` gives the expert computation a
@@ -10,8 +10,10 @@ each device would hold and read all the experts. :func:`over_experts` gives the 
 - tokens sharded along T over other axes run as data parallelism: each device its own tokens;
 - every other dimension is replicated (the partitioner gathers it if it was sharded).
 
-On one device and inside ``shard_map`` the function runs as it is. Each device's kernels choose their tiles from
-its own share of the tokens, as they would in ``shard_map``.
+The rule is Shardy's (jax's default partitioner; ``jax.export`` cannot serialize it). On one device, inside
+``shard_map`` and under the GSPMD partitioner the function runs as it is. Each device's kernels choose their tiles
+from its own share of the tokens, as they would in ``shard_map``. On Explicit mesh axes the output is typed with
+``x``'s split of T.
 """
 
 from __future__ import annotations
@@ -99,7 +101,12 @@ def over_experts(forward, offset: int):
     def for_ranks(ranks):
         @custom_partitioning
         def f(x, topk_ids, topk_weights, leaves):
-            return forward(x, topk_ids, topk_weights, leaves, offset)
+            out = forward(x, topk_ids, topk_weights, leaves, offset)
+            # On Explicit axes the output's type is the kernels' (replicated): give it x's split of T, which the
+            # partition keeps, lest the typed replicated output gather every device's rows.
+            aval = jax.typeof(x)
+            t_axes = _lead_axes(aval)
+            return jax.sharding.reshard(out, NamedSharding(aval.sharding.mesh, P(t_axes, None))) if t_axes else out
 
         rule, whole = _sharding_rule(ranks)
         f.def_partition(partition, sharding_rule=rule, reduction_factors=("e",), need_replication_factors=whole)
@@ -108,9 +115,11 @@ def over_experts(forward, offset: int):
     def f(x, topk_ids, topk_weights, leaves):
         args = (x, topk_ids, topk_weights, tuple(leaves))
         at = lambda *a: forward(*a, offset)  # noqa: E731
-        # A custom partitioning may not hold constants: a forward whose trace has some (e.g. the pure-JAX
-        # quantizer's tables, KernelFlag.JAX_QUANT) runs unsplit, as it would without this module.
-        if jax.device_count() == 1 or _in_shard_map() or jax.make_jaxpr(at)(*args).consts:
+        # A custom partitioning may not hold constants, and its rule is Shardy's: a forward whose trace has some
+        # (e.g. the pure-JAX quantizer's tables, KernelFlag.JAX_QUANT), or the GSPMD partitioner
+        # (jax_use_shardy_partitioner off), runs unsplit, as it would without this module.
+        if (jax.device_count() == 1 or _in_shard_map() or not jax.config.jax_use_shardy_partitioner
+                or jax.make_jaxpr(at)(*args).consts):
             return at(*args)
         return for_ranks(tuple(v.ndim for v in leaves))(*args)
 

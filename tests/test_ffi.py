@@ -708,31 +708,53 @@ _JIT_SHARDED = _EP_SETUP + textwrap.dedent("""
              (("a", "b"), P(), P(("a", "b")), 4),      # experts over both axes: ids from axis_index(("a", "b"))
              (("dp", "ep"), P(("dp", "ep")), P("ep"), 2),  # tokens also on the expert axis: gathered over it
              (("dp", "ep"), P("dp"), P(), 1)]          # data parallel only
+    def check(types, axes, x_spec, ex_spec, n):
+        mesh = jax.make_mesh((2, 2), axes, axis_types=types)
+        put = lambda v, spec: jax.device_put(v, NamedSharding(mesh, spec))
+        args = put(x, x_spec), put(ex, ex_spec), put(logits, x_spec)
+        hlo = jax.jit(layer).lower(*args).compile().as_text()
+        gathered = re.findall(r"= (\\w+\\[[^]]*\\])[^=]* all-gather(?:-start)?\\(", hlo)
+        assert not [g for g in gathered if g.startswith(("u8[", "f8e4m3fn["))], gathered  # no expert bytes
+        assert not [g for g in gathered if g.endswith("[12,128]")], gathered  # nor all the output's rows
+        assert ("all-reduce" in hlo) == (n > 1)
+        out = jax.jit(layer)(*args)
+        assert tuple(out.sharding.spec)[:1] == tuple(x_spec)[:1] or out.sharding.is_fully_replicated, out.sharding
+        np.testing.assert_array_equal(f32(out), shards_summed(n))
+        twice = jax.jit(lambda x, ex, logits: jax.lax.scan(  # in a loop, as in a decode loop
+            lambda h, _: (layer(h, ex, logits), None), x, length=2)[0])(*args)
+        np.testing.assert_array_equal(f32(twice), f32(jax.jit(layer)(out, args[1], args[2])))
+        if types[0] == AxisType.Auto:  # (the pure-JAX backward does not trace on Explicit axes)
+            g = f32(jax.jit(jax.grad(loss))(*args))
+            assert np.linalg.norm(g - grad) <= 1e-3 * np.linalg.norm(grad)
+
     for types in ((AxisType.Auto,) * 2, (AxisType.Explicit,) * 2):
-        for axes, x_spec, ex_spec, n in cases:
-            mesh = jax.make_mesh((2, 2), axes, axis_types=types)
-            put = lambda v, spec: jax.device_put(v, NamedSharding(mesh, spec))
-            args = put(x, x_spec), put(ex, ex_spec), put(logits, x_spec)
-            hlo = jax.jit(layer).lower(*args).compile().as_text()
-            gathered = re.findall(r"= (\\w+)\\[[^]]*\\][^=]* all-gather(?:-start)?\\(", hlo)
-            assert not [g for g in gathered if g in ("u8", "f8e4m3fn")], (axes, ex_spec, gathered)  # no expert bytes
-            assert ("all-reduce" in hlo) == (n > 1), (axes, ex_spec)
-            out = jax.jit(layer)(*args)
-            assert out.sharding.spec == x_spec or (x_spec == P() and out.sharding.is_fully_replicated), out.sharding
-            np.testing.assert_array_equal(f32(out), shards_summed(n), err_msg=str((types, axes, x_spec, ex_spec)))
-            twice = jax.jit(lambda x, ex, logits: jax.lax.scan(  # in a loop, as in a decode loop
-                lambda h, _: (layer(h, ex, logits), None), x, length=2)[0])(*args)
-            np.testing.assert_array_equal(f32(twice), f32(jax.jit(layer)(out, args[1], args[2])))
-            if types[0] == AxisType.Auto:  # (the pure-JAX backward does not trace on Explicit axes)
-                g = f32(jax.jit(jax.grad(loss))(*args))
-                assert np.linalg.norm(g - grad) <= 1e-3 * np.linalg.norm(grad), (axes, ex_spec)
+        for case in cases:
+            try:
+                check(types, *case)
+                if types[0] == AxisType.Explicit:  # and under jax.set_mesh, as jax 0.12 has Explicit meshes used
+                    with jax.set_mesh(jax.make_mesh((2, 2), case[0], axis_types=types)):
+                        check(types, *case)
+            except AssertionError as err:
+                raise AssertionError((types, case)) from err
 
         # Tiles chosen from one device's tokens: 192 tokens (384 pairs: 64-row tiles) over dp = 2, 16-row tiles.
         mesh = jax.make_mesh((2, 2), ("dp", "ep"), axis_types=types)
         put = lambda v, spec: jax.device_put(v, NamedSharding(mesh, spec))
         xb, lb = jnp.tile(x, (16, 1)), jnp.tile(logits, (16, 1))
-        tiles = lambda *a: set(re.findall(r"tile_m = (\\d+)", jax.jit(layer).lower(*a).compile().as_text()))
-        assert tiles(xb, ex, lb) == {"64"} and tiles(put(xb, P("dp")), put(ex, P()), put(lb, P("dp"))) == {"16"}
+        tiles = lambda f, *a: set(re.findall(r"tile_m = (\\d+)", jax.jit(f).lower(*a).compile().as_text()))
+        assert tiles(layer, xb, ex, lb) == {"64"}
+        assert tiles(layer, put(xb, P("dp")), put(ex, P()), put(lb, P("dp"))) == {"16"}
+
+        # ops.moe called directly takes tiles for the experts it is given, not for one device's share (48 tokens
+        # over 8 experts: 16-row tiles, which a K split needs; over 2 they would be 64-row ones).
+        mesh = jax.make_mesh((2, 2), ("a", "b"), axis_types=types)
+        xs, (ids, w) = jnp.tile(x, (4, 1)), nv.route(jnp.tile(logits, (4, 1)), "softmax_topk", top_k=2)
+        split = lambda x, ex, i, w: ops.moe(x, ex, i, w, k_split=2)
+        args = [jax.device_put(v, NamedSharding(mesh, spec))
+                for v, spec in ((xs, P()), (ex, P(("a", "b"))), (ids, P()), (w, P()))]
+        assert tiles(split, xs, ex, ids, w) == tiles(split, *args) == {"16"}
+        want = f32(jax.jit(split)(xs, ex, ids, w))
+        assert np.linalg.norm(f32(jax.jit(split)(*args)) - want) <= 1e-2 * np.linalg.norm(want)
 
         # shard_map over "ep" only, "dp" left to the partitioner: the kernels run as one op on it.
         mesh = jax.make_mesh((2, 2), ("dp", "ep"), axis_types=types)
@@ -744,6 +766,13 @@ _JIT_SHARDED = _EP_SETUP + textwrap.dedent("""
             f = jax.jit(jax.shard_map(ep_layer, in_specs=(P(), P("ep"), P()), out_specs=P(), axis_names={"ep"}))
             np.testing.assert_array_equal(f32(f(put(x, P("dp")), put(ex, P("ep")), put(logits, P("dp")))),
                                           shards_summed(2))
+
+    # The GSPMD partitioner (Shardy off) has no use for the rule: the kernels run unsplit, as one op.
+    jax.config.update("jax_use_shardy_partitioner", False)
+    mesh = jax.make_mesh((2, 2), ("dp", "ep"), axis_types=(AxisType.Auto,) * 2)
+    put = lambda v, spec: jax.device_put(v, NamedSharding(mesh, spec))
+    np.testing.assert_array_equal(f32(jax.jit(layer)(put(x, P("dp")), put(ex, P("ep")), put(logits, P("dp")))),
+                                  f32(layer(x, ex, logits)))
     print("ok")
 """)
 
