@@ -7,7 +7,8 @@ each device would hold and read all the experts. :func:`over_experts` gives the 
 - experts sharded along E over some mesh axes run as expert parallelism: each device runs its own experts (global
   ids from the axis index) and the outputs are summed over those axes in float32 (``psum``), then rounded to the
   output dtype, as ``jax_nvfp4.nn.MoE(expert_axis=...)`` does in ``shard_map``;
-- tokens sharded along T over other axes run as data parallelism: each device its own tokens;
+- tokens sharded along T over other axes run as data parallelism: each device its own tokens; tokens sharded
+  over expert axes too are gathered over those, and the outputs' sum is scattered back to them (reduce-scatter);
 - every other dimension is replicated (the partitioner gathers it if it was sharded).
 
 The rule is Shardy's (jax's default partitioner; ``jax.export`` cannot serialize it). On one device, inside
@@ -47,17 +48,19 @@ def _in_shard_map() -> bool:
     return any(t == AxisType.Manual for t in jax.sharding.get_abstract_mesh().axis_types)
 
 
-def plan(mesh, x, leaves) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """``(expert_axes, token_axes)``: the axes that split the experts' E (those of ``leaves[0]``, the GEMM1
-    codes) and the axes that split ``x``'s T, less the expert axes; each empty unless it divides its dimension."""
+def plan(mesh, x, leaves) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+    """``(expert_axes, token_axes, scatter_axes)``: the axes that split the experts' E (those of ``leaves[0]``, the
+    GEMM1 codes), and those that split ``x``'s T, apart (token axes) or also split E (scatter axes: a device's rows
+    meet every device's experts there, so x is gathered over them and the outputs' sum scattered back); each empty
+    unless it divides its dimension."""
     size = lambda axes: math.prod(mesh.shape[a] for a in axes)  # noqa: E731
     ep = _lead_axes(leaves[0])
     if leaves[0].shape[0] % size(ep):
         ep = ()
-    tok = tuple(a for a in _lead_axes(x) if a not in ep)
-    if x.shape[0] % size(tok):
-        tok = ()
-    return ep, tok
+    t_axes = _lead_axes(x)
+    if x.shape[0] % size(t_axes):
+        t_axes = ()
+    return ep, tuple(a for a in t_axes if a not in ep), tuple(a for a in t_axes if a in ep)
 
 
 def _sharding_rule(ranks: tuple[int, ...]):
@@ -76,11 +79,12 @@ def over_experts(forward, offset: int):
 
     def partition(mesh, arg_shapes, result_shape):
         x, _, _, leaves = arg_shapes
-        ep, tok = plan(mesh, x, leaves)
+        ep, tok, scatter = plan(mesh, x, leaves)
         e_local = leaves[0].shape[0] // math.prod(mesh.shape[a] for a in ep)
         rows = NamedSharding(mesh, P(tok or None, None))
         in_shardings = (rows, rows, rows,
                         tuple(NamedSharding(mesh, P(ep or None, *(None,) * (len(v.shape) - 1))) for v in leaves))
+        summed = tuple(a for a in ep if a not in scatter)
 
         # Each device's function sees every mesh axis as manual, as in shard_map (under jax.set_mesh, an
         # ambient mesh of Explicit axes would leave sharding annotations in it that nothing lowers).
@@ -93,9 +97,12 @@ def over_experts(forward, offset: int):
                     return forward(x, topk_ids, topk_weights, leaves, offset)
                 first = offset + jax.lax.axis_index(ep) * e_local  # this device's expert 0
                 out = forward(x, shard_ids(topk_ids, first), topk_weights, leaves, 0)
-                return jax.lax.psum(out.astype(jnp.float32), ep).astype(out.dtype)
+                y = out.astype(jnp.float32)
+                y = jax.lax.psum(y, summed) if summed else y
+                y = jax.lax.psum_scatter(y, scatter, scatter_dimension=0, tiled=True) if scatter else y
+                return y.astype(out.dtype)
 
-        return mesh, shard, rows, in_shardings
+        return mesh, shard, NamedSharding(mesh, P(tok + scatter or None, None)), in_shardings
 
     @functools.lru_cache(maxsize=None)
     def for_ranks(ranks):

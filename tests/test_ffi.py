@@ -716,7 +716,8 @@ _JIT_SHARDED = _EP_SETUP + textwrap.dedent("""
         gathered = re.findall(r"= (\\w+\\[[^]]*\\])[^=]* all-gather(?:-start)?\\(", hlo)
         assert not [g for g in gathered if g.startswith(("u8[", "f8e4m3fn["))], gathered  # no expert bytes
         assert not [g for g in gathered if g.endswith("[12,128]")], gathered  # nor all the output's rows
-        assert ("all-reduce" in hlo) == (n > 1)
+        assert ("all-reduce" in hlo or "reduce-scatter" in hlo) == (n > 1)
+        assert ("reduce-scatter" in hlo) == (x_spec == P(("dp", "ep")))  # the sum scattered back to its rows
         out = jax.jit(layer)(*args)
         assert tuple(out.sharding.spec)[:1] == tuple(x_spec)[:1] or out.sharding.is_fully_replicated, out.sharding
         np.testing.assert_array_equal(f32(out), shards_summed(n))
