@@ -42,9 +42,8 @@ def _lead_axes(arg) -> tuple[str, ...]:
 
 
 def _in_shard_map() -> bool:
-    """Inside ``shard_map``, where the caller has split the work already. (With some axes left automatic, jax
-    0.12 cannot lower a custom partitioning on Explicit axes: 'No registered implementation for untyped custom
-    call to Sharding'; those axes then see the kernels as one replicated op, as without this module.)"""
+    """Inside ``shard_map`` (any manual axis), where the caller has split the work already: axes it leaves
+    automatic see the kernels as one replicated op, as without this module."""
     return any(t == AxisType.Manual for t in jax.sharding.get_abstract_mesh().axis_types)
 
 

@@ -697,10 +697,10 @@ _JIT_SHARDED = _EP_SETUP + textwrap.dedent("""
     layer = lambda x, ex, logits: nv.moe(x, ex, router_logits=logits, top_k=2)
     loss = lambda x, ex, logits: layer(x, ex, logits).astype(jnp.float32).sum()
 
-    def shards_summed(n):  # n expert shards, each run alone; their bf16 outputs summed in f32, rounded once
+    def shards_summed(n, mode="w4a16"):  # n expert shards, each run alone; their bf16 outputs summed in f32, rounded
         e = 8 // n
         parts = [f32(nv.moe(x, jax.tree_util.tree_map(lambda a: a[s * e:(s + 1) * e], ex), router_logits=logits,
-                            top_k=2, local_expert_offset=s * e, backend="ffi")) for s in range(n)]
+                            top_k=2, local_expert_offset=s * e, mode=mode, backend="ffi")) for s in range(n)]
         return f32(jnp.asarray(sum(parts), jnp.bfloat16))
 
     grad = f32(jax.grad(loss)(x, ex, logits))
@@ -737,6 +737,13 @@ _JIT_SHARDED = _EP_SETUP + textwrap.dedent("""
                         check(types, *case)
             except AssertionError as err:
                 raise AssertionError((types, case)) from err
+
+        # w4a4 (its activations quantized per token in the kernels) splits alike.
+        mesh = jax.make_mesh((2, 2), ("dp", "ep"), axis_types=types)
+        put = lambda v, spec: jax.device_put(v, NamedSharding(mesh, spec))
+        w4a4 = jax.jit(lambda x, ex, logits: nv.moe(x, ex, router_logits=logits, top_k=2, mode="w4a4"))
+        np.testing.assert_array_equal(f32(w4a4(put(x, P("dp")), put(ex, P("ep")), put(logits, P("dp")))),
+                                      shards_summed(2, "w4a4"))
 
         # Tiles chosen from one device's tokens: 192 tokens (384 pairs: 64-row tiles) over dp = 2, 16-row tiles.
         mesh = jax.make_mesh((2, 2), ("dp", "ep"), axis_types=types)
