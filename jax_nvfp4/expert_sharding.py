@@ -30,15 +30,17 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from .routing import shard_ids
 
 
+def axis_names(entry) -> tuple[str, ...]:
+    """Mesh axis names from a PartitionSpec entry or an axis argument: None, one name or a sequence of them."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
 def _lead_axes(arg) -> tuple[str, ...]:
     """The mesh axes that split ``arg``'s first dimension (none unless its sharding is a NamedSharding)."""
     sharding = getattr(arg, "sharding", None)
     if not isinstance(sharding, NamedSharding) or not len(sharding.spec):
         return ()
-    entry = sharding.spec[0]
-    if entry is None:
-        return ()
-    return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
+    return axis_names(sharding.spec[0])
 
 
 def _in_shard_map() -> bool:

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ..backends.base import MODES
+from ..expert_sharding import axis_names
 from ..formats import BF16Experts, NVFP4Array, NVFP4Experts
 from ..moe import moe
 from ..routing import ROUTING_METHODS
@@ -145,7 +146,7 @@ def check_expert_axis(num_experts: int, expert_axis, mesh, token_axis=None):
     if num_experts % mesh.shape[expert_axis]:
         raise ValueError(f"num_experts={num_experts} must be a multiple of the {mesh.shape[expert_axis]} devices "
                          f"of mesh axis {expert_axis!r}")
-    if any(a not in mesh.shape or a == expert_axis for a in _axis_names(token_axis)):
+    if any(a not in mesh.shape or a == expert_axis for a in axis_names(token_axis)):
         raise ValueError(f"token_axis={token_axis!r} must name axes of the mesh other than expert_axis "
                          f"{expert_axis!r}; the mesh has {tuple(mesh.shape)}")
 
@@ -182,10 +183,11 @@ class MoE(nnx.Module):
         each device on its own experts (global ids from ``lax.axis_index``), and their outputs are summed
         (``psum`` in float32; each device's output is rounded to bf16 first, so the sum may differ from the
         unsharded layer in its last bits); ``x``, the router and the output are replicated over the mesh,
-        but for ``token_axis``. Without it,
-        under ``jit`` with experts sharded by a ``NamedSharding``, the ffi custom calls would gather
-        every expert onto every device. :func:`~jax_nvfp4.nn.expert_parallel` sets it on every block of a
-        model and places the experts along the axis.
+        but for ``token_axis``. Without it, under ``jit`` with NVFP4 experts sharded by a ``NamedSharding``,
+        the ffi kernels split the same way by their partitioning rule (:mod:`jax_nvfp4.expert_sharding`);
+        bf16 experts (backend ``xla``) would be gathered onto every device.
+        :func:`~jax_nvfp4.nn.expert_parallel` sets it on every block of a model and places the experts
+        along the axis.
     mesh : jax.sharding.Mesh, optional
         The mesh of ``expert_axis`` (required with it).
     token_axis : str or tuple of str, optional
@@ -309,7 +311,7 @@ class MoE(nnx.Module):
             return layer(xt, experts, *per_token, *shared)
         axis, spec = self.expert_axis, jax.sharding.PartitionSpec
         tok = spec(self.token_axis) if self.token_axis else spec()
-        splits = math.prod(self.mesh.shape[a] for a in _axis_names(self.token_axis))
+        splits = math.prod(self.mesh.shape[a] for a in axis_names(self.token_axis))
         if xt.shape[0] % splits:
             raise ValueError(f"the {xt.shape[0]} tokens do not split evenly over mesh axes {self.token_axis!r} "
                              f"({splits} devices)")
@@ -321,11 +323,6 @@ class MoE(nnx.Module):
         f = jax.shard_map(local, mesh=self.mesh, in_specs=(tok, spec(axis)) + (tok,) * len(per_token)
                           + (spec(),) * len(shared), out_specs=tok)
         return f(xt, experts, *per_token, *shared)  # (float32: rounded once, to x's dtype)
-
-
-def _axis_names(axes) -> tuple[str, ...]:
-    """Mesh axis names from None, one name or a tuple of them."""
-    return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
 
 
 def replay_weights(router_logits, topk_ids, routing: str, *, bias=None, routed_scaling_factor=1.0):
