@@ -1,8 +1,9 @@
 """How the expert computation splits over devices under plain ``jax.jit`` (Shardy partitioning).
 
 XLA cannot split a custom call: without a rule it gathers every operand of the ffi kernels onto every device, so
-each device would hold and read all the experts. :func:`over_experts` gives the expert computation a
-``custom_partitioning`` rule instead:
+each device would hold and read all the experts. It gathers the pure-JAX backend's experts too (its grouped matmul
+indexes E; on Explicit mesh axes it refuses to trace). :func:`over_experts` gives the expert computation (of the ffi
+kernels and of backend ``xla``) a ``custom_partitioning`` rule instead:
 
 - experts sharded along E over some mesh axes run as expert parallelism: each device runs its own experts (global
   ids from the axis index) and the outputs are summed over those axes in float32 (``psum``), then rounded to the
@@ -47,6 +48,14 @@ def _in_shard_map() -> bool:
     """Inside ``shard_map`` (any manual axis), where the caller has split the work already: axes it leaves
     automatic see the kernels as one replicated op, as without this module."""
     return any(t == AxisType.Manual for t in jax.sharding.get_abstract_mesh().axis_types)
+
+
+def _typed_whole(v):
+    """``v`` resharded whole where its type names Explicit mesh axes (else ``v`` itself)."""
+    sharding = jax.typeof(v).sharding
+    if any(axis_names(e) for e in getattr(sharding, "spec", ())):
+        return jax.sharding.reshard(v, NamedSharding(sharding.mesh, P()))
+    return v
 
 
 def plan(mesh, x, leaves) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
@@ -109,7 +118,9 @@ def over_experts(forward, offset: int):
     def for_ranks(ranks):
         @custom_partitioning
         def f(x, topk_ids, topk_weights, leaves):
-            out = forward(x, topk_ids, topk_weights, leaves, offset)
+            # The unsplit function (its shapes and types; the partition replaces it) on operands typed whole: the
+            # pure-JAX forward indexes E, which XLA refuses to trace on an Explicit axis.
+            out = forward(*jax.tree_util.tree_map(_typed_whole, (x, topk_ids, topk_weights, leaves)), offset)
             # On Explicit axes the output's type is the kernels' (replicated): give it x's split of T, which the
             # partition keeps, lest the typed replicated output gather every device's rows.
             aval = jax.typeof(x)
@@ -127,7 +138,7 @@ def over_experts(forward, offset: int):
         # (e.g. the pure-JAX quantizer's tables, KernelFlag.JAX_QUANT), or the GSPMD partitioner
         # (jax_use_shardy_partitioner off), runs unsplit, as it would without this module.
         if (jax.device_count() == 1 or _in_shard_map() or not jax.config.jax_use_shardy_partitioner
-                or jax.make_jaxpr(at)(*args).consts):
+                or jax.make_jaxpr(lambda *a: at(*jax.tree_util.tree_map(_typed_whole, a)))(*args).consts):
             return at(*args)
         return for_ranks(tuple(v.ndim for v in leaves))(*args)
 

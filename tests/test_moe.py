@@ -3,6 +3,8 @@ every mode and activation, dispatch/matmul strategies, properties, transformatio
 (jit, scan, while_loop, grad), expert parallelism and argument validation."""
 
 
+import textwrap
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -14,7 +16,7 @@ import jax_nvfp4 as nv
 from jax_nvfp4 import activations, arg_specs
 from jax_nvfp4.backends import base
 from jax_nvfp4.backends.xla import XLABackend, choose_dispatch, choose_gmm, gmm_ragged, gmm_tiled
-from conftest import golden_moe, golden_names
+from conftest import golden_moe, golden_names, run_on_cpu_devices
 
 BF16 = jnp.bfloat16
 MOE_FILES = golden_names("moe_")
@@ -393,6 +395,77 @@ def test_expert_parallel_shards_sum_to_full():
     np.testing.assert_allclose(parts[0] + parts[1], full, rtol=2e-2, atol=1e-2 * np.abs(full).max())
     ids, w = nv.route(logits, "softmax_topk", top_k=K)
     assert relerr(parts[1], ref_moe(x, ex, np.where(np.asarray(ids) >= 3, ids, -1), w)) < 5e-3
+
+
+# Plain jit over 4 CPU devices with the experts (bf16 or NVFP4) sharded along E and the tokens along T.
+_JIT_SHARDED = textwrap.dedent("""
+    import re
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+    import jax_nvfp4 as nv
+    assert jax.device_count() == 4, jax.devices()
+    key = jax.random.split(jax.random.PRNGKey(0), 4)
+    gate_up = (jax.random.normal(key[0], (8, 64, 128)) * 0.2).astype(jnp.bfloat16)  # E 8, 2I 64, H 128
+    down = (jax.random.normal(key[1], (8, 128, 32)) * 0.2).astype(jnp.bfloat16)
+    x = jax.random.normal(key[2], (12, 128), jnp.bfloat16)
+    ids, w = nv.route(jax.random.normal(key[3], (12, 8)), "softmax_topk", top_k=2)
+    f32 = lambda v: np.asarray(v, np.float32)
+    cases = [(("dp", "ep"), P("dp"), P("ep"), 2),              # data x expert parallel
+             (("a", "b"), P(), P(("a", "b")), 4),              # experts over both axes
+             (("dp", "ep"), P(("dp", "ep")), P("ep"), 2)]      # tokens also on the expert axis: gathered over it
+    for ex, mode in ((nv.BF16Experts(gate_up, down), "bf16"), (nv.quantize_experts(gate_up, down), "w4a16"),
+                     (nv.quantize_experts(gate_up, down), "w4a4")):
+        def layer(x, ex, ids, w, off=0):
+            return nv.moe(x, ex, topk_ids=ids, topk_weights=w, mode=mode, backend="xla", local_expert_offset=off)
+        def shards_summed(n):  # n expert shards, each run alone; their bf16 outputs summed in f32, rounded
+            e = 8 // n
+            parts = [f32(layer(x, jax.tree_util.tree_map(lambda a: a[s * e:(s + 1) * e], ex), ids, w, s * e))
+                     for s in range(n)]
+            return f32(jnp.asarray(sum(parts), jnp.bfloat16))
+        one = f32(layer(x, ex, ids, w))
+        for types in ((AxisType.Auto,) * 2, (AxisType.Explicit,) * 2):
+            for axes, x_spec, ex_spec, n in cases:
+                mesh = jax.make_mesh((2, 2), axes, axis_types=types)
+                put = lambda v, spec: jax.device_put(v, NamedSharding(mesh, spec))
+                args = put(x, x_spec), put(ex, ex_spec), put(ids, x_spec), put(w, x_spec)
+                with jax.set_mesh(mesh):
+                    hlo = jax.jit(layer).lower(*args).compile().as_text()
+                    out = jax.jit(layer)(*args)
+                    xb, ib, wb = (jnp.stack([v, v[::-1]]) for v in (x, ids, w))
+                    vlayer = jax.jit(jax.vmap(layer, in_axes=(0, None, 0, 0)))  # folded into one token set
+                    batched = vlayer(xb, args[1], ib, wb)
+                    hlo += vlayer.lower(xb, args[1], ib, wb).compile().as_text()
+                gathered = re.findall(r"= (\\w+\\[[^]]*\\])[^=]* all-gather(?:-start)?\\(", hlo)
+                assert not [g for g in gathered if g.count(",") >= 2 or g.startswith(("u8[", "f8e4m3fn["))], \\
+                    (mode, axes, gathered)  # no expert (rank 3) nor its bytes
+                assert ("reduce-scatter" in hlo) == (x_spec == P(("dp", "ep"))), (mode, axes)
+                assert tuple(out.sharding.spec)[:1] == tuple(x_spec)[:1] or out.sharding.is_fully_replicated
+                np.testing.assert_array_equal(f32(out), shards_summed(n), err_msg=str((mode, types, axes)))
+                assert np.linalg.norm(f32(out) - one) <= 1e-2 * np.linalg.norm(one)
+                for b in range(2):  # vmap: the plain function, per batch element
+                    np.testing.assert_allclose(f32(batched[b]), f32(layer(xb[b], ex, ib[b], wb[b])), rtol=1e-2,
+                                               atol=1e-2)
+            if mode != "w4a4" and types[0] == AxisType.Auto:  # gradients: the plain function's, as on one device
+                loss = lambda x, ex: layer(x, ex, ids, w).astype(jnp.float32).sum()
+                argnums = (0, 1) if mode == "bf16" else 0
+                want = jax.grad(loss, argnums)(x, ex)
+                mesh = jax.make_mesh((2, 2), ("dp", "ep"), axis_types=types)
+                got = jax.jit(jax.grad(loss, argnums))(jax.device_put(x, NamedSharding(mesh, P("dp"))),
+                                                       jax.device_put(ex, NamedSharding(mesh, P("ep"))))
+                for g, v in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+                    np.testing.assert_allclose(f32(g), f32(v), rtol=2e-2, atol=2e-2 * np.abs(f32(v)).max())
+                tangent = jax.jvp(lambda x: layer(x, ex, ids, w), (x,), (x,))[1]  # forward mode too
+                assert np.isfinite(f32(tangent)).all()
+    print("ok")
+""")
+
+
+def test_moe_under_jit_with_sharded_experts_and_tokens():
+    """Plain jax.jit over 4 CPU devices (Auto and Explicit mesh axes), bf16 and NVFP4 experts sharded along E and
+    tokens along T: expert_sharding's rule runs each device's experts (no expert gathered; before, Explicit axes
+    refused to trace); the output equals the shards run alone and summed, bitwise; vmap, grad and jvp run the
+    plain function."""
+    run_on_cpu_devices(_JIT_SHARDED, n=4)
 
 
 def test_padding_ids_contribute_nothing():

@@ -32,12 +32,15 @@ Pipeline for ``M = T * k`` token-expert pairs (no ``[T, E, H]`` tensor anywhere)
 
 from __future__ import annotations
 
+import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from .. import activations
+from ..expert_sharding import over_experts
 from ..formats import BF16Experts, NVFP4Experts, dequantize
 from ..quantize import quantize
 from .base import MoEProblem, register
@@ -266,6 +269,41 @@ def moe_experts(x, experts, topk_ids, topk_weights, *, mode: str, activation: st
 moe_experts = jax.jit(moe_experts, static_argnames=("mode", "activation", "dispatch", "gmm"))
 
 
+@functools.lru_cache(maxsize=None)
+def _over_devices(mode: str, activation: str, offset: int, dispatch: str, gmm: str, treedef):
+    """:func:`moe_experts` at a static ``offset`` as ``f(x, topk_ids, topk_weights, leaves)`` (the experts' flat
+    leaves) with :mod:`~jax_nvfp4.expert_sharding`'s rule: under plain ``jit`` over several devices each device runs
+    its own experts on its own tokens (each choosing its strategy for its share) instead of XLA gathering every
+    expert. Derivatives (a ``custom_jvp``) and ``jax.vmap`` go through the plain function, as without the rule."""
+
+    def at(x, topk_ids, topk_weights, leaves, offset):
+        return moe_experts(x, jax.tree_util.tree_unflatten(treedef, leaves), topk_ids, topk_weights, mode=mode,
+                           activation=activation, local_expert_offset=offset, dispatch=dispatch, gmm=gmm)
+
+    plain = functools.partial(at, offset=offset)
+    split = jax.custom_batching.custom_vmap(over_experts(at, offset))
+
+    @split.def_vmap
+    def _vmap(axis_size, in_batched, x, topk_ids, topk_weights, leaves):
+        if any(in_batched[3]):  # per-batch experts: the plain function, batched
+            in_axes = jax.tree_util.tree_map(lambda b: 0 if b else None, tuple(in_batched))
+            return jax.vmap(plain, in_axes=in_axes)(x, topk_ids, topk_weights, leaves), True
+
+        # Shared experts: the batch of token sets is one larger token set, split as one.
+        def fold(v, b):
+            v = v if b else jnp.broadcast_to(v, (axis_size,) + v.shape)
+            return v.reshape((axis_size * v.shape[1],) + v.shape[2:])
+        out = split(*(fold(v, b) for v, b in zip((x, topk_ids, topk_weights), in_batched)), leaves)
+        return out.reshape((axis_size, -1) + out.shape[1:]), True
+
+    @jax.custom_jvp
+    def f(x, topk_ids, topk_weights, leaves):
+        return split(x, topk_ids, topk_weights, leaves)
+
+    f.defjvp(lambda primals, tangents: jax.jvp(plain, primals, tangents))
+    return f
+
+
 class XLABackend:
     """The ``xla`` backend (see the module docstring); supports every mode and activation.
 
@@ -295,6 +333,12 @@ class XLABackend:
                  local_expert_offset):
         if not isinstance(experts, (NVFP4Experts, BF16Experts)):
             raise TypeError(f"experts must be NVFP4Experts or BF16Experts, got {type(experts).__name__}")
+        if jax.device_count() > 1 and isinstance(local_expert_offset, (int, np.integer)):
+            # Under plain jit the experts and tokens may be sharded: split the work as the ffi kernels do.
+            leaves, treedef = jax.tree_util.tree_flatten(experts)
+            f = _over_devices(problem.mode, problem.activation, int(local_expert_offset), self.dispatch, self.gmm,
+                              treedef)
+            return f(x, topk_ids, topk_weights, tuple(leaves))
         # Resolve "auto" here so that equal strategies share one compiled function.
         dispatch, gmm = resolve_strategy(topk_ids.shape[0] * topk_ids.shape[1], experts,
                                          self.dispatch, self.gmm)

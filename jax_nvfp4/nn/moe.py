@@ -183,9 +183,10 @@ class MoE(nnx.Module):
         each device on its own experts (global ids from ``lax.axis_index``), and their outputs are summed
         (``psum`` in float32; each device's output is rounded to bf16 first, so the sum may differ from the
         unsharded layer in its last bits); ``x``, the router and the output are replicated over the mesh,
-        but for ``token_axis``. Without it, under ``jit`` with NVFP4 experts sharded by a ``NamedSharding``,
-        the ffi kernels split the same way by their partitioning rule (:mod:`jax_nvfp4.expert_sharding`);
-        bf16 experts (backend ``xla``) would be gathered onto every device.
+        but for ``token_axis``. Without it, under ``jit`` with the experts sharded by a ``NamedSharding``,
+        the forward pass splits the same way by a partitioning rule (:mod:`jax_nvfp4.expert_sharding`: the
+        ffi kernels, and backend ``xla`` for bf16 experts); gradients then run the plain function, which
+        XLA partitions as it can.
         :func:`~jax_nvfp4.nn.expert_parallel` sets it on every block of a model and places the experts
         along the axis.
     mesh : jax.sharding.Mesh, optional
