@@ -39,7 +39,7 @@ import numpy as np
 from jax import lax
 
 from . import _exact
-from .expert_sharding import over_experts
+from .expert_sharding import fold_token_sets, over_experts
 from .formats import BLOCKED_BIT_POS, NVFP4Array, NVFP4Experts, dequantize, from_blocked_weights
 from .quantize import quantize
 from .routing import shard_ids
@@ -1162,12 +1162,7 @@ def _moe_fn(mode: str, activation: str, offset: int, impl: str, tile_m, kernel_f
                     tuple(bcast(v, b) for v, b in zip(leaves, lb)))
             return lax.map(lambda a: batched(*a), args), True
 
-        # Shared experts: the batch of token sets is one larger token set.
-        def fold(v, b):
-            v = v if b else jnp.broadcast_to(v, (axis_size,) + v.shape)
-            return v.reshape((axis_size * v.shape[1],) + v.shape[2:])
-        out = batched(fold(x, xb), fold(topk_ids, ib), fold(topk_weights, wb), leaves)
-        return out.reshape((axis_size, -1) + out.shape[1:]), True
+        return fold_token_sets(batched, axis_size, in_batched, x, topk_ids, topk_weights, leaves), True
 
     @jax.custom_vjp
     def moe_fn(x, topk_ids, topk_weights, leaves):

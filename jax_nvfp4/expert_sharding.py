@@ -58,6 +58,19 @@ def _typed_whole(v):
     return v
 
 
+def fold_token_sets(fn, axis_size: int, in_batched, x, topk_ids, topk_weights, leaves):
+    """``fn(x, topk_ids, topk_weights, leaves)`` over a batch of ``axis_size`` token sets sharing the experts (a
+    ``custom_vmap`` rule; ``in_batched`` its flags): as one set of ``axis_size * T`` tokens, one call that splits
+    like any other. (On Explicit axes the fold cannot merge an unsplit batch with a split T.)"""
+    t = x.shape[1] if in_batched[0] else x.shape[0]
+
+    def fold(v, b):
+        v = v if b else jnp.broadcast_to(v, (axis_size,) + v.shape)
+        return v.reshape((axis_size * v.shape[1],) + v.shape[2:])
+    out = fn(*(fold(v, b) for v, b in zip((x, topk_ids, topk_weights), in_batched)), leaves)
+    return out.reshape((axis_size, t) + out.shape[1:])  # (t, not -1: an empty batch has no size to divide)
+
+
 def plan(mesh, x, leaves) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
     """``(expert_axes, token_axes, scatter_axes)``: the axes that split the experts' E (those of ``leaves[0]``, the
     GEMM1 codes), and those that split ``x``'s T, apart (token axes) or also split E (scatter axes: a device's rows

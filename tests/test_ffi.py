@@ -872,6 +872,7 @@ def test_vmap_folds_batch_into_tokens(experts_cpu):
     idsb = jnp.stack([make_routing(s, 9, 2, 8)[0] for s in range(3)])
     out = jax.jit(jax.vmap(lambda x, i: ops.moe(x, ex, i, w)))(xb, idsb)
     np.testing.assert_array_equal(f32(out[1]), f32(ops.moe(xb[1], ex, idsb[1], w)))
+    assert jax.vmap(lambda x: ops.moe(x, ex, ids, w))(xb[:0]).shape == (0, 9, 64)  # an empty batch
     # batched expert weights (global scales here): one MoE per batch element
     scale = jnp.asarray([1.0, 2.0], jnp.float32)
 

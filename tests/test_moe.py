@@ -442,6 +442,7 @@ _JIT_SHARDED = textwrap.dedent("""
                 assert tuple(out.sharding.spec)[:1] == tuple(x_spec)[:1] or out.sharding.is_fully_replicated
                 np.testing.assert_array_equal(f32(out), shards_summed(n), err_msg=str((mode, types, axes)))
                 assert np.linalg.norm(f32(out) - one) <= 1e-2 * np.linalg.norm(one)
+                assert vlayer(xb[:0], args[1], ib[:0], wb[:0]).shape == (0, 12, 128)  # an empty batch
                 for b in range(2):  # vmap: the plain function, per batch element
                     np.testing.assert_allclose(f32(batched[b]), f32(layer(xb[b], ex, ib[b], wb[b])), rtol=1e-2,
                                                atol=1e-2)

@@ -40,7 +40,7 @@ import numpy as np
 from jax import lax
 
 from .. import activations
-from ..expert_sharding import over_experts
+from ..expert_sharding import fold_token_sets, over_experts
 from ..formats import BF16Experts, NVFP4Experts, dequantize
 from ..quantize import quantize
 from .base import MoEProblem, register
@@ -288,13 +288,7 @@ def _over_devices(mode: str, activation: str, offset: int, dispatch: str, gmm: s
         if any(in_batched[3]):  # per-batch experts: the plain function, batched
             in_axes = jax.tree_util.tree_map(lambda b: 0 if b else None, tuple(in_batched))
             return jax.vmap(plain, in_axes=in_axes)(x, topk_ids, topk_weights, leaves), True
-
-        # Shared experts: the batch of token sets is one larger token set, split as one.
-        def fold(v, b):
-            v = v if b else jnp.broadcast_to(v, (axis_size,) + v.shape)
-            return v.reshape((axis_size * v.shape[1],) + v.shape[2:])
-        out = split(*(fold(v, b) for v, b in zip((x, topk_ids, topk_weights), in_batched)), leaves)
-        return out.reshape((axis_size, -1) + out.shape[1:]), True
+        return fold_token_sets(split, axis_size, in_batched, x, topk_ids, topk_weights, leaves), True
 
     @jax.custom_jvp
     def f(x, topk_ids, topk_weights, leaves):
