@@ -180,9 +180,9 @@ def expert_parallel(model, mesh: jax.sharding.Mesh, axis: str = "ep", *, token_a
     must be too (a KV cache made inside the call is; put inputs such as a ``prompt_mask`` there with
     ``jax.device_put(v, NamedSharding(mesh, P()))``, as ``examples/rl_rollout.py --expert-parallel`` does).
     Tested on two CPU devices (``tests/test_nn.py``): blocks bitwise the sum of their shards, a Qwen3-MoE
-    model's jitted generation. (NVFP4 blocks whose experts are only placed along the axis split the same way
-    under plain ``jit``, by the ffi kernels' partitioning rule, :mod:`jax_nvfp4.expert_sharding`; bf16 blocks
-    need this function.)
+    model's jitted generation. (Blocks whose experts, NVFP4 or bf16, are only placed along the axis split the
+    same way under plain ``jit`` in the forward pass, by :mod:`jax_nvfp4.expert_sharding`'s partitioning rule;
+    their gradients do not split there, see the README's limits: differentiate through this function.)
     """
     target = model if inplace else nnx.clone(model)
     blocks = moe_modules(target)
