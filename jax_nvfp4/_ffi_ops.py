@@ -39,7 +39,7 @@ import numpy as np
 from jax import lax
 
 from . import _exact
-from .expert_sharding import fold_token_sets, over_experts
+from .expert_sharding import expert_vjp, fold_token_sets, over_experts
 from .formats import BLOCKED_BIT_POS, NVFP4Array, NVFP4Experts, dequantize, from_blocked_weights
 from .quantize import quantize
 from .routing import shard_ids
@@ -1125,13 +1125,6 @@ def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str =
     return moe_finalize(y, pair_to_row, impl=impl, kernel_flags=kernel_flags)
 
 
-def _zero_cotangent(v):
-    v = jnp.asarray(v)
-    if jnp.issubdtype(v.dtype, jnp.inexact):
-        return jnp.zeros(v.shape, v.dtype)
-    return np.zeros(v.shape, jax.dtypes.float0)
-
-
 @functools.lru_cache(maxsize=None)
 def _moe_fn(mode: str, activation: str, offset: int, impl: str, tile_m, kernel_flags: int, k_split, spread_experts,
             k_split_decode_only: bool, treedef):
@@ -1171,20 +1164,13 @@ def _moe_fn(mode: str, activation: str, offset: int, impl: str, tile_m, kernel_f
     def fwd(x, topk_ids, topk_weights, leaves):
         return batched(x, topk_ids, topk_weights, leaves), (x, topk_ids, topk_weights, leaves)
 
-    def bwd(res, ct):
-        # Gradients of the pure-JAX twin (as backend "xla": in w4a4 the rounding of x onto the
-        # NVFP4 grid makes d out / d x zero).
-        x, topk_ids, topk_weights, leaves = res
+    def twin(x, topk_ids, topk_weights, leaves, offset):
+        # The backward pass differentiates the pure-JAX twin (as backend "xla": in w4a4 the rounding of x onto
+        # the NVFP4 grid makes d out / d x zero), split over devices as the forward is.
+        return moe_forward(x, jax.tree_util.tree_unflatten(treedef, leaves), topk_ids, topk_weights, mode=mode,
+                           activation=activation, local_expert_offset=offset, impl="jax", tile_m=tile_m)
 
-        def ref(x, topk_weights, leaves):
-            experts = jax.tree_util.tree_unflatten(treedef, leaves)
-            return moe_forward(x, experts, topk_ids, topk_weights, mode=mode, activation=activation,
-                               local_expert_offset=offset, impl="jax", tile_m=tile_m)
-        _, vjp = jax.vjp(ref, x, topk_weights, leaves)
-        dx, dw, dleaves = vjp(ct.astype(jnp.bfloat16))
-        return dx, _zero_cotangent(topk_ids), dw, dleaves
-
-    moe_fn.defvjp(fwd, bwd)
+    moe_fn.defvjp(fwd, expert_vjp(twin, offset))
     return moe_fn
 
 

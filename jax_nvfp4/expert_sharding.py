@@ -12,6 +12,10 @@ kernels and of backend ``xla``) a ``custom_partitioning`` rule instead:
   over expert axes too are gathered over those, and the outputs' sum is scattered back to them (reduce-scatter);
 - every other dimension is replicated (the partitioner gathers it if it was sharded).
 
+:func:`expert_vjp` gives the backward pass (a ``custom_vjp`` rule) the same split (:func:`over_experts_vjp`): each
+device differentiates the pure-JAX function on its own experts and tokens; dx and the routing weights' cotangent are
+summed over the expert axes, the experts' cotangents over the token axes (they stay split along E).
+
 The rule is Shardy's (jax's default partitioner; ``jax.export`` cannot serialize it). On one device, inside
 ``shard_map`` and under the GSPMD partitioner the function runs as it is. Each device's kernels choose their tiles
 from its own share of the tokens, as they would in ``shard_map``. On Explicit mesh axes the output is typed with
@@ -22,9 +26,11 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
@@ -86,13 +92,99 @@ def plan(mesh, x, leaves) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, 
     return ep, tuple(a for a in t_axes if a not in ep), tuple(a for a in t_axes if a in ep)
 
 
-def _sharding_rule(ranks: tuple[int, ...]):
+def _sharding_rule(ranks: tuple[int, ...], grads: tuple[int, ...] | None = None):
     """Shardy's rule: T passes through from x, ids and weights to the output; E (every leaf's first dimension) is
-    reduced over; the rest must stay whole."""
+    reduced over; the rest must stay whole. With ``grads`` (the leaves differentiated) the backward's: the
+    cotangent ``t h`` joins the operands, and the results are dx, d weights and those leaves' cotangents."""
     leaves = [["e"] + [f"l{i}d{j}" for j in range(1, r)] for i, r in enumerate(ranks)]
     operands = ["t h", "t k", "t k"] + [" ".join(f) for f in leaves]
     whole = ("h", "k") + tuple(f for fs in leaves for f in fs[1:])
-    return ", ".join(operands) + " -> t h", whole
+    if grads is None:
+        return ", ".join(operands) + " -> t h", whole
+    return ", ".join(operands + ["t h"]) + " -> " + ", ".join(["t h", "t k"] + [operands[3 + i] for i in grads]), whole
+
+
+def _summed(v, axes, scatter=()):
+    """``v`` summed over the mesh ``axes`` in float32 (``psum``), and over the ``scatter`` axes with each device
+    keeping its rows (``psum_scatter`` along dimension 0), then rounded to its dtype."""
+    y = v.astype(jnp.float32)
+    y = jax.lax.psum(y, axes) if axes else y
+    y = jax.lax.psum_scatter(y, scatter, scatter_dimension=0, tiled=True) if scatter else y
+    return y.astype(v.dtype)
+
+
+def _manual(mesh):
+    """``mesh`` with every axis manual, as in ``shard_map``: each device's function runs under it (under
+    ``jax.set_mesh``, an ambient mesh of Explicit axes would leave sharding annotations in it that nothing
+    lowers)."""
+    return jax.sharding.AbstractMesh(tuple(mesh.shape.values()), tuple(mesh.shape),
+                                     axis_types=(AxisType.Manual,) * len(mesh.shape))
+
+
+def _whole_call(fn, args):
+    """``fn(*args)`` on ``args`` typed whole: on Explicit mesh axes inside a ``shard_map`` over the mesh with every
+    operand and result replicated (jax does not type ``ragged_dot`` nor its transpose on Explicit axes, even
+    replicated ones). The unsplit function, for its shapes and types (the partition replaces it)."""
+    args = jax.tree_util.tree_map(_typed_whole, args)
+    meshes = (getattr(jax.typeof(v).sharding, "mesh", None) for v in jax.tree_util.tree_leaves(args))
+    mesh = next((m for m in meshes if m is not None and AxisType.Explicit in tuple(m.axis_types)), None)
+    if mesh is None:
+        return fn(*args)
+    return jax.shard_map(fn, mesh=mesh, in_specs=P(), out_specs=P())(*args)
+
+
+def _runs_unsplit(fn, args, whole=lambda fn, args: fn(*jax.tree_util.tree_map(_typed_whole, args))) -> bool:
+    """Whether ``fn(*args)`` runs as it is: on one device, inside ``shard_map``, under the GSPMD partitioner
+    (``jax_use_shardy_partitioner`` off; the rule is Shardy's), or where its trace (by ``whole``, as the custom
+    partitioning's) holds constants (a custom partitioning refuses them, e.g. the pure-JAX quantizer's tables,
+    KernelFlag.JAX_QUANT)."""
+    return bool(jax.device_count() == 1 or _in_shard_map() or not jax.config.jax_use_shardy_partitioner
+                or jax.make_jaxpr(lambda *a: whole(fn, a))(*args).consts)
+
+
+def _typed_like(v, like):
+    """On Explicit axes, ``v`` (typed whole) given ``like``'s split of its first dimension (else ``v``)."""
+    aval = jax.typeof(like)
+    axes = _lead_axes(aval)
+    return jax.sharding.reshard(v, NamedSharding(aval.sharding.mesh, P(axes, *(None,) * (v.ndim - 1)))) if axes else v
+
+
+class _Split(NamedTuple):
+    """How a partition splits the work on ``mesh`` (see :func:`plan`): its axes, a device's experts, and the
+    shardings of the rows (split along the token axes), of the output rows (also along the scatter axes) and of
+    the leaves (along the expert axes)."""
+    ep: tuple[str, ...]
+    tok: tuple[str, ...]
+    scatter: tuple[str, ...]
+    summed: tuple[str, ...]  # expert axes the outputs are summed over (psum; the scatter axes by psum_scatter)
+    e_local: int
+    rows: NamedSharding
+    out_rows: NamedSharding
+    experts: tuple[NamedSharding, ...]
+
+
+def _split(mesh, x, leaves) -> _Split:
+    ep, tok, scatter = plan(mesh, x, leaves)
+    return _Split(ep, tok, scatter, tuple(a for a in ep if a not in scatter),
+                  leaves[0].shape[0] // math.prod(mesh.shape[a] for a in ep),
+                  NamedSharding(mesh, P(tok or None, None)), NamedSharding(mesh, P(tok + scatter or None, None)),
+                  tuple(NamedSharding(mesh, P(ep or None, *(None,) * (len(v.shape) - 1))) for v in leaves))
+
+
+def _on_device(fn, split: _Split, offset: int, x, topk_ids, *rest):
+    """``fn(x, topk_ids, *rest, offset)`` on this device's experts: with expert axes, the ids of its shard (its expert
+    0's global id from the axis index) at offset 0."""
+    if split.ep:
+        topk_ids, offset = shard_ids(topk_ids, offset + jax.lax.axis_index(split.ep) * split.e_local), 0
+    return fn(x, topk_ids, *rest, offset)
+
+
+def _call(fn, offset: int, for_ranks, args, **whole):
+    """``fn(*args, offset)``, through the custom partitioning ``for_ranks(leaf ranks)`` unless it runs unsplit."""
+    at = lambda *a: fn(*a, offset)  # noqa: E731
+    if _runs_unsplit(at, args, **whole):
+        return at(*args)
+    return for_ranks(tuple(v.ndim for v in args[3]))(*args)
 
 
 def over_experts(forward, offset: int):
@@ -102,57 +194,114 @@ def over_experts(forward, offset: int):
 
     def partition(mesh, arg_shapes, result_shape):
         x, _, _, leaves = arg_shapes
-        ep, tok, scatter = plan(mesh, x, leaves)
-        e_local = leaves[0].shape[0] // math.prod(mesh.shape[a] for a in ep)
-        rows = NamedSharding(mesh, P(tok or None, None))
-        in_shardings = (rows, rows, rows,
-                        tuple(NamedSharding(mesh, P(ep or None, *(None,) * (len(v.shape) - 1))) for v in leaves))
-        summed = tuple(a for a in ep if a not in scatter)
+        sp = _split(mesh, x, leaves)
 
-        # Each device's function sees every mesh axis as manual, as in shard_map (under jax.set_mesh, an
-        # ambient mesh of Explicit axes would leave sharding annotations in it that nothing lowers).
-        manual = jax.sharding.AbstractMesh(tuple(mesh.shape.values()), tuple(mesh.shape),
-                                           axis_types=(AxisType.Manual,) * len(mesh.shape))
+        def shard(*args):
+            with jax.sharding.use_abstract_mesh(_manual(mesh)):
+                return _summed(_on_device(forward, sp, offset, *args), sp.summed, sp.scatter)
 
-        def shard(x, topk_ids, topk_weights, leaves):
-            with jax.sharding.use_abstract_mesh(manual):
-                if not ep:
-                    return forward(x, topk_ids, topk_weights, leaves, offset)
-                first = offset + jax.lax.axis_index(ep) * e_local  # this device's expert 0
-                out = forward(x, shard_ids(topk_ids, first), topk_weights, leaves, 0)
-                y = out.astype(jnp.float32)
-                y = jax.lax.psum(y, summed) if summed else y
-                y = jax.lax.psum_scatter(y, scatter, scatter_dimension=0, tiled=True) if scatter else y
-                return y.astype(out.dtype)
-
-        return mesh, shard, NamedSharding(mesh, P(tok + scatter or None, None)), in_shardings
+        return mesh, shard, sp.out_rows, (sp.rows, sp.rows, sp.rows, sp.experts)
 
     @functools.lru_cache(maxsize=None)
     def for_ranks(ranks):
         @custom_partitioning
         def f(x, topk_ids, topk_weights, leaves):
             # The unsplit function (its shapes and types; the partition replaces it) on operands typed whole: the
-            # pure-JAX forward indexes E, which XLA refuses to trace on an Explicit axis.
-            out = forward(*jax.tree_util.tree_map(_typed_whole, (x, topk_ids, topk_weights, leaves)), offset)
-            # On Explicit axes the output's type is the kernels' (replicated): give it x's split of T, which the
-            # partition keeps, lest the typed replicated output gather every device's rows.
-            aval = jax.typeof(x)
-            t_axes = _lead_axes(aval)
-            return jax.sharding.reshard(out, NamedSharding(aval.sharding.mesh, P(t_axes, None))) if t_axes else out
+            # pure-JAX forward indexes E, which XLA refuses to trace on an Explicit axis. On Explicit axes the
+            # output's type is the kernels' (replicated): give it x's split of T, which the partition keeps, lest
+            # the typed replicated output gather every device's rows.
+            return _typed_like(forward(*jax.tree_util.tree_map(_typed_whole, (x, topk_ids, topk_weights, leaves)),
+                                       offset), x)
 
         rule, whole = _sharding_rule(ranks)
         f.def_partition(partition, sharding_rule=rule, reduction_factors=("e",), need_replication_factors=whole)
         return f
 
-    def f(x, topk_ids, topk_weights, leaves):
-        args = (x, topk_ids, topk_weights, tuple(leaves))
-        at = lambda *a: forward(*a, offset)  # noqa: E731
-        # A custom partitioning may not hold constants, and its rule is Shardy's: a forward whose trace has some
-        # (e.g. the pure-JAX quantizer's tables, KernelFlag.JAX_QUANT), or the GSPMD partitioner
-        # (jax_use_shardy_partitioner off), runs unsplit, as it would without this module.
-        if (jax.device_count() == 1 or _in_shard_map() or not jax.config.jax_use_shardy_partitioner
-                or jax.make_jaxpr(lambda *a: at(*jax.tree_util.tree_map(_typed_whole, a)))(*args).consts):
-            return at(*args)
-        return for_ranks(tuple(v.ndim for v in leaves))(*args)
+    return lambda x, topk_ids, topk_weights, leaves: _call(forward, offset, for_ranks,
+                                                           (x, topk_ids, topk_weights, tuple(leaves)))
 
-    return f
+
+def over_experts_vjp(backward, offset: int, grads: tuple[int, ...]):
+    """The backward pass of :func:`over_experts`'s function, partitioned alike: ``backward(x, topk_ids,
+    topk_weights, leaves, ct, offset)`` (``ct`` the output's cotangent ``[T, H]``) returns ``(dx, d topk_weights,
+    d leaves)``, the last for the leaves numbered in ``grads`` (float leaves: a partition cannot return float0).
+    As ``f(x, topk_ids, topk_weights, leaves, ct)`` at ``offset``: each device differentiates its own experts on
+    its own tokens; dx and d weights are summed over the expert axes (in float32, scattered back to their rows where
+    the tokens were gathered), the leaves' cotangents over the token axes, and stay split along E (no expert
+    gathered, on Auto and on Explicit axes)."""
+
+    def partition(mesh, arg_shapes, result_shape):
+        x, _, _, leaves, _ = arg_shapes
+        sp = _split(mesh, x, leaves)
+
+        def shard(*args):
+            with jax.sharding.use_abstract_mesh(_manual(mesh)):
+                dx, dw, dleaves = _on_device(backward, sp, offset, *args)
+                return (_summed(dx, sp.summed, sp.scatter), _summed(dw, sp.summed, sp.scatter),
+                        tuple(_summed(v, sp.tok) for v in dleaves))
+
+        return (mesh, shard, (sp.out_rows, sp.out_rows, tuple(sp.experts[i] for i in grads)),
+                (sp.rows, sp.rows, sp.rows, sp.experts, sp.rows))
+
+    @functools.lru_cache(maxsize=None)
+    def for_ranks(ranks):
+        @custom_partitioning
+        def f(x, topk_ids, topk_weights, leaves, ct):
+            # As over_experts' unsplit function: on operands typed whole (in a shard_map on Explicit axes: the
+            # pure-JAX backward transposes ragged_dot), the results typed as their primals.
+            dx, dw, dleaves = _whole_call(lambda *a: backward(*a, offset), (x, topk_ids, topk_weights, leaves, ct))
+            return (_typed_like(dx, x), _typed_like(dw, topk_weights),
+                    tuple(_typed_like(v, leaves[i]) for v, i in zip(dleaves, grads)))
+
+        rule, whole = _sharding_rule(ranks, grads)
+        f.def_partition(partition, sharding_rule=rule, need_replication_factors=whole)
+        return f
+
+    return lambda x, topk_ids, topk_weights, leaves, ct: _call(
+        backward, offset, for_ranks, (x, topk_ids, topk_weights, tuple(leaves), ct), whole=_whole_call)
+
+
+def expert_vjp(forward, offset: int):
+    """A ``custom_vjp`` backward rule ``bwd(residuals, ct)`` for ``forward(x, topk_ids, topk_weights, leaves,
+    offset)`` at ``offset`` (``residuals`` its operands): the cotangents of x, the ids (float0), the weights and
+    every leaf (float0 for integer leaves), from ``jax.vjp`` of ``forward``, partitioned by
+    :func:`over_experts_vjp` under plain ``jit``; ``jax.vmap`` runs it unsplit, batched (per-example gradients
+    cannot fold into one token set)."""
+
+    def backward(x, topk_ids, topk_weights, leaves, ct, offset, grads):
+        def of(x, topk_weights, floats):
+            full = list(leaves)
+            for i, v in zip(grads, floats):
+                full[i] = v
+            return forward(x, topk_ids, topk_weights, tuple(full), offset)
+        out, vjp = jax.vjp(of, x, topk_weights, tuple(leaves[i] for i in grads))
+        return vjp(ct.astype(out.dtype))
+
+    @functools.lru_cache(maxsize=None)
+    def for_grads(grads):
+        split = jax.custom_batching.custom_vmap(
+            over_experts_vjp(functools.partial(backward, grads=grads), offset, grads))
+
+        @split.def_vmap
+        def _vmap(axis_size, in_batched, *args):
+            # One batch element after the other, each split as above (a fold into one token set would sum the
+            # elements' expert cotangents).
+            batched = [a for a, b in zip(args, in_batched) if jax.tree_util.tree_leaves(b)[0]]
+
+            def one(elements):
+                it = iter(elements)
+                return split(*(next(it) if jax.tree_util.tree_leaves(b)[0] else a for a, b in zip(args, in_batched)))
+            out = jax.lax.map(one, batched)
+            return out, jax.tree_util.tree_map(lambda _: True, out)
+        return split
+
+    def bwd(residuals, ct):
+        x, topk_ids, topk_weights, leaves = residuals
+        grads = tuple(i for i, v in enumerate(leaves) if jnp.issubdtype(v.dtype, jnp.inexact))
+        dx, dw, dfloats = for_grads(grads)(x, topk_ids, topk_weights, tuple(leaves), ct)
+        dleaves = [np.zeros(v.shape, jax.dtypes.float0) for v in leaves]
+        for i, v in zip(grads, dfloats):
+            dleaves[i] = v
+        return dx, np.zeros(topk_ids.shape, jax.dtypes.float0), dw, tuple(dleaves)
+
+    return bwd

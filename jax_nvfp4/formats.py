@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 BLOCK = 16  # elements per E4M3 block scale
 ORDERS = ("rows", "blocked")  # NVFP4Array.order
@@ -117,8 +118,13 @@ def pack_codes(codes):
 
 
 def e2m1_to_float(codes, dtype=jnp.float32):
-    """E2M1 codes -> values (exact in any float dtype)."""
-    return jnp.asarray(E2M1_TABLE, dtype)[codes.astype(jnp.int32)]
+    """E2M1 codes -> values (exact in any float dtype): ``E2M1_TABLE[codes]``, built from the code's bits as
+    float32 bits, so that the trace holds no constant (a custom partitioning refuses them: expert_sharding)."""
+    c = codes.astype(jnp.uint32)
+    mag = c & 7  # e1 e0 m: 2^(e - 1) * (1 + m / 2) from e = 1; 0 and 0.5 (subnormal) at e = 0
+    normal = ((mag >> 1) + 126) << 23 | (mag & 1) << 22
+    bits = jnp.where(mag >= 2, normal, jnp.where(mag == 1, jnp.uint32(126 << 23), jnp.uint32(0))) | (c >> 3) << 31
+    return lax.bitcast_convert_type(bits, jnp.float32).astype(dtype)
 
 
 def _expand_global(g, ndim):

@@ -161,9 +161,8 @@ def moe(x, experts, *, router_logits=None, routing: str = "softmax_topk", top_k:
     Under ``jax.jit`` with the experts sharded along E (expert parallelism) and ``x`` along T
     (data parallelism) by ``NamedSharding`` objects, backends ``ffi`` and ``xla`` run each device's
     experts on its tokens and sum the outputs over the expert axes, gathering no expert
-    (:mod:`jax_nvfp4.expert_sharding`; derivatives run an unsplit pure-JAX function, which XLA
-    partitions as it can: see the README's limits); inside ``jax.shard_map`` pass the shard's
-    ``local_expert_offset`` instead.
+    (:mod:`jax_nvfp4.expert_sharding`); their gradients split alike (reverse mode only there: no
+    ``jax.jvp``). Inside ``jax.shard_map`` pass the shard's ``local_expert_offset`` instead.
     """
     activations.check(activation)
     mode = _check_experts(experts, mode, activation)

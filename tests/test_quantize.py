@@ -188,6 +188,18 @@ def test_dequantize_is_idempotent():
     np.testing.assert_array_equal(np.asarray(nv.dequantize(q2)), np.asarray(nv.dequantize(q)))
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_e2m1_decode_is_the_table_without_constants(dtype):
+    """Every E2M1 code decodes to the spec's value (signed zeros too), from its bits: the trace holds no constant
+    (expert_sharding's custom partitionings refuse them), eager and jitted."""
+    from jax_nvfp4 import formats
+    codes = jnp.arange(16, dtype=jnp.uint8)
+    want = np.asarray(formats.E2M1_TABLE).astype(jnp.dtype(dtype))
+    for got in (formats.e2m1_to_float(codes, dtype), jax.jit(formats.e2m1_to_float, static_argnums=1)(codes, dtype)):
+        assert got.dtype == dtype and np.asarray(got).tobytes() == want.tobytes()
+    assert not jax.make_jaxpr(lambda c: formats.e2m1_to_float(c, dtype))(codes).consts
+
+
 def test_decode_without_global_is_exact_in_bf16():
     x = jax.random.normal(jax.random.key(5), (32, 256), jnp.float32) * 100
     q = nv.quantize(x)

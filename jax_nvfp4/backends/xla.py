@@ -40,7 +40,7 @@ import numpy as np
 from jax import lax
 
 from .. import activations
-from ..expert_sharding import fold_token_sets, over_experts
+from ..expert_sharding import expert_vjp, fold_token_sets, over_experts
 from ..formats import BF16Experts, NVFP4Experts, dequantize
 from ..quantize import quantize
 from .base import MoEProblem, register
@@ -274,7 +274,8 @@ def _over_devices(mode: str, activation: str, offset: int, dispatch: str, gmm: s
     """:func:`moe_experts` at a static ``offset`` as ``f(x, topk_ids, topk_weights, leaves)`` (the experts' flat
     leaves) with :mod:`~jax_nvfp4.expert_sharding`'s rule: under plain ``jit`` over several devices each device runs
     its own experts on its own tokens (each choosing its strategy for its share) instead of XLA gathering every
-    expert. Derivatives (a ``custom_jvp``) and ``jax.vmap`` go through the plain function, as without the rule."""
+    expert; its gradients (a ``custom_vjp``: reverse mode only) split alike. ``jax.vmap`` folds a batch of token sets
+    into one (shared experts) or runs the plain function batched."""
 
     def at(x, topk_ids, topk_weights, leaves, offset):
         return moe_experts(x, jax.tree_util.tree_unflatten(treedef, leaves), topk_ids, topk_weights, mode=mode,
@@ -290,11 +291,14 @@ def _over_devices(mode: str, activation: str, offset: int, dispatch: str, gmm: s
             return jax.vmap(plain, in_axes=in_axes)(x, topk_ids, topk_weights, leaves), True
         return fold_token_sets(split, axis_size, in_batched, x, topk_ids, topk_weights, leaves), True
 
-    @jax.custom_jvp
+    @jax.custom_vjp
     def f(x, topk_ids, topk_weights, leaves):
         return split(x, topk_ids, topk_weights, leaves)
 
-    f.defjvp(lambda primals, tangents: jax.jvp(plain, primals, tangents))
+    def fwd(x, topk_ids, topk_weights, leaves):
+        return split(x, topk_ids, topk_weights, leaves), (x, topk_ids, topk_weights, leaves)
+
+    f.defvjp(fwd, expert_vjp(at, offset))
     return f
 
 

@@ -185,8 +185,7 @@ class MoE(nnx.Module):
         unsharded layer in its last bits); ``x``, the router and the output are replicated over the mesh,
         but for ``token_axis``. Without it, under ``jit`` with the experts sharded by a ``NamedSharding``,
         the forward pass splits the same way by a partitioning rule (:mod:`jax_nvfp4.expert_sharding`: the
-        ffi kernels, and backend ``xla`` for bf16 experts); gradients then run the plain function, which
-        XLA partitions as it can.
+        ffi kernels, and backend ``xla`` for bf16 experts), and so do its gradients (reverse mode).
         :func:`~jax_nvfp4.nn.expert_parallel` sets it on every block of a model and places the experts
         along the axis.
     mesh : jax.sharding.Mesh, optional

@@ -181,8 +181,8 @@ def expert_parallel(model, mesh: jax.sharding.Mesh, axis: str = "ep", *, token_a
     ``jax.device_put(v, NamedSharding(mesh, P()))``, as ``examples/rl_rollout.py --expert-parallel`` does).
     Tested on two CPU devices (``tests/test_nn.py``): blocks bitwise the sum of their shards, a Qwen3-MoE
     model's jitted generation. (Blocks whose experts, NVFP4 or bf16, are only placed along the axis split the
-    same way under plain ``jit`` in the forward pass, by :mod:`jax_nvfp4.expert_sharding`'s partitioning rule;
-    their gradients do not split there, see the README's limits: differentiate through this function.)
+    same way under plain ``jit``, gradients too (reverse mode), by :mod:`jax_nvfp4.expert_sharding`'s
+    partitioning rules.)
     """
     target = model if inplace else nnx.clone(model)
     blocks = moe_modules(target)
