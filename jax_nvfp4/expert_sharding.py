@@ -133,11 +133,17 @@ def _whole_call(fn, args):
     return jax.shard_map(fn, mesh=mesh, in_specs=P(), out_specs=P())(*args)
 
 
-def _runs_unsplit(fn, args, whole=lambda fn, args: fn(*jax.tree_util.tree_map(_typed_whole, args))) -> bool:
+def _typed_whole_call(fn, args):
+    """``fn(*args)`` on ``args`` typed whole (see :func:`_whole_call`, which also takes ``fn`` into a ``shard_map``:
+    the forward's unsplit body does without it, its output keeping the types it had)."""
+    return fn(*jax.tree_util.tree_map(_typed_whole, args))
+
+
+def _runs_unsplit(fn, args, whole) -> bool:
     """Whether ``fn(*args)`` runs as it is: on one device, inside ``shard_map``, under the GSPMD partitioner
-    (``jax_use_shardy_partitioner`` off; the rule is Shardy's), or where its trace (by ``whole``, as the custom
-    partitioning's) holds constants (a custom partitioning refuses them, e.g. the pure-JAX quantizer's tables,
-    KernelFlag.JAX_QUANT)."""
+    (``jax_use_shardy_partitioner`` off; the rule is Shardy's), or where its trace by ``whole`` (as the custom
+    partitioning's body calls it) holds constants (a custom partitioning refuses them, e.g. the pure-JAX quantizer's
+    tables, KernelFlag.JAX_QUANT)."""
     return bool(jax.device_count() == 1 or _in_shard_map() or not jax.config.jax_use_shardy_partitioner
                 or jax.make_jaxpr(lambda *a: whole(fn, a))(*args).consts)
 
@@ -179,10 +185,10 @@ def _on_device(fn, split: _Split, offset: int, x, topk_ids, *rest):
     return fn(x, topk_ids, *rest, offset)
 
 
-def _call(fn, offset: int, for_ranks, args, **whole):
+def _call(fn, offset: int, for_ranks, whole, args):
     """``fn(*args, offset)``, through the custom partitioning ``for_ranks(leaf ranks)`` unless it runs unsplit."""
     at = lambda *a: fn(*a, offset)  # noqa: E731
-    if _runs_unsplit(at, args, **whole):
+    if _runs_unsplit(at, args, whole):
         return at(*args)
     return for_ranks(tuple(v.ndim for v in args[3]))(*args)
 
@@ -210,14 +216,14 @@ def over_experts(forward, offset: int):
             # pure-JAX forward indexes E, which XLA refuses to trace on an Explicit axis. On Explicit axes the
             # output's type is the kernels' (replicated): give it x's split of T, which the partition keeps, lest
             # the typed replicated output gather every device's rows.
-            return _typed_like(forward(*jax.tree_util.tree_map(_typed_whole, (x, topk_ids, topk_weights, leaves)),
-                                       offset), x)
+            return _typed_like(_typed_whole_call(lambda *a: forward(*a, offset), (x, topk_ids, topk_weights, leaves)),
+                               x)
 
         rule, whole = _sharding_rule(ranks)
         f.def_partition(partition, sharding_rule=rule, reduction_factors=("e",), need_replication_factors=whole)
         return f
 
-    return lambda x, topk_ids, topk_weights, leaves: _call(forward, offset, for_ranks,
+    return lambda x, topk_ids, topk_weights, leaves: _call(forward, offset, for_ranks, _typed_whole_call,
                                                            (x, topk_ids, topk_weights, tuple(leaves)))
 
 
@@ -257,8 +263,8 @@ def over_experts_vjp(backward, offset: int, grads: tuple[int, ...]):
         f.def_partition(partition, sharding_rule=rule, need_replication_factors=whole)
         return f
 
-    return lambda x, topk_ids, topk_weights, leaves, ct: _call(
-        backward, offset, for_ranks, (x, topk_ids, topk_weights, tuple(leaves), ct), whole=_whole_call)
+    return lambda x, topk_ids, topk_weights, leaves, ct: _call(backward, offset, for_ranks, _whole_call,
+                                                               (x, topk_ids, topk_weights, tuple(leaves), ct))
 
 
 def expert_vjp(forward, offset: int):
