@@ -271,8 +271,8 @@ def expert_vjp(forward, offset: int):
     """A ``custom_vjp`` backward rule ``bwd(residuals, ct)`` for ``forward(x, topk_ids, topk_weights, leaves,
     offset)`` at ``offset`` (``residuals`` its operands): the cotangents of x, the ids (float0), the weights and
     every leaf (float0 for integer leaves), from ``jax.vjp`` of ``forward``, partitioned by
-    :func:`over_experts_vjp` under plain ``jit``; ``jax.vmap`` runs it unsplit, batched (per-example gradients
-    cannot fold into one token set)."""
+    :func:`over_experts_vjp` under plain ``jit``; under ``jax.vmap`` one batch element after the other, each split
+    (per-example gradients cannot fold into one token set)."""
 
     def backward(x, topk_ids, topk_weights, leaves, ct, offset, grads):
         def of(x, topk_weights, floats):
@@ -291,13 +291,15 @@ def expert_vjp(forward, offset: int):
         @split.def_vmap
         def _vmap(axis_size, in_batched, *args):
             # One batch element after the other, each split as above (a fold into one token set would sum the
-            # elements' expert cotangents).
-            batched = [a for a, b in zip(args, in_batched) if jax.tree_util.tree_leaves(b)[0]]
+            # elements' expert cotangents); an argument with any batched leaf is mapped, its other leaves broadcast.
+            mapped = [any(jax.tree_util.tree_leaves(b)) for b in in_batched]
+            xs = [jax.tree_util.tree_map(lambda v, vb: v if vb else jnp.broadcast_to(v, (axis_size,) + v.shape), a, b)
+                  for a, b, m in zip(args, in_batched, mapped) if m]
 
             def one(elements):
                 it = iter(elements)
-                return split(*(next(it) if jax.tree_util.tree_leaves(b)[0] else a for a, b in zip(args, in_batched)))
-            out = jax.lax.map(one, batched)
+                return split(*(next(it) if m else a for a, m in zip(args, mapped)))
+            out = jax.lax.map(one, xs)
             return out, jax.tree_util.tree_map(lambda _: True, out)
         return split
 
