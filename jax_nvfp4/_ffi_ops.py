@@ -39,7 +39,7 @@ import numpy as np
 from jax import lax
 
 from . import _exact
-from .expert_sharding import expert_vjp, fold_token_sets, over_experts
+from .expert_sharding import fold_token_sets, over_experts, with_expert_grads
 from .formats import BLOCKED_BIT_POS, NVFP4Array, NVFP4Experts, dequantize, from_blocked_weights
 from .quantize import quantize
 from .routing import shard_ids
@@ -1157,21 +1157,13 @@ def _moe_fn(mode: str, activation: str, offset: int, impl: str, tile_m, kernel_f
 
         return fold_token_sets(batched, axis_size, in_batched, x, topk_ids, topk_weights, leaves), True
 
-    @jax.custom_vjp
-    def moe_fn(x, topk_ids, topk_weights, leaves):
-        return batched(x, topk_ids, topk_weights, leaves)
-
-    def fwd(x, topk_ids, topk_weights, leaves):
-        return batched(x, topk_ids, topk_weights, leaves), (x, topk_ids, topk_weights, leaves)
-
     def twin(x, topk_ids, topk_weights, leaves, offset):
         # The backward pass differentiates the pure-JAX twin (as backend "xla": in w4a4 the rounding of x onto
         # the NVFP4 grid makes d out / d x zero), split over devices as the forward is.
         return moe_forward(x, jax.tree_util.tree_unflatten(treedef, leaves), topk_ids, topk_weights, mode=mode,
                            activation=activation, local_expert_offset=offset, impl="jax", tile_m=tile_m)
 
-    moe_fn.defvjp(fwd, expert_vjp(twin, offset))
-    return moe_fn
+    return with_expert_grads(batched, twin, offset)
 
 
 def moe(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str = "w4a16", activation: str = "swiglu",

@@ -12,7 +12,7 @@ kernels and of backend ``xla``) a ``custom_partitioning`` rule instead:
   over expert axes too are gathered over those, and the outputs' sum is scattered back to them (reduce-scatter);
 - every other dimension is replicated (the partitioner gathers it if it was sharded).
 
-:func:`expert_vjp` gives the backward pass (a ``custom_vjp`` rule) the same split (:func:`over_experts_vjp`): each
+:func:`with_expert_grads` (its rule :func:`expert_vjp`) gives the backward pass the same split (:func:`over_experts_vjp`): each
 device differentiates the pure-JAX function on its own experts and tokens; dx and the routing weights' cotangent are
 summed over the expert axes, the experts' cotangents over the token axes (they stay split along E).
 
@@ -313,3 +313,12 @@ def expert_vjp(forward, offset: int):
         return dx, np.zeros(topk_ids.shape, jax.dtypes.float0), dw, tuple(dleaves)
 
     return bwd
+
+
+def with_expert_grads(primal, reference, offset: int):
+    """``primal(x, topk_ids, topk_weights, leaves)`` as a ``custom_vjp`` function whose gradients are those of
+    ``reference(x, topk_ids, topk_weights, leaves, offset)`` at ``offset`` (:func:`expert_vjp`: split over devices
+    as the forward is; reverse mode only)."""
+    f = jax.custom_vjp(primal)
+    f.defvjp(lambda *args: (primal(*args), args), expert_vjp(reference, offset))
+    return f

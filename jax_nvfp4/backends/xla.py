@@ -40,7 +40,7 @@ import numpy as np
 from jax import lax
 
 from .. import activations
-from ..expert_sharding import expert_vjp, fold_token_sets, over_experts
+from ..expert_sharding import fold_token_sets, over_experts, with_expert_grads
 from ..formats import BF16Experts, NVFP4Experts, dequantize
 from ..quantize import quantize
 from .base import MoEProblem, register
@@ -291,15 +291,7 @@ def _over_devices(mode: str, activation: str, offset: int, dispatch: str, gmm: s
             return jax.vmap(plain, in_axes=in_axes)(x, topk_ids, topk_weights, leaves), True
         return fold_token_sets(split, axis_size, in_batched, x, topk_ids, topk_weights, leaves), True
 
-    @jax.custom_vjp
-    def f(x, topk_ids, topk_weights, leaves):
-        return split(x, topk_ids, topk_weights, leaves)
-
-    def fwd(x, topk_ids, topk_weights, leaves):
-        return split(x, topk_ids, topk_weights, leaves), (x, topk_ids, topk_weights, leaves)
-
-    f.defvjp(fwd, expert_vjp(at, offset))
-    return f
+    return with_expert_grads(split, at, offset)
 
 
 class XLABackend:
