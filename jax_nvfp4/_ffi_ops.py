@@ -39,7 +39,7 @@ import numpy as np
 from jax import lax
 
 from . import _exact
-from .expert_sharding import fold_token_sets, over_experts, with_expert_grads
+from .expert_sharding import fold_token_sets, map_batch, over_experts, with_expert_grads
 from .formats import BLOCKED_BIT_POS, NVFP4Array, NVFP4Experts, dequantize, from_blocked_weights
 from .quantize import quantize
 from .routing import shard_ids
@@ -1147,13 +1147,8 @@ def _moe_fn(mode: str, activation: str, offset: int, impl: str, tile_m, kernel_f
 
     @batched.def_vmap
     def _vmap_rule(axis_size, in_batched, x, topk_ids, topk_weights, leaves):
-        xb, ib, wb, lb = in_batched
-        if any(lb):  # per-batch experts: one MoE per batch element
-            def bcast(v, b):
-                return v if b else jnp.broadcast_to(v, (axis_size,) + jnp.shape(v))
-            args = (bcast(x, xb), bcast(topk_ids, ib), bcast(topk_weights, wb),
-                    tuple(bcast(v, b) for v, b in zip(leaves, lb)))
-            return lax.map(lambda a: batched(*a), args), True
+        if any(in_batched[3]):  # per-batch experts: one MoE per batch element
+            return map_batch(batched, axis_size, in_batched, (x, topk_ids, topk_weights, leaves)), True
 
         return fold_token_sets(batched, axis_size, in_batched, x, topk_ids, topk_weights, leaves), True
 

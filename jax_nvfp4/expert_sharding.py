@@ -77,6 +77,20 @@ def fold_token_sets(fn, axis_size: int, in_batched, x, topk_ids, topk_weights, l
     return out.reshape((axis_size, t) + out.shape[1:])  # (t, not -1: an empty batch has no size to divide)
 
 
+def map_batch(fn, axis_size: int, in_batched, args):
+    """``fn(*args)`` over a batch of ``axis_size``, one element after the other (``lax.map``; a ``custom_vmap`` rule,
+    ``in_batched`` its flags): an argument with any batched leaf is mapped, its other leaves broadcast; the others
+    are passed whole."""
+    mapped = [any(jax.tree_util.tree_leaves(b)) for b in in_batched]
+    xs = [jax.tree_util.tree_map(lambda v, vb: v if vb else jnp.broadcast_to(v, (axis_size,) + jnp.shape(v)), a, b)
+          for a, b, m in zip(args, in_batched, mapped) if m]
+
+    def one(elements):
+        it = iter(elements)
+        return fn(*(next(it) if m else a for a, m in zip(args, mapped)))
+    return jax.lax.map(one, xs)
+
+
 def plan(mesh, x, leaves) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
     """``(expert_axes, token_axes, scatter_axes)``: the axes that split the experts' E (those of ``leaves[0]``, the
     GEMM1 codes), and those that split ``x``'s T, apart (token axes) or also split E (scatter axes: a device's rows
@@ -291,15 +305,8 @@ def expert_vjp(forward, offset: int):
         @split.def_vmap
         def _vmap(axis_size, in_batched, *args):
             # One batch element after the other, each split as above (a fold into one token set would sum the
-            # elements' expert cotangents); an argument with any batched leaf is mapped, its other leaves broadcast.
-            mapped = [any(jax.tree_util.tree_leaves(b)) for b in in_batched]
-            xs = [jax.tree_util.tree_map(lambda v, vb: v if vb else jnp.broadcast_to(v, (axis_size,) + v.shape), a, b)
-                  for a, b, m in zip(args, in_batched, mapped) if m]
-
-            def one(elements):
-                it = iter(elements)
-                return split(*(next(it) if m else a for a, m in zip(args, mapped)))
-            out = jax.lax.map(one, xs)
+            # elements' expert cotangents).
+            out = map_batch(split, axis_size, in_batched, args)
             return out, jax.tree_util.tree_map(lambda _: True, out)
         return split
 
