@@ -40,7 +40,8 @@ from jax import lax
 
 from . import _exact
 from .expert_sharding import fold_token_sets, map_batch, over_experts, with_expert_grads
-from .formats import BLOCKED_BIT_POS, NVFP4Array, NVFP4Experts, dequantize, from_blocked_weights
+from .formats import (BLOCKED_BIT_POS, NVFP4Array, NVFP4Experts, dequantize, from_blocked_weights,
+                      require_unstacked)
 from .quantize import quantize
 from .routing import shard_ids
 
@@ -1022,6 +1023,7 @@ def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str =
         raise ValueError(f"activation must be one of {tuple(ACTIVATIONS)}, got {activation!r}")
     if not isinstance(experts, NVFP4Experts):
         raise TypeError(f"the ffi kernels need NVFP4Experts, got {type(experts).__name__}")
+    require_unstacked(experts, "moe_forward")
     act = ACTIVATIONS[activation]
     gated = act != Activation.RELU2
     if experts.gated != gated:
@@ -1176,6 +1178,7 @@ def moe(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str = "w4a16"
     if not isinstance(experts, NVFP4Experts):
         raise TypeError(f"the ffi kernels need NVFP4Experts (mode 'bf16' runs on backend 'xla'), "
                         f"got {type(experts).__name__}")
+    require_unstacked(experts, "moe")
     if not isinstance(local_expert_offset, (int, np.integer)):
         topk_ids, local_expert_offset = shard_ids(topk_ids, local_expert_offset), 0
     if k_split is not None:

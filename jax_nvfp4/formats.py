@@ -246,19 +246,42 @@ def from_blocked_experts(experts: "NVFP4Experts") -> "NVFP4Experts":
 
 
 class _ExpertShapes:
-    """Sizes shared by the expert containers: E, H and I."""
+    """Sizes shared by the expert containers: E, H and I, and the leading axes of stacked experts (e.g. layers
+    ``[L, E, N, K]``, for ``jax.lax.scan`` or ``jax.vmap`` over them)."""
 
     @property
     def num_experts(self) -> int:
-        return self.gate_up.shape[0]
+        return self.gate_up.shape[-3]
 
     @property
     def hidden_size(self) -> int:
-        return self.gate_up.shape[2]
+        return self.gate_up.shape[-1]
 
     @property
     def intermediate_size(self) -> int:
-        return self.down.shape[2]
+        return self.down.shape[-1]
+
+    @property
+    def stack_shape(self) -> tuple[int, ...]:
+        """The leading axes before ``[E, N, K]``: ``()`` for one set of experts, ``(L,)`` for L layers' stacked."""
+        return tuple(self.gate_up.shape[:-3])
+
+    def __getitem__(self, idx):
+        """Index the stack axes (``experts[l]``: layer l's experts), not E, N or K."""
+        idx = idx if isinstance(idx, tuple) else (idx,)
+        if len(idx) > len(self.stack_shape):
+            raise IndexError(f"{type(self).__name__} can be indexed only along its {len(self.stack_shape)} stack "
+                             f"axes {self.stack_shape} (before [E, N, K]), got {len(idx)} indices")
+        return dataclasses.replace(self, gate_up=self.gate_up[idx], down=self.down[idx])
+
+
+def require_unstacked(experts, where: str) -> None:
+    """Raise where ``experts`` are stacked (leading axes before ``[E, N, K]``): a MoE layer takes one set."""
+    if isinstance(experts, _ExpertShapes) and experts.stack_shape:
+        raise ValueError(
+            f"{where}: experts must be one set [E, N, K], got experts stacked over leading axes "
+            f"{experts.stack_shape} (gate_up {tuple(experts.gate_up.shape)}); pass one of them (experts[i]) or map "
+            "over them (jax.lax.scan, or jax.vmap with the experts' in_axes 0)")
 
 
 @jax.tree_util.register_dataclass
@@ -274,6 +297,10 @@ class NVFP4Experts(_ExpertShapes):
         GEMM2 weights; ``global_scale`` ``[E]``.
     gated : bool (static)
         True for gated activations (SwiGLU, GeGLU, gpt-oss SwiGLU); False for ReLU².
+
+    Stacked experts (several layers' sets, ``[L, E, N, K]`` and global scales ``[L, E]``; any leading axes) are
+    what ``jax.vmap`` of :func:`~jax_nvfp4.quantize_experts` returns and what ``jax.lax.scan`` over layers takes;
+    ``experts[l]`` is layer l's set, and :func:`~jax_nvfp4.moe` takes one set.
     """
 
     gate_up: NVFP4Array
@@ -281,15 +308,16 @@ class NVFP4Experts(_ExpertShapes):
     gated: bool = dataclasses.field(default=True, metadata=dict(static=True))
 
     def __post_init__(self):
-        if isinstance(self.gate_up, NVFP4Array) and isinstance(self.down, NVFP4Array):
+        # (Only real arrays: pytree maps may leave anything in the leaves, e.g. jax.tree.map(jnp.shape, experts).)
+        if all(isinstance(w, NVFP4Array) and _is_array(w.data) for w in (self.gate_up, self.down)):
             _check_expert_shapes(self.gate_up.shape, self.down.shape, self.gated, "NVFP4Experts")
             if self.gate_up.order != self.down.order:
                 raise ValueError(f"NVFP4Experts.gate_up and .down must have one byte order, got "
                                  f"{self.gate_up.order!r} and {self.down.order!r}")
             for name, w in (("gate_up", self.gate_up), ("down", self.down)):
-                if _is_array(w.global_scale) and w.global_scale.shape != w.shape[:1]:
+                if _is_array(w.global_scale) and tuple(w.global_scale.shape) != w.shape[:-2]:
                     raise ValueError(
-                        f"NVFP4Experts.{name}.global_scale must have shape [E]={w.shape[:1]}, "
+                        f"NVFP4Experts.{name}.global_scale must have shape [..., E]={w.shape[:-2]}, "
                         f"got {w.global_scale.shape}")
 
     @classmethod
@@ -317,6 +345,8 @@ class BF16Experts(_ExpertShapes):
     gate_up : ``[E, 2I, H]`` (rows ``[gate; up]``) or ``[E, I, H]`` when not gated
     down : ``[E, H, I]``
     gated : bool (static)
+
+    Stacked like :class:`NVFP4Experts` (leading axes before ``[E, N, K]``).
     """
 
     gate_up: Any
@@ -329,10 +359,11 @@ class BF16Experts(_ExpertShapes):
 
 
 def _check_expert_shapes(gu, dn, gated, where):
-    if len(gu) != 3 or len(dn) != 3:
-        raise ValueError(f"{where}: gate_up and down must be 3-D [E, N, K], got {gu} and {dn}")
-    e, n, h = gu
-    rows = 2 * dn[2] if gated else dn[2]
-    if dn[0] != e or dn[1] != h or n != rows:
+    if len(gu) < 3 or len(gu) != len(dn) or gu[:-3] != dn[:-3]:
+        raise ValueError(f"{where}: gate_up and down must be [E, N, K] (3-D), or stacked [..., E, N, K] over the "
+                         f"same leading axes, got {gu} and {dn}")
+    e, n, h = gu[-3:]
+    rows = 2 * dn[-1] if gated else dn[-1]
+    if dn[-3] != e or dn[-2] != h or n != rows:
         want = "[E, 2I, H] and [E, H, I]" if gated else "[E, I, H] and [E, H, I]"
         raise ValueError(f"{where}: gate_up {gu} and down {dn} do not match {want} (gated={gated})")

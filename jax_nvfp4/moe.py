@@ -16,7 +16,7 @@ from .backends import base as _base
 from .backends import xla as _xla  # noqa: F401  (registers the "xla" backend)
 from .backends.base import MODES, MoEProblem
 from .backends.flashinfer_prepare import PreparedWeights, check_prepared
-from .formats import BF16Experts, NVFP4Experts
+from .formats import BF16Experts, NVFP4Experts, require_unstacked
 from .routing import ROUTING_METHODS, check_route_args, route
 
 _FLOATS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
@@ -32,6 +32,7 @@ def _check_experts(experts, mode, activation):
     if not isinstance(experts, (NVFP4Experts, BF16Experts)):
         raise TypeError(f"experts must be NVFP4Experts, BF16Experts or PreparedWeights, got "
                         f"{type(experts).__name__}")
+    require_unstacked(experts, "moe")
     if mode is None:
         mode = "bf16" if isinstance(experts, BF16Experts) else "w4a16"
     if mode not in MODES:

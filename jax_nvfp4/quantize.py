@@ -185,15 +185,18 @@ def quantize_experts(gate_up, down, *, recipe: str = "nvfp4", gated: bool = True
     recipe : ``"nvfp4"`` or ``"4over6"``
     gated : bool
 
+    Both may be stacked over the same leading axes (``[L, E, 2I, H]`` and ``[L, E, H, I]``: L layers), each set
+    quantized as alone (bitwise).
+
     Returns
     -------
-    NVFP4Experts with ``global_scale`` of shape ``[E]`` on both tensors.
+    NVFP4Experts with ``global_scale`` of shape ``[E]`` (stacked: ``[L, E]``) on both tensors.
     """
     _check_input(gate_up, "gate_up")
     _check_input(down, "down")
     _check_expert_shapes(tuple(gate_up.shape), tuple(down.shape), gated, "quantize_experts")
-    amax_gu = ex.abs_max(gate_up.astype(jnp.float32), axis=(1, 2))
-    amax_dn = ex.abs_max(down.astype(jnp.float32), axis=(1, 2))
+    amax_gu = ex.abs_max(gate_up.astype(jnp.float32), axis=(-2, -1))
+    amax_dn = ex.abs_max(down.astype(jnp.float32), axis=(-2, -1))
     return NVFP4Experts(
         _quantize(gate_up, amax_gu, recipe=recipe, per_token=False)[0],
         _quantize(down, amax_dn, recipe=recipe, per_token=False)[0],

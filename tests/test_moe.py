@@ -344,6 +344,36 @@ def test_scan_and_while_loop_bodies():
     np.testing.assert_allclose(f32(wl), f32(expect), rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("backend", ["xla", "ffi"])
+def test_stacked_layers_under_scan_and_vmap(backend):
+    """Experts stacked over layers [L, E, N, K]: lax.scan over them equals the layers run one by one (bitwise,
+    jitted), vmap over them each layer's output; moe itself refuses a stack, naming what to do. (Each layer its own
+    routing; H and I of 128, which the CUDA kernels take too.)"""
+    layers = [make_experts(20 + l, h=128, inter=128) for l in range(3)]
+    stacked = jax.tree.map(lambda *a: jnp.stack(a), *layers)
+    x = make_inputs(20, h=128)[0]
+    routes = [nv.route(make_inputs(21 + l)[1], "softmax_topk", top_k=K) for l in range(3)]
+    ids, w = (jnp.stack(v) for v in zip(*routes))
+
+    def layer(h, ex, ids, w):
+        return (h + moe(h, ex, topk_ids=ids, topk_weights=w, backend=backend)).astype(BF16)
+
+    expect = x
+    for l in range(3):
+        expect = jax.jit(layer)(expect, layers[l], *routes[l])
+    scan = jax.jit(lambda h, xs: jax.lax.scan(lambda c, xs: (layer(c, *xs), None), h, xs)[0])
+    np.testing.assert_array_equal(f32(scan(x, (stacked, ids, w))), f32(expect))
+    xs = jnp.stack([x, -x, 0.5 * x])
+    per = jax.jit(jax.vmap(layer))(xs, stacked, ids, w)
+    for l in range(3):  # (ffi: one layer after the other, bitwise; xla on one device: its function batched)
+        want = f32(jax.jit(layer)(xs[l], layers[l], *routes[l]))
+        if backend == "ffi":
+            np.testing.assert_array_equal(f32(per[l]), want)
+        assert np.linalg.norm(f32(per[l]) - want) <= 1e-2 * np.linalg.norm(want)
+    with pytest.raises(ValueError, match=r"stacked over leading axes \(3,\).*experts\[i\]"):
+        layer(x, stacked, *routes[0])
+
+
 def _dense_jnp(x, logits, weights, activation, routing, k):
     """Differentiable dense reference: every (token, slot) pair multiplies its gathered expert."""
     w1, w2, a1, a2 = (jnp.asarray(v, jnp.float32) for v in weights)
@@ -447,6 +477,16 @@ _JIT_SHARDED = textwrap.dedent("""
                 for b in range(2):  # vmap: the plain function, per batch element
                     np.testing.assert_allclose(f32(batched[b]), f32(layer(xb[b], ex, ib[b], wb[b])), rtol=1e-2,
                                                atol=1e-2)
+                if x_spec == P("dp"):  # vmap over stacked experts (layers): each element split as alone
+                    st = jax.tree_util.tree_map(lambda a: jnp.stack([a, a[::-1]]), ex)
+                    sargs = put(xb, P(None, *x_spec)), put(st, P(None, *ex_spec))
+                    with jax.set_mesh(mesh):
+                        slayer = jax.jit(jax.vmap(layer, in_axes=(0, 0, None, None)))
+                        per = slayer(*sargs, ids, w)
+                        assert not expert_gathers(slayer.lower(*sargs, ids, w).compile().as_text()), (mode, types)
+                    for b in range(2):  # (the shards' bf16 sums round otherwise: a norm, not each value)
+                        want_b = f32(layer(xb[b], st[b], ids, w))
+                        assert np.linalg.norm(f32(per[b]) - want_b) <= 1e-2 * np.linalg.norm(want_b), (mode, b)
             # Gradients split alike (expert_sharding.over_experts_vjp): no expert gathered, on either axis type,
             # and equal to one device's but for the shards' bf16 roundings (w4a4: d out / d x is zero).
             loss = lambda x, ex, w: (layer(x, ex, ids, w).astype(jnp.float32) ** 2).sum()

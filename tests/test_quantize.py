@@ -1,6 +1,8 @@
 """NVFP4 quantization: bit-exact with FlashInfer's reference (golden files), eager and jitted,
 plus property tests of the format's arithmetic."""
 
+import dataclasses
+
 import hypothesis.extra.numpy as hnp
 import jax
 import jax.numpy as jnp
@@ -118,6 +120,38 @@ def test_pytree_and_indexing():
     w2 = jax.jit(lambda w: w)(w)
     assert isinstance(w2, nv.NVFP4Experts) and w2.gate_up.shape == (3, 32, 32) and w2.down.shape == (3, 32, 16)
     assert w.gate_up[1].shape == (32, 32) and w.gate_up[1].global_scale.shape == ()
+    assert jax.tree.map(jnp.shape, w).gate_up.data == (3, 32, 16)  # maps that leave non-arrays in the leaves
+
+
+@pytest.mark.parametrize("recipe", nv.RECIPES)
+def test_stacked_experts_quantize_as_each_layer(recipe):
+    """Layers' experts stacked [L, E, N, K] (for lax.scan / vmap over layers): quantize_experts of the stack, its
+    vmap and the stack of each layer's are the same bytes; experts[l] is layer l's."""
+    k = jax.random.split(jax.random.key(3), 2)
+    gu = jax.random.normal(k[0], (2, 3, 64, 32), jnp.bfloat16) * jnp.array([1.0, 7.0], jnp.bfloat16)[:, None, None, None]
+    dn = jax.random.normal(k[1], (2, 3, 32, 32), jnp.bfloat16)
+    layers = [nv.quantize_experts(gu[l], dn[l], recipe=recipe) for l in range(2)]
+    stacked = jax.tree.map(lambda *a: jnp.stack(a), *layers)
+    for w in (nv.quantize_experts(gu, dn, recipe=recipe), jax.jit(jax.vmap(lambda g, d: nv.quantize_experts(
+            g, d, recipe=recipe)))(gu, dn), stacked):
+        assert w.stack_shape == (2,) and w.num_experts == 3 and w.hidden_size == 32 and w.intermediate_size == 32
+        assert w.gate_up.global_scale.shape == (2, 3)
+        for l in range(2):
+            for got, want in zip(jax.tree.leaves(w[l]), jax.tree.leaves(layers[l])):
+                np.testing.assert_array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8))
+    sq = jax.random.normal(k[0], (2, 1, 128, 128), jnp.bfloat16)  # (blockable: N % 16, K % 128)
+    blocked = nv.to_blocked_experts(nv.quantize_experts(sq, sq, gated=False))
+    assert blocked.gate_up.order == "blocked" and blocked.stack_shape == (2,)
+    np.testing.assert_array_equal(np.asarray(blocked[1].down.data),
+                                  np.asarray(nv.to_blocked_weights(nv.quantize(sq[1, 0])).data)[None])
+    bf = nv.BF16Experts(gu, dn)
+    assert bf.stack_shape == (2,) and bf[1].gate_up.shape == (3, 64, 32) and bf[1].stack_shape == ()
+    with pytest.raises(IndexError, match="stack axes"):
+        layers[0][0]
+    with pytest.raises(ValueError, match="same leading axes"):
+        nv.quantize_experts(gu, dn[:1])
+    with pytest.raises(ValueError, match=r"global_scale must have shape \[\.\.\., E\]"):
+        nv.NVFP4Experts(layers[0].gate_up, dataclasses.replace(layers[0].down, global_scale=jnp.ones(())))
 
 
 # ---- exact arithmetic helpers -------------------------------------------------------------

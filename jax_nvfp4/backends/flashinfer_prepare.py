@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import layouts
-from ..formats import BLOCK, NVFP4Array, NVFP4Experts, from_blocked_experts
+from ..formats import BLOCK, NVFP4Array, NVFP4Experts, from_blocked_experts, require_unstacked
 
 KERNELS = ("cutedsl", "trtllm")
 #: Modes and activations each kernel family runs (``jax_nvfp4`` names).
@@ -170,6 +170,7 @@ def prepare_weights(experts: NVFP4Experts, kernel: str = "cutedsl") -> PreparedW
     """
     if not isinstance(experts, NVFP4Experts):
         raise TypeError(f"prepare_weights needs NVFP4Experts, got {type(experts).__name__}")
+    require_unstacked(experts, "prepare_weights")
     if experts.gate_up.order == "blocked":  # FlashInfer's layouts start from the rows order
         experts = from_blocked_experts(experts)
     why = layout_unsupported_reason(kernel, experts.hidden_size, experts.intermediate_size, experts.gated)

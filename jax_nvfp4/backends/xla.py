@@ -40,7 +40,7 @@ import numpy as np
 from jax import lax
 
 from .. import activations
-from ..expert_sharding import fold_token_sets, over_experts, with_expert_grads
+from ..expert_sharding import fold_token_sets, map_batch, over_experts, with_expert_grads
 from ..formats import BF16Experts, NVFP4Experts, dequantize
 from ..quantize import quantize
 from .base import MoEProblem, register
@@ -275,20 +275,20 @@ def _over_devices(mode: str, activation: str, offset: int, dispatch: str, gmm: s
     leaves) with :mod:`~jax_nvfp4.expert_sharding`'s rule: under plain ``jit`` over several devices each device runs
     its own experts on its own tokens (each choosing its strategy for its share) instead of XLA gathering every
     expert; its gradients (a ``custom_vjp``: reverse mode only) split alike. ``jax.vmap`` folds a batch of token sets
-    into one (shared experts) or runs the plain function batched."""
+    into one (shared experts) or, for a batch of expert sets, runs one element after the other (each split)."""
 
     def at(x, topk_ids, topk_weights, leaves, offset):
         return moe_experts(x, jax.tree_util.tree_unflatten(treedef, leaves), topk_ids, topk_weights, mode=mode,
                            activation=activation, local_expert_offset=offset, dispatch=dispatch, gmm=gmm)
 
-    plain = functools.partial(at, offset=offset)
     split = jax.custom_batching.custom_vmap(over_experts(at, offset))
 
     @split.def_vmap
     def _vmap(axis_size, in_batched, x, topk_ids, topk_weights, leaves):
-        if any(in_batched[3]):  # per-batch experts: the plain function, batched
-            in_axes = jax.tree_util.tree_map(lambda b: 0 if b else None, tuple(in_batched))
-            return jax.vmap(plain, in_axes=in_axes)(x, topk_ids, topk_weights, leaves), True
+        # Per-batch experts (e.g. vmap over stacked layers): one batch element after the other, each split as
+        # alone (the plain function batched cannot be typed on Explicit axes: its sort of split tokens).
+        if any(in_batched[3]):
+            return map_batch(split, axis_size, in_batched, (x, topk_ids, topk_weights, leaves)), True
         return fold_token_sets(split, axis_size, in_batched, x, topk_ids, topk_weights, leaves), True
 
     return with_expert_grads(split, at, offset)
