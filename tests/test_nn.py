@@ -122,6 +122,26 @@ def test_quantize_moe_under_jit(model, x):
         np.testing.assert_array_equal(np.asarray(u).view(np.uint8), np.asarray(v).view(np.uint8))
 
 
+def test_layers_stacked_by_nnx_vmap_quantize_and_scan(x):
+    """MoE blocks made by nnx.vmap (experts [L, E, N, K]) quantize as each layer alone (bitwise) and run under
+    nnx.scan as the layers one by one (bitwise), in bf16 and in NVFP4."""
+    layers = nnx.vmap(lambda key: Block(nnx.Rngs(key)))(jax.random.split(jax.random.key(3), 3))
+    q = nvnn.quantize_moe(layers)
+    assert q.mlp.quantized and q.mlp.experts.experts().stack_shape == (3,)
+    step = lambda h, blk: blk(h).astype(h.dtype)  # noqa: E731
+    scan = nnx.jit(nnx.scan(step, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry))
+    graphdef, state = nnx.split(layers)
+    qgraphdef, qstate = nnx.split(q)
+    for model, (gd, st) in ((layers, (graphdef, state)), (q, (qgraphdef, qstate))):
+        h = x
+        for l in range(3):
+            blk = nnx.merge(gd, jax.tree.map(lambda a: a[l], st))
+            if blk.mlp.quantized:  # this layer's bytes: its bf16 experts quantized alone
+                assert_same_bytes(blk, nvnn.quantize_moe(nnx.merge(graphdef, jax.tree.map(lambda a: a[l], state))))
+            h = nnx.jit(lambda b, h: step(h, b))(blk, h)
+        np.testing.assert_array_equal(scan(x, model), h)
+
+
 def test_ignore_inplace_modes_and_recipe(model, x):
     with pytest.warns(UserWarning, match="'layers.7.mlp' matches no MoE block"):
         q = nvnn.quantize_moe(model, ignore=["model.layers.0", "layers.7.mlp"])
