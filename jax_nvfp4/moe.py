@@ -157,7 +157,9 @@ def moe(x, experts, *, router_logits=None, routing: str = "softmax_topk", top_k:
     static (closed over or ``static_argnames``). Works inside ``lax.scan``/``while_loop`` and is
     differentiable with respect to ``x`` and ``router_logits`` in modes ``bf16`` and ``w4a16``
     (weights are constants; gradients pass straight through the exact decode). ``w4a4`` rounds
-    ``x`` onto the NVFP4 grid, so its gradient with respect to ``x`` is zero.
+    ``x`` onto the NVFP4 grid, so its gradient with respect to ``x`` is zero. On backends ``ffi`` and ``xla``,
+    ``jax.vmap`` runs a batch of token sets as one set and a batch of expert sets (experts stacked over layers,
+    ``[L, E, N, K]``) one after the other.
 
     Under ``jax.jit`` with the experts sharded along E (expert parallelism) and ``x`` along T
     (data parallelism) by ``NamedSharding`` objects, backends ``ffi`` and ``xla`` run each device's

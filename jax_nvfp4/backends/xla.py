@@ -294,6 +294,33 @@ def _over_devices(mode: str, activation: str, offset: int, dispatch: str, gmm: s
     return with_expert_grads(split, at, offset)
 
 
+@functools.lru_cache(maxsize=None)
+def _one_device(mode: str, activation: str, offset: int, dispatch: str, gmm: str, treedef):
+    """:func:`moe_experts` at a static ``offset`` as ``f(x, topk_ids, topk_weights, leaves)`` with a ``jax.vmap``
+    rule: a batch of token sets runs as one set, a batch of expert sets one set after the other (as the ffi kernels
+    do). Batched as it is, the function would reach ``lax.ragged_dot``'s batching rule, which refuses tokens batched
+    with a routing that is not. Derivatives, both modes, are the function's own (a ``custom_jvp`` whose rule
+    differentiates it), so ``vmap`` of a derivative still batches it."""
+
+    def plain(x, topk_ids, topk_weights, leaves):
+        experts = jax.tree_util.tree_unflatten(treedef, leaves)
+        d, g = resolve_strategy(topk_ids.shape[0] * topk_ids.shape[1], experts, dispatch, gmm)
+        return moe_experts(x, experts, topk_ids, topk_weights, mode=mode, activation=activation,
+                           local_expert_offset=offset, dispatch=d, gmm=g)
+
+    batched = jax.custom_batching.custom_vmap(plain)
+
+    @batched.def_vmap
+    def _vmap(axis_size, in_batched, x, topk_ids, topk_weights, leaves):
+        if any(in_batched[3]):
+            return map_batch(batched, axis_size, in_batched, (x, topk_ids, topk_weights, leaves)), True
+        return fold_token_sets(batched, axis_size, in_batched, x, topk_ids, topk_weights, leaves), True
+
+    f = jax.custom_jvp(batched)
+    f.defjvp(lambda primals, tangents: jax.jvp(plain, primals, tangents))
+    return f
+
+
 class XLABackend:
     """The ``xla`` backend (see the module docstring); supports every mode and activation.
 
@@ -323,11 +350,12 @@ class XLABackend:
                  local_expert_offset):
         if not isinstance(experts, (NVFP4Experts, BF16Experts)):
             raise TypeError(f"experts must be NVFP4Experts or BF16Experts, got {type(experts).__name__}")
-        if jax.device_count() > 1 and isinstance(local_expert_offset, (int, np.integer)):
-            # Under plain jit the experts and tokens may be sharded: split the work as the ffi kernels do.
+        if isinstance(local_expert_offset, (int, np.integer)):
+            # Under plain jit over several devices the experts and tokens may be sharded: split the work as the ffi
+            # kernels do. (Both forms carry vmap rules; a traced offset, inside shard_map, runs the plain function.)
             leaves, treedef = jax.tree_util.tree_flatten(experts)
-            f = _over_devices(problem.mode, problem.activation, int(local_expert_offset), self.dispatch, self.gmm,
-                              treedef)
+            f = (_over_devices if jax.device_count() > 1 else _one_device)(
+                problem.mode, problem.activation, int(local_expert_offset), self.dispatch, self.gmm, treedef)
             return f(x, topk_ids, topk_weights, tuple(leaves))
         # Resolve "auto" here so that equal strategies share one compiled function.
         dispatch, gmm = resolve_strategy(topk_ids.shape[0] * topk_ids.shape[1], experts,
