@@ -39,7 +39,7 @@ import numpy as np
 from jax import lax
 
 from . import _exact
-from .expert_sharding import fold_token_sets, map_batch, over_experts, with_expert_grads
+from .expert_sharding import over_experts, with_batching, with_expert_grads
 from .formats import (BLOCKED_BIT_POS, NVFP4Array, NVFP4Experts, dequantize, from_blocked_weights,
                       require_unstacked)
 from .quantize import quantize
@@ -1145,14 +1145,7 @@ def _moe_fn(mode: str, activation: str, offset: int, impl: str, tile_m, kernel_f
     # Under jit with sharded experts or tokens the kernels' work is split, not gathered (XLA splits the twin).
     forward = over_experts(at, offset) if impl == "ffi" else functools.partial(at, offset=offset)
 
-    batched = jax.custom_batching.custom_vmap(forward)
-
-    @batched.def_vmap
-    def _vmap_rule(axis_size, in_batched, x, topk_ids, topk_weights, leaves):
-        if any(in_batched[3]):  # per-batch experts: one MoE per batch element
-            return map_batch(batched, axis_size, in_batched, (x, topk_ids, topk_weights, leaves)), True
-
-        return fold_token_sets(batched, axis_size, in_batched, x, topk_ids, topk_weights, leaves), True
+    batched = with_batching(forward)  # (per-batch experts: one MoE per batch element)
 
     def twin(x, topk_ids, topk_weights, leaves, offset):
         # The backward pass differentiates the pure-JAX twin (as backend "xla": in w4a4 the rounding of x onto

@@ -91,6 +91,22 @@ def map_batch(fn, axis_size: int, in_batched, args):
     return jax.lax.map(one, xs)
 
 
+def with_batching(fn):
+    """``fn(x, topk_ids, topk_weights, leaves)`` as a ``custom_vmap`` function: a batch of token sets sharing the
+    experts runs as one set (:func:`fold_token_sets`), a batch of expert sets (e.g. stacked layers) one set after
+    the other (:func:`map_batch`), each call as ``fn`` runs alone (split over devices where ``fn`` is). Not ``fn``
+    batched as it is: on Explicit mesh axes jax cannot sort a batch's tokens split over devices, and it batches
+    ``ragged_dot`` only where the routing is batched with the tokens."""
+    batched = jax.custom_batching.custom_vmap(fn)
+
+    @batched.def_vmap
+    def _vmap(axis_size, in_batched, x, topk_ids, topk_weights, leaves):
+        if any(in_batched[3]):
+            return map_batch(batched, axis_size, in_batched, (x, topk_ids, topk_weights, leaves)), True
+        return fold_token_sets(batched, axis_size, in_batched, x, topk_ids, topk_weights, leaves), True
+    return batched
+
+
 def plan(mesh, x, leaves) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
     """``(expert_axes, token_axes, scatter_axes)``: the axes that split the experts' E (those of ``leaves[0]``, the
     GEMM1 codes), and those that split ``x``'s T, apart (token axes) or also split E (scatter axes: a device's rows

@@ -40,7 +40,7 @@ import numpy as np
 from jax import lax
 
 from .. import activations
-from ..expert_sharding import fold_token_sets, map_batch, over_experts, with_expert_grads
+from ..expert_sharding import over_experts, with_batching, with_expert_grads
 from ..formats import BF16Experts, NVFP4Experts, dequantize
 from ..quantize import quantize
 from .base import MoEProblem, register
@@ -281,16 +281,7 @@ def _over_devices(mode: str, activation: str, offset: int, dispatch: str, gmm: s
         return moe_experts(x, jax.tree_util.tree_unflatten(treedef, leaves), topk_ids, topk_weights, mode=mode,
                            activation=activation, local_expert_offset=offset, dispatch=dispatch, gmm=gmm)
 
-    split = jax.custom_batching.custom_vmap(over_experts(at, offset))
-
-    @split.def_vmap
-    def _vmap(axis_size, in_batched, x, topk_ids, topk_weights, leaves):
-        # Per-batch experts (e.g. vmap over stacked layers): one batch element after the other, each split as
-        # alone (the plain function batched cannot be typed on Explicit axes: its sort of split tokens).
-        if any(in_batched[3]):
-            return map_batch(split, axis_size, in_batched, (x, topk_ids, topk_weights, leaves)), True
-        return fold_token_sets(split, axis_size, in_batched, x, topk_ids, topk_weights, leaves), True
-
+    split = with_batching(over_experts(at, offset))
     return with_expert_grads(split, at, offset)
 
 
@@ -308,14 +299,7 @@ def _one_device(mode: str, activation: str, offset: int, dispatch: str, gmm: str
         return moe_experts(x, experts, topk_ids, topk_weights, mode=mode, activation=activation,
                            local_expert_offset=offset, dispatch=d, gmm=g)
 
-    batched = jax.custom_batching.custom_vmap(plain)
-
-    @batched.def_vmap
-    def _vmap(axis_size, in_batched, x, topk_ids, topk_weights, leaves):
-        if any(in_batched[3]):
-            return map_batch(batched, axis_size, in_batched, (x, topk_ids, topk_weights, leaves)), True
-        return fold_token_sets(batched, axis_size, in_batched, x, topk_ids, topk_weights, leaves), True
-
+    batched = with_batching(plain)
     f = jax.custom_jvp(batched)
     f.defjvp(lambda primals, tangents: jax.jvp(plain, primals, tangents))
     return f
