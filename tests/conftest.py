@@ -23,12 +23,26 @@ def has_gpu() -> bool:
         return False
 
 
+# Defined for every run_on_cpu_devices script: what the sharding tests look for in compiled HLO text.
+_SCRIPT_PRELUDE = r"""
+import re as _re
+def all_gathers(hlo):
+    # Result shapes of the all-gathers in compiled HLO text, e.g. 'u8[8,64,32]'.
+    return _re.findall(r"= (\w+\[[^]]*\])[^=]* all-gather(?:-start)?\(", hlo)
+def expert_gathers(hlo):
+    # The all-gathers of an expert stack (rank >= 3) or of NVFP4 bytes: none where experts stay split.
+    return [g for g in all_gathers(hlo) if g.count(",") >= 2 or g.startswith(("u8[", "f8e4m3fn["))]
+"""
+
+
 def run_on_cpu_devices(code: str, n: int = 2) -> None:
     """Run ``code`` in a Python process whose JAX has ``n`` CPU devices (fixed when JAX starts, hence the
-    process) and assert that it exits 0 with ``ok`` as its last line of output."""
+    process) and assert that it exits 0 with ``ok`` as its last line of output. The code may call
+    ``all_gathers(hlo)`` and ``expert_gathers(hlo)`` (``_SCRIPT_PRELUDE``)."""
     flags = (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}").strip()
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags)
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    r = subprocess.run([sys.executable, "-c", _SCRIPT_PRELUDE + code], env=env, capture_output=True, text=True,
+                       timeout=600)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), (r.stdout[-1000:], r.stderr[-3000:])
 
 
