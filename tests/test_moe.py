@@ -375,13 +375,21 @@ def test_stacked_layers_under_scan_and_vmap(backend):
 @pytest.mark.parametrize("dispatch,gmm", STRATEGIES)
 def test_vmap_on_one_device_runs_each_batching(dispatch, gmm):
     """jax.vmap of the layer on one device, whatever is batched: token sets run as one set, expert sets one after
-    the other, each element's call (bitwise on the CPU). (The function batched as it is would reach ragged_dot's
-    batching rule, which refuses tokens batched with a routing that is not.) Derivatives stay the function's own,
-    bitwise."""
+    the other, each element's call. (The function batched as it is would reach ragged_dot's batching rule, which
+    refuses tokens batched with a routing that is not.) Derivatives stay the function's own. All bitwise on the CPU;
+    on a GPU close: its matmuls round otherwise at another row count (H100: 1-2 bf16 ulps where folded), and it fuses
+    the jitted gradient, the function's but for the order of its residuals, otherwise (H100: dx differs in 74-189 of
+    768 elements, relative norm 1.2-2.5e-3; the jvp and the weights' cotangent bitwise)."""
     ex = make_experts(30)
     x, logits = make_inputs(30)
     ids, w = nv.route(logits, "softmax_topk", top_k=K)
     backend = XLABackend(dispatch, gmm)
+
+    def same(a, b, what):
+        if jax.default_backend() == "cpu":
+            np.testing.assert_array_equal(f32(a), f32(b), err_msg=what)
+        else:
+            assert np.linalg.norm(f32(a) - f32(b)) <= 1e-2 * np.linalg.norm(f32(b)), what
 
     def f(x, ex, ids, w):
         return backend(x, ex, ids, w, problem=_problem(ex, ids, "w4a16", "swiglu"), local_expert_offset=0)
@@ -393,11 +401,7 @@ def test_vmap_on_one_device_runs_each_batching(dispatch, gmm):
         out = jax.jit(jax.vmap(f, in_axes=axes))(*args)
         for i in range(2):
             one = [a if ax is None else jax.tree.map(lambda v: v[i], a) for a, ax in zip(args, axes)]
-            want = f32(jax.jit(f)(*one))
-            if jax.default_backend() == "cpu":
-                np.testing.assert_array_equal(f32(out[i]), want, err_msg=str(axes))
-            else:  # (a GPU's matmuls round otherwise at another row count: H100, 1-2 bf16 ulps where folded)
-                assert np.linalg.norm(f32(out[i]) - want) <= 1e-2 * np.linalg.norm(want), axes
+            same(out[i], jax.jit(f)(*one), str(axes))
     def derivatives(fn):
         loss = lambda x, w: (fn(x, ex, ids, w).astype(jnp.float32) ** 2).sum()  # noqa: E731
         return jax.jit(jax.grad(loss, (0, 1)))(x, w), jax.jvp(lambda x: fn(x, ex, ids, w), (x,), (x,))[1]
@@ -405,7 +409,7 @@ def test_vmap_on_one_device_runs_each_batching(dispatch, gmm):
     plain = functools.partial(moe_experts, mode="w4a16", activation="swiglu", local_expert_offset=0,
                               dispatch=dispatch, gmm=gmm)
     for a, b in zip(jax.tree.leaves(derivatives(f)), jax.tree.leaves(derivatives(plain))):
-        np.testing.assert_array_equal(f32(a), f32(b))
+        same(a, b, "derivatives")
 
 
 def _dense_jnp(x, logits, weights, activation, routing, k):
