@@ -94,10 +94,10 @@ def _round_pack(m, e, sticky):
 
 
 def div_rn(a, b):
-    """Correctly rounded a / b for non-negative float32 a, b (a finite).
+    """Correctly rounded a / b for non-negative float32 a, b (a finite or NaN).
 
-    b == 0 gives +inf (0 / 0 gives +inf too: callers never need NaN here); b == +inf
-    gives 0. Long division on the 24-bit mantissas in uint32 chunks of 8 bits.
+    b == 0 gives +inf (0 / 0 gives +inf too: callers never need NaN there); b == +inf
+    gives 0; a NaN operand gives NaN. Long division on the 24-bit mantissas in uint32 chunks of 8 bits.
     """
     a = jnp.asarray(a, jnp.float32)
     b = jnp.asarray(b, jnp.float32)
@@ -117,7 +117,7 @@ def div_rn(a, b):
     out = jnp.where(ma == 0, jnp.float32(0), out)
     out = jnp.where(mb == 0, jnp.float32(jnp.inf), out)
     out = jnp.where(jnp.isinf(b), jnp.float32(0), out)
-    return out
+    return jnp.where(jnp.isnan(a) | jnp.isnan(b), jnp.float32(jnp.nan), out)
 
 
 def mul_rn(a, b):
@@ -165,19 +165,25 @@ def mul_fenced(a, b, zero=None):
 
 def abs_max(x, axis=None):
     """max |x| over ``axis`` as an integer max of the bit patterns (exact even where the
-    backend treats subnormal inputs as zero); NaN wins, as in a float max."""
-    m = jnp.max(bits(x) & _u(0x7FFFFFFF), axis=axis)
+    backend treats subnormal inputs as zero); NaN wins, as in a float max; 0 over nothing."""
+    m = jnp.max(bits(x) & _u(0x7FFFFFFF), axis=axis, initial=0)
     return from_bits(m)
+
+
+def _opaque_bits(x):
+    """x's bit pattern, which LLVM cannot see is a float's: it turns ``bits(x) & 0x7FFFFFFF == 0`` into a float
+    compare with 0, which XLA:CPU's denormals-are-zero makes true for subnormals (seen under jit, 2026-12-05)."""
+    return bits(x) | opaque_zero()
 
 
 def is_zero(x):
     """x == 0 by bit pattern (a subnormal is not zero even under denormals-are-zero)."""
-    return (bits(x) & _u(0x7FFFFFFF)) == 0
+    return (_opaque_bits(x) & _u(0x7FFFFFFF)) == 0
 
 
 def sign_bit(x):
     """x < 0 by bit pattern, -0.0 excluded (exact for negative subnormals too)."""
-    b = bits(x)
+    b = _opaque_bits(x)
     return ((b >> 31) == _u(1)) & ((b & _u(0x7FFFFFFF)) != 0)
 
 

@@ -153,12 +153,20 @@ def quantize(x, *, per_token: bool = False, recipe: str = "nvfp4", global_amax=N
 
     Notes
     -----
-    Jit-able on every backend (all shape logic is static). Non-finite inputs are not rejected
-    here (that would need a host sync): a block holding NaN gets the NaN scale byte 0x7F as in
-    the reference, and its codes are unspecified. :func:`quantize_experts` and the checkpoint
-    converter refuse NaN/Inf weights instead.
+    Jit-able on every backend (all shape logic is static; ``per_token`` and ``recipe`` are Python values). Non-finite
+    inputs are not rejected here (that would need a host sync); as in the reference, a NaN makes its tensor's (per
+    token: its row's) global scale NaN and every block scale there the NaN byte 0x7F, so all of it decodes to NaN
+    (the codes are unspecified), and an infinity is an amax like any other. :func:`quantize_experts` and the
+    checkpoint converter refuse NaN/Inf weights instead.
+
+    Bit-exact on the GPU and, with one exception, the CPU: ``"4over6"`` compares block errors whose squares are
+    hardware products, and XLA:CPU flushes those that are subnormal (a block's error under about 1e-19, so tensors
+    or rows of amax under about 1e-18), where the reference keeps them.
     """
     _check_input(x)
+    if isinstance(per_token, jax.core.Tracer):
+        raise TypeError("per_token must be a Python bool, not a traced value: make it static under jax.jit "
+                        "(static_argnames=('per_token',))")
     if recipe not in RECIPES:
         raise ValueError(f"recipe must be one of {RECIPES}, got {recipe!r}")
     if global_amax is not None:
@@ -166,11 +174,31 @@ def quantize(x, *, per_token: bool = False, recipe: str = "nvfp4", global_amax=N
         if tuple(amax.shape) != tuple(x.shape[: amax.ndim]) or amax.ndim > x.ndim - 1:
             raise ValueError(
                 f"global_amax shape {amax.shape} must be a prefix of x.shape[:-1] = {x.shape[:-1]}")
+        if not isinstance(amax, jax.core.Tracer) and bool(jnp.any(amax < 0)):
+            raise ValueError(f"global_amax must be >= 0 (a max of |x|), got {np.asarray(amax).min()}")
     elif per_token:
         amax = ex.abs_max(x.astype(jnp.float32), axis=-1)
     else:
         amax = ex.abs_max(x.astype(jnp.float32))
     return _quantize(x, amax, recipe=recipe, per_token=per_token)[0]
+
+
+def non_finite_experts(amax_or_scale) -> list:
+    """Indices (ints, or tuples over stacked axes) of the experts whose amax or global scale is NaN or Inf."""
+    bad = np.argwhere(~np.isfinite(np.asarray(amax_or_scale, np.float32)))
+    return [int(i[0]) if len(i) == 1 else tuple(int(v) for v in i) for i in bad]
+
+
+def _finite_weights(amax, name: str):
+    """Weights must be finite (spec section 2): the amax of each expert ``[..., E]``, concrete, is checked here (a NaN
+    or Inf anywhere in an expert makes it non-finite); traced, a non-finite one becomes NaN (its global scale NaN)."""
+    if isinstance(amax, jax.core.Tracer):
+        return jnp.where(jnp.isfinite(amax), amax, jnp.float32(jnp.nan))
+    bad = non_finite_experts(amax)
+    if bad:
+        raise ValueError(f"{name} holds NaN or Inf in expert(s) {bad[:8]}{' ...' if len(bad) > 8 else ''}: "
+                         "NVFP4 weights must be finite")
+    return amax
 
 
 def quantize_experts(gate_up, down, *, recipe: str = "nvfp4", gated: bool = True) -> NVFP4Experts:
@@ -191,12 +219,19 @@ def quantize_experts(gate_up, down, *, recipe: str = "nvfp4", gated: bool = True
     Returns
     -------
     NVFP4Experts with ``global_scale`` of shape ``[E]`` (stacked: ``[L, E]``) on both tensors.
+
+    Raises
+    ------
+    ValueError
+        Called eagerly, where a tensor holds NaN or Inf (naming it and the experts). Under ``jax.jit`` such an
+        expert's global scale is NaN instead, so every output it touches is NaN, not silently wrong
+        (:func:`jax_nvfp4.nn.quantize_moe` checks for that after quantizing).
     """
     _check_input(gate_up, "gate_up")
     _check_input(down, "down")
     _check_expert_shapes(tuple(gate_up.shape), tuple(down.shape), gated, "quantize_experts")
-    amax_gu = ex.abs_max(gate_up.astype(jnp.float32), axis=(-2, -1))
-    amax_dn = ex.abs_max(down.astype(jnp.float32), axis=(-2, -1))
+    amax_gu = _finite_weights(ex.abs_max(gate_up.astype(jnp.float32), axis=(-2, -1)), "gate_up")
+    amax_dn = _finite_weights(ex.abs_max(down.astype(jnp.float32), axis=(-2, -1)), "down")
     return NVFP4Experts(
         _quantize(gate_up, amax_gu, recipe=recipe, per_token=False)[0],
         _quantize(down, amax_dn, recipe=recipe, per_token=False)[0],

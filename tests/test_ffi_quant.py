@@ -164,11 +164,24 @@ def test_property_f32_rows(x, log2_scale):
 @settings(max_examples=60, deadline=None)
 @given(hnp.arrays(np.uint16, (2, 64), elements=st.integers(0, 0xFFFF)))
 def test_property_every_bf16_bit_pattern(u):
-    """Raw bf16 bit patterns (infinities included; NaN rows are skipped: their bytes are unspecified)."""
+    """Raw bf16 bit patterns (infinities included; NaN rows are skipped: their NaN bytes are unspecified, see
+    test_nan_rows_are_nan_as_in_the_reference)."""
     x = jax.lax.bitcast_convert_type(jnp.asarray(u), jnp.bfloat16)
     keep = ~np.isnan(np.asarray(x, np.float32)).any(axis=1)
     x = x[np.flatnonzero(keep)]
     assert_same_bytes(ops.quant_dequant_rows(x), ops.quant_dequant_rows(x, impl="jax"))
+
+
+def test_nan_rows_are_nan_as_in_the_reference():
+    """A row holding NaN has the reference's NaN global scale, so its every output is NaN, on the kernel and its twin
+    alike (the NaN bytes themselves are unspecified); an infinity is an amax like any other."""
+    x = np.ones((3, 64), np.float32)
+    x[0, 5], x[2, 7] = np.nan, -np.inf
+    for impl in ("ffi", "jax"):
+        out, scale = (np.asarray(v, np.float32) for v in ops.quant_dequant_rows(jnp.asarray(x, jnp.bfloat16), impl=impl))
+        assert np.isnan(scale[0]) and np.isnan(out[0]).all(), impl
+        assert np.isfinite(scale[1:]).all() and np.isfinite(out[1:]).all(), impl
+        assert out[2, 7] == -2688 and (out[2, :7] == 0).all(), impl  # -inf: the row's amax, the rest underflow
 
 
 def test_unused_rows_are_zero_whatever_they_hold():

@@ -122,6 +122,22 @@ def test_quantize_moe_under_jit(model, x):
         np.testing.assert_array_equal(np.asarray(u).view(np.uint8), np.asarray(v).view(np.uint8))
 
 
+def test_quantize_moe_refuses_non_finite_weights(model):
+    """Eagerly an error naming the block, the tensor and the experts (one host sync after all blocks); under jit
+    the experts' global scales are NaN (quantize_experts)."""
+    bad = nnx.clone(model)
+    ex = bad.model.layers[1].mlp.experts
+    ex.down[...] = ex.down[...].at[2, 0, 0].set(jnp.inf)
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.down: experts \[2\]"):
+        nvnn.quantize_moe(bad)
+    with pytest.raises(ValueError, match=r"MoE block \(the model itself\): down: the last dimension K must be a "
+                                         "multiple of 16"):  # I = 40
+        nvnn.quantize_moe(nvnn.MoE(64, 40, 8, 2, rngs=nnx.Rngs(0)))
+    q = nnx.jit(lambda m: nvnn.quantize_moe(m))(bad)
+    assert np.isnan(np.asarray(q.model.layers[1].mlp.experts.experts().down.global_scale)).tolist() == [
+        e == 2 for e in range(E)]
+
+
 def test_layers_stacked_by_nnx_vmap_quantize_and_scan(x):
     """MoE blocks made by nnx.vmap (experts [L, E, N, K]) quantize as each layer alone (bitwise) and run under
     nnx.scan as the layers one by one (bitwise), in bf16 and in NVFP4."""

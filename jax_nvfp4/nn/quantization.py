@@ -21,7 +21,7 @@ from ..backends.base import MODES
 from ..checkpoint.naming import ignore_patterns, matches_ignore, strip_model
 from ..formats import BLOCK_K, ORDERS, experts_blockable, from_blocked_experts, to_blocked_experts
 from ..moe import weight_order
-from ..quantize import RECIPES, quantize_experts
+from ..quantize import RECIPES, non_finite_experts, quantize_experts
 from .moe import MoE, NVFP4ExpertWeights, check_choice, check_expert_axis
 
 QUANTIZED_MODES = ("w4a16", "w4a4")
@@ -129,14 +129,25 @@ def quantize_moe(model, *, ignore: str | Sequence[str] = (), recipe: str = "nvfp
                           f"{', '.join(map(repr, list(blocks)[:4]))}{', ...' if len(blocks) > 4 else ''})",
                           stacklevel=2)
     orders = {name: _order_of(blocks[name], order, name) for name in keep}  # every block checked first
+    scales = {}  # the new global scales, NaN where an expert's weights were not finite
     for name in keep:
         block, ex = blocks[name], blocks[name].experts
         if not block.quantized:
-            block.experts = _weights(_quantize_experts(ex.gate_up[...], ex.down[...], recipe=recipe, gated=ex.gated),
-                                     orders[name])
+            try:
+                q = _quantize_experts(ex.gate_up[...], ex.down[...], recipe=recipe, gated=ex.gated)
+            except (TypeError, ValueError) as err:  # (shapes NVFP4 cannot take: name the block)
+                raise type(err)(f"MoE block {name or '(the model itself)'}: {err}") from err
+            scales[name] = (q.gate_up.global_scale, q.down.global_scale)
+            block.experts = _weights(q, orders[name])
         elif ex.order != orders[name]:
             block.experts = _weights(ex.experts(), orders[name])
         block.mode = mode
+    if scales and not any(isinstance(v, jax.core.Tracer) for v in jax.tree.leaves(scales)):  # one host sync
+        bad = [f"{name}.{t}: experts {non_finite_experts(v)}" for name, pair in jax.device_get(scales).items()
+               for t, v in zip(("gate_up", "down"), pair) if non_finite_experts(v)]
+        if bad:
+            raise ValueError(f"NaN or Inf in the bf16 expert weights of {len(bad)} tensor(s): {'; '.join(bad[:4])}"
+                             f"{' ...' if len(bad) > 4 else ''} (NVFP4 weights must be finite)")
     return target
 
 
