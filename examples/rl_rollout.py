@@ -34,6 +34,7 @@ import contextlib
 import functools
 import json
 import statistics
+import sys
 import time
 
 import jax
@@ -43,6 +44,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from jax_nvfp4 import nn as nvnn
+from jax_nvfp4.backends.base import names as backend_names
 
 MODES = ("bf16", "w4a16", "w4a4")
 
@@ -62,7 +64,8 @@ def parse_args(argv=None):
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--update-scale", type=float, default=0.01,
                    help="relative size of the emulated policy update (0: none)")
-    p.add_argument("--backend", default="auto", help="jax_nvfp4.moe backend (auto, xla, ffi, ...)")
+    p.add_argument("--backend", default="auto", choices=("auto",) + backend_names(),
+                   help="jax_nvfp4.moe backend (default auto)")
     p.add_argument("--recipe", default="nvfp4", choices=("nvfp4", "4over6"))
     p.add_argument("--routing-replay", action="store_true",
                    help="also score with the policy replaying the rollout's expert choices")
@@ -79,6 +82,9 @@ def parse_args(argv=None):
     args.modes = modes
     if args.prompt_len < 2 or args.new_tokens < 1 or args.batch < 1 or args.iters < 1:
         p.error("--prompt-len >= 2, --new-tokens >= 1, --batch >= 1 and --iters >= 1 are required")
+    if args.iters == 1:
+        print("note: with --iters 1 the times include compilation (iteration 0); take --iters >= 2 for throughput",
+              file=sys.stderr)
     if not 1 <= args.expert_parallel <= jax.device_count():
         p.error(f"--expert-parallel must be in [1, {jax.device_count()}] (the devices JAX sees), got {args.expert_parallel}")
     return args

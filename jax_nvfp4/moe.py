@@ -116,8 +116,10 @@ def moe(x, experts, *, router_logits=None, routing: str = "softmax_topk", top_k:
         Experts per token; required with ``router_logits`` (``llama4``: 1, the default there).
     topk_ids : optional int ``[T, k]``, with ``topk_weights`` float ``[T, k]``
         Precomputed routing, e.g. recorded with ``return_routing=True`` and replayed. Global
-        expert ids; negative ids are padding and contribute nothing. The weights are used as
-        given (``routed_scaling_factor`` must then stay 1).
+        expert ids; negative ids are padding and contribute nothing, and so do ids outside this call's
+        experts (``local_expert_offset`` below: under expert parallelism, other devices' experts; values are
+        not checked, which would need a host sync). The weights are used as given (``routed_scaling_factor``
+        must then stay 1).
     bias, n_group, topk_group, routed_scaling_factor
         Routing parameters, see :func:`~jax_nvfp4.route` (``n_group``/``topk_group`` static).
     activation : str (static)
@@ -156,7 +158,8 @@ def moe(x, experts, *, router_logits=None, routing: str = "softmax_topk", top_k:
     ``router_logits``/``topk_ids``/``topk_weights``/``bias`` as arguments and keep the others
     static (closed over or ``static_argnames``). Works inside ``lax.scan``/``while_loop`` and is
     differentiable with respect to ``x`` and ``router_logits`` in modes ``bf16`` and ``w4a16``
-    (weights are constants; gradients pass straight through the exact decode). ``w4a4`` rounds
+    (and to ``BF16Experts``' weights in ``bf16``; NVFP4 weights are constants, gradients pass straight through
+    their exact decode). ``w4a4`` rounds
     ``x`` onto the NVFP4 grid, so its gradient with respect to ``x`` is zero. On backends ``ffi`` and ``xla``,
     ``jax.vmap`` runs a batch of token sets as one set and a batch of expert sets (experts stacked over layers,
     ``[L, E, N, K]``) one after the other.

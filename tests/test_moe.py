@@ -3,6 +3,7 @@ every mode and activation, dispatch/matmul strategies, properties, transformatio
 (jit, scan, while_loop, grad), expert parallelism and argument validation."""
 
 
+import dataclasses
 import functools
 import textwrap
 
@@ -420,6 +421,18 @@ def _dense_jnp(x, logits, weights, activation, routing, k):
     a = activations.apply(activation, g)
     y = jnp.einsum("tki,tkhi->tkh", a, w2[ids]) * (wt * a2[ids])[..., None]
     return y.sum(1)
+
+
+def test_grad_allow_int_over_nvfp4_experts():
+    """jax.grad(..., allow_int=True) over NVFP4Experts: float0 for the codes, the global scales' gradient as taken
+    through them alone."""
+    ex = make_experts(12)
+    x, logits = make_inputs(12)
+    loss = lambda ex: moe(x, ex, router_logits=logits, top_k=K).astype(jnp.float32).sum()  # noqa: E731
+    g = jax.grad(loss, allow_int=True)(ex)
+    assert isinstance(g, nv.NVFP4Experts) and g.gate_up.data.dtype == jax.dtypes.float0
+    rebuilt = lambda gs: dataclasses.replace(ex, down=dataclasses.replace(ex.down, global_scale=gs))  # noqa: E731
+    np.testing.assert_array_equal(g.down.global_scale, jax.grad(lambda gs: loss(rebuilt(gs)))(ex.down.global_scale))
 
 
 @pytest.mark.parametrize("mode", ["bf16", "w4a16"])

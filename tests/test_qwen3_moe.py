@@ -288,6 +288,13 @@ def test_routing_replay(bf16_model, prompts, greedy):
     qmask = jnp.concatenate([mask, g.mask], axis=1)
     replayed = nvnn.sequence_logprobs(bf16_model, qseq, attention_mask=qmask, topk_ids=g.routing, chunk=5)
     assert replayed.shape == plain.shape and bool(jnp.all(jnp.isfinite(replayed)))
+    # the arguments named as sequence_logprobs calls them; replayed routing of the blocks' top_k, integer ids
+    with pytest.raises(ValueError, match="attention_mask must have tokens' shape"):
+        nvnn.sequence_logprobs(bf16_model, seq, attention_mask=smask[:, :3])
+    with pytest.raises(ValueError, match=r"topk_ids must have shape .*the block's top_k"):
+        nvnn.sequence_logprobs(bf16_model, seq, attention_mask=smask, topk_ids=own[..., :1])
+    with pytest.raises(TypeError, match="topk_ids must be integer"):
+        nvnn.sequence_logprobs(bf16_model, seq, attention_mask=smask, topk_ids=own.astype(jnp.float32))
     with pytest.raises(ValueError, match="topk_ids"):
         bf16_model(seq, topk_ids=g.routing[:1])
 

@@ -277,7 +277,8 @@ def convert_checkpoint(src, dst, *, ignore: Sequence[str] = (), recipe: str = "n
     ignore = ignore_patterns(ignore)
     dst = Path(dst).absolute()
     if dst.exists() and not overwrite:
-        raise FileExistsError(f"output already exists: {dst}")
+        raise FileExistsError(f"output already exists: {dst} (overwrite=True, or --overwrite on the command line, "
+                              "replaces it)")
     ckpt = open_checkpoint(src)
     if dst.resolve() == ckpt.root.resolve():
         raise ValueError(f"dst must differ from the source folder: {dst}")

@@ -40,14 +40,14 @@ class GenerationOutput(NamedTuple):
     routing: Any = None
 
 
-def _check_prompts(prompt_tokens, prompt_mask):
-    if prompt_tokens.ndim != 2:
-        raise ValueError(f"prompt_tokens must be [B, P], got shape {tuple(prompt_tokens.shape)}")
-    if not jnp.issubdtype(prompt_tokens.dtype, jnp.integer):
-        raise TypeError(f"prompt_tokens must be integer token ids, got {prompt_tokens.dtype}")
-    if prompt_mask is not None and tuple(prompt_mask.shape) != tuple(prompt_tokens.shape):
-        raise ValueError(f"prompt_mask must have prompt_tokens' shape {tuple(prompt_tokens.shape)}, "
-                         f"got {tuple(prompt_mask.shape)}")
+def _check_prompts(tokens, mask, names=("prompt_tokens", "prompt_mask")):
+    """tokens int [B, P] and an optional mask of its shape; ``names``: the caller's argument names."""
+    if tokens.ndim != 2:
+        raise ValueError(f"{names[0]} must be [B, P], got shape {tuple(tokens.shape)}")
+    if not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise TypeError(f"{names[0]} must be integer token ids, got {tokens.dtype}")
+    if mask is not None and tuple(mask.shape) != tuple(tokens.shape):
+        raise ValueError(f"{names[1]} must have {names[0]}' shape {tuple(tokens.shape)}, got {tuple(mask.shape)}")
 
 
 def sample_logits(key, logits, *, temperature: float = 1.0, top_p: float = 1.0):
@@ -191,7 +191,7 @@ def sequence_logprobs(model, tokens, *, attention_mask=None, temperature: float 
     float32 ``[B, L - 1]``: entry ``t`` is ``log p(tokens[:, t + 1] | tokens[:, : t + 1])``; 0 where
     ``attention_mask[:, t + 1]`` is False.
     """
-    _check_prompts(tokens, attention_mask)
+    _check_prompts(tokens, attention_mask, ("tokens", "attention_mask"))
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 for log-probabilities, got {temperature}")
     if tokens.shape[1] < 2:

@@ -257,7 +257,8 @@ class MoE(nnx.Module):
             Replay this expert selection (e.g. recorded by a rollout with ``return_routing=True``)
             instead of routing ``x``. The combine weights are recomputed from this block's router
             logits for the given ids (:func:`replay_weights`), so gradients still reach the router,
-            as in rollout routing replay for RL. Negative ids are padding.
+            as in rollout routing replay for RL. ``k`` must be the block's ``top_k``; negative ids are padding
+            (as are ids outside ``[0, num_experts)``, unchecked).
         return_routing : bool
             Also return ``(topk_ids int32 [..., k], topk_weights float32 [..., k])``.
 
@@ -286,9 +287,11 @@ class MoE(nnx.Module):
                            local_expert_offset=offset, **common)
             out, (ids, w) = self._over_experts(layer, xt, experts, (logits,), (bias,))
         else:
-            if topk_ids.shape[:-1] != lead:
-                raise ValueError(f"topk_ids must have shape {lead + (topk_ids.shape[-1],)} (x's leading "
-                                 f"axes, then k), got {tuple(topk_ids.shape)}")
+            if topk_ids.shape != lead + (self.top_k,):
+                raise ValueError(f"topk_ids must have shape {lead + (self.top_k,)} (x's leading axes, then the "
+                                 f"block's top_k), got {tuple(topk_ids.shape)}")
+            if not jnp.issubdtype(topk_ids.dtype, jnp.integer):
+                raise TypeError(f"topk_ids must be integer expert ids, got {topk_ids.dtype}")
             ids = topk_ids.reshape(-1, topk_ids.shape[-1]).astype(jnp.int32)
             w = replay_weights(logits, ids, self.routing, bias=bias,
                                routed_scaling_factor=self.routed_scaling_factor)
