@@ -94,9 +94,11 @@ def _deepseek_v3(l, bias, top_k, n_group, topk_group):
     top2, _ = lax.top_k(b.reshape(t, n_group, size), 2)
     group_score = top2.sum(-1)  # [T, n_group]
     _, keep = lax.top_k(group_score, topk_group)
-    kept = jnp.zeros((t, n_group), bool).at[jnp.arange(t)[:, None], keep].set(True)
-    kept = jnp.repeat(kept, size, axis=1)  # [T, E]
-    _, ids = lax.top_k(jnp.where(kept, b, -jnp.inf), top_k)
+    # Top-k among the kept groups' experts only, gathered in ascending id order (ties go to the lower id): masking
+    # the others with -inf would let them tie with a kept expert whose b is -inf.
+    cand = (jnp.sort(keep, axis=-1)[..., None] * size + jnp.arange(size)).reshape(t, topk_group * size)
+    _, j = lax.top_k(jnp.take_along_axis(b, cand, axis=1), top_k)
+    ids = jnp.take_along_axis(cand, j, axis=1)
     sel = jnp.take_along_axis(s, ids, axis=1)
     return ids, sel / (sel.sum(-1, keepdims=True) + _EPS)
 

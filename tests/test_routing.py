@@ -43,9 +43,9 @@ def np_route(logits, method, k, bias=None, n_group=1, topk_group=1, scale=1.0):
         size = e // n_group
         gs = np.sort(b.reshape(t, n_group, size), -1)[..., -2:].sum(-1)
         _, keep = _topk(gs, topk_group)
-        mask = np.zeros((t, n_group), bool)
-        np.put_along_axis(mask, keep, True, -1)
-        _, ids = _topk(np.where(np.repeat(mask, size, 1), b, -np.inf), k)
+        # The kept groups' experts, ascending, stably by descending b (ties: the lower id), the first k.
+        kept = [np.sort(np.concatenate([np.arange(g * size, (g + 1) * size) for g in row])) for row in keep]
+        ids = np.array([c[np.argsort(-b[i, c], kind="stable")[:k]] for i, c in enumerate(kept)])
         sel = np.take_along_axis(s, ids, -1)
         w = sel / (sel.sum(-1, keepdims=True) + 1e-20)
     else:
@@ -152,6 +152,13 @@ def test_ties_llama4_and_deepseek():
     ids, _ = _route_np(np.zeros((1, 8), np.float32), "deepseek_v3", 3, bias=jnp.zeros(8),
                        n_group=4, topk_group=2)
     np.testing.assert_array_equal(ids, [[0, 1, 2]])
+
+
+def test_deepseek_minus_inf_bias_stays_in_the_kept_groups():
+    """An expert of a kept group with b = -inf still ranks above every expert of the groups left out."""
+    ids, _ = _route_np(np.zeros((1, 6), np.float32), "deepseek_v3", 3, bias=jnp.array([-1., -1, -1, 0, 0, -jnp.inf]),
+                       n_group=2, topk_group=1)
+    np.testing.assert_array_equal(ids, [[3, 4, 5]])
 
 
 def test_deepseek_groups_restrict_selection_and_bias_only_selects():
