@@ -64,13 +64,12 @@ class NVFP4Array:
     def __post_init__(self):
         if self.order not in ORDERS:
             raise ValueError(f"NVFP4Array.order must be one of {ORDERS}, got {self.order!r}")
-        # Pytree unflattening may pass placeholders (None, object()); only check real arrays. (Integer data's
-        # cotangents, jax.grad(..., allow_int=True), are float0.)
-        if not (_is_array(self.data) and _is_array(self.scales) and _is_array(self.global_scale)) or \
-                self.data.dtype == jax.dtypes.float0:
+        # Pytree unflattening may pass placeholders (None, object()); only check real arrays.
+        if not (_is_array(self.data) and _is_array(self.scales) and _is_array(self.global_scale)):
             return
         d, s, g = self.data.shape, self.scales.shape, self.global_scale.shape
-        if self.data.dtype != jnp.uint8:
+        # (The codes' cotangents, jax.grad(..., allow_int=True), are float0.)
+        if self.data.dtype not in (jnp.uint8, jax.dtypes.float0):
             raise TypeError(f"NVFP4Array.data must be uint8 (packed E2M1 pairs), got {self.data.dtype}")
         if self.scales.dtype != jnp.float8_e4m3fn:
             raise TypeError(f"NVFP4Array.scales must be float8_e4m3fn, got {self.scales.dtype}")

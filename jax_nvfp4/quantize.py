@@ -161,7 +161,7 @@ def quantize(x, *, per_token: bool = False, recipe: str = "nvfp4", global_amax=N
 
     Bit-exact on the GPU and, with one exception, the CPU: ``"4over6"`` compares block errors whose squares are
     hardware products, and XLA:CPU flushes those that are subnormal (a block's error under about 1e-19, so tensors
-    or rows of amax under about 1e-18), where the reference keeps them.
+    or rows of amax under about 1e-16), where the reference keeps them.
     """
     _check_input(x)
     if isinstance(per_token, jax.core.Tracer):
@@ -223,8 +223,8 @@ def quantize_experts(gate_up, down, *, recipe: str = "nvfp4", gated: bool = True
     Raises
     ------
     ValueError
-        Called eagerly, where a tensor holds NaN or Inf (naming it and the experts). Under ``jax.jit`` such an
-        expert's global scale is NaN instead, so every output it touches is NaN, not silently wrong
+        Called on concrete arrays, where a tensor holds NaN or Inf (naming it and the experts). Under ``jax.jit`` or
+        ``jax.vmap`` (traced arrays) such an expert's global scale is NaN instead, so every output it touches is NaN, not silently wrong
         (:func:`jax_nvfp4.nn.quantize_moe` checks for that after quantizing).
     """
     _check_input(gate_up, "gate_up")

@@ -229,6 +229,9 @@ def test_module_routing_replay_and_other_options(x):
     assert q.quantized and q(x).shape == x.shape
     with pytest.raises(ValueError, match="topk_ids must have shape"):
         blk(x, topk_ids=ids[0])
+    # ids outside [0, E) are padding, as negative ones (their weight 0, left out of the normalization)
+    np.testing.assert_array_equal(blk(x, topk_ids=ids.at[..., 0].set(E + 3)), blk(x, topk_ids=ids.at[..., 0].set(-1)))
+    assert bool(jnp.all(jnp.isfinite(blk(x, topk_ids=ids.at[..., 0].set(E)).astype(jnp.float32))))
 
 
 def test_gradients_reach_router_and_bf16_experts(model, x):

@@ -257,8 +257,8 @@ class MoE(nnx.Module):
             Replay this expert selection (e.g. recorded by a rollout with ``return_routing=True``)
             instead of routing ``x``. The combine weights are recomputed from this block's router
             logits for the given ids (:func:`replay_weights`), so gradients still reach the router,
-            as in rollout routing replay for RL. ``k`` must be the block's ``top_k``; negative ids are padding
-            (as are ids outside ``[0, num_experts)``, unchecked).
+            as in rollout routing replay for RL. ``k`` must be the block's ``top_k``; ids outside
+            ``[0, num_experts)`` (negative ones, say) are padding.
         return_routing : bool
             Also return ``(topk_ids int32 [..., k], topk_weights float32 [..., k])``.
 
@@ -334,7 +334,8 @@ def replay_weights(router_logits, topk_ids, routing: str, *, bias=None, routed_s
     Parameters
     ----------
     router_logits : float ``[T, E]`` (cast to float32)
-    topk_ids : int32 ``[T, k]``; negative ids are padding (weight 0, left out of normalizations)
+    topk_ids : int32 ``[T, k]``; ids outside ``[0, E)`` (negative ones, say) are padding (weight 0, left out of
+        normalizations)
     routing : a :data:`jax_nvfp4.ROUTING_METHODS` name
     bias : optional ``[E]``, added to the logits (for ``deepseek_v3`` it only ever affected selection,
         so it is not used here)
@@ -348,7 +349,7 @@ def replay_weights(router_logits, topk_ids, routing: str, *, bias=None, routed_s
     l = router_logits.astype(jnp.float32)
     if bias is not None and routing != "deepseek_v3":
         l = l + bias.astype(jnp.float32)
-    valid = topk_ids >= 0
+    valid = (topk_ids >= 0) & (topk_ids < l.shape[-1])
     idx = jnp.where(valid, topk_ids, 0)
     k = topk_ids.shape[-1]
 

@@ -108,6 +108,13 @@ def quantize_moe(model, *, ignore: str | Sequence[str] = (), recipe: str = "nvfp
     -------
     The quantized model (``model`` itself when ``inplace``).
 
+    Raises
+    ------
+    ValueError
+        Where bf16 expert weights hold NaN or Inf, naming the blocks, tensors and experts (outside ``jax.jit``;
+        checked once all blocks are quantized, so an ``inplace`` model holds them, with NaN global scales
+        there). Under ``jax.jit`` those experts' global scales are NaN (:func:`jax_nvfp4.quantize_experts`).
+
     Notes
     -----
     Works eagerly (one compiled quantization per distinct expert shape) and under ``jax.jit`` /
@@ -129,21 +136,24 @@ def quantize_moe(model, *, ignore: str | Sequence[str] = (), recipe: str = "nvfp
                           f"{', '.join(map(repr, list(blocks)[:4]))}{', ...' if len(blocks) > 4 else ''})",
                           stacklevel=2)
     orders = {name: _order_of(blocks[name], order, name) for name in keep}  # every block checked first
+    label = lambda name: name or "(the model itself)"  # noqa: E731
     scales = {}  # the new global scales, NaN where an expert's weights were not finite
-    for name in keep:
+    for name in keep:  # (block by block: inplace, each block's bf16 experts can be freed as it is replaced)
         block, ex = blocks[name], blocks[name].experts
         if not block.quantized:
             try:
                 q = _quantize_experts(ex.gate_up[...], ex.down[...], recipe=recipe, gated=ex.gated)
             except (TypeError, ValueError) as err:  # (shapes NVFP4 cannot take: name the block)
-                raise type(err)(f"MoE block {name or '(the model itself)'}: {err}") from err
+                if type(err) not in (TypeError, ValueError):
+                    raise
+                raise type(err)(f"MoE block {label(name)}: {err}") from err
             scales[name] = (q.gate_up.global_scale, q.down.global_scale)
             block.experts = _weights(q, orders[name])
         elif ex.order != orders[name]:
             block.experts = _weights(ex.experts(), orders[name])
         block.mode = mode
     if scales and not any(isinstance(v, jax.core.Tracer) for v in jax.tree.leaves(scales)):  # one host sync
-        bad = [f"{name}.{t}: experts {non_finite_experts(v)}" for name, pair in jax.device_get(scales).items()
+        bad = [f"{label(name)}.{t}: experts {non_finite_experts(v)}" for name, pair in jax.device_get(scales).items()
                for t, v in zip(("gate_up", "down"), pair) if non_finite_experts(v)]
         if bad:
             raise ValueError(f"NaN or Inf in the bf16 expert weights of {len(bad)} tensor(s): {'; '.join(bad[:4])}"
