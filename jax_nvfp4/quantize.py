@@ -224,8 +224,8 @@ def quantize_experts(gate_up, down, *, recipe: str = "nvfp4", gated: bool = True
     ------
     ValueError
         Called on concrete arrays, where a tensor holds NaN or Inf (naming it and the experts). Under ``jax.jit`` or
-        ``jax.vmap`` (traced arrays) such an expert's global scale is NaN instead, so every output it touches is NaN, not silently wrong
-        (:func:`jax_nvfp4.nn.quantize_moe` checks for that after quantizing).
+        ``jax.vmap`` (traced arrays) such an expert's global scale is NaN instead, so every output it touches is
+        NaN, not silently wrong (:func:`jax_nvfp4.nn.quantize_moe` checks for that after quantizing).
     """
     _check_input(gate_up, "gate_up")
     _check_input(down, "down")

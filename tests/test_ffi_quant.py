@@ -178,7 +178,8 @@ def test_nan_rows_are_nan_as_in_the_reference():
     x = np.ones((3, 64), np.float32)
     x[0, 5], x[2, 7] = np.nan, -np.inf
     for impl in ("ffi", "jax"):
-        out, scale = (np.asarray(v, np.float32) for v in ops.quant_dequant_rows(jnp.asarray(x, jnp.bfloat16), impl=impl))
+        out, scale = (np.asarray(v, np.float32)
+                      for v in ops.quant_dequant_rows(jnp.asarray(x, jnp.bfloat16), impl=impl))
         assert np.isnan(scale[0]) and np.isnan(out[0]).all(), impl
         assert np.isfinite(scale[1:]).all() and np.isfinite(out[1:]).all(), impl
         assert out[2, 7] == -2688 and (out[2, :7] == 0).all(), impl  # -inf: the row's amax, the rest underflow
