@@ -269,6 +269,18 @@ def moe_experts(x, experts, topk_ids, topk_weights, *, mode: str, activation: st
 moe_experts = jax.jit(moe_experts, static_argnames=("mode", "activation", "dispatch", "gmm"))
 
 
+def _on_leaves(mode: str, activation: str, dispatch: str, gmm: str, treedef):
+    """:func:`moe_experts` as ``f(x, topk_ids, topk_weights, leaves, offset)`` on the experts' flat leaves, its
+    ``"auto"`` strategies resolved first (so that equal strategies share one compiled function)."""
+
+    def at(x, topk_ids, topk_weights, leaves, offset):
+        experts = jax.tree_util.tree_unflatten(treedef, leaves)
+        d, g = resolve_strategy(topk_ids.shape[0] * topk_ids.shape[1], experts, dispatch, gmm)
+        return moe_experts(x, experts, topk_ids, topk_weights, mode=mode, activation=activation,
+                           local_expert_offset=offset, dispatch=d, gmm=g)
+    return at
+
+
 @functools.lru_cache(maxsize=None)
 def _over_devices(mode: str, activation: str, offset: int, dispatch: str, gmm: str, treedef):
     """:func:`moe_experts` at a static ``offset`` as ``f(x, topk_ids, topk_weights, leaves)`` (the experts' flat
@@ -277,10 +289,7 @@ def _over_devices(mode: str, activation: str, offset: int, dispatch: str, gmm: s
     expert; its gradients (a ``custom_vjp``: reverse mode only) split alike. ``jax.vmap`` folds a batch of token sets
     into one (shared experts) or, for a batch of expert sets, runs one element after the other (each split)."""
 
-    def at(x, topk_ids, topk_weights, leaves, offset):
-        return moe_experts(x, jax.tree_util.tree_unflatten(treedef, leaves), topk_ids, topk_weights, mode=mode,
-                           activation=activation, local_expert_offset=offset, dispatch=dispatch, gmm=gmm)
-
+    at = _on_leaves(mode, activation, dispatch, gmm, treedef)
     split = with_batching(over_experts(at, offset))
     return with_expert_grads(split, at, offset)
 
@@ -293,12 +302,7 @@ def _one_device(mode: str, activation: str, offset: int, dispatch: str, gmm: str
     with a routing that is not. Derivatives, both modes, are the function's own (a ``custom_jvp`` whose rule
     differentiates it), so ``vmap`` of a derivative still batches it."""
 
-    def plain(x, topk_ids, topk_weights, leaves):
-        experts = jax.tree_util.tree_unflatten(treedef, leaves)
-        d, g = resolve_strategy(topk_ids.shape[0] * topk_ids.shape[1], experts, dispatch, gmm)
-        return moe_experts(x, experts, topk_ids, topk_weights, mode=mode, activation=activation,
-                           local_expert_offset=offset, dispatch=d, gmm=g)
-
+    plain = functools.partial(_on_leaves(mode, activation, dispatch, gmm, treedef), offset=offset)
     batched = with_batching(plain)
     f = jax.custom_jvp(batched)
     f.defjvp(lambda primals, tangents: jax.jvp(plain, primals, tangents))
