@@ -142,6 +142,42 @@ def mul_rn(a, b):
     return jnp.where(jnp.isnan(a) | jnp.isnan(b), jnp.float32(jnp.nan), from_bits(mag | sign))
 
 
+def _add_bits(ba, bb):
+    """Correctly rounded sum of the float32 values with bit patterns ``ba``, ``bb`` (finite, any sign)."""
+    sign_mask = _u(0x80000000)
+    swap = (bb & _u(0x7FFFFFFF)) > (ba & _u(0x7FFFFFFF))  # bit order is magnitude order
+    big, small = jnp.where(swap, bb, ba), jnp.where(swap, ba, bb)
+    mb, eb = _unpack(from_bits(big & _u(0x7FFFFFFF)))
+    ms, es = _unpack(from_bits(small & _u(0x7FFFFFFF)))
+    mb, ms = mb << 6, ms << 6  # 6 guard bits: m < 2^30
+    d = jnp.maximum(eb - es, 0)  # < 0 only when small is 0 (its e is -149)
+    sh = jnp.minimum(d, 31).astype(_U32)
+    aligned = jnp.where(d >= 32, _u(0), ms >> sh)
+    lost = jnp.where(d >= 32, ms, ms & ((_u(1) << sh) - _u(1))) != 0  # small's bits below big's grid
+    same = ((ba ^ bb) & sign_mask) == 0
+    # Subtraction: the exact difference lies in (t, t + 1) when bits were lost, so t is floor and
+    # `lost` the sticky bit. Then d > 6 and t keeps >= 29 bits; otherwise t is exact and is normalized.
+    t = jnp.where(same, mb + aligned, mb - aligned - lost.astype(_U32))
+    norm = jnp.where(lost | (t == 0), 0, lax.clz(t).astype(jnp.int32) - 1)
+    mag = bits(_round_pack(jnp.maximum(lax.shift_left(t, norm.astype(_U32)), _u(1)), eb - 6 - norm, lost))
+    mag = jnp.where(t == 0, _u(0), mag)
+    sign = jnp.where(same | (t != 0), big & sign_mask, _u(0))  # x - x is +0; -0 + -0 is -0
+    return from_bits(mag | sign)
+
+
+def add_rn(a, b):
+    """Correctly rounded a + b for float32 a, b (any sign), in integers where both are finite (XLA:CPU flushes
+    subnormal sums and operands); an infinity or NaN takes the hardware add, which needs no subnormals."""
+    a, b = jnp.broadcast_arrays(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))
+    return jnp.where(jnp.isfinite(a) & jnp.isfinite(b), _add_bits(bits(a), bits(b)), a + b)
+
+
+def sub_rn(a, b):
+    """Correctly rounded a - b, as :func:`add_rn` (b's sign flipped in its bits, exact for subnormals)."""
+    a, b = jnp.broadcast_arrays(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))
+    return jnp.where(jnp.isfinite(a) & jnp.isfinite(b), _add_bits(bits(a), bits(b) ^ _u(0x80000000)), a - b)
+
+
 @jax.custom_jvp
 def mul_rn_differentiable(a, b):
     """:func:`mul_rn` with the product's derivative (``da * b + a * db``), for values that gradients flow
@@ -179,6 +215,18 @@ def _opaque_bits(x):
 def is_zero(x):
     """x == 0 by bit pattern (a subnormal is not zero even under denormals-are-zero)."""
     return (_opaque_bits(x) & _u(0x7FFFFFFF)) == 0
+
+
+def is_subnormal(x):
+    """x is a nonzero float32 below 2^-126 in magnitude, by bit pattern."""
+    b = _opaque_bits(x) & _u(0x7FFFFFFF)
+    return (b != 0) & (b < _u(0x00800000))
+
+
+def less_nonneg(a, b):
+    """a < b for float32 a, b >= 0 (or NaN: false), by bit pattern (a float compare treats subnormals as 0 under
+    denormals-are-zero)."""
+    return (_opaque_bits(a) < _opaque_bits(b)) & ~jnp.isnan(a) & ~jnp.isnan(b)
 
 
 def sign_bit(x):
@@ -221,7 +269,8 @@ def e4m3_bits_to_f32(u8):
 
 
 __all__ = [
-    "F32_MAX", "bits", "from_bits", "opaque_zero", "fence", "div_rn", "mul_rn", "mul_fenced", "abs_max",
-    "is_zero", "sign_bit",
+    "F32_MAX", "bits", "from_bits", "opaque_zero", "fence", "div_rn", "mul_rn", "add_rn", "sub_rn", "mul_fenced",
+    "abs_max",
+    "is_zero", "is_subnormal", "less_nonneg", "sign_bit",
     "f32_to_e4m3_bits", "e4m3_bits_to_f32",
 ]

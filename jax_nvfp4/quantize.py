@@ -58,24 +58,45 @@ def _encode_block(xb, sf, dec):
     return s_bits, s8, codes
 
 
-def _block_sq_error(xb, codes, s8, dec, amax_row, per_token, zero):
+def _block_sq_error(xb, codes, s8, dec, amax_row, per_token):
     """4over6 error ``sum_i (q_i * s8 * dec - x_i)^2``, fp32, term by term in order.
 
-    Per token the dequantized term is ``((q_i * s8) * A_t) / 2688`` instead.
+    Per token the dequantized term is ``((q_i * s8) * A_t) / 2688`` instead. Fenced hardware
+    operations, except where XLA:CPU would flush a subnormal operand or result (block errors
+    under about 1e-19): there the whole error is recomputed in integers.
     """
-    q = jnp.asarray(E2M1_TABLE)[codes.astype(jnp.int32)]
-    qs = q * s8[..., None]  # exact: <= 6 significant bits
-    if per_token:
-        mag = ex.div_rn(ex.mul_fenced(jnp.abs(qs), amax_row[..., None], zero), _ENC_NUM)
-        deq = jnp.where(qs < 0, -mag, mag)
-    else:
-        deq = ex.mul_fenced(qs, dec[..., None], zero)
-    d = ex.fence(deq - xb, zero)
-    sq = ex.mul_fenced(d, d, zero)
-    err = sq[..., 0]
-    for i in range(1, BLOCK):
-        err = ex.fence(err + sq[..., i], zero)
-    return err
+    def error(xb, codes, s8, dec, amax_row, *, exact):
+        zero = ex.opaque_zero()
+        mul = ex.mul_rn if exact else lambda a, b: ex.mul_fenced(a, b, zero)
+        add = ex.add_rn if exact else lambda a, b: ex.fence(a + b, zero)
+        sub = ex.sub_rn if exact else lambda a, b: ex.fence(a - b, zero)
+        q = jnp.asarray(E2M1_TABLE)[codes.astype(jnp.int32)]
+        qs = q * s8[..., None]  # exact: <= 6 significant bits, >= 2^-10 or 0
+        if per_token:
+            mag = ex.div_rn(mul(jnp.abs(qs), amax_row[..., None]), _ENC_NUM)
+            deq = jnp.where(qs < 0, -mag, mag)
+        else:
+            deq = mul(qs, dec[..., None])
+        d = sub(deq, xb)
+        sq = mul(d, d)
+        err = sq[..., 0]
+        for i in range(1, BLOCK):
+            err = add(err, sq[..., i])
+        return err, (qs, deq, d)
+
+    def on_cpu(*args):
+        err, (qs, deq, d) = error(*args, exact=False)
+        # The hardware path computes what IEEE does when all its operands and results are normal or 0: x holds
+        # no subnormal, a nonzero deq is >= 2^-100 (then d = deq - x is normal or 0) and a nonzero d is
+        # >= 2^-62 (d^2 >= 2^-124; sums of non-negative normals are normal). Bit tests: XLA:CPU flushes.
+        mag = lambda v: ex.bits(v) & 0x7FFFFFFF
+        risky = (jnp.any(ex.is_subnormal(args[0]))
+                 | jnp.any((qs != 0) & (mag(deq) < ex.bits(np.float32(2.0**-100))))
+                 | jnp.any(~ex.is_zero(d) & (mag(d) < ex.bits(np.float32(2.0**-62)))))
+        return jax.lax.cond(risky, lambda: error(*args, exact=True)[0], lambda: err)
+
+    return jax.lax.platform_dependent(xb, codes, s8, dec, amax_row, cpu=on_cpu,
+                                      default=lambda *args: error(*args, exact=False)[0])
 
 
 def _check_input(x, name="x"):
@@ -108,14 +129,13 @@ def _quantize(x, amax, *, recipe: str, per_token: bool):
         sf = ex.mul_rn(vmax, ex.mul_rn(enc, _SIXTH))
         s_bits, _, codes = _encode_block(xb, jnp.minimum(sf, E4M3_MAX), dec)
     elif recipe == "4over6":
-        zero = ex.opaque_zero()
         sf6 = jnp.where(ex.is_zero(vmax), jnp.float32(0), ex.mul_rn(ex.div_rn(vmax, FP4_MAX), enc))
         sf4 = ex.mul_rn(sf6, np.float32(1.5))
         cands = [_encode_block(xb, sf, dec) for sf in (sf4, sf6)]
         (b4, s4, c4), (b6, s6, c6) = cands
-        err4 = _block_sq_error(xb, c4, s4, dec, a_row, per_token, zero)
-        err6 = _block_sq_error(xb, c6, s6, dec, a_row, per_token, zero)
-        pick4 = err4 < err6
+        err4 = _block_sq_error(xb, c4, s4, dec, a_row, per_token)
+        err6 = _block_sq_error(xb, c6, s6, dec, a_row, per_token)
+        pick4 = ex.less_nonneg(err4, err6)
         s_bits = jnp.where(pick4, b4, b6)
         codes = jnp.where(pick4[..., None], c4, c6)
     else:
@@ -159,9 +179,9 @@ def quantize(x, *, per_token: bool = False, recipe: str = "nvfp4", global_amax=N
     (the codes are unspecified), and an infinity is an amax like any other. :func:`quantize_experts` and the
     checkpoint converter refuse NaN/Inf weights instead.
 
-    Bit-exact on the GPU and, with one exception, the CPU: ``"4over6"`` compares block errors whose squares are
-    hardware products, and XLA:CPU flushes those that are subnormal (a block's error under about 1e-19, so tensors
-    or rows of amax under about 1e-16), where the reference keeps them.
+    Bit-exact on the GPU and the CPU over the whole float range, subnormals included. On the CPU, which flushes
+    subnormals, ``"4over6"``'s block errors are recomputed in integers where a value they depend on is subnormal
+    (tensors or rows of amax under about 1e-16; about 2x slower there).
     """
     _check_input(x)
     if isinstance(per_token, jax.core.Tracer):

@@ -315,6 +315,31 @@ def test_w4a4_on_grid_equals_w4a16_up_to_stated_scales():
     assert np.all(np.abs(f32(out) - ref) <= 2.0 ** -8 * np.abs(ref) + 1e-6 * np.abs(ref).max())
 
 
+@pytest.mark.parametrize("backend", ["xla", "ffi"])
+def test_w4a4_gemm2_scales_in_the_spec_order(backend):
+    """Spec section 5: ``w * da * alpha2 * acc``, left to right. One pair whose fp32 products round apart:
+    ``((w * da) * alpha2) * 2688`` is 0.693359375 (bf16 0.6953125), ``((w * alpha2) * da) * 2688`` rounds to bf16
+    0.69140625."""
+    h, inter = 32, 16
+    w, alpha2 = np.float32(0.881618), np.float32(0.7864623)
+
+    def one_hot(rows, gs):  # code 2 (1.0) at column 0 of the given rows, block scales 1
+        codes = (rows[None] == 1).astype(np.uint8) * 2
+        scales = np.ones((1, rows.shape[0], rows.shape[1] // 16), ml_dtypes.float8_e4m3fn)
+        return nv.NVFP4Array(jnp.asarray(codes[..., 0::2] | codes[..., 1::2] << 4), jnp.asarray(scales),
+                             jnp.asarray([gs], jnp.float32))
+
+    w1, w2 = np.zeros((inter, h)), np.zeros((h, inter))
+    w1[0, 0], w2[:, 0] = 1, 1  # relu2: a = [1, 0, ...] (da = 1/2688, acc = 2688)
+    ex = nv.NVFP4Experts(one_hot(w1, 1.0), one_hot(w2, alpha2), gated=False)
+    x = jnp.zeros((1, h), BF16).at[0, 0].set(1)
+    want = np.float32(np.float32(np.float32(w * (np.float32(1) / np.float32(2688))) * alpha2) * 2688)
+    assert want == np.float32(0.693359375)
+    out = nv.moe(x, ex, topk_ids=jnp.zeros((1, 1), jnp.int32), topk_weights=jnp.asarray([[w]]),
+                 activation="relu2", mode="w4a4", backend=backend)
+    np.testing.assert_array_equal(f32(out), np.full((1, h), 0.6953125, np.float32))  # = bf16(want)
+
+
 # ------------------------------------------------------------------------------------------
 # Transformations
 

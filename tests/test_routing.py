@@ -201,17 +201,18 @@ def test_logit_selected_methods_match_reference_with_ties(data, method):
     np.testing.assert_allclose(w, rw, rtol=1e-6)
 
 
-@settings(max_examples=15, deadline=None)
-@given(seed=st.integers(0, 2**31 - 1),
-       method=st.sampled_from(["softmax_topk", "renormalize_naive", "deepseek_v3"]))
-def test_random_logits_match_reference(seed, method):
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), method=st.sampled_from(nv.ROUTING_METHODS), with_bias=st.booleans())
+def test_random_logits_match_reference(seed, method, with_bias):
+    """Every method, with and without a bias (added to the logits; deepseek_v3: to the sigmoid scores)."""
     rng = np.random.default_rng(seed)
     logits = rng.standard_normal((5, 16)).astype(np.float32) * 3
-    kw = {}
+    kw = dict(bias=rng.standard_normal(16).astype(np.float32)) if with_bias or method == "deepseek_v3" else {}
     if method == "deepseek_v3":
-        kw = dict(bias=rng.standard_normal(16).astype(np.float32) * 0.1, n_group=4, topk_group=2)
-    ids, w = _route_np(logits, method, 4, **kw)
-    rids, rw = np_route(logits, method, 4, **kw)
+        kw.update(n_group=4, topk_group=2)
+    k = 1 if method == "llama4" else 4
+    ids, w = _route_np(logits, method, k, **kw)
+    rids, rw = np_route(logits, method, k, **kw)
     np.testing.assert_array_equal(ids, rids)
     np.testing.assert_allclose(w, rw, rtol=1e-5)
 

@@ -251,13 +251,13 @@ def moe_experts(x, experts, topk_ids, topk_weights, *, mode: str, activation: st
     a = activations.apply(activation, g)  # [M, I] f32
 
     scale2 = topk_weights.reshape(m).astype(jnp.float32)[order]
-    if alpha2 is not None:
-        scale2 = scale2 * alpha2[row_group]
-    if mode == "w4a4":
+    if mode == "w4a4":  # w * da * alpha2, in the spec's order (the ffi kernels' too)
         a, da = _exact_bf16(quantize(a, per_token=True))
         scale2 = scale2 * da
     else:
         a = a.astype(jnp.bfloat16)
+    if alpha2 is not None:
+        scale2 = scale2 * alpha2[row_group]
     y = _gmm(gmm, a, w2, sizes)  # [M, H] f32
     y = jnp.where(valid_s[:, None], y * scale2[:, None], 0.0)
 
