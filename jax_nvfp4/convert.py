@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .checkpoint import CheckpointError, convert_checkpoint
+from .checkpoint import convert_checkpoint
 from .quantize import RECIPES
 
 
@@ -39,7 +39,7 @@ def main(argv=None) -> int:
     try:
         summary = convert_checkpoint(args.src, args.dst, ignore=args.ignore, recipe=args.recipe,
                                      progress=not args.no_progress, overwrite=args.overwrite)
-    except (CheckpointError, FileExistsError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:  # CheckpointError and bad arguments; DST exists, SRC missing, disk full
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(summary)

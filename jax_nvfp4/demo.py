@@ -32,7 +32,8 @@ def _rel(a, b) -> float:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m jax_nvfp4.demo", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--experts", type=int, default=16)
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--intermediate", type=int, default=512)
@@ -51,7 +52,8 @@ def main(argv=None):
     quantize = jax.jit(nv.quantize_experts)
     t_q = _time(quantize, gate_up, down)
     w4 = quantize(gate_up, down)
-    err_w = _rel(nv.dequantize(w4.gate_up), gate_up)
+    err_w = _rel(jnp.concatenate([nv.dequantize(w4.gate_up).ravel(), nv.dequantize(w4.down).ravel()]),
+                 jnp.concatenate([gate_up.ravel(), down.ravel()]))  # both tensors
     n_bytes = gate_up.size * 2 + down.size * 2
     print(f"online quantization: {t_q * 1e3:8.2f} ms for {n_bytes / 1e6:.1f} MB of bf16 experts "
           f"({n_bytes / t_q / 1e9:.2f} GB/s); weight rel. error {err_w:.4f}")

@@ -73,6 +73,8 @@ class NVFP4Array:
             raise TypeError(f"NVFP4Array.data must be uint8 (packed E2M1 pairs), got {self.data.dtype}")
         if self.scales.dtype != jnp.float8_e4m3fn:
             raise TypeError(f"NVFP4Array.scales must be float8_e4m3fn, got {self.scales.dtype}")
+        if self.global_scale.dtype != jnp.float32:
+            raise TypeError(f"NVFP4Array.global_scale must be float32, got {self.global_scale.dtype}")
         if len(d) < 1 or d[:-1] != s[:-1] or d[-1] * 2 != s[-1] * BLOCK:
             raise ValueError(
                 f"NVFP4Array shapes disagree: data {d} needs scales {d[:-1] + (d[-1] * 2 // BLOCK,)}, got {s}")
@@ -234,16 +236,22 @@ def from_blocked_weights(w: NVFP4Array) -> NVFP4Array:
     return _reordered(w, False, "from_blocked_weights")
 
 
+def _reordered_experts(experts: "NVFP4Experts", to_blocked: bool) -> "NVFP4Experts":
+    fn = "to_blocked_experts" if to_blocked else "from_blocked_experts"
+    if not isinstance(experts, NVFP4Experts):
+        raise TypeError(f"{fn} needs NVFP4Experts, got {type(experts).__name__}")
+    return dataclasses.replace(experts, **{name: _reordered(getattr(experts, name), to_blocked, f"{fn}: {name}")
+                                           for name in ("gate_up", "down")})
+
+
 def to_blocked_experts(experts: "NVFP4Experts") -> "NVFP4Experts":
     """:func:`to_blocked_weights` of both expert tensors."""
-    return dataclasses.replace(experts, gate_up=to_blocked_weights(experts.gate_up),
-                               down=to_blocked_weights(experts.down))
+    return _reordered_experts(experts, True)
 
 
 def from_blocked_experts(experts: "NVFP4Experts") -> "NVFP4Experts":
     """:func:`from_blocked_weights` of both expert tensors."""
-    return dataclasses.replace(experts, gate_up=from_blocked_weights(experts.gate_up),
-                               down=from_blocked_weights(experts.down))
+    return _reordered_experts(experts, False)
 
 
 class _ExpertShapes:

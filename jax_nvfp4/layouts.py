@@ -76,11 +76,13 @@ def trtllm_epilogue_shuffle(m: int) -> np.ndarray:
 
 def trtllm_gemm1_rows(m: int) -> np.ndarray:
     """GEMM1 row order for TensorRT-LLM-gen of ``[up; gate]`` weights with m = 2I rows: ``R[S]``."""
+    _check_rows(m, 32, "trtllm_gemm1_rows")
     return trtllm_gated_reorder(m)[trtllm_epilogue_shuffle(m)]
 
 
 def trtllm_gemm2_rows(m: int) -> np.ndarray:
     """GEMM2 row order for TensorRT-LLM-gen (m = H rows): ``S``."""
+    _check_rows(m, 32, "trtllm_gemm2_rows")
     return trtllm_epilogue_shuffle(m)
 
 

@@ -77,9 +77,9 @@ def weight_order(backend: str = "auto", *, hidden_size: int, intermediate_size: 
 
 
 def _check_offset(offset, e_local, e_global):
-    if isinstance(offset, bool):
+    if isinstance(offset, (bool, np.bool_)):
         raise TypeError("local_expert_offset must be an int or an int32 scalar, got bool")
-    if isinstance(offset, int):
+    if isinstance(offset, (int, np.integer)):
         if offset < 0:
             raise ValueError(f"local_expert_offset must be >= 0, got {offset}")
         if e_global is not None and offset + e_local > e_global:
@@ -222,7 +222,7 @@ def moe(x, experts, *, router_logits=None, routing: str = "softmax_topk", top_k:
         if not (isinstance(routed_scaling_factor, (int, float)) and routed_scaling_factor == 1):
             extra.append("routed_scaling_factor")
         if extra:
-            raise ValueError(f"{', '.join(extra)} apply only when routing router_logits; "
+            raise ValueError(f"{', '.join(extra)}: used only when moe routes router_logits itself; "
                              "precomputed topk_weights are used as given")
         for name, v in (("topk_ids", topk_ids), ("topk_weights", topk_weights)):
             if not _is_array(v):

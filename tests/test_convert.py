@@ -397,6 +397,8 @@ def test_loader_and_online_quantization(tmp_path, naming):
     assert set(load_nvfp4_experts(tmp_path / "dst" / "model.safetensors.index.json")) == set(loaded)
     with pytest.raises(CheckpointError, match="quantize_source=True"):
         load_nvfp4_experts(src)
+    with pytest.raises(FileNotFoundError, match="checkpoint not found"):  # not the parent's checkpoint
+        load_nvfp4_experts(tmp_path / "dst" / "typo")
 
 
 def test_fp16_source_loads_with_its_dtype(tmp_path):
@@ -430,6 +432,8 @@ def test_cli(tmp_path):
     assert not (tmp_path / "dst_bad").exists()
     r = run_cli(src, tmp_path / "dst")  # exists
     assert r.returncode == 1 and "already exists" in r.stderr
+    r = run_cli(src, src, "--overwrite")  # a bad argument: a message, not a traceback
+    assert r.returncode == 1 and "error: dst must differ" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_progress_bar(tmp_path, capsys):

@@ -159,6 +159,8 @@ def test_prepare_errors():
         fp.prepare_weights(make_experts(5), "cutlass")
     with pytest.raises(TypeError, match="NVFP4Experts"):
         fp.prepare_weights("weights", "cutedsl")
+    with pytest.raises(TypeError, match=r"needs NVFP4Experts, got dict \(load_nvfp4_experts returns one per"):
+        nv.prepare_flashinfer_weights({"model.layers.0.mlp": make_experts(5)}, "cutedsl")
     p = nv.prepare_flashinfer_weights(make_experts(5), "cutedsl")
     with pytest.raises(ValueError, match=r"w1_scales must be float8_e4m3fn"):
         fp.PreparedWeights(p.w1, p.w1_scales.view(jnp.uint8), p.w1_alpha, p.w2, p.w2_scales, p.w2_alpha)

@@ -53,3 +53,5 @@ def test_row_orders_are_permutations_and_gate_up_roll():
     np.testing.assert_array_equal(r, [4, 5, 6, 7, 0, 1, 2, 3])
     with pytest.raises(ValueError, match="multiple of 128"):
         nv.cutedsl_gemm1_rows(192)
+    with pytest.raises(ValueError, match="trtllm_gemm1_rows: the number of rows must be a multiple of 32"):
+        nv.trtllm_gemm1_rows(48)

@@ -675,6 +675,8 @@ _IDS, _W = jnp.zeros((T, K), jnp.int32), jnp.ones((T, K), jnp.float32)
     (dict(x=jnp.zeros((T,), BF16)), ValueError, "x must be 2-D"),
     (dict(local_expert_offset=2, router_logits=jnp.zeros((T, E))), ValueError, "exceed"),
     (dict(local_expert_offset=-1), ValueError, "local_expert_offset"),
+    (dict(local_expert_offset=np.int32(-1)), ValueError, "local_expert_offset must be >= 0"),
+    (dict(local_expert_offset=np.int64(2), router_logits=jnp.zeros((T, E))), ValueError, "exceed"),
     (dict(local_expert_offset=1.5), TypeError, "local_expert_offset"),
     (dict(topk_ids=_IDS, topk_weights=_W), ValueError, "not both"),
     (dict(router_logits=None), ValueError, "give router_logits"),
@@ -726,6 +728,12 @@ def test_blocked_experts_are_the_same_layer_on_every_reader():
     p_rows, p_blocked = (nv.prepare_flashinfer_weights(e, "cutedsl") for e in (ex, bl))
     for a, b in zip(jax.tree.leaves(p_blocked), jax.tree.leaves(p_rows)):
         np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+    with pytest.raises(ValueError, match=r"to_blocked_experts: down: the blocked order needs .* K % 128 == 0"):
+        nv.to_blocked_experts(make_experts(21, e=4, h=256, inter=64))
+    with pytest.raises(ValueError, match=r"from_blocked_experts: gate_up: needs an NVFP4Array in the 'blocked'"):
+        nv.from_blocked_experts(ex)
+    with pytest.raises(TypeError, match="to_blocked_experts needs NVFP4Experts, got BF16Experts"):
+        nv.to_blocked_experts(make_experts(21, bf16=True))
 
 
 def test_weight_order():

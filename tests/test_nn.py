@@ -194,6 +194,17 @@ def test_errors(model, x):
         nvnn.MoE(H, I, E, 9, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="router_bias=True"):
         nvnn.MoE(H, I, E, K, routing="deepseek_v3", rngs=nnx.Rngs(0))
+    # refused when built, not at the first call
+    with pytest.raises(TypeError, match="top_k must be a Python int, got float"):
+        nvnn.MoE(H, I, E, 2.0, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="routing 'llama4' selects one expert"):
+        nvnn.MoE(H, I, E, 2, routing="llama4", rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="n_group must be a positive divisor"):
+        nvnn.MoE(H, I, E, K, routing="deepseek_v3", router_bias=True, n_group=3, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="backend must be one of"):
+        nvnn.MoE(H, I, E, K, backend="cuda", rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="backend must be one of"):
+        nvnn.set_moe_options(model, backend="cuda")
     blk = nnx.clone(model.model.layers[0].mlp)
     blk.mode = "w4a4"
     with pytest.raises(ValueError, match="quantize_moe"):
@@ -207,11 +218,12 @@ def test_replay_weights_reproduce_route(routing):
     rng = np.random.default_rng(0)
     logits = jnp.asarray(rng.standard_normal((16, 8)), jnp.float32)
     k = 1 if routing == "llama4" else 3
-    bias = jnp.asarray(rng.standard_normal(8) * 0.1, jnp.float32) if routing in ("deepseek_v3", "renormalize") else None
+    bias = jnp.asarray(rng.standard_normal(8) * 0.1, jnp.float32)
     kw = dict(n_group=4, topk_group=2) if routing == "deepseek_v3" else {}
-    ids, w = nv.route(logits, routing, top_k=k, bias=bias, routed_scaling_factor=2.5, **kw)
-    got = nvnn.replay_weights(logits, ids, routing, bias=bias, routed_scaling_factor=2.5)
-    np.testing.assert_allclose(got, w, rtol=1e-6, atol=1e-7)
+    for b in (bias, None) if routing != "deepseek_v3" else (bias,):
+        ids, w = nv.route(logits, routing, top_k=k, bias=b, routed_scaling_factor=2.5, **kw)
+        for replay in (nvnn.replay_weights, jax.jit(nvnn.replay_weights, static_argnums=2)):  # eager and jitted
+            np.testing.assert_array_equal(replay(logits, ids, routing, bias=b, routed_scaling_factor=2.5), w)
     # padding ids get weight 0 and leave the others' normalization alone
     padded = nvnn.replay_weights(logits, ids.at[:, -1].set(-1), routing, bias=bias)
     assert bool(jnp.all(padded[:, -1] == 0))

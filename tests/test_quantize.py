@@ -104,6 +104,8 @@ def test_bad_inputs():
         nv.quantize_experts(jnp.ones((2, 48, 32)), jnp.ones((2, 32, 32)))
     with pytest.raises(ValueError, match="global_scale"):
         nv.NVFP4Array(jnp.zeros((4, 8), jnp.uint8), jnp.zeros((4, 1), jnp.float8_e4m3fn), jnp.zeros((5,)))
+    with pytest.raises(TypeError, match="global_scale must be float32, got int32"):
+        nv.NVFP4Array(jnp.zeros((4, 8), jnp.uint8), jnp.zeros((4, 1), jnp.float8_e4m3fn), jnp.ones((), jnp.int32))
     with pytest.raises(ValueError, match="global_amax must be >= 0"):
         nv.quantize(jnp.ones((4, 32)), global_amax=jnp.float32(-1))
 

@@ -163,6 +163,8 @@ def test_load_ignore_and_errors(ckpt, tmp_path):
                                   w["model.layers.1.mlp.experts.3.down_proj.weight"])
     with pytest.raises(ValueError, match="already an NVFP4"):
         nvnn.load_qwen3_moe(dst, quantize=True)
+    with pytest.raises(FileNotFoundError, match="checkpoint not found"):  # not the parent's checkpoint
+        nvnn.load_qwen3_moe(dst / "typo")
     with pytest.raises(ValueError, match="order='blocked' needs H and I to be multiples of 128"):  # H = 64
         nvnn.load_qwen3_moe(dst, order="blocked")
     with pytest.raises(ValueError, match="order must be one of"):
@@ -291,7 +293,7 @@ def test_routing_replay(bf16_model, prompts, greedy):
     # the arguments named as sequence_logprobs calls them; replayed routing of the blocks' top_k, integer ids
     with pytest.raises(ValueError, match="attention_mask must have tokens' shape"):
         nvnn.sequence_logprobs(bf16_model, seq, attention_mask=smask[:, :3])
-    with pytest.raises(ValueError, match=r"topk_ids must have shape .*the block's top_k"):
+    with pytest.raises(ValueError, match=r"topk_ids must be \[layers, B, T, num_experts_per_tok\]"):
         nvnn.sequence_logprobs(bf16_model, seq, attention_mask=smask, topk_ids=own[..., :1])
     with pytest.raises(TypeError, match="topk_ids must be integer"):
         nvnn.sequence_logprobs(bf16_model, seq, attention_mask=smask, topk_ids=own.astype(jnp.float32))

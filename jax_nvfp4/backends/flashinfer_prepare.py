@@ -169,8 +169,10 @@ def prepare_weights(experts: NVFP4Experts, kernel: str = "cutedsl") -> PreparedW
     PreparedWeights
     """
     if not isinstance(experts, NVFP4Experts):
-        raise TypeError(f"prepare_weights needs NVFP4Experts, got {type(experts).__name__}")
-    require_unstacked(experts, "prepare_weights")
+        hint = " (load_nvfp4_experts returns one per MoE module: pass experts[module])" if isinstance(
+            experts, dict) else ""
+        raise TypeError(f"prepare_flashinfer_weights needs NVFP4Experts, got {type(experts).__name__}{hint}")
+    require_unstacked(experts, "prepare_flashinfer_weights")
     if experts.gate_up.order == "blocked":  # FlashInfer's layouts start from the rows order
         experts = from_blocked_experts(experts)
     why = layout_unsupported_reason(kernel, experts.hidden_size, experts.intermediate_size, experts.gated)

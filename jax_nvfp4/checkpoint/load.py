@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -12,7 +11,8 @@ import numpy as np
 from ..formats import NVFP4Experts
 from .experts import plan_layers
 from .naming import CONFIG_NAME, FORMAT_NAME, FORMAT_VERSION, GEMMS, ignore_patterns, output_names
-from .safetensors_io import NP_DTYPES, ST_DTYPES, Checkpoint, CheckpointError, TensorReader, open_checkpoint
+from .safetensors_io import (NP_DTYPES, ST_DTYPES, Checkpoint, CheckpointError, TensorReader, checkpoint_folder,
+                             open_checkpoint)
 from .sources import check_recipe, quantize_weights, quantized_parts, source_progress
 
 _DTYPE_BY_NAME = {dt.name: dt for dt in NP_DTYPES.values()}  # "bfloat16" -> dtype
@@ -72,8 +72,7 @@ def quantize_checkpoint_experts(src, *, ignore: Sequence[str] = (), recipe: str 
 
 def read_nvfp4_config(path) -> dict:
     """The ``nvfp4_config.json`` of an NVFP4 checkpoint folder (or of the folder of a file in it)."""
-    path = Path(path)
-    root = path if path.is_dir() else path.parent
+    root = checkpoint_folder(path)
     cfg_path = root / CONFIG_NAME
     if not cfg_path.is_file():
         raise CheckpointError(f"{root} is not an NVFP4 checkpoint written by jax_nvfp4 (no {CONFIG_NAME}); "
@@ -106,8 +105,7 @@ def load_nvfp4_experts(path, *, quantize_source: bool = False, ignore: Sequence[
     if quantize_source:
         return quantize_checkpoint_experts(path, ignore=ignore, recipe=recipe, progress=progress)
     cfg = read_nvfp4_config(path)
-    path = Path(path)
-    ckpt = open_checkpoint(path if path.is_dir() else path.parent)  # all shards, whichever file was named
+    ckpt = open_checkpoint(checkpoint_folder(path))  # all shards, whichever file was named
     out = {}
     with TensorReader() as reader:
         for module, m in cfg["moe_modules"].items():

@@ -173,6 +173,15 @@ class Checkpoint:
         return sum(p.stat().st_size for p in self.files)
 
 
+def checkpoint_folder(path) -> Path:
+    """The folder of a checkpoint named by itself or by one of its files; a path that does not exist raises
+    (taking its parent would load whatever checkpoint sits there)."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint not found: {path}")
+    return path if path.is_dir() else path.parent
+
+
 def _checkpoint_files(src: Path) -> tuple[Path, list[Path], dict | None]:
     """Locate the safetensors files of ``src`` (a folder, a ``.safetensors`` file or an index)."""
     if src.is_file():

@@ -9,17 +9,18 @@ and loading NVFP4 experts into them: :mod:`jax_nvfp4.nn.quantization`.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ..backends.base import MODES
+from ..backends.base import MODES, names as backend_names
 from ..expert_sharding import axis_names
 from ..formats import BF16Experts, NVFP4Array, NVFP4Experts
 from ..moe import moe
-from ..routing import ROUTING_METHODS
+from ..routing import ROUTING_METHODS, check_route_args
 from .. import activations
 
 _EPS = 1e-20  # as in jax_nvfp4.routing
@@ -138,6 +139,10 @@ def check_choice(value, choices, name):
         raise ValueError(f"{name} must be one of {tuple(choices)}, got {value!r}")
 
 
+def check_backend(backend):
+    check_choice(backend, ("auto",) + backend_names(), "backend")
+
+
 def check_expert_axis(num_experts: int, expert_axis, mesh, token_axis=None):
     if not isinstance(mesh, jax.sharding.Mesh):
         raise ValueError(f"expert_axis={expert_axis!r} needs mesh, a jax.sharding.Mesh, got {mesh!r}")
@@ -185,7 +190,7 @@ class MoE(nnx.Module):
         unsharded layer in its last bits); ``x``, the router and the output are replicated over the mesh,
         but for ``token_axis``. Without it, under ``jit`` with the experts sharded by a ``NamedSharding``,
         the forward pass splits the same way by a partitioning rule (:mod:`jax_nvfp4.expert_sharding`: the
-        ffi kernels, and backend ``xla`` for bf16 experts), and so do its gradients (reverse mode).
+        ffi kernels and backend ``xla``, NVFP4 or bf16 experts), and so do its gradients (reverse mode).
         :func:`~jax_nvfp4.nn.expert_parallel` sets it on every block of a model and places the experts
         along the axis.
     mesh : jax.sharding.Mesh, optional
@@ -215,10 +220,16 @@ class MoE(nnx.Module):
         activations.check(activation)
         if mode is not None:
             check_choice(mode, MODES, "mode")
+        check_backend(backend)
+        if isinstance(top_k, bool) or not isinstance(top_k, int):
+            raise TypeError(f"top_k must be a Python int, got {type(top_k).__name__}")
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
         if routing == "deepseek_v3" and not router_bias:
             raise ValueError("routing 'deepseek_v3' needs router_bias=True (the score correction bias)")
+        # The rest of what moe() would refuse at the first call (llama4's k = 1, deepseek_v3's groups).
+        check_route_args((1, num_experts), jnp.float32, routing, top_k=top_k, n_group=n_group, topk_group=topk_group,
+                         bias=jax.ShapeDtypeStruct((num_experts,), jnp.float32) if router_bias else None)
         if expert_axis is not None:
             check_expert_axis(num_experts, expert_axis, mesh, token_axis)
         elif token_axis is not None:
@@ -346,8 +357,15 @@ def replay_weights(router_logits, topk_ids, routing: str, *, bias=None, routed_s
     float32 ``[T, k]``: for the ids :func:`jax_nvfp4.route` selects, exactly its weights.
     """
     check_choice(routing, ROUTING_METHODS, "routing")
+    # Jitted as route is: eagerly, op by op, XLA:CPU's sigmoid can differ from the compiled one in the last bit.
+    return _replay_weights(router_logits, topk_ids, None if routing == "deepseek_v3" else bias,
+                           jnp.asarray(routed_scaling_factor, jnp.float32), routing=routing)
+
+
+@functools.partial(jax.jit, static_argnames=("routing",))
+def _replay_weights(router_logits, topk_ids, bias, routed_scaling_factor, *, routing):
     l = router_logits.astype(jnp.float32)
-    if bias is not None and routing != "deepseek_v3":
+    if bias is not None:
         l = l + bias.astype(jnp.float32)
     valid = (topk_ids >= 0) & (topk_ids < l.shape[-1])
     idx = jnp.where(valid, topk_ids, 0)
@@ -370,4 +388,4 @@ def replay_weights(router_logits, topk_ids, routing: str, *, bias=None, routed_s
     else:  # deepseek_v3
         w = pick(jax.nn.sigmoid(l))
         w = w / (w.sum(-1, keepdims=True) + _EPS)
-    return (w * jnp.float32(routed_scaling_factor)).astype(jnp.float32)
+    return (w * routed_scaling_factor).astype(jnp.float32)

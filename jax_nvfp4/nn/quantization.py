@@ -22,7 +22,7 @@ from ..checkpoint.naming import ignore_patterns, matches_ignore, strip_model
 from ..formats import BLOCK_K, ORDERS, experts_blockable, from_blocked_experts, to_blocked_experts
 from ..moe import weight_order
 from ..quantize import RECIPES, non_finite_experts, quantize_experts
-from .moe import MoE, NVFP4ExpertWeights, check_choice, check_expert_axis
+from .moe import MoE, NVFP4ExpertWeights, check_backend, check_choice, check_expert_axis
 
 QUANTIZED_MODES = ("w4a16", "w4a4")
 WEIGHT_ORDERS = ("auto",) + ORDERS
@@ -171,6 +171,8 @@ def set_moe_options(model, *, mode: str | None = None, backend: str | None = Non
     """
     if mode is not None:
         check_choice(mode, MODES, "mode")
+    if backend is not None:
+        check_backend(backend)
     target = model if inplace else nnx.clone(model)
     blocks = moe_modules(target)
     if not blocks:

@@ -386,8 +386,9 @@ class Qwen3MoeForCausalLM(nnx.Module):
         mask = jnp.ones((b, t), bool) if attention_mask is None else attention_mask.astype(bool)
         if mask.shape != (b, t):
             raise ValueError(f"attention_mask must have shape {(b, t)} (tokens'), got {tuple(mask.shape)}")
-        if topk_ids is not None and (topk_ids.ndim != 4 or topk_ids.shape[:3] != (c.num_hidden_layers, b, t)):
-            raise ValueError(f"topk_ids must be [L, B, T, k] = [{c.num_hidden_layers}, {b}, {t}, k], "
+        want = (c.num_hidden_layers, b, t, c.num_experts_per_tok)
+        if topk_ids is not None and tuple(topk_ids.shape) != want:
+            raise ValueError(f"topk_ids must be [layers, B, T, num_experts_per_tok] = {list(want)}, "
                              f"got {tuple(topk_ids.shape)}")
         if cache is None:
             key_mask, index, before = mask, None, 0

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +32,7 @@ from flax import nnx
 
 from ..checkpoint import (CONFIG_NAME, CheckpointError, load_nvfp4_experts, open_checkpoint,
                           quantize_checkpoint_experts)
-from ..checkpoint.safetensors_io import NP_DTYPES, TensorReader
+from ..checkpoint.safetensors_io import NP_DTYPES, TensorReader, checkpoint_folder
 from .moe import BF16ExpertWeights, MoE, check_choice
 from .quantization import QUANTIZED_MODES, WEIGHT_ORDERS, _load_experts, moe_modules
 from .qwen3_moe import BF16, Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -123,8 +122,7 @@ def load_qwen3_moe(path, *, quantize: bool = False, ignore: str | Sequence[str] 
     """
     check_choice(mode, QUANTIZED_MODES, "mode")
     check_choice(order, WEIGHT_ORDERS, "order")
-    path = Path(path)
-    root = path if path.is_dir() else path.parent
+    root = checkpoint_folder(path)
     nvfp4 = (root / CONFIG_NAME).is_file()
     if nvfp4 and quantize:
         raise ValueError(f"{root} is already an NVFP4 checkpoint ({CONFIG_NAME}); load it with quantize=False")
