@@ -313,6 +313,22 @@ def test_mul_rn_matches_ieee(a, b):
     np.testing.assert_array_equal(got.view(np.uint32), ref.view(np.uint32))
 
 
+_TINY = float(np.float32(1e-36))
+_any_f32 = st.floats(-F32_BIG, F32_BIG, width=32) | st.floats(-_TINY, _TINY, width=32)  # subnormals often
+
+
+@settings(max_examples=200, deadline=None)
+@given(hnp.arrays(np.float32, 64, elements=_any_f32), hnp.arrays(np.float32, 64, elements=_any_f32))
+def test_add_rn_and_sub_rn_match_ieee(a, b):
+    b[:8] = -a[:8]  # exact cancellation: +0
+    b[8:16] = np.nextafter(-a[8:16], np.float32(0))  # near cancellation
+    with np.errstate(over="ignore"):
+        want = {_exact.add_rn: (a + b).astype(np.float32), _exact.sub_rn: (a - b).astype(np.float32)}
+    for fn, ref in want.items():
+        got = np.asarray(jax.jit(fn)(a, b))  # (XLA:CPU would flush subnormal sums and operands)
+        np.testing.assert_array_equal(got.view(np.uint32), ref.view(np.uint32))
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.integers(0, 2**31 - 1), st.sampled_from([1e-44, 1e-40, 1e-38, 1e-33, 1e-20, 1e-18, 1e-6, 1.0, 1e20, 1e38]),
        st.booleans(), st.sampled_from(nv.RECIPES))
