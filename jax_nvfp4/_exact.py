@@ -94,10 +94,11 @@ def _round_pack(m, e, sticky):
 
 
 def div_rn(a, b):
-    """Correctly rounded a / b for non-negative float32 a, b (a finite or NaN).
+    """Correctly rounded a / b for non-negative float32 a, b.
 
     b == 0 gives +inf (0 / 0 gives +inf too: callers never need NaN there); b == +inf
-    gives 0; a NaN operand gives NaN. Long division on the 24-bit mantissas in uint32 chunks of 8 bits.
+    gives 0, a == +inf gives +inf (inf / inf: NaN); a NaN operand gives NaN. Long division on the
+    24-bit mantissas in uint32 chunks of 8 bits.
     """
     a = jnp.asarray(a, jnp.float32)
     b = jnp.asarray(b, jnp.float32)
@@ -117,6 +118,7 @@ def div_rn(a, b):
     out = jnp.where(ma == 0, jnp.float32(0), out)
     out = jnp.where(mb == 0, jnp.float32(jnp.inf), out)
     out = jnp.where(jnp.isinf(b), jnp.float32(0), out)
+    out = jnp.where(jnp.isinf(a), jnp.where(jnp.isinf(b), jnp.float32(jnp.nan), jnp.float32(jnp.inf)), out)
     return jnp.where(jnp.isnan(a) | jnp.isnan(b), jnp.float32(jnp.nan), out)
 
 

@@ -164,10 +164,11 @@ def moe(x, experts, *, router_logits=None, routing: str = "softmax_topk", top_k:
     ``jax.vmap`` runs a batch of token sets as one set and a batch of expert sets (experts stacked over layers,
     ``[L, E, N, K]``) one after the other.
 
-    Rounding of the combine: ``xla`` sums a token's ``k`` contributions ``w * alpha2 * (a @ w2^T)`` in fp32 and
-    rounds once to bf16 (spec section 5 read literally). ``ffi``'s GEMM2 writes each contribution as a bf16 row (half
-    the bytes of fp32 rows) and its finalize sums a token's rows in fp32 in a fixed order: outputs differ
-    from ``xla``'s in the last bf16 bits (in about a third of the elements at ``k = 8``).
+    Rounding of the combine: ``xla`` sums a token's ``k`` contributions ``w * alpha2 * (a @ w2^T)`` (w4a4:
+    ``w * da * alpha2 * ...``) in fp32 and rounds once to bf16 (spec section 5 read literally). ``ffi``'s GEMM2
+    writes each contribution as a bf16 row (half the bytes of fp32 rows) and its finalize sums a token's rows in
+    fp32 in a fixed order: outputs differ from ``xla``'s in the last bf16 bits (in about a third of the elements
+    at ``k = 8``).
 
     Under ``jax.jit`` with the experts sharded along E (expert parallelism) and ``x`` along T
     (data parallelism) by ``NamedSharding`` objects, backends ``ffi`` and ``xla`` run each device's

@@ -180,8 +180,9 @@ def quantize(x, *, per_token: bool = False, recipe: str = "nvfp4", global_amax=N
     checkpoint converter refuse NaN/Inf weights instead.
 
     Bit-exact on the GPU and the CPU over the whole float range, subnormals included. On the CPU, which flushes
-    subnormals, ``"4over6"``'s block errors are recomputed in integers where a value they depend on is subnormal
-    (tensors or rows of amax under about 1e-16; about 2x slower there).
+    subnormals, ``"4over6"`` recomputes the tensor's block errors in integers (about 2x slower) when a value they
+    depend on would be subnormal: tensors or rows of amax under about 1e-16, or an element under about 1e-19 in
+    magnitude (nonzero) anywhere in the tensor.
     """
     _check_input(x)
     if isinstance(per_token, jax.core.Tracer):

@@ -34,7 +34,7 @@ import jax_nvfp4 as nv
 from jax_nvfp4.backends import base
 from jax_nvfp4.backends import flashinfer as fb
 from jax_nvfp4.backends import flashinfer_prepare as fp
-from conftest import golden, golden_moe, golden_names
+from conftest import golden, golden_moe, golden_names, run_on_cpu_devices
 import flashinfer_fake as fake
 
 HAS_JAX_TVM_FFI = all(importlib.util.find_spec(m) is not None for m in ("jax_tvm_ffi", "tvm_ffi"))
@@ -504,6 +504,66 @@ def test_traced_offset_moves_the_ids_into_the_shard(fake_flashinfer, kernel, rou
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
     seen = np.asarray(fake.to_numpy(args.get("token_selected_experts", args.get("topk_ids"))))
     assert args.get("local_expert_offset") == 0 and seen.max() <= 4  # 0-3 this shard's, 4 the sentinel
+
+
+# Plain jit over 4 CPU devices with the fake FlashInfer: the expert_sharding rule splits the kernels' work. Compiled
+# only: the host bridge's callbacks cannot run inside a custom partitioning, and the fake kernels called through
+# jax-tvm-ffi (Python on XLA's device threads) stall the CPU collectives. What each device computes is checked by
+# test_a_device_of_the_split_computes_its_shard.
+_JIT_SHARDED = r"""
+import sys, warnings
+sys.path.insert(0, "tests")
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+import jax_nvfp4 as nv
+from jax_nvfp4.backends import flashinfer as fb
+import flashinfer_fake as fake
+from test_flashinfer import make_experts
+fb.set_runtime(fake.FakeRuntime())
+fb.device_info = lambda: ("cuda", "10.0", "NVIDIA B200 (fake)")
+fb.software_unavailable_reason = lambda: None
+fb._launch = fake.host_launch
+warnings.simplefilter("ignore")
+assert jax.device_count() == 4
+ex = make_experts(30, e=8, h=128, inter=64)
+x, logits = jnp.zeros((12, 128), jnp.bfloat16), jnp.zeros((12, 8), jnp.float32)
+for kernel, mode in (("cutedsl", "w4a16"), ("trtllm", "w4a4")):
+    w = nv.prepare_flashinfer_weights(ex, kernel)
+    layer = jax.jit(lambda x, w, logits: nv.moe(x, w, router_logits=logits, top_k=2, mode=mode))
+    for types in ((AxisType.Auto,) * 2, (AxisType.Explicit,) * 2):
+        mesh = jax.make_mesh((2, 2), ("dp", "ep"), axis_types=types)
+        put = lambda v, spec: jax.device_put(v, NamedSharding(mesh, spec))
+        for x_spec, w_spec, summed in ((P("dp"), P("ep"), True), (P(), P(("dp", "ep")), True), (P("dp"), P(), False)):
+            hlo = layer.lower(put(x, x_spec), put(w, w_spec), put(logits, x_spec)).compile().as_text()
+            assert not expert_gathers(hlo), (kernel, types, x_spec, w_spec, expert_gathers(hlo))
+            assert ("all-reduce" in hlo) == summed, (kernel, types, x_spec, w_spec)
+            assert hlo.count("custom-call") >= 1
+print("ok")
+"""
+
+
+def test_moe_under_jit_with_sharded_weights_and_tokens():
+    """Plain jax.jit over 4 CPU devices, the prepared weights sharded along E and/or the tokens along T (Auto and
+    Explicit mesh axes): the kernels run split, no expert bytes gathered, the outputs summed over the expert axes."""
+    run_on_cpu_devices(_JIT_SHARDED, n=4)
+
+
+@pytest.mark.parametrize("kernel", fp.KERNELS)
+def test_a_device_of_the_split_computes_its_shard(fake_flashinfer, kernel):
+    """What one device of the split runs (the rule's function on one device: the shard's ids at offset 0, in the
+    kernels' sentinel space) is the shard run alone, bitwise."""
+    ex = make_experts(31, e=8, h=128, inter=64)
+    x, logits = _inputs(31)
+    ids, w = nv.route(logits, "renormalize", top_k=2)
+    mode = "w4a4" if kernel == "trtllm" else "w4a16"
+    for lo in (0, 4):
+        sub = nv.prepare_flashinfer_weights(jax.tree_util.tree_map(lambda a: a[lo:lo + 4], ex), kernel)
+        alone = nv.moe(x, sub, topk_ids=ids, topk_weights=w, mode=mode, local_expert_offset=lo)
+        leaves, treedef = jax.tree_util.tree_flatten(sub)
+        device = fb._over_devices(treedef, mode, "swiglu", lo, ())(x, ids, w, tuple(leaves))
+        np.testing.assert_array_equal(np.asarray(device, np.float32), np.asarray(alone, np.float32))
+        kw = fake_flashinfer.calls[-1][1]
+        assert kw.get("local_expert_offset") == 0
 
 
 @pytest.mark.parametrize("name", golden_names("moe_"))

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import importlib
 import importlib.metadata
@@ -40,6 +41,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from ..expert_sharding import over_experts
 from ..formats import NVFP4Experts
 from ..quantize import quantize
 from ..routing import shard_ids
@@ -982,13 +984,24 @@ class FlashInferBackend:
             # A traced offset (shard_map's axis_index): the kernels take an int, so the ids move into this
             # shard's space (other shards' experts fall outside it, to the sentinel) and the offset becomes 0.
             topk_ids, local_expert_offset, num_experts = shard_ids(topk_ids, local_expert_offset), 0, None
-        return flashinfer_moe(x, w, topk_ids, topk_weights, mode=problem.mode, activation=problem.activation,
-                              local_expert_offset=local_expert_offset, num_experts=num_experts, **self.options)
+            return flashinfer_moe(x, w, topk_ids, topk_weights, mode=problem.mode, activation=problem.activation,
+                                  local_expert_offset=local_expert_offset, num_experts=num_experts, **self.options)
+        if jax.device_count() == 1:
+            return flashinfer_moe(x, w, topk_ids, topk_weights, mode=problem.mode, activation=problem.activation,
+                                  local_expert_offset=local_expert_offset, num_experts=num_experts, **self.options)
+        # Under plain jit over several devices, with the weights sharded along E and/or x along T: each device runs
+        # the kernels on its own experts and tokens (expert_sharding's rule) instead of XLA gathering every expert.
+        leaves, treedef = jax.tree_util.tree_flatten(w)
+        f = _over_devices(treedef, problem.mode, problem.activation, int(local_expert_offset),
+                          tuple(sorted(self.options.items())))
+        return f(x, topk_ids, topk_weights, tuple(leaves))
 
     def moe_from_logits(self, x, experts, router_logits, *, routing, top_k, bias, n_group, topk_group,
                         routed_scaling_factor, problem: base.MoEProblem, local_expert_offset: int):
         """Route in-kernel when that applies (trtllm weights, a method it implements, an int offset); else None."""
         if not self.route_in_kernel or problem.mode != "w4a4" or getattr(problem, "traced_offset", False):
+            return None
+        if jax.device_count() > 1:  # routed in JAX, the kernels' work can split over the devices (__call__)
             return None
         if isinstance(experts, PreparedWeights):
             if experts.kernel != "trtllm":
@@ -1006,6 +1019,21 @@ class FlashInferBackend:
                                           routed_scaling_factor=routed_scaling_factor,
                                           activation=problem.activation,
                                           local_expert_offset=local_expert_offset, **opts)
+
+
+@functools.lru_cache(maxsize=None)
+def _over_devices(treedef, mode: str, activation: str, offset: int, options: tuple):
+    """:func:`flashinfer_moe` at a static ``offset`` as ``f(x, topk_ids, topk_weights, leaves)`` (the
+    PreparedWeights' leaves, each ``[E, ...]``) with :mod:`~jax_nvfp4.expert_sharding`'s partitioning rule. Each
+    device gets its shard's ids (earlier shards' experts and padding -1, later ones past its ``E_local``) at offset
+    0, which the kernels take in the sentinel expert space, as for a traced offset."""
+
+    def forward(x, topk_ids, topk_weights, leaves, offset):
+        return flashinfer_moe(x, jax.tree_util.tree_unflatten(treedef, leaves), shard_ids(topk_ids, offset),
+                              topk_weights, mode=mode, activation=activation, local_expert_offset=0, num_experts=None,
+                              **dict(options))
+
+    return over_experts(forward, offset)
 
 
 base.register(FlashInferBackend())

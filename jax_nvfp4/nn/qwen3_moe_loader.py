@@ -119,6 +119,7 @@ def load_qwen3_moe(path, *, quantize: bool = False, ignore: str | Sequence[str] 
     ------
     CheckpointError : a tensor is missing, has the wrong shape or an unsupported dtype (e.g. FP8 dense
         weights), naming it.
+    FileNotFoundError : ``path`` does not exist.
     """
     check_choice(mode, QUANTIZED_MODES, "mode")
     check_choice(order, WEIGHT_ORDERS, "order")
