@@ -4,7 +4,7 @@ Shapes: DeepSeek-V3-sized expert stacks, gate_up ``[32, 4096, 7168]`` and down `
 bf16. Reported in GB/s of input read; the copy baseline (``-x``: one read + one write of the
 same bytes) is measured in the same run. Goal: quantization >= 40% of the copy's rate.
 
-    python benchmarks/quantize.py [--quick] [--json out.json]
+    python benchmarks/quantize.py [--quick | --shape E,N,K] [--repeats R] [--json out.json]
 """
 
 from __future__ import annotations
@@ -43,15 +43,23 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke run)")
     p.add_argument("--recipes", default="nvfp4,4over6")
+    p.add_argument("--shape", help="one expert stack E,N,K instead (e.g. 8,1024,2048 for a CPU run)")
+    p.add_argument("--repeats", type=int, help="timed calls per figure (default 3 with --quick, else 10)")
     p.add_argument("--json", help="write results here")
     args = p.parse_args(argv)
     shapes = QUICK_SHAPES if args.quick else SHAPES
+    if args.shape:
+        shape = tuple(int(v) for v in args.shape.split(","))
+        if len(shape) != 3 or shape[2] % 16:
+            p.error(f"--shape must be E,N,K with K a multiple of 16, got {args.shape!r}")
+        shapes = {f"[{args.shape}]": shape}
+    repeats = args.repeats or (3 if args.quick else 10)
     rows = []
     print(f"device: {device_name()}  jax {jax.__version__}")
     print(f"{'tensor':28s} {'recipe':7s} {'quantize GB/s':>14s} {'copy GB/s':>10s} {'ratio':>6s}")
     for name, shape in shapes.items():
         for recipe in args.recipes.split(","):
-            r = bench(shape, recipe, repeats=3 if args.quick else 10)
+            r = bench(shape, recipe, repeats=repeats)
             r["tensor"] = name
             rows.append(r)
             print(f"{name:28s} {recipe:7s} {r['quantize_gbps']:14.1f} {r['copy_gbps']:10.1f} {r['ratio']:6.2f}")

@@ -18,6 +18,7 @@ import _timing  # noqa: E402
 import ab_summary  # noqa: E402
 import moe_bench  # noqa: E402
 import profile_kernels  # noqa: E402
+import quantize as quantize_bench  # noqa: E402  (benchmarks/quantize.py)
 import batch_invariance  # noqa: E402
 import ncu_summary  # noqa: E402
 import sass_loops  # noqa: E402
@@ -85,6 +86,18 @@ def test_moe_bench_saves_each_finished_token_count(tmp_path, monkeypatch):
     assert seen == [(False, [1]), (False, [1, 3]), (True, [1, 3])]
     assert json.loads(out.read_text())["complete"] is True
     assert [p.name for p in tmp_path.iterdir()] == ["bench.json"]
+
+
+def test_quantize_bench_shape_rows(tmp_path, capsys):
+    out = tmp_path / "q.json"
+    quantize_bench.main(["--shape", "2,32,64", "--repeats", "1", "--json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["tensor"], r["recipe"], r["shape"]) for r in rows] == [("[2,32,64]", "nvfp4", [2, 32, 64]),
+                                                                     ("[2,32,64]", "4over6", [2, 32, 64])]
+    assert all(r["quantize_s"] > 0 and r["input_bytes"] == 2 * 32 * 64 * 2 for r in rows)
+    with pytest.raises(SystemExit) as e:
+        quantize_bench.main(["--shape", "2,32,60"])
+    assert e.value.code == 2 and "--shape" in capsys.readouterr().err
 
 
 def test_moe_bench_rejects_bad_kernel_flags(capsys):
