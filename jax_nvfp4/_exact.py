@@ -272,7 +272,5 @@ def e4m3_bits_to_f32(u8):
 
 __all__ = [
     "F32_MAX", "bits", "from_bits", "opaque_zero", "fence", "div_rn", "mul_rn", "add_rn", "sub_rn", "mul_fenced",
-    "abs_max",
-    "is_zero", "is_subnormal", "less_nonneg", "sign_bit",
-    "f32_to_e4m3_bits", "e4m3_bits_to_f32",
+    "abs_max", "is_zero", "is_subnormal", "less_nonneg", "sign_bit", "f32_to_e4m3_bits", "e4m3_bits_to_f32",
 ]

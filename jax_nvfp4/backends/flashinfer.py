@@ -980,13 +980,12 @@ class FlashInferBackend:
                  local_expert_offset):
         w = self._weights(experts, problem)
         num_experts = getattr(problem, "global_experts", None)
-        if getattr(problem, "traced_offset", False):
+        traced = getattr(problem, "traced_offset", False)
+        if traced:
             # A traced offset (shard_map's axis_index): the kernels take an int, so the ids move into this
             # shard's space (other shards' experts fall outside it, to the sentinel) and the offset becomes 0.
             topk_ids, local_expert_offset, num_experts = shard_ids(topk_ids, local_expert_offset), 0, None
-            return flashinfer_moe(x, w, topk_ids, topk_weights, mode=problem.mode, activation=problem.activation,
-                                  local_expert_offset=local_expert_offset, num_experts=num_experts, **self.options)
-        if jax.device_count() == 1:
+        if traced or jax.device_count() == 1:
             return flashinfer_moe(x, w, topk_ids, topk_weights, mode=problem.mode, activation=problem.activation,
                                   local_expert_offset=local_expert_offset, num_experts=num_experts, **self.options)
         # Under plain jit over several devices, with the weights sharded along E and/or x along T: each device runs
