@@ -1,7 +1,8 @@
 """MoE routing: router logits -> (top-k expert ids, combine weights), spec section 5.
 
-All arithmetic is float32 on the logits. Selection uses ``lax.top_k``, which is stable: among
-equal scores the lower expert id wins. Every method multiplies the weights by
+All arithmetic is float32 on the logits. Selection is ``lax.top_k``'s (on several devices the same bits by a
+sort, :func:`top_k_sorted`, which XLA keeps split over tokens): stable, so among equal scores the lower expert
+id wins. Every method multiplies the weights by
 ``routed_scaling_factor``.
 
 Methods (selection; weights), with ``p = softmax(l)``, ``s = sigmoid(l)``:
@@ -86,18 +87,42 @@ def check_route_args(logits_shape, logits_dtype, method, *, top_k, bias=None, n_
     return n_group, topk_group
 
 
+def top_k_sorted(x, k: int):
+    """``lax.top_k(x, k)`` of float32 ``x [..., n]``, bit for bit, by a stable sort along the last axis.
+
+    The same order as ``lax.top_k``'s: IEEE total order (``-0 < +0``, NaNs past the infinities by their sign),
+    ties to the lower index. XLA partitions a sort along its other axes, but not jax's ``top_k``: with the tokens
+    split over devices, each device would gather every token's logits and select for all of them.
+
+    Returns (values float32 ``[..., k]``, indices int32 ``[..., k]``).
+    """
+    if x.dtype != jnp.float32:
+        raise ValueError(f"top_k_sorted: x must be float32, got {x.dtype}")
+    i = lax.bitcast_convert_type(x, jnp.int32)
+    key = ~jnp.where(i < 0, i ^ jnp.int32(0x7FFFFFFF), i)  # ascending key = descending total order
+    iota = lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    _, ids = lax.sort((key, iota), dimension=x.ndim - 1, is_stable=True, num_keys=1)
+    ids = ids[..., :k]
+    return jnp.take_along_axis(x, ids, axis=-1), ids
+
+
+def _top_k(x, k: int):
+    # On one device nothing is split, and lax.top_k is the faster kernel (benchmarks/routing.py).
+    return lax.top_k(x, k) if jax.device_count() == 1 else top_k_sorted(x, k)
+
+
 def _deepseek_v3(l, bias, top_k, n_group, topk_group):
     t, e = l.shape
     s = jax.nn.sigmoid(l)
     b = s + bias
     size = e // n_group
-    top2, _ = lax.top_k(b.reshape(t, n_group, size), 2)
+    top2, _ = _top_k(b.reshape(t, n_group, size), 2)
     group_score = top2.sum(-1)  # [T, n_group]
-    _, keep = lax.top_k(group_score, topk_group)
+    _, keep = _top_k(group_score, topk_group)
     # Top-k among the kept groups' experts only, gathered in ascending id order (ties go to the lower id): masking
     # the others with -inf would let them tie with a kept expert whose b is -inf.
     cand = (jnp.sort(keep, axis=-1)[..., None] * size + jnp.arange(size)).reshape(t, topk_group * size)
-    _, j = lax.top_k(jnp.take_along_axis(b, cand, axis=1), top_k)
+    _, j = _top_k(jnp.take_along_axis(b, cand, axis=1), top_k)
     ids = jnp.take_along_axis(cand, j, axis=1)
     sel = jnp.take_along_axis(s, ids, axis=1)
     return ids, sel / (sel.sum(-1, keepdims=True) + _EPS)
@@ -154,17 +179,17 @@ def _route(router_logits, bias, routed_scaling_factor, *, method, top_k, n_group
         if b is not None:
             l = l + b
         if method in ("softmax_topk", "renormalize_naive"):
-            w, ids = lax.top_k(jax.nn.softmax(l, axis=-1), top_k)
+            w, ids = _top_k(jax.nn.softmax(l, axis=-1), top_k)
             if method == "renormalize_naive":
                 w = w / (w.sum(-1, keepdims=True) + _EPS)
         elif method == "renormalize":
-            v, ids = lax.top_k(l, top_k)
+            v, ids = _top_k(l, top_k)
             w = jax.nn.softmax(v, axis=-1)
         elif method == "topk_uniform":
-            _, ids = lax.top_k(l, top_k)
+            _, ids = _top_k(l, top_k)
             w = jnp.full(ids.shape, 1.0 / top_k, jnp.float32)
         else:  # llama4
-            v, ids = lax.top_k(l, 1)
+            v, ids = _top_k(l, 1)
             w = jax.nn.sigmoid(v)
     w = w * routed_scaling_factor
     return ids.astype(jnp.int32), w.astype(jnp.float32)

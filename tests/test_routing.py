@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import jax_nvfp4 as nv
-from conftest import GOLDEN, golden, golden_names
+from conftest import GOLDEN, golden, golden_names, run_on_cpu_devices
 
 MOE_FILES = golden_names("moe_")
 E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6] + [-v for v in (0, .5, 1, 1.5, 2, 3, 4, 6)], np.float64)
@@ -215,6 +215,55 @@ def test_random_logits_match_reference(seed, method, with_bias):
     rids, rw = np_route(logits, method, k, **kw)
     np.testing.assert_array_equal(ids, rids)
     np.testing.assert_allclose(w, rw, rtol=1e-5)
+
+
+# Floats whose order lax.top_k fixes (IEEE total order): signed zeros and NaNs, infinities, subnormals, ties.
+_ORDERED = np.array([0.0, -0.0, np.inf, -np.inf, 1.0, -1.0, 1e-45, -1e-45, 3e38], np.float32)
+_NANS = np.array([0x7FC00000, 0xFFC00000, 0x7F800001, 0xFFFFFFFF], np.uint32).view(np.float32)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), n=st.integers(1, 40), k_frac=st.floats(0, 1), groups=st.booleans())
+def test_top_k_sorted_is_lax_top_k_bitwise(seed, n, k_frac, groups):
+    rng = np.random.default_rng(seed)
+    pool = np.concatenate([_ORDERED, _NANS, rng.standard_normal(4).astype(np.float32)])
+    x = rng.choice(pool, size=(5, 3, n) if groups else (6, n))
+    k = max(1, round(k_frac * n))
+    v, ids = jax.jit(jax.lax.top_k, static_argnums=1)(x, k)
+    sv, sids = jax.jit(nv.routing.top_k_sorted, static_argnums=1)(x, k)
+    np.testing.assert_array_equal(np.asarray(sids), np.asarray(ids))
+    assert np.asarray(sv).tobytes() == np.asarray(v).tobytes()
+    assert sids.dtype == jnp.int32 and sv.shape == v.shape
+
+
+# Plain jit over 4 CPU devices, router logits split along T: every method selects on each device's tokens alone.
+_ROUTE_SPLIT = """
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+import jax_nvfp4 as nv
+mesh = jax.make_mesh((4,), ("dp",))
+logits = jax.random.normal(jax.random.key(0), (64, 32)) * 2
+split = jax.device_put(logits, NamedSharding(mesh, P("dp")))
+for method in nv.ROUTING_METHODS:
+    kw = dict(bias=jnp.linspace(-1, 1, 32), n_group=4, topk_group=2) if method == "deepseek_v3" else {}
+    f = jax.jit(lambda l: nv.route(l, method, top_k=1 if method == "llama4" else 4, **kw))
+    gathered = all_gathers(f.lower(split).compile().as_text())
+    assert not gathered, (method, gathered)
+    (ids, w), (ids1, w1) = f(split), f(logits)
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(ids1), err_msg=method)
+    np.testing.assert_array_equal(np.asarray(w), np.asarray(w1), err_msg=method)
+# A whole layer routed from logits, tokens split, experts on every device: nothing to gather.
+k = jax.random.split(jax.random.key(1), 3)
+ex = nv.quantize_experts(jax.random.normal(k[0], (32, 64, 128)) * 0.2, jax.random.normal(k[1], (32, 128, 32)) * 0.2)
+x = jax.device_put(jax.random.normal(k[2], (64, 128), jnp.bfloat16), NamedSharding(mesh, P("dp")))
+layer = jax.jit(lambda x, l: nv.moe(x, ex, router_logits=l, top_k=4, backend="xla"))
+assert not all_gathers(layer.lower(x, split).compile().as_text())
+print("ok")
+"""
+
+
+def test_route_keeps_tokens_split_over_devices():
+    run_on_cpu_devices(_ROUTE_SPLIT, n=4)
 
 
 def test_jit_grad_and_empty_batch():
