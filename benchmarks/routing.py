@@ -41,24 +41,34 @@ def per_call(form, t: int, e: int, k: int, repeats: int) -> float:
     return median_time(scan, [(logits,)], repeats=repeats) / SETS
 
 
+def _shape(text: str):
+    try:
+        t, e, k = (int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected T,E,k (three integers), got {text!r}") from None
+    if not (t >= 1 and 1 <= k <= e):
+        raise argparse.ArgumentTypeError(f"expected T >= 1 and 1 <= k <= E, got {text!r}")
+    return t, e, k
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--shapes", nargs="*", help="T,E,k triples (default: %s)" % SHAPES)
+    p.add_argument("--shapes", nargs="+", type=_shape, default=SHAPES, help="T,E,k triples (default: %s)" % SHAPES)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--json")
     a = p.parse_args(argv)
-    shapes = [tuple(int(v) for v in s.split(",")) for s in a.shapes] if a.shapes else SHAPES
     rows = []
     print(f"device: {device_name()}, jax {jax.__version__}; us per call")
     print("| T | E | k | " + " | ".join(FORMS) + " |")
     print("| ---: | ---: | ---: |" + " ---: |" * len(FORMS))
-    for t, e, k in shapes:
+    for t, e, k in a.shapes:
         us = {f: per_call(f, t, e, k, a.repeats) * 1e6 for f in FORMS}
         rows.append(dict(T=t, E=e, k=k, us=us))
         print(f"| {t} | {e} | {k} | " + " | ".join(f"{v:.2f}" for v in us.values()) + " |")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(dict(device=device_name(), jax=jax.__version__, rows=rows), f, indent=1)
+    return rows
 
 
 if __name__ == "__main__":

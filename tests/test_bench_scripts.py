@@ -19,6 +19,7 @@ import ab_summary  # noqa: E402
 import moe_bench  # noqa: E402
 import profile_kernels  # noqa: E402
 import quantize as quantize_bench  # noqa: E402  (benchmarks/quantize.py)
+import routing as routing_bench  # noqa: E402  (benchmarks/routing.py)
 import batch_invariance  # noqa: E402
 import ncu_summary  # noqa: E402
 import sass_loops  # noqa: E402
@@ -98,6 +99,16 @@ def test_quantize_bench_shape_rows(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         quantize_bench.main(["--shape", "2,32,60"])
     assert e.value.code == 2 and "--shape" in capsys.readouterr().err
+
+
+def test_routing_bench_rows(tmp_path, capsys):
+    rows = routing_bench.main(["--shapes", "3,8,2", "--repeats", "1", "--json", str(tmp_path / "r.json")])
+    assert json.loads((tmp_path / "r.json").read_text())["rows"] == rows
+    assert [(r["T"], r["E"], r["k"]) for r in rows] == [(3, 8, 2)]
+    assert set(rows[0]["us"]) == set(routing_bench.FORMS) and min(rows[0]["us"].values()) > 0
+    with pytest.raises(SystemExit) as e:
+        routing_bench.main(["--shapes", "3,8,9"])
+    assert e.value.code == 2 and "1 <= k <= E" in capsys.readouterr().err
 
 
 def test_moe_bench_rejects_bad_kernel_flags(capsys):
