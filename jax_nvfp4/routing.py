@@ -100,7 +100,7 @@ def top_k_sorted(x, k: int):
         raise ValueError(f"top_k_sorted: x must be float32, got {x.dtype}")
     i = lax.bitcast_convert_type(x, jnp.int32)
     key = ~jnp.where(i < 0, i ^ jnp.int32(0x7FFFFFFF), i)  # ascending key = descending total order
-    iota = lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    iota = jnp.zeros_like(i) + lax.iota(jnp.int32, x.shape[-1])  # (x's sharding: sort wants its operands' alike)
     _, ids = lax.sort((key, iota), dimension=x.ndim - 1, is_stable=True, num_keys=1)
     ids = ids[..., :k]
     return jnp.take_along_axis(x, ids, axis=-1), ids

@@ -239,25 +239,30 @@ def test_top_k_sorted_is_lax_top_k_bitwise(seed, n, k_frac, groups):
 # Plain jit over 4 CPU devices, router logits split along T: every method selects on each device's tokens alone.
 _ROUTE_SPLIT = """
 import jax, jax.numpy as jnp, numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 import jax_nvfp4 as nv
-mesh = jax.make_mesh((4,), ("dp",))
 logits = jax.random.normal(jax.random.key(0), (64, 32)) * 2
-split = jax.device_put(logits, NamedSharding(mesh, P("dp")))
-for method in nv.ROUTING_METHODS:
-    kw = dict(bias=jnp.linspace(-1, 1, 32), n_group=4, topk_group=2) if method == "deepseek_v3" else {}
-    f = jax.jit(lambda l: nv.route(l, method, top_k=1 if method == "llama4" else 4, **kw))
-    gathered = all_gathers(f.lower(split).compile().as_text())
-    assert not gathered, (method, gathered)
-    (ids, w), (ids1, w1) = f(split), f(logits)
-    np.testing.assert_array_equal(np.asarray(ids), np.asarray(ids1), err_msg=method)
-    np.testing.assert_array_equal(np.asarray(w), np.asarray(w1), err_msg=method)
-# A whole layer routed from logits, tokens split, experts on every device: nothing to gather.
 k = jax.random.split(jax.random.key(1), 3)
 ex = nv.quantize_experts(jax.random.normal(k[0], (32, 64, 128)) * 0.2, jax.random.normal(k[1], (32, 128, 32)) * 0.2)
-x = jax.device_put(jax.random.normal(k[2], (64, 128), jnp.bfloat16), NamedSharding(mesh, P("dp")))
-layer = jax.jit(lambda x, l: nv.moe(x, ex, router_logits=l, top_k=4, backend="xla"))
-assert not all_gathers(layer.lower(x, split).compile().as_text())
+x = jax.random.normal(k[2], (64, 128), jnp.bfloat16)
+def check(mesh):
+    split = jax.device_put(logits, NamedSharding(mesh, P("dp")))
+    for method in nv.ROUTING_METHODS:
+        kw = dict(bias=jnp.linspace(-1, 1, 32), n_group=4, topk_group=2) if method == "deepseek_v3" else {}
+        f = jax.jit(lambda l: nv.route(l, method, top_k=1 if method == "llama4" else 4, **kw))
+        gathered = all_gathers(f.lower(split).compile().as_text())
+        assert not gathered, (mesh, method, gathered)
+        (ids, w), (ids1, w1) = f(split), f(logits)
+        np.testing.assert_array_equal(np.asarray(ids), np.asarray(ids1), err_msg=method)
+        np.testing.assert_array_equal(np.asarray(w), np.asarray(w1), err_msg=method)
+    # A whole layer routed from logits, tokens split, experts on every device: nothing to gather.
+    layer = jax.jit(lambda x, l: nv.moe(x, ex, router_logits=l, top_k=4, backend="xla"))
+    assert not all_gathers(layer.lower(jax.device_put(x, NamedSharding(mesh, P("dp"))), split).compile().as_text())
+for types in ((AxisType.Auto,), (AxisType.Explicit,)):
+    mesh = jax.make_mesh((4,), ("dp",), axis_types=types)
+    check(mesh)
+    with jax.set_mesh(mesh):  # (Explicit axes: the shardings are then in the types)
+        check(mesh)
 print("ok")
 """
 
