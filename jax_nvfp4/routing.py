@@ -97,7 +97,7 @@ def top_k_sorted(x, k: int):
     Returns (values float32 ``[..., k]``, indices int32 ``[..., k]``).
     """
     if x.dtype != jnp.float32:
-        raise ValueError(f"top_k_sorted: x must be float32, got {x.dtype}")
+        raise TypeError(f"top_k_sorted: x must be float32, got {x.dtype}")
     i = lax.bitcast_convert_type(x, jnp.int32)
     key = ~jnp.where(i < 0, i ^ jnp.int32(0x7FFFFFFF), i)  # ascending key = descending total order
     iota = jnp.zeros_like(i) + lax.iota(jnp.int32, x.shape[-1])  # (x's sharding: sort wants its operands' alike)

@@ -245,7 +245,7 @@ logits = jax.random.normal(jax.random.key(0), (64, 32)) * 2
 k = jax.random.split(jax.random.key(1), 3)
 ex = nv.quantize_experts(jax.random.normal(k[0], (32, 64, 128)) * 0.2, jax.random.normal(k[1], (32, 128, 32)) * 0.2)
 x = jax.random.normal(k[2], (64, 128), jnp.bfloat16)
-def check(mesh):
+def check(mesh, grads):
     split = jax.device_put(logits, NamedSharding(mesh, P("dp")))
     for method in nv.ROUTING_METHODS:
         kw = dict(bias=jnp.linspace(-1, 1, 32), n_group=4, topk_group=2) if method == "deepseek_v3" else {}
@@ -255,14 +255,18 @@ def check(mesh):
         (ids, w), (ids1, w1) = f(split), f(logits)
         np.testing.assert_array_equal(np.asarray(ids), np.asarray(ids1), err_msg=method)
         np.testing.assert_array_equal(np.asarray(w), np.asarray(w1), err_msg=method)
+        if grads:  # through the weights (jax differentiates on Explicit axes only inside set_mesh)
+            g = jax.jit(jax.grad(lambda l: (f(l)[1] * jnp.arange(f(l)[1].shape[1])).sum()))
+            np.testing.assert_allclose(np.asarray(g(split)), np.asarray(g(logits)), rtol=1e-6, atol=1e-7,
+                                       err_msg=method)
     # A whole layer routed from logits, tokens split, experts on every device: nothing to gather.
     layer = jax.jit(lambda x, l: nv.moe(x, ex, router_logits=l, top_k=4, backend="xla"))
     assert not all_gathers(layer.lower(jax.device_put(x, NamedSharding(mesh, P("dp"))), split).compile().as_text())
 for types in ((AxisType.Auto,), (AxisType.Explicit,)):
     mesh = jax.make_mesh((4,), ("dp",), axis_types=types)
-    check(mesh)
+    check(mesh, grads=types == (AxisType.Auto,))
     with jax.set_mesh(mesh):  # (Explicit axes: the shardings are then in the types)
-        check(mesh)
+        check(mesh, grads=True)
 print("ok")
 """
 
