@@ -460,6 +460,20 @@ ffi::Error CheckGemm(const char* op, const A& a, const W& w, const WS& ws, const
   return ffi::Error::Success();
 }
 
+// A GEMM's optional bias (gpt-oss's experts): [E, N] (GEMM1's rows [gate; up]), added to the output features after
+// alpha * row scale, before the activation; or [0], none. BiasData: its pointer, null for none.
+template <typename B>
+ffi::Error CheckBias(const char* op, const B& bias, const GemmDims& d) {
+  auto bd = bias.dimensions();
+  if ((bd.size() == 1 && bd[0] == 0) || (bd.size() == 2 && bd[0] == d.E && bd[1] == d.N)) return ffi::Error::Success();
+  return Invalid(op, "bias must be [E, N] = [" + std::to_string(d.E) + ", " + std::to_string(d.N) +
+                         "] (or [0]: none), got " + ShapeStr(bd));
+}
+template <typename B>
+const float* BiasData(const B& bias) {
+  return bias.element_count() ? bias.typed_data() : nullptr;
+}
+
 template <typename I, typename SI, typename TE, typename PR>
 ffi::Error CheckAlign(const char* op, const I& topk_ids, int64_t num_experts, int64_t tile_m,
                       const SI& sorted_ids, const TE& tile_expert, const PR& pair_to_row,

@@ -1,6 +1,6 @@
 // grouped_gemm (W4A16) on the CPU: for every sorted row r of a tile owned by expert e,
 //   acc[n] = sum_k a[row(r), k] * w_e[n, k]      (w decoded exactly: e2m1 * e4m3 scale; fp32)
-//   v = acc * (alpha[e] * row_scale)               -> activation (GEMM1) -> bf16
+//   v = acc * (alpha[e] * row_scale) + bias[e, n]  -> activation (GEMM1) -> bf16
 // the same function the CUDA kernel computes, written as plain loops.
 #include <algorithm>
 #include <atomic>
@@ -58,7 +58,7 @@ struct CpuGemm {
   const GemmDims& d;
   const uint16_t* a;
   const uint8_t *w, *ws;
-  const float *alpha, *rs;
+  const float *alpha, *rs, *bias;  // bias [E, N] or null
   const int32_t *sid, *te;
   int64_t activation, row_scale_mode, top_k, gather, tile_m, pairing;
   uint16_t* out_bf16;
@@ -99,10 +99,12 @@ struct CpuGemm {
     const bool blocked = pairing & int64_t(Pairing::kBlockedW);
     DecodeRows(w, ws, e, d.N, K, n0, nb, blocked, wdec.data());
     if (gated) DecodeRows(w, ws, e, d.N, K, d.n_out + n0, nb, blocked, wdec.data() + nb * K);
+    const float* b = bias ? bias + e * d.N : nullptr;
     for (int64_t n = 0; n < nb; ++n) {
+      const float bg = b ? b[n0 + n] : 0.0f, bu = b && gated ? b[d.n_out + n0 + n] : 0.0f;
       for (int64_t i = 0; i < used; ++i) {
-        const float g = Dot(&arows[i * K], &wdec[n * K], K) * scale_of[i];
-        const float u = gated ? Dot(&arows[i * K], &wdec[(nb + n) * K], K) * scale_of[i] : 0.0f;
+        const float g = Dot(&arows[i * K], &wdec[n * K], K) * scale_of[i] + bg;
+        const float u = gated ? Dot(&arows[i * K], &wdec[(nb + n) * K], K) * scale_of[i] + bu : 0.0f;
         Store(row_of[i], n0 + n, ApplyActivation(activation, g, u));
       }
     }
@@ -137,7 +139,7 @@ struct WorkQueue {
 };
 
 ffi::Error GroupedGemmCpuImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> a, ffi::Buffer<ffi::U8> w_data,
-                              ffi::AnyBuffer w_scales, ffi::Buffer<ffi::F32> alpha,
+                              ffi::AnyBuffer w_scales, ffi::Buffer<ffi::F32> alpha, ffi::Buffer<ffi::F32> bias,
                               ffi::Buffer<ffi::S32> sorted_ids, ffi::Buffer<ffi::S32> tile_expert,
                               ffi::Buffer<ffi::F32> row_scale, ffi::Result<ffi::AnyBuffer> out,
                               int64_t activation, int64_t row_scale_mode, int64_t top_k, int64_t gather,
@@ -149,12 +151,12 @@ ffi::Error GroupedGemmCpuImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> a, ff
                            16, 1, &d);
       err.failure())
     return err;
+  if (auto err = CheckBias("grouped_gemm", bias, d); err.failure()) return err;
   // bf16 output (the default), or fp32 (w4a4 quantizes the unrounded intermediate).
   const bool f32_out = out->element_type() == ffi::DataType::F32;
   const CpuGemm g{d, a.typed_data(), w_data.typed_data(), static_cast<const uint8_t*>(w_scales.untyped_data()),
-                  alpha.typed_data(),
-                  row_scale.typed_data(), sorted_ids.typed_data(), tile_expert.typed_data(), activation,
-                  row_scale_mode, top_k, gather, tile_m, pairing,
+                  alpha.typed_data(), row_scale.typed_data(), BiasData(bias), sorted_ids.typed_data(),
+                  tile_expert.typed_data(), activation, row_scale_mode, top_k, gather, tile_m, pairing,
                   f32_out ? nullptr : static_cast<uint16_t*>(out->untyped_data()),
                   f32_out ? static_cast<float*>(out->untyped_data()) : nullptr};
   const int64_t items = d.tiles * ((d.n_out + kFeatureBlock - 1) / kFeatureBlock);
@@ -173,7 +175,8 @@ ffi::Error GroupedGemmCpuImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> a, ff
 // moe_align, then grouped_gemm of the gathered tokens (the GPU runs both in one launch).
 ffi::Error MoeAlignGemmCpuImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> topk_ids, ffi::Buffer<ffi::BF16> a,
                                ffi::Buffer<ffi::U8> w_data, ffi::AnyBuffer w_scales, ffi::Buffer<ffi::F32> alpha,
-                               ffi::Buffer<ffi::F32> row_scale, ffi::Result<ffi::AnyBuffer> out,
+                               ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::F32> row_scale,
+                               ffi::Result<ffi::AnyBuffer> out,
                                ffi::Result<ffi::Buffer<ffi::S32>> sorted_ids,
                                ffi::Result<ffi::Buffer<ffi::S32>> tile_expert,
                                ffi::Result<ffi::Buffer<ffi::S32>> pair_to_row, int64_t expert_offset,
@@ -186,11 +189,12 @@ ffi::Error MoeAlignGemmCpuImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> topk_
                                 kernel_flags, int64_t(1) << 30, 16, 1, &n, &d);
       err.failure())
     return err;
+  if (auto err = CheckBias("moe_align_gemm", bias, d); err.failure()) return err;
   AlignPairsCpu(topk_ids.typed_data(), n, d.E, expert_offset, tile_m, d.P, sorted_ids->typed_data(),
                 tile_expert->typed_data(), pair_to_row->typed_data());
-  return GroupedGemmCpuImpl(pool, a, w_data, w_scales, alpha, *sorted_ids, *tile_expert, row_scale, out, activation,
-                            row_scale_mode, std::max<int64_t>(topk_ids.dimensions()[1], 1), 1, tile_m, k_split,
-                            pairing, kernel_flags);  // (k = 0: no pair, as CheckAlignGemm took it)
+  return GroupedGemmCpuImpl(pool, a, w_data, w_scales, alpha, bias, *sorted_ids, *tile_expert, row_scale, out,
+                            activation, row_scale_mode, std::max<int64_t>(topk_ids.dimensions()[1], 1), 1, tile_m,
+                            k_split, pairing, kernel_flags);  // (k = 0: no pair, as CheckAlignGemm took it)
 }
 
 }  // namespace

@@ -495,13 +495,13 @@ def grouped_gemm(a, w: NVFP4Array, sorted_ids, tile_expert, *, tile_m: int,
                  activation: Activation = Activation.IDENTITY, top_k: int = 1, gather: bool = False,
                  row_scale=None, row_scale_mode: RowScale = RowScale.NONE, out_dtype=jnp.bfloat16,
                  k_split: int | None = None, pairing: Pairing = Pairing.NONE, kernel_flags: int = 0,
-                 impl: str = "ffi"):
+                 bias=None, impl: str = "ffi"):
     """Grouped W4A16 GEMM over tile-padded row groups, with the MoE epilogue.
 
     For each sorted row ``r`` of a tile owned by expert ``e`` (pair ``p = sorted_ids[r] >= 0``)::
 
         acc = a[p // top_k if gather else r] @ deq(w[e])^T          (fp32, w decoded exactly)
-        v   = acc * alpha[e] * row_scale[index(r)]                   (index per row_scale_mode)
+        v   = acc * alpha[e] * row_scale[index(r)] + bias[e]         (index per row_scale_mode)
         out[r] = out_dtype(act(v[:n], v[n:]) if gated else act(v))
 
     Padding rows (``p < 0``) of used tiles are 0; rows of unused tiles (``tile_expert < 0``) are
@@ -537,6 +537,8 @@ def grouped_gemm(a, w: NVFP4Array, sorted_ids, tile_expert, *, tile_m: int,
         ``w.order``, and an error for a ``w`` in the ``"rows"`` order).
     kernel_flags : :class:`KernelFlag` bits
         CUDA kernel variant (0: the default); ignored by the CPU handler and the twin.
+    bias : optional float ``[E, N]`` (rows as ``w``'s: ``[gate; up]`` when gated)
+        Added to each feature after the scales, before the activation (gpt-oss's GEMM1 bias).
     impl : ``"ffi"`` or ``"jax"``
 
     Returns
@@ -550,21 +552,33 @@ def grouped_gemm(a, w: NVFP4Array, sorted_ids, tile_expert, *, tile_m: int,
         "grouped_gemm", a, w, sorted_ids.shape[0], tile_m, activation, row_scale, row_scale_mode, out_dtype, k_split,
         pairing, kernel_flags)
     e = w.shape[0]
+    bias = _gemm_bias("grouped_gemm", bias, w)
     if impl == "jax":
         w_rows = from_blocked_weights(w) if pairing & Pairing.BLOCKED_W else w
         a = from_paired(a) if pairing & Pairing.A else from_chunk_order(a) if pairing & Pairing.CHUNK_A else a
         out = _grouped_gemm_jax(a, w_rows, sorted_ids, tile_expert, tile_m, activation, top_k, gather, row_scale,
-                                row_scale_mode).astype(out_dtype)
+                                row_scale_mode, bias).astype(out_dtype)
         return to_paired(out) if pairing & Pairing.OUT else to_chunk_order(out) if pairing & Pairing.CHUNK_OUT else out
     ensure_registered()
     p = sorted_ids.shape[0]
     alpha = jnp.asarray(w.global_scale, jnp.float32).reshape(e)
     return jax.ffi.ffi_call(TARGET_GEMM, jax.ShapeDtypeStruct((p, n_out), out_dtype),
                             vmap_method="sequential")(
-        a, w.data, w.scales, alpha, sorted_ids, tile_expert, row_scale,  # scales as float8_e4m3fn: no copy
+        a, w.data, w.scales, alpha, bias, sorted_ids, tile_expert, row_scale,  # scales as float8_e4m3fn: no copy
         activation=np.int64(activation), row_scale_mode=np.int64(row_scale_mode), top_k=np.int64(top_k),
         gather=np.int64(bool(gather)), tile_m=np.int64(tile_m), k_split=np.int64(k_split),
         pairing=np.int64(pairing), kernel_flags=np.int64(kernel_flags))
+
+
+def _gemm_bias(op, bias, w):
+    """A GEMM's bias operand: float32 ``[E, N]``, or ``[0]`` for none (what the handlers take)."""
+    if bias is None:
+        return jnp.zeros((0,), jnp.float32)
+    bias = jnp.asarray(bias)
+    if bias.shape != w.shape[:2] or not jnp.issubdtype(bias.dtype, jnp.floating):
+        raise ValueError(f"{op}: bias must be a float [E, N] = {list(w.shape[:2])} (w's rows), got {bias.dtype} "
+                         f"{list(bias.shape)}")
+    return bias.astype(jnp.float32)
 
 
 def _gemm_args(op, a, w, p_rows, tile_m, activation, row_scale, row_scale_mode, out_dtype, k_split, pairing,
@@ -630,7 +644,7 @@ def apply_activation(activation: Activation, gate, up=None):
 
 
 def _grouped_gemm_jax(a, w, sorted_ids, tile_expert, tile_m, activation, top_k, gather, row_scale,
-                      row_scale_mode):
+                      row_scale_mode, bias):
     e, n, kk = w.shape
     p = sorted_ids.shape[0]
     r = jnp.arange(p, dtype=jnp.int32)
@@ -650,6 +664,8 @@ def _grouped_gemm_jax(a, w, sorted_ids, tile_expert, tile_m, activation, top_k, 
         ok = (idx >= 0) & (idx < row_scale.shape[0])
         scale = scale * jnp.where(ok, row_scale[jnp.clip(idx, 0, row_scale.shape[0] - 1)], 0.0)
     v = acc * scale[:, None]
+    if bias.size:
+        v = v + bias[jnp.clip(te, 0, e - 1)]
     if activation in GATED_ACTIVATIONS:
         v = apply_activation(activation, v[:, : n // 2], v[:, n // 2:])
     else:
@@ -821,7 +837,7 @@ ALIGN_GEMM_MAX_CTAS = 512
 def moe_align_gemm(topk_ids, a, w: NVFP4Array, *, tile_m: int, expert_offset: int = 0,
                    activation: Activation = Activation.IDENTITY, row_scale=None,
                    row_scale_mode: RowScale = RowScale.NONE, out_dtype=jnp.bfloat16, k_split: int | None = None,
-                   pairing: Pairing = Pairing.NONE, kernel_flags: int = 0, impl: str = "ffi"):
+                   pairing: Pairing = Pairing.NONE, kernel_flags: int = 0, bias=None, impl: str = "ffi"):
     """:func:`moe_align`, then :func:`grouped_gemm` of the pairs' tokens (``gather=True``,
     ``top_k = k``), in one call, for decode batches of at most ``ALIGN_ONE_WARP_PAIRS`` token-expert
     pairs on 8-row tiles: on the GPU one launch, each of whose CTAs aligns the pairs in one warp
@@ -835,7 +851,7 @@ def moe_align_gemm(topk_ids, a, w: NVFP4Array, *, tile_m: int, expert_offset: in
     w : NVFP4Array ``[E, N, K]`` (E: the local experts)
     tile_m : 8
     expert_offset : as :func:`moe_align`
-    activation, row_scale, row_scale_mode, out_dtype, k_split, kernel_flags, impl : as :func:`grouped_gemm`
+    activation, row_scale, row_scale_mode, out_dtype, k_split, kernel_flags, bias, impl : as :func:`grouped_gemm`
     pairing : :class:`Pairing` bits as :func:`grouped_gemm`'s, but ``CHUNK_A`` (a 32- and 64-row tile order)
 
     Returns
@@ -864,14 +880,15 @@ def moe_align_gemm(topk_ids, a, w: NVFP4Array, *, tile_m: int, expert_offset: in
                                                          impl="jax")
         out = grouped_gemm(a, w, sorted_ids, tile_expert, tile_m=tile_m, activation=activation, top_k=k,
                            gather=True, row_scale=row_scale, row_scale_mode=row_scale_mode, out_dtype=out_dtype,
-                           k_split=k_split, pairing=pairing, impl="jax")
+                           k_split=k_split, pairing=pairing, bias=bias, impl="jax")
         return out, sorted_ids, tile_expert, pair_to_row
     ensure_registered()
     alpha = jnp.asarray(w.global_scale, jnp.float32).reshape(e)
     out = (jax.ShapeDtypeStruct((p, n_out), out_dtype), jax.ShapeDtypeStruct((p,), jnp.int32),
            jax.ShapeDtypeStruct((p // tile_m,), jnp.int32), jax.ShapeDtypeStruct((t, k), jnp.int32))
     return jax.ffi.ffi_call(TARGET_ALIGN_GEMM, out, vmap_method="sequential")(
-        topk_ids, a, w.data, w.scales, alpha, row_scale, expert_offset=np.int64(expert_offset),
+        topk_ids, a, w.data, w.scales, alpha, _gemm_bias("moe_align_gemm", bias, w), row_scale,
+        expert_offset=np.int64(expert_offset),
         activation=np.int64(activation), row_scale_mode=np.int64(row_scale_mode), tile_m=np.int64(tile_m),
         k_split=np.int64(k_split), pairing=np.int64(pairing), kernel_flags=np.int64(kernel_flags))
 
@@ -1094,10 +1111,10 @@ def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str =
         if align_gemm:
             h1, sorted_ids, tile_expert, pair_to_row = moe_align_gemm(
                 topk_ids, x1, experts.gate_up, tile_m=tile_m, expert_offset=offset, activation=act, k_split=ks1,
-                pairing=p1 | a1, kernel_flags=kernel_flags, impl=impl)
+                pairing=p1 | a1, kernel_flags=kernel_flags, bias=experts.gate_up_bias, impl=impl)
         else:
             h1 = grouped_gemm(x1, experts.gate_up, sorted_ids, tile_expert, activation=act,
-                              gather=True, k_split=ks1, pairing=p1 | a1, **common)
+                              gather=True, k_split=ks1, pairing=p1 | a1, bias=experts.gate_up_bias, **common)
         y = grouped_gemm(h1, experts.down, sorted_ids, tile_expert, activation=Activation.IDENTITY,
                          row_scale=w_flat, row_scale_mode=RowScale.PAIR, k_split=ks2, pairing=p2, **common2)
     else:  # w4a4: per-token NVFP4 activations, decoded exactly to bf16, scales in the epilogues
@@ -1117,14 +1134,23 @@ def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str =
         # paired (the paired order keeps every 16-value block whole: the same quantization per value).
         h1 = grouped_gemm(xq, experts.gate_up, sorted_ids, tile_expert, activation=act, gather=True,
                           row_scale=x_scale, row_scale_mode=RowScale.TOKEN, out_dtype=jnp.float32, k_split=ks1,
-                          pairing=(p1 & ~Pairing.CHUNK_OUT) | a1, **common)
+                          pairing=(p1 & ~Pairing.CHUNK_OUT) | a1, bias=experts.gate_up_bias, **common)
         # Rows of unused tiles are never written by the GPU: row_ids makes them zeros. The scales
         # come out times the rows' routing weights: GEMM2's row scales.
         aq, rs = quant_dequant_rows(h1, sorted_ids, row_weights=w_flat, chunk_out=chunk, impl=q_impl,
                                     kernel_flags=kernel_flags)
         y = grouped_gemm(aq, experts.down, sorted_ids, tile_expert, activation=Activation.IDENTITY,
                          row_scale=rs, row_scale_mode=RowScale.ROW, k_split=ks2, pairing=p2, **common2)
-    return moe_finalize(y, pair_to_row, impl=impl, kernel_flags=kernel_flags)
+    out = moe_finalize(y, pair_to_row, impl=impl, kernel_flags=kernel_flags)
+    if experts.down_bias is None:
+        return out
+    # GEMM2's bias, sum_j w_j * b2[e_j] over the token's local experts, in fp32 after the finalize (one more bf16
+    # rounding than backend xla's): w * (s * acc + b2) = w * s * acc + w * b2.
+    local = topk_ids - offset
+    ok = (topk_ids >= 0) & (local >= 0) & (local < e)
+    b2 = experts.down_bias.astype(jnp.float32)[jnp.clip(local, 0, e - 1)]  # [T, k, H]
+    w = jnp.where(ok, jnp.asarray(topk_weights, jnp.float32), 0.0)
+    return (out.astype(jnp.float32) + jnp.sum(w[..., None] * b2, axis=1)).astype(jnp.bfloat16)
 
 
 @functools.lru_cache(maxsize=None)

@@ -254,6 +254,11 @@ def from_blocked_experts(experts: "NVFP4Experts") -> "NVFP4Experts":
     return _reordered_experts(experts, False)
 
 
+# The optional expert biases (gpt-oss): added to GEMM1's output after its global scale (before the activation) and
+# to GEMM2's after its own (before the routing weight), as FlashInfer's TensorRT-LLM and CUTLASS kernels add them.
+BIAS_FIELDS = ("gate_up_bias", "down_bias")
+
+
 class _ExpertShapes:
     """Sizes shared by the expert containers: E, H and I, and the leading axes of stacked experts (e.g. layers
     ``[L, E, N, K]``, for ``jax.lax.scan`` or ``jax.vmap`` over them)."""
@@ -281,7 +286,25 @@ class _ExpertShapes:
         if len(idx) > len(self.stack_shape):
             raise IndexError(f"{type(self).__name__} can be indexed only along its {len(self.stack_shape)} stack "
                              f"axes {self.stack_shape} (before [E, N, K]), got {len(idx)} indices")
-        return dataclasses.replace(self, gate_up=self.gate_up[idx], down=self.down[idx])
+        return dataclasses.replace(self, gate_up=self.gate_up[idx], down=self.down[idx],
+                                   **{b: getattr(self, b)[idx] for b in BIAS_FIELDS if getattr(self, b) is not None})
+
+    @property
+    def has_bias(self) -> bool:
+        """Whether either GEMM adds an expert bias (``gate_up_bias`` / ``down_bias``)."""
+        return any(getattr(self, b) is not None for b in BIAS_FIELDS)
+
+    def _check_biases(self, where: str) -> None:
+        stack, e = self.stack_shape, self.num_experts
+        for name, n in (("gate_up_bias", self.gate_up.shape[-2]), ("down_bias", self.hidden_size)):
+            b = getattr(self, name)
+            if b is None or not _is_array(b):
+                continue
+            if tuple(b.shape) != stack + (e, n):
+                raise ValueError(f"{where}.{name} must have shape {list(stack + (e, n))} (E and its GEMM's "
+                                 f"output features, after the experts' stack axes), got {tuple(b.shape)}")
+            if not jnp.issubdtype(b.dtype, jnp.floating):
+                raise TypeError(f"{where}.{name} must be a float array (float32, bf16), got {b.dtype}")
 
 
 def require_unstacked(experts, where: str) -> None:
@@ -306,6 +329,10 @@ class NVFP4Experts(_ExpertShapes):
         GEMM2 weights; ``global_scale`` ``[E]``.
     gated : bool (static)
         True for gated activations (SwiGLU, GeGLU, gpt-oss SwiGLU); False for ReLU².
+    gate_up_bias : optional float ``[E, 2I]`` (``[E, I]`` not gated), rows ``[gate; up]`` like ``gate_up``
+        Added to GEMM1's output after ``alpha1`` and before the activation (gpt-oss); not quantized.
+    down_bias : optional float ``[E, H]``
+        Added to GEMM2's output after ``alpha2``, before the routing weight multiplies it.
 
     Stacked experts (several layers' sets, ``[L, E, N, K]`` and global scales ``[L, E]``; any leading axes) are
     what ``jax.vmap`` of :func:`~jax_nvfp4.quantize_experts` returns and what ``jax.lax.scan`` over layers takes;
@@ -315,6 +342,8 @@ class NVFP4Experts(_ExpertShapes):
     gate_up: NVFP4Array
     down: NVFP4Array
     gated: bool = dataclasses.field(default=True, metadata=dict(static=True))
+    gate_up_bias: Any = None
+    down_bias: Any = None
 
     def __post_init__(self):
         # (Only real arrays: pytree maps may leave anything in the leaves, e.g. jax.tree.map(jnp.shape, experts).)
@@ -328,6 +357,7 @@ class NVFP4Experts(_ExpertShapes):
                     raise ValueError(
                         f"NVFP4Experts.{name}.global_scale must have shape [..., E]={w.shape[:-2]}, "
                         f"got {w.global_scale.shape}")
+            self._check_biases("NVFP4Experts")
 
     @classmethod
     def from_parts(cls, gate_up_data, gate_up_scales, gate_up_global_scale, down_data, down_scales,
@@ -354,6 +384,7 @@ class BF16Experts(_ExpertShapes):
     gate_up : ``[E, 2I, H]`` (rows ``[gate; up]``) or ``[E, I, H]`` when not gated
     down : ``[E, H, I]``
     gated : bool (static)
+    gate_up_bias, down_bias : optional float ``[E, 2I]`` / ``[E, H]``, as in :class:`NVFP4Experts`
 
     Stacked like :class:`NVFP4Experts` (leading axes before ``[E, N, K]``).
     """
@@ -361,10 +392,13 @@ class BF16Experts(_ExpertShapes):
     gate_up: Any
     down: Any
     gated: bool = dataclasses.field(default=True, metadata=dict(static=True))
+    gate_up_bias: Any = None
+    down_bias: Any = None
 
     def __post_init__(self):
         if _is_array(self.gate_up) and _is_array(self.down):
             _check_expert_shapes(tuple(self.gate_up.shape), tuple(self.down.shape), self.gated, "BF16Experts")
+            self._check_biases("BF16Experts")
 
 
 def _check_expert_shapes(gu, dn, gated, where):

@@ -2,7 +2,8 @@
 
 Semantics are spec section 5: per selected (token t, expert e),
 ``g = alpha1[e] * (x_t @ w13_e^T)`` (fp32 accumulation), ``a = act(gate, up)``,
-``y_t += w_{t,e} * alpha2[e] * (a @ w2_e^T)``; the output is bf16. The expert computation is
+``y_t += w_{t,e} * alpha2[e] * (a @ w2_e^T)``; the output is bf16. Experts with biases (gpt-oss) add
+``b13[e]`` to ``g`` and ``b2[e]`` to ``alpha2[e] * (a @ w2_e^T)`` before the routing weight. The expert computation is
 delegated to a backend (:mod:`jax_nvfp4.backends`); ``xla`` (pure JAX) runs everywhere.
 """
 
@@ -104,9 +105,11 @@ def moe(x, experts, *, router_logits=None, routing: str = "softmax_topk", top_k:
         Hidden states.
     experts : :class:`~jax_nvfp4.NVFP4Experts` or :class:`~jax_nvfp4.BF16Experts`
         ``E`` local experts: ``gate_up [E, 2I, H]`` (rows ``[gate; up]``; ``[E, I, H]`` with
-        ``gated=False`` for ``relu2``) and ``down [E, H, I]``. A pytree, so it may be a traced
-        argument of a jitted function. Or experts laid out once for FlashInfer's kernels with
-        :func:`~jax_nvfp4.prepare_flashinfer_weights` (they run on ``backend="flashinfer"``).
+        ``gated=False`` for ``relu2``) and ``down [E, H, I]``, optionally with biases ``gate_up_bias
+        [E, 2I]`` and ``down_bias [E, H]`` (gpt-oss; backends ``xla`` and ``ffi``, not ``flashinfer``). A
+        pytree, so it may be a traced argument of a jitted function. Or experts laid out once for
+        FlashInfer's kernels with :func:`~jax_nvfp4.prepare_flashinfer_weights` (they run on
+        ``backend="flashinfer"``).
     router_logits : optional float ``[T, E_global]``
         Logits over all global experts; routed with :func:`~jax_nvfp4.route`. Give either these
         or ``topk_ids`` and ``topk_weights``.
@@ -168,7 +171,8 @@ def moe(x, experts, *, router_logits=None, routing: str = "softmax_topk", top_k:
     ``w * da * alpha2 * ...``) in fp32 and rounds once to bf16 (spec section 5 read literally). ``ffi``'s GEMM2
     writes each contribution as a bf16 row (half the bytes of fp32 rows) and its finalize sums a token's rows in
     fp32 in a fixed order: outputs differ from ``xla``'s in the last bf16 bits (in about a third of the elements
-    at ``k = 8``).
+    at ``k = 8``). With a ``down_bias``, ``ffi`` adds a token's ``sum w * b2`` to that bf16 sum in fp32 and rounds
+    again; ``xla`` adds each ``b2`` to its row before the routing weight.
 
     Under ``jax.jit`` with the experts sharded along E (expert parallelism) and ``x`` along T
     (data parallelism) by ``NamedSharding`` objects, backends ``ffi`` and ``xla`` run each device's
@@ -247,7 +251,8 @@ def moe(x, experts, *, router_logits=None, routing: str = "softmax_topk", top_k:
     problem = MoEProblem(tokens=t, hidden=h, intermediate=experts.intermediate_size,
                          num_experts=experts.num_experts, top_k=k, mode=mode, activation=activation,
                          global_experts=e_global,
-                         traced_offset=not isinstance(local_expert_offset, (int, np.integer)))
+                         traced_offset=not isinstance(local_expert_offset, (int, np.integer)),
+                         expert_bias=getattr(experts, "has_bias", False))
     if batch_invariant:
         if mode == "bf16" or backend not in ("auto", "ffi"):
             raise ValueError(f"batch_invariant=True runs on backend 'ffi' in mode 'w4a16' or 'w4a4' (its K split "

@@ -222,7 +222,8 @@ def _finite_weights(amax, name: str):
     return amax
 
 
-def quantize_experts(gate_up, down, *, recipe: str = "nvfp4", gated: bool = True) -> NVFP4Experts:
+def quantize_experts(gate_up, down, *, recipe: str = "nvfp4", gated: bool = True, gate_up_bias=None,
+                     down_bias=None) -> NVFP4Experts:
     """Quantize a stack of MoE experts (spec section 4).
 
     Parameters
@@ -233,6 +234,8 @@ def quantize_experts(gate_up, down, *, recipe: str = "nvfp4", gated: bool = True
     down : ``[E, H, I]``; its own global scale per expert.
     recipe : ``"nvfp4"`` or ``"4over6"``
     gated : bool
+    gate_up_bias, down_bias : optional float ``[E, 2I]`` / ``[E, H]``
+        Expert biases (gpt-oss), carried unquantized (:class:`~jax_nvfp4.NVFP4Experts`).
 
     Both may be stacked over the same leading axes (``[L, E, 2I, H]`` and ``[L, E, H, I]``: L layers), each set
     quantized as alone (bitwise).
@@ -256,4 +259,4 @@ def quantize_experts(gate_up, down, *, recipe: str = "nvfp4", gated: bool = True
     return NVFP4Experts(
         _quantize(gate_up, amax_gu, recipe=recipe, per_token=False)[0],
         _quantize(down, amax_dn, recipe=recipe, per_token=False)[0],
-        gated)
+        gated, gate_up_bias, down_bias)

@@ -6,6 +6,7 @@ run the CUDA kernels and are skipped without a GPU.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 import textwrap
@@ -276,13 +277,19 @@ def test_gemm_rejects_bad_shapes_with_named_arguments():
     call = lambda **kw: jax.ffi.ffi_call(ops.TARGET_GEMM, jax.ShapeDtypeStruct((sid.shape[0], 48), BF16),  # noqa
                                          vmap_method="sequential")(
         kw.get("a", a), w.data, kw.get("scales", w.scales), kw.get("alpha", w.global_scale),
-        kw.get("sid", sid), te, rs, activation=np.int64(kw.get("act", 1)), row_scale_mode=np.int64(0),
+        kw.get("bias", jnp.zeros((0,), jnp.float32)), kw.get("sid", sid), te, rs,
+        activation=np.int64(kw.get("act", 1)), row_scale_mode=np.int64(0),
         top_k=np.int64(3), gather=np.int64(1), tile_m=np.int64(kw.get("tile_m", 8)),
         k_split=np.int64(kw.get("k_split", 1)), pairing=np.int64(kw.get("pairing", 0)),
         kernel_flags=np.int64(kw.get("kernel_flags", 0)))
     ops.ensure_registered()
     with pytest.raises(Exception, match="does not match K"):
         call(a=a[:, :32])
+    with pytest.raises(Exception, match=r"bias must be \[E, N\] = \[5, 96\] \(or \[0\]: none\)"):
+        call(bias=jnp.zeros((5, 48), jnp.float32))
+    with pytest.raises(ValueError, match=r"grouped_gemm: bias must be a float \[E, N\]"):
+        ops.grouped_gemm(a, w, sid, te, tile_m=8, activation=ops.Activation.SWIGLU, top_k=3, gather=True,
+                         bias=jnp.zeros((5, 48)))
     with pytest.raises(Exception, match="alpha must be"):
         call(alpha=w.global_scale[:2])
     with pytest.raises(Exception, match="w_scales must be float8_e4m3fn"):
@@ -1116,14 +1123,15 @@ def test_gemm_pairing_checks():
     ops.ensure_registered()  # the handler checks it too (a direct call must not write out of bounds)
     with pytest.raises(Exception, match="pairing needs K and the output features to be multiples of 8"):
         jax.ffi.ffi_call(ops.TARGET_GEMM, jax.ShapeDtypeStruct((sid.shape[0], 12), BF16), vmap_method="sequential")(
-            a, w12.data, w12.scales, w12.global_scale, sid, te, jnp.zeros((1,), jnp.float32),
+            a, w12.data, w12.scales, w12.global_scale, jnp.zeros((0,), jnp.float32), sid, te,
+            jnp.zeros((1,), jnp.float32),
             activation=np.int64(act), row_scale_mode=np.int64(0), top_k=np.int64(3), gather=np.int64(1),
             tile_m=np.int64(8), k_split=np.int64(1), pairing=np.int64(2), kernel_flags=np.int64(0))
     for pairing, msg in [(4, "blocked weights"), (8, "chunk order"), (9, "not both")]:  # K = 64
         with pytest.raises(Exception, match=msg):
             jax.ffi.ffi_call(ops.TARGET_GEMM, jax.ShapeDtypeStruct((sid.shape[0], 48), BF16),
                              vmap_method="sequential")(
-                a, w.data, w.scales, w.global_scale, sid, te, jnp.zeros((1,), jnp.float32),
+                a, w.data, w.scales, w.global_scale, jnp.zeros((0,), jnp.float32), sid, te, jnp.zeros((1,), jnp.float32),
                 activation=np.int64(act), row_scale_mode=np.int64(0), top_k=np.int64(3), gather=np.int64(1),
                 tile_m=np.int64(8), k_split=np.int64(1), pairing=np.int64(pairing), kernel_flags=np.int64(0))
 
@@ -1595,6 +1603,48 @@ def test_moe_blocked_weights_are_the_same_layer(on_gpu, mode, t):
             got = f32(ops.moe(x, nv.to_blocked_experts(ex), ids, w, mode=mode, tile_m=tm, kernel_flags=flags))
             assert np.isfinite(want).all() and (want != 0).any()
             np.testing.assert_array_equal(got, want, err_msg=f"flags {flags}")
+
+
+_KF = ops.KernelFlag
+BIAS_CASES = [  # (tokens, activation, mode, kernel flags): GEMM1's bias in each CUDA epilogue
+    (1, "swiglu_oai", "w4a16", 0),  # the align inside GEMM1 (8-row mma.sync tile)
+    (3, "relu2", "w4a4", 0),  # 8-row tiles, x's token scales
+    (48, "geglu", "w4a16", 0),  # 32-row warp-specialized tiles
+    (600, "swiglu_oai", "w4a16", 0),  # 64-row ones, their stores from the registers
+    (600, "swiglu_oai", "w4a16", int(_KF.ROWS96)),  # 96-row items: the gate / up halves' split stores
+    (600, "relu2", "w4a16", int(_KF.NATURAL_INTERMEDIATE)),  # not gated, natural columns: the staged stores
+    (600, "swiglu", "w4a4", int(_KF.NO_WARP_SPECIALIZED)),  # the one-block wgmma kernel, fp32 out
+    (600, "geglu", "w4a16", int(_KF.NO_WGMMA)),  # 64-row mma.sync tiles
+]
+
+
+@pytest.mark.parametrize("on_gpu", [False, pytest.param(True, marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("case", range(len(BIAS_CASES)))
+def test_moe_expert_biases_match_twin_and_xla(on_gpu, case):
+    """Experts with biases (gpt-oss): GEMM1's added in the kernels' epilogues before the activation, GEMM2's after
+    the finalize; the layer is the twin's (the C++ handlers: to fp32 rounding) and backend xla's, and the biases
+    count. 600 tokens x 4 of 16 experts reach the GPU's 64-row tiles; blocked experts, its warp-specialized ones."""
+    if on_gpu and not has_gpu():
+        pytest.skip("needs an NVIDIA GPU")
+    t, act, mode, flags = BIAS_CASES[case]
+    dev = jax.devices()[0] if on_gpu else jax.devices("cpu")[0]
+    with jax.default_device(dev):
+        rng = np.random.default_rng(case)
+        ex = make_experts(40 + case, 16, 512, 256, gated=act != "relu2")
+        ex = nv.to_blocked_experts(ex) if on_gpu else ex
+        biased = dataclasses.replace(
+            ex, gate_up_bias=jnp.asarray(rng.standard_normal(ex.gate_up.shape[:2]), jnp.float32),
+            down_bias=jnp.asarray(rng.standard_normal((16, 512)), BF16))
+        x = make_x(case, t, 512)
+        ids, w = make_routing(case, t, 4, 16)
+        def run(e, **kw):
+            return f32(ops.moe(x, e, ids, w, mode=mode, activation=act, kernel_flags=flags, **kw))
+        got = run(biased)
+        assert np.isfinite(got).all()
+        assert relerr(got, run(biased, impl="jax")) < (1e-2 if on_gpu else 1e-4)  # (bf16 intermediates)
+        ref = f32(nv.moe(x, biased, topk_ids=ids, topk_weights=w, mode=mode, activation=act, backend="xla"))
+        assert relerr(got, ref) < (1e-2 if mode == "w4a16" else 5e-2)
+        assert relerr(run(ex), ref) > 0.1
 
 
 @pytest.mark.gpu

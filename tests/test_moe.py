@@ -110,7 +110,9 @@ def ref_moe(x, ex, ids, wts, *, activation="swiglu", mode="w4a16", offset=0, fak
     dx = np.ones(t)
     if mode == "w4a4" if fake_quant_x is None else fake_quant_x:
         x, dx = _nvfp4_rows(x)
-    g = np.einsum("th,tknh->tkn", x, w1[le]) * (a1[le] * dx[:, None])[..., None]
+    b1, b2 = (np.zeros((w1.shape[0], n)) if b is None else np.asarray(jnp.asarray(b, jnp.float32), np.float64)
+              for b, n in ((ex.gate_up_bias, w1.shape[1]), (ex.down_bias, w2.shape[1])))
+    g = np.einsum("th,tknh->tkn", x, w1[le]) * (a1[le] * dx[:, None])[..., None] + b1[le]
     a = np_act(activation, g)
     da = np.ones((t, k))
     if mode == "w4a4":
@@ -118,8 +120,8 @@ def ref_moe(x, ex, ids, wts, *, activation="swiglu", mode="w4a16", offset=0, fak
         a, da = a.reshape(t, k, -1), da.reshape(t, k)
     else:
         a = a.astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
-    y = np.einsum("tki,tkhi->tkh", a, w2[le]) * np.where(valid, wts * a2[le] * da, 0)[..., None]
-    return y.sum(1)
+    y = np.einsum("tki,tkhi->tkh", a, w2[le]) * (a2[le] * da)[..., None] + b2[le]
+    return (y * np.where(valid, wts, 0)[..., None]).sum(1)
 
 
 def relerr(out, ref):
@@ -632,6 +634,121 @@ def test_routing_replay_reproduces_output():
                            n_group=4, topk_group=2, routed_scaling_factor=2.5, return_routing=True)
     assert ids.dtype == jnp.int32 and w.dtype == jnp.float32
     np.testing.assert_array_equal(f32(moe(x, ex, topk_ids=ids, topk_weights=w)), f32(out))
+
+
+# ------------------------------------------------------------------------------------------
+# Expert biases (gpt-oss): g = alpha1 * acc + b1, y += w * (alpha2 * acc + b2)
+
+def with_biases(ex, seed, scale=1.0):
+    rng = np.random.default_rng(seed + 200)
+    n1 = ex.gate_up.shape[-2]
+    return dataclasses.replace(ex, gate_up_bias=jnp.asarray(rng.standard_normal((E, n1)) * scale, jnp.float32),
+                               down_bias=jnp.asarray(rng.standard_normal((E, H)) * scale, BF16))
+
+
+@pytest.mark.parametrize("mode, activation, dispatch, gmm", [
+    ("bf16", "swiglu_oai", "gather", "ragged"), ("w4a16", "swiglu_oai", "all", "tiled"),
+    ("w4a16", "relu2", "gather", "tiled"), ("w4a4", "swiglu", "all", "ragged")])
+def test_expert_biases_match_reference(mode, activation, dispatch, gmm):
+    """Biases added in the order of FlashInfer's kernels (and gpt-oss): GEMM1's after alpha1, before the activation;
+    GEMM2's after alpha2, before the routing weight; padding and other shards' ids add none."""
+    ex = with_biases(make_experts(30, gated=activation != "relu2", bf16=mode == "bf16"), 30)
+    x, _ = make_inputs(30)
+    rng = np.random.default_rng(30)
+    ids = jnp.asarray(rng.integers(-1, E + 3, size=(T, K)), jnp.int32)  # padding, local and foreign ids
+    w = jnp.asarray(rng.random((T, K)), jnp.float32)
+    out = XLABackend(dispatch, gmm)(x, ex, ids, w, problem=_problem(ex, ids, mode, activation), local_expert_offset=2)
+    ref = ref_moe(x, ex, ids, w, activation=activation, mode=mode, offset=2)
+    assert relerr(out, ref) < 5e-3
+    plain = dataclasses.replace(ex, gate_up_bias=None, down_bias=None)
+    assert relerr(out, ref_moe(x, plain, ids, w, activation=activation, mode=mode, offset=2)) > 0.1  # biases count
+    auto = nv.moe(x, ex, topk_ids=ids, topk_weights=w, mode=mode, activation=activation, local_expert_offset=2)
+    assert relerr(auto, ref) < 5e-3  # "auto": the ffi kernels where built (their C++ handlers on the CPU)
+
+
+def test_expert_bias_gradients():
+    """d loss / d down_bias[e] is the sum of w * cotangent over the rows routed to e (exactly, in fp32); the GEMM1
+    bias's gradient matches a dense differentiable reference; jit and eager agree."""
+    ex = with_biases(make_experts(31, bf16=True), 31)
+    x, logits = make_inputs(31)
+    ids, w = nv.route(logits, "softmax_topk", top_k=K)
+    cot = jnp.asarray(np.random.default_rng(31).standard_normal((T, H)), jnp.float32)
+
+    def loss(b1, b2):
+        e = dataclasses.replace(ex, gate_up_bias=b1, down_bias=b2)
+        return (moe(x, e, topk_ids=ids, topk_weights=w, activation="swiglu_oai").astype(jnp.float32) * cot).sum()
+
+    g1, g2 = jax.jit(jax.grad(loss, (0, 1)))(ex.gate_up_bias, ex.down_bias)
+    e1, e2 = jax.grad(loss, (0, 1))(ex.gate_up_bias, ex.down_bias)
+    np.testing.assert_array_equal(f32(g1), f32(e1))
+    assert g2.dtype == BF16 and g1.dtype == jnp.float32
+    want2 = np.zeros((E, H))
+    np.add.at(want2, np.asarray(ids), np.asarray(w, np.float64)[..., None] * np.asarray(cot)[:, None, :])
+    np.testing.assert_allclose(f32(g2), want2, rtol=1e-2, atol=1e-2)
+    w1, w2 = (jnp.asarray(v, jnp.float32) for v in (ex.gate_up, ex.down))
+
+    def dense(b1):
+        g = jnp.einsum("th,tknh->tkn", x.astype(jnp.float32), w1[ids]) + b1[ids]
+        a = activations.apply("swiglu_oai", g).astype(BF16).astype(jnp.float32)
+        y = jnp.einsum("tki,tkhi->tkh", a, w2[ids]) + ex.down_bias.astype(jnp.float32)[ids]
+        return ((y * w[..., None]).sum(1) * cot).sum()
+
+    assert relerr(g1, np.asarray(jax.grad(dense)(ex.gate_up_bias), np.float64)) < 2e-2
+
+
+_JIT_SHARDED_BIASES = textwrap.dedent("""
+    import dataclasses, jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+    import jax_nvfp4 as nv
+    key = jax.random.split(jax.random.PRNGKey(1), 6)
+    gate_up = (jax.random.normal(key[0], (8, 64, 128)) * 0.2).astype(jnp.bfloat16)  # E 8, 2I 64, H 128
+    down = (jax.random.normal(key[1], (8, 128, 32)) * 0.2).astype(jnp.bfloat16)
+    b1, b2 = jax.random.normal(key[4], (8, 64)), jax.random.normal(key[5], (8, 128))
+    x = jax.random.normal(key[2], (12, 128), jnp.bfloat16)
+    ids, w = nv.route(jax.random.normal(key[3], (12, 8)), "softmax_topk", top_k=2)
+    f32 = lambda v: np.asarray(v, np.float32)
+    layer = lambda x, ex, w, off=0: nv.moe(x, ex, topk_ids=ids, topk_weights=w, activation="swiglu_oai",
+                                          local_expert_offset=off)
+    for ex in (nv.BF16Experts(gate_up, down, gate_up_bias=b1, down_bias=b2),
+               nv.quantize_experts(gate_up, down, gate_up_bias=b1, down_bias=b2)):
+        parts = [f32(layer(x, jax.tree_util.tree_map(lambda a: a[s * 4:(s + 1) * 4], ex), w, s * 4)) for s in (0, 1)]
+        for types in ((AxisType.Auto,) * 2, (AxisType.Explicit,) * 2):
+            mesh = jax.make_mesh((2, 2), ("dp", "ep"), axis_types=types)
+            args = (jax.device_put(x, NamedSharding(mesh, P("dp"))), jax.device_put(ex, NamedSharding(mesh, P("ep"))),
+                    jax.device_put(w, NamedSharding(mesh, P("dp"))))
+            with jax.set_mesh(mesh):
+                f = jax.jit(layer)
+                out, hlo = f(*args), f.lower(*args).compile().as_text()
+                grad = jax.jit(jax.grad(lambda x, ex, w: (layer(x, ex, w).astype(jnp.float32) ** 2).sum(), 1,
+                                        allow_int=True))
+                g, ghlo = grad(*args), grad.lower(*args).compile().as_text()
+            assert not [a for a in all_gathers(hlo + ghlo) if a.startswith(("f32[8,", "bf16[8,", "u8[8,"))], types
+            np.testing.assert_array_equal(f32(out), f32(jnp.asarray(parts[0] + parts[1], jnp.bfloat16)))
+            assert tuple(g.down_bias.sharding.spec)[:1] == ("ep",), g.down_bias.sharding  # stays split along E
+    print("ok")
+""")
+
+
+def test_expert_biases_under_jit_with_sharded_experts():
+    """Biased experts (bf16, NVFP4) sharded along E and tokens along T under plain jit (4 CPU devices, Auto and
+    Explicit axes): the biases split with their experts (none gathered, forward or backward), and the output is the
+    shards run alone and summed, bitwise."""
+    run_on_cpu_devices(_JIT_SHARDED_BIASES, n=4)
+
+
+def test_expert_bias_errors(bad_setup):
+    ex, x, logits = bad_setup
+    biased = with_biases(ex, 32)
+    with pytest.raises(ValueError, match="prepare_flashinfer_weights: experts with biases"):
+        nv.prepare_flashinfer_weights(biased)
+    with pytest.raises(ValueError, match=r"NVFP4Experts.gate_up_bias must have shape \[8, 64\]"):
+        dataclasses.replace(ex, gate_up_bias=jnp.zeros((E, I)))
+    with pytest.raises(ValueError, match=r"BF16Experts.down_bias must have shape \[8, 64\]"):
+        nv.BF16Experts(jnp.zeros((E, 2 * I, H), BF16), jnp.zeros((E, H, I), BF16), down_bias=jnp.zeros((E, I)))
+    with pytest.raises(TypeError, match="down_bias must be a float array"):
+        dataclasses.replace(ex, down_bias=jnp.zeros((E, H), jnp.int32))
+    stacked = jax.tree.map(lambda *a: jnp.stack(a), biased, biased)
+    assert stacked[1].has_bias and stacked[1].down_bias.shape == (E, H) and not ex.has_bias
 
 
 # ------------------------------------------------------------------------------------------

@@ -61,7 +61,7 @@ def functional(blk: nvnn.MoE, x, mode=None, backend="auto"):
     xt = x.reshape(-1, H)
     logits = jnp.dot(xt, blk.router.kernel[...], preferred_element_type=jnp.float32)
     return nv.moe(xt, blk.experts.experts(), router_logits=logits, routing=blk.routing, top_k=blk.top_k,
-                  mode=mode, backend=backend).reshape(x.shape)
+                  activation=blk.activation, mode=mode, backend=backend).reshape(x.shape)
 
 
 def test_moe_module_matches_functional(model, x):
@@ -254,6 +254,56 @@ def test_gradients_reach_router_and_bf16_experts(model, x):
     g = grads["model"]["layers"][0]["mlp"]
     assert float(jnp.abs(g["router"]["kernel"][...].astype(jnp.float32)).sum()) > 0
     assert float(jnp.abs(g["experts"]["gate_up"][...].astype(jnp.float32)).sum()) > 0
+
+
+_BIASED_EXPERT_PARALLEL = textwrap.dedent("""
+import jax, jax.numpy as jnp, numpy as np
+from flax import nnx
+import jax_nvfp4 as nv
+from jax_nvfp4 import nn as nvnn
+mesh = jax.make_mesh((2,), ("ep",))
+m = nvnn.MoE(64, 32, 8, 2, activation="swiglu_oai", expert_bias=True, rngs=nnx.Rngs(0))
+m.experts.down_bias[...] = jax.random.normal(jax.random.key(2), (8, 64), jnp.bfloat16)
+x = jax.random.normal(jax.random.key(1), (6, 64), jnp.bfloat16)
+for model in (m, nvnn.quantize_moe(m)):
+    got = nnx.jit(lambda m, x: m(x))(nvnn.expert_parallel(model, mesh, "ep"), x)
+    halves = [jax.tree_util.tree_map(lambda a: a[s], model.experts.experts()) for s in (slice(0, 4), slice(4, 8))]
+    ref = sum(np.asarray(nv.moe(x, h, router_logits=model.router_logits(x), top_k=2, activation="swiglu_oai",
+                                local_expert_offset=o), np.float32) for h, o in zip(halves, (0, 4)))
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(jnp.asarray(ref, jnp.bfloat16), np.float32))
+print("ok")
+""")
+
+
+def test_expert_biases_in_blocks(x):
+    """MoE(expert_bias=True) (gpt-oss): zero bias Params at first; the block is jax_nvfp4.moe on its biased experts
+    (bitwise); quantize_moe keeps the biases unquantized beside the NVFP4 bytes; gradients reach them; a checkpoint's
+    experts without biases are refused for it; under expert_parallel (2 CPU devices) the biases split with their
+    experts (the block is the shards' sum, bitwise)."""
+    blk = nvnn.MoE(H, I, E, K, activation="swiglu_oai", expert_bias=True, rngs=nnx.Rngs(3))
+    ex = blk.experts
+    assert isinstance(ex.gate_up_bias, nnx.Param) and ex.gate_up_bias.shape == (E, 2 * I)
+    assert not np.any(np.asarray(ex.down_bias[...], np.float32))
+    ex.gate_up_bias[...] = jax.random.normal(jax.random.key(4), (E, 2 * I), jnp.bfloat16)
+    ex.down_bias[...] = jax.random.normal(jax.random.key(5), (E, H), jnp.bfloat16)
+    out = blk(x)
+    np.testing.assert_array_equal(out, functional(blk, x))
+    q = nvnn.quantize_moe(blk)
+    qb = q.experts
+    assert isinstance(qb.down_bias, nvnn.QuantizedWeight)
+    np.testing.assert_array_equal(qb.down_bias[...], ex.down_bias[...])
+    want = quantize_experts(ex.gate_up[...], ex.down[...])
+    np.testing.assert_array_equal(qb.experts().down.data, want.down.data)
+    np.testing.assert_array_equal(q(x), functional(q, x, "w4a16"))
+    unbiased = nvnn.MoE(H, I, E, K, activation="swiglu_oai", rngs=nnx.Rngs(3))
+    assert not unbiased.experts.biases() and not nvnn.quantize_moe(unbiased).experts.biases()
+    assert np.abs(np.asarray(out, np.float32) - np.asarray(unbiased(x), np.float32)).max() > 0.1
+    g = nnx.grad(lambda m: jnp.mean(m(x).astype(jnp.float32) ** 2))(blk)
+    assert float(jnp.abs(g["experts"]["down_bias"][...].astype(jnp.float32)).sum()) > 0
+    assert float(jnp.abs(g["experts"]["gate_up_bias"][...].astype(jnp.float32)).sum()) > 0
+    with pytest.raises(ValueError, match="experts without biases, but the block has some"):
+        nvnn.load_experts(blk, {"": want})
+    run_on_cpu_devices(_BIASED_EXPERT_PARALLEL)
 
 
 def test_load_experts_from_converted_checkpoint(tmp_path, model, x):

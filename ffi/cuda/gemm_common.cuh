@@ -22,6 +22,7 @@ struct GemmParams {
   const uint8_t* w;           // [E, N, K/2] E2M1 pairs (rows, or blocked: Pairing::kBlockedW)
   const uint8_t* ws;          // [E, N, K/16] E4M3 bits (likewise)
   const float* alpha;         // [E]
+  const float* bias;          // [E, N] added after alpha * row scale (GEMM1's rows [gate; up]), or null
   const int32_t* sorted_ids;  // [P]
   const int32_t* tile_expert; // [P / tile_m]
   const float* row_scale;     // [row_scale_n]
@@ -215,6 +216,15 @@ __device__ __forceinline__ void Store(uint16_t* out, int64_t i, float v) {
 }
 __device__ __forceinline__ void Store(float* out, int64_t i, float v) { out[i] = v; }
 
+// Expert e's row of GemmParams::bias, or null without one.
+__device__ __forceinline__ const float* ExpertBias(const GemmParams& p, int32_t e) {
+  return p.bias ? p.bias + int64_t(e) * p.N : nullptr;
+}
+// The biases of output feature n of an expert's bias row b: {gate row n, up row n_out + n (gated)}; 0 without.
+__device__ __forceinline__ float2 FeatureBias(const float* b, int64_t n_out, int64_t n, bool gated) {
+  return b ? make_float2(b[n], gated ? b[n_out + n] : 0.0f) : make_float2(0.0f, 0.0f);
+}
+
 // Epilogue of both kernels: thread (g, t) of a warp holds, for its 16 features feat0..+15,
 // acc[j][m][2h + c] = feature feat0 + g + 8h of weight block j (gate / up), sorted row
 // tile * 8FM + 8m + 2t + c (the m16n8 C layout, and the wgmma m64nN D layout per warp), whose pair is
@@ -226,6 +236,8 @@ __device__ __forceinline__ void EpilogueAct(const GemmParams& p, int32_t e, int6
   constexpr int BM = FM * 8;
   const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
   const float alpha = p.alpha[e] * kDecodeBias;  // the 2^-8 left in the decoded weights
+  const float* bias = ExpertBias(p, e);
+  const float2 fb[2] = {FeatureBias(bias, p.n_out, feat0 + g, GATED), FeatureBias(bias, p.n_out, feat0 + g + 8, GATED)};
   // This thread's two output columns, once (a PairingPos per store was 3-4% of a GEMM's instructions).
   const int64_t col[2] = {PairingPos(p.pairing, Pairing::kOut, feat0 + g),
                           PairingPos(p.pairing, Pairing::kOut, feat0 + g + 8)};
@@ -273,8 +285,8 @@ __device__ __forceinline__ void EpilogueAct(const GemmParams& p, int32_t e, int6
         const int i = 2 * h + c;
         float v = 0.0f;
         if (valid[m][c]) {
-          const float gate = acc[0][m][i] * scale;
-          const float up = GATED ? acc[NF - 1][m][i] * scale : 0.0f;
+          const float gate = acc[0][m][i] * scale + fb[h].x;
+          const float up = GATED ? acc[NF - 1][m][i] * scale + fb[h].y : 0.0f;
           v = ApplyActivation(ACT >= 0 ? ACT : p.activation, gate, up);
         }
         Store(static_cast<OutT*>(p.out), r * p.n_out + col[h], v);

@@ -410,7 +410,7 @@ void LaunchFor(const GemmParams& p, bool gated, bool f32_out, bool a_paired, int
 // the mma.sync kernel aligns in every CTA, sorted_ids / tile_expert being the align's outputs.
 ffi::Error GroupedGemmCuda(cudaStream_t stream, const GemmDims& d, ffi::Buffer<ffi::BF16> a,
                            ffi::Buffer<ffi::U8> w_data, ffi::AnyBuffer w_scales, ffi::Buffer<ffi::F32> alpha,
-                           ffi::Buffer<ffi::S32> sorted_ids, ffi::Buffer<ffi::S32> tile_expert,
+                           const float* bias, ffi::Buffer<ffi::S32> sorted_ids, ffi::Buffer<ffi::S32> tile_expert,
                            ffi::Buffer<ffi::F32> row_scale, ffi::Result<ffi::AnyBuffer> out, int64_t activation,
                            int64_t row_scale_mode, int64_t top_k, int64_t gather, int64_t tile_m, int64_t k_split,
                            int64_t pairing, int64_t kernel_flags, const AlignArgs* align) {
@@ -456,6 +456,7 @@ ffi::Error GroupedGemmCuda(cudaStream_t stream, const GemmDims& d, ffi::Buffer<f
   p.w = w_data.typed_data();
   p.ws = static_cast<const uint8_t*>(w_scales.untyped_data());
   p.alpha = alpha.typed_data();
+  p.bias = bias;
   p.sorted_ids = sorted_ids.typed_data();
   p.tile_expert = tile_expert.typed_data();
   p.row_scale = row_scale.typed_data();
@@ -488,7 +489,7 @@ ffi::Error GroupedGemmCuda(cudaStream_t stream, const GemmDims& d, ffi::Buffer<f
 }
 
 ffi::Error GroupedGemmCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> a, ffi::Buffer<ffi::U8> w_data,
-                               ffi::AnyBuffer w_scales, ffi::Buffer<ffi::F32> alpha,
+                               ffi::AnyBuffer w_scales, ffi::Buffer<ffi::F32> alpha, ffi::Buffer<ffi::F32> bias,
                                ffi::Buffer<ffi::S32> sorted_ids, ffi::Buffer<ffi::S32> tile_expert,
                                ffi::Buffer<ffi::F32> row_scale, ffi::Result<ffi::AnyBuffer> out,
                                int64_t activation, int64_t row_scale_mode, int64_t top_k, int64_t gather,
@@ -499,15 +500,18 @@ ffi::Error GroupedGemmCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> a, ff
                            kernel_flags, kCudaKMultiple, kCudaNMultiple, &d);
       err.failure())
     return err;
-  return GroupedGemmCuda(stream, d, a, w_data, w_scales, alpha, sorted_ids, tile_expert, row_scale, out, activation,
-                         row_scale_mode, top_k, gather, tile_m, k_split, pairing, kernel_flags, nullptr);
+  if (auto err = CheckBias("grouped_gemm", bias, d); err.failure()) return err;
+  return GroupedGemmCuda(stream, d, a, w_data, w_scales, alpha, BiasData(bias), sorted_ids, tile_expert, row_scale,
+                         out, activation, row_scale_mode, top_k, gather, tile_m, k_split, pairing, kernel_flags,
+                         nullptr);
 }
 
 // moe_align_gemm: GEMM1's CTAs each align the (at most 32) pairs in one warp for their own tile, and
 // the first one writes the align's outputs for GEMM2 and the finalize: one launch fewer at decode.
 ffi::Error MoeAlignGemmCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> topk_ids, ffi::Buffer<ffi::BF16> a,
                                 ffi::Buffer<ffi::U8> w_data, ffi::AnyBuffer w_scales, ffi::Buffer<ffi::F32> alpha,
-                                ffi::Buffer<ffi::F32> row_scale, ffi::Result<ffi::AnyBuffer> out,
+                                ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::F32> row_scale,
+                                ffi::Result<ffi::AnyBuffer> out,
                                 ffi::Result<ffi::Buffer<ffi::S32>> sorted_ids,
                                 ffi::Result<ffi::Buffer<ffi::S32>> tile_expert,
                                 ffi::Result<ffi::Buffer<ffi::S32>> pair_to_row, int64_t expert_offset,
@@ -520,10 +524,11 @@ ffi::Error MoeAlignGemmCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> topk_
                                 pairing, kernel_flags, kMaxAlignExperts, kCudaKMultiple, kCudaNMultiple, &n, &d);
       err.failure())
     return err;
+  if (auto err = CheckBias("moe_align_gemm", bias, d); err.failure()) return err;
   const AlignArgs al{topk_ids.typed_data(), int32_t(n), int32_t(tile_m), d.E, expert_offset, d.P,
                      sorted_ids->typed_data(), tile_expert->typed_data(), pair_to_row->typed_data()};
-  return GroupedGemmCuda(stream, d, a, w_data, w_scales, alpha, *sorted_ids, *tile_expert, row_scale, out,
-                         activation, row_scale_mode, topk_ids.dimensions()[1], 1, tile_m, k_split, pairing,
+  return GroupedGemmCuda(stream, d, a, w_data, w_scales, alpha, BiasData(bias), *sorted_ids, *tile_expert, row_scale,
+                         out, activation, row_scale_mode, topk_ids.dimensions()[1], 1, tile_m, k_split, pairing,
                          kernel_flags, &al);
 }
 

@@ -504,10 +504,12 @@ __device__ __forceinline__ uint32_t StagedHalf(int row, int half) {
   return uint32_t(row * 32 + ((half ^ ((row >> 2) & 1)) << 4));
 }
 template <int ACT, int FM>
-__device__ __forceinline__ void StoreStaged(const GemmParams& p, float alpha, int64_t row0, int64_t feat0,
-                                            const float (&acc)[FM][4], uint32_t rows, uint32_t factors,
+__device__ __forceinline__ void StoreStaged(const GemmParams& p, float alpha, const float* bias, int64_t row0,
+                                            int64_t feat0, const float (&acc)[FM][4], uint32_t rows, uint32_t factors,
                                             uint32_t stage, int nrows = 8 * FM) {
-  const int lane = threadIdx.x & 31, t = lane & 3;
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const float fb[2] = {FeatureBias(bias, p.n_out, feat0 + g, false).x,
+                       FeatureBias(bias, p.n_out, feat0 + g + 8, false).x};
   uint32_t packed[FM][2];  // rows 8m + 2t, +1 of features g + 8h, as bf16x2
 #pragma unroll
   for (int m = 0; m < FM; ++m) {
@@ -522,7 +524,8 @@ __device__ __forceinline__ void StoreStaged(const GemmParams& p, float alpha, in
       float v[2];
 #pragma unroll
       for (int c = 0; c < 2; ++c)
-        v[c] = (c ? valid.y : valid.x) ? ApplyActivation(ACT, acc[m][2 * h + c] * scale[c], 0.0f) : 0.0f;
+        v[c] = (c ? valid.y : valid.x) ? ApplyActivation(ACT, acc[m][2 * h + c] * scale[c] + fb[h], 0.0f)
+                                        : 0.0f;
       asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(packed[m][h]) : "f"(v[1]), "f"(v[0]));
     }
   }
@@ -555,13 +558,13 @@ __device__ __forceinline__ void StoreStaged(const GemmParams& p, float alpha, in
 
 // StoreStaged with moe's non-gated activation (relu2, else the identity), picked once a block.
 template <int FM>
-__device__ __forceinline__ void StoreStagedAct(const GemmParams& p, float alpha, int64_t row0, int64_t feat0,
-                                               const float (&acc)[FM][4], uint32_t rows, uint32_t factors,
-                                               uint32_t stage, int nrows = 8 * FM) {
+__device__ __forceinline__ void StoreStagedAct(const GemmParams& p, float alpha, const float* bias, int64_t row0,
+                                               int64_t feat0, const float (&acc)[FM][4], uint32_t rows,
+                                               uint32_t factors, uint32_t stage, int nrows = 8 * FM) {
   if (p.activation == int32_t(Activation::kRelu2))
-    StoreStaged<int(Activation::kRelu2)>(p, alpha, row0, feat0, acc, rows, factors, stage, nrows);
+    StoreStaged<int(Activation::kRelu2)>(p, alpha, bias, row0, feat0, acc, rows, factors, stage, nrows);
   else
-    StoreStaged<int(Activation::kIdentity)>(p, alpha, row0, feat0, acc, rows, factors, stage, nrows);
+    StoreStaged<int(Activation::kIdentity)>(p, alpha, bias, row0, feat0, acc, rows, factors, stage, nrows);
 }
 #endif
 
@@ -708,7 +711,8 @@ __global__ void __launch_bounds__(kWgThreadsPerCta, MinCtas<GATED, NB>()) W4A16W
       const uint32_t stage = ring + L::kStaging + warp * L::kStagingBytes;
 #pragma unroll
       for (int j = 0; j < NF; ++j)
-        if (active[j]) StoreStagedAct(p, alpha, tile * TOK, feat[j], acc[j], row_ids, row_scales, stage);
+        if (active[j])
+          StoreStagedAct(p, alpha, ExpertBias(p, e), tile * TOK, feat[j], acc[j], row_ids, row_scales, stage);
       if (more) __syncthreads();  // the row info is read before the next item's overwrites it
     } else {
       StoreTile<GATED, NF, OutT>(p, e, tile, feat, active, acc);
@@ -869,12 +873,14 @@ constexpr int WsFeatures() { return (GATED ? (NB == 1 ? 32 : 64) : 64 * NB) * NC
 // (other[m - m0], handed over in shared memory), with the row info in shared memory (as StoreStaged's), to
 // EpilogueAct's values and stores; rows from nrows on (the next item's) are not stored.
 template <int ACT, bool UP, typename OutT, int FM>
-__device__ __forceinline__ void SplitGatedStores(const GemmParams& p, float alpha, int64_t row0, int64_t feat0,
+__device__ __forceinline__ void SplitGatedStores(const GemmParams& p, float alpha, const float* bias, int64_t row0,
+                                                 int64_t feat0,
                                                  const float (&acc)[FM][4], const float (&other)[FM / 2][4],
                                                  uint32_t rows, uint32_t factors, int nrows) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int64_t col[2] = {PairingPos(p.pairing, Pairing::kOut, feat0 + g),
                           PairingPos(p.pairing, Pairing::kOut, feat0 + g + 8)};
+  const float2 fb[2] = {FeatureBias(bias, p.n_out, feat0 + g, true), FeatureBias(bias, p.n_out, feat0 + g + 8, true)};
   constexpr int m0 = UP ? FM / 2 : 0;
 #pragma unroll
   for (int mm = 0; mm < FM / 2; ++mm) {
@@ -891,23 +897,25 @@ __device__ __forceinline__ void SplitGatedStores(const GemmParams& p, float alph
       for (int h = 0; h < 2; ++h) {
         const int i = 2 * h + c;
         const float gate = UP ? other[mm][i] : acc[m][i], up = UP ? acc[m][i] : other[mm][i];
-        const float v = (c ? valid.y : valid.x) ? ApplyActivation(ACT, gate * scale, up * scale) : 0.0f;
+        const float v =
+            (c ? valid.y : valid.x) ? ApplyActivation(ACT, gate * scale + fb[h].x, up * scale + fb[h].y) : 0.0f;
         Store(static_cast<OutT*>(p.out), (row0 + row + c) * p.n_out + col[h], v);
       }
     }
   }
 }
 template <bool UP, typename OutT, int FM>
-__device__ __forceinline__ void SplitGatedStoresAct(const GemmParams& p, float alpha, int64_t row0, int64_t feat0,
-                                                    const float (&acc)[FM][4], const float (&other)[FM / 2][4],
-                                                    uint32_t rows, uint32_t factors, int nrows) {
+__device__ __forceinline__ void SplitGatedStoresAct(const GemmParams& p, float alpha, const float* bias, int64_t row0,
+                                                    int64_t feat0, const float (&acc)[FM][4],
+                                                    const float (&other)[FM / 2][4], uint32_t rows, uint32_t factors,
+                                                    int nrows) {
   using A = Activation;
   if (p.activation == int32_t(A::kGeglu))
-    SplitGatedStores<int(A::kGeglu), UP, OutT>(p, alpha, row0, feat0, acc, other, rows, factors, nrows);
+    SplitGatedStores<int(A::kGeglu), UP, OutT>(p, alpha, bias, row0, feat0, acc, other, rows, factors, nrows);
   else if (p.activation == int32_t(A::kSwigluOai))
-    SplitGatedStores<int(A::kSwigluOai), UP, OutT>(p, alpha, row0, feat0, acc, other, rows, factors, nrows);
+    SplitGatedStores<int(A::kSwigluOai), UP, OutT>(p, alpha, bias, row0, feat0, acc, other, rows, factors, nrows);
   else
-    SplitGatedStores<int(A::kSwiglu), UP, OutT>(p, alpha, row0, feat0, acc, other, rows, factors, nrows);
+    SplitGatedStores<int(A::kSwiglu), UP, OutT>(p, alpha, bias, row0, feat0, acc, other, rows, factors, nrows);
 }
 
 template <bool GATED, typename OutT, int TOK, int NC, int NB>
@@ -1140,7 +1148,8 @@ __global__ void __launch_bounds__(WsShape<NC, NB>::kThreads, 1)
         MbarWait(row_bar, done++ & 1);
         const float alpha = p.alpha[e] * kDecodeBias;
         if (active[0])
-          SplitGatedStoresAct<kUp, OutT>(p, alpha, row0, feat[0], acc[0], other, row_ids, row_scales, rows);
+          SplitGatedStoresAct<kUp, OutT>(p, alpha, ExpertBias(p, e), row0, feat[0], acc[0], other, row_ids,
+                                         row_scales, rows);
       };
       if (up_wg) hand_over(std::true_type{});
       else hand_over(std::false_type{});
@@ -1153,7 +1162,8 @@ __global__ void __launch_bounds__(WsShape<NC, NB>::kThreads, 1)
         Hold(acc);
         const float alpha = p.alpha[e] * kDecodeBias;
         const uint32_t out_stage = ring + Smem::kStaging + warp * Smem::kStagingBytes;
-        if (active[0]) StoreStagedAct(p, alpha, row0, feat[0], acc[0], row_ids, row_scales, out_stage, rows);
+        if (active[0])
+          StoreStagedAct(p, alpha, ExpertBias(p, e), row0, feat[0], acc[0], row_ids, row_scales, out_stage, rows);
         // The MMA warpgroups only (named barrier 1): the row info is read before the next item's overwrites it.
         asm volatile("bar.sync 1, %0;\n" ::"n"(128 * NC) : "memory");
         continue;

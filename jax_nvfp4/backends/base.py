@@ -23,7 +23,8 @@ class MoEProblem:
     ``tokens`` is T, ``num_experts`` the local experts E held by ``experts``, ``top_k`` k;
     ``global_experts`` is the number of experts routed over (``router_logits.shape[1]``) when
     known, else None (precomputed routing); ``traced_offset``: ``local_expert_offset`` is a traced
-    int32 scalar (e.g. ``lax.axis_index`` under ``shard_map``), not a Python int.
+    int32 scalar (e.g. ``lax.axis_index`` under ``shard_map``), not a Python int; ``expert_bias``: the
+    experts carry a GEMM1 or GEMM2 bias (``gate_up_bias`` / ``down_bias``).
     """
 
     tokens: int
@@ -35,6 +36,7 @@ class MoEProblem:
     activation: str
     global_experts: int | None = None
     traced_offset: bool = False
+    expert_bias: bool = False
 
 
 class Backend(Protocol):

@@ -943,6 +943,9 @@ class FlashInferBackend:
     def unsupported_reason(self, problem: base.MoEProblem) -> str | None:
         if problem.mode == "bf16":
             return "mode 'bf16' has no FlashInfer NVFP4 kernel (use mode 'w4a16' or 'w4a4')"
+        if problem.expert_bias:
+            return ("expert biases (gate_up_bias / down_bias) are not passed to FlashInfer's kernels; backends 'ffi' "
+                    "and 'xla' run them")
         kernel = self.kernel_for(problem)
         if problem.mode not in KERNEL_MODES[kernel]:
             return f"kernel {kernel!r} runs modes {KERNEL_MODES[kernel]}, not {problem.mode!r}"

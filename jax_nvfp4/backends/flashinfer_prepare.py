@@ -173,6 +173,10 @@ def prepare_weights(experts: NVFP4Experts, kernel: str = "cutedsl") -> PreparedW
             experts, dict) else ""
         raise TypeError(f"prepare_flashinfer_weights needs NVFP4Experts, got {type(experts).__name__}{hint}")
     require_unstacked(experts, "prepare_flashinfer_weights")
+    if experts.has_bias:
+        raise ValueError("prepare_flashinfer_weights: experts with biases (gate_up_bias / down_bias) do not run on "
+                         "FlashInfer's kernels here (jax_nvfp4 does not pass biases to them); run them on backends "
+                         "'ffi' or 'xla'")
     if experts.gate_up.order == "blocked":  # FlashInfer's layouts start from the rows order
         experts = from_blocked_experts(experts)
     why = layout_unsupported_reason(kernel, experts.hidden_size, experts.intermediate_size, experts.gated)

@@ -238,6 +238,8 @@ def moe_experts(x, experts, topk_ids, topk_weights, *, mode: str, activation: st
                                                   local_expert_offset, dispatch)
     tok = order // k
     w1, w2, alpha1, alpha2 = _weights(experts, hit)
+    b1, b2 = (None if b is None else jnp.asarray(b if hit is None else b[hit], jnp.float32)[row_group]
+              for b in (experts.gate_up_bias, experts.down_bias))  # per row, float32
 
     scale1 = None if alpha1 is None else alpha1[row_group]
     if mode == "w4a4":
@@ -248,18 +250,24 @@ def moe_experts(x, experts, topk_ids, topk_weights, *, mode: str, activation: st
     g = _gmm(gmm, xs, w1, sizes)  # [M, N1] f32
     if scale1 is not None:
         g = g * scale1[:, None]
+    if b1 is not None:
+        g = g + b1
     a = activations.apply(activation, g)  # [M, I] f32
 
-    scale2 = topk_weights.reshape(m).astype(jnp.float32)[order]
-    if mode == "w4a4":  # w * da * alpha2, in the spec's order (the ffi kernels' too)
+    w = topk_weights.reshape(m).astype(jnp.float32)[order]
+    # The spec's order, w * da * alpha2 (the ffi kernels' too); with a down bias w * (da * alpha2 * acc + b2).
+    scale2 = jnp.ones_like(w) if b2 is not None else w
+    if mode == "w4a4":
         a, da = _exact_bf16(quantize(a, per_token=True))
         scale2 = scale2 * da
     else:
         a = a.astype(jnp.bfloat16)
     if alpha2 is not None:
         scale2 = scale2 * alpha2[row_group]
-    y = _gmm(gmm, a, w2, sizes)  # [M, H] f32
-    y = jnp.where(valid_s[:, None], y * scale2[:, None], 0.0)
+    y = _gmm(gmm, a, w2, sizes) * scale2[:, None]  # [M, H] f32
+    if b2 is not None:
+        y = (y + b2) * w[:, None]
+    y = jnp.where(valid_s[:, None], y, 0.0)
 
     inv = jnp.zeros((m,), jnp.int32).at[order].set(jnp.arange(m, dtype=jnp.int32))
     return y[inv].reshape(t, k, h).sum(axis=1).astype(jnp.bfloat16)

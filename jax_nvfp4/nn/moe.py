@@ -18,7 +18,7 @@ from flax import nnx
 
 from ..backends.base import MODES, names as backend_names
 from ..expert_sharding import axis_names
-from ..formats import BF16Experts, NVFP4Array, NVFP4Experts
+from ..formats import BIAS_FIELDS, BF16Experts, NVFP4Array, NVFP4Experts
 from ..moe import moe
 from ..routing import ROUTING_METHODS, check_route_args
 from .. import activations
@@ -43,7 +43,13 @@ def _normal(key, shape, fan_in: int, dtype):
     return (jax.random.normal(key, shape, jnp.float32) * fan_in ** -0.5).astype(dtype)
 
 
-class BF16ExpertWeights(nnx.Module):
+class _ExpertBiases:
+    def biases(self) -> dict:
+        """The expert biases held, as arrays by field name (``gate_up_bias``, ``down_bias``); empty without."""
+        return {n: getattr(self, n)[...] for n in BIAS_FIELDS if getattr(self, n, None) is not None}
+
+
+class BF16ExpertWeights(_ExpertBiases, nnx.Module):
     """Unquantized expert stack (trainable).
 
     Parameters
@@ -51,35 +57,42 @@ class BF16ExpertWeights(nnx.Module):
     gate_up : ``[E, 2I, H]`` (rows ``[gate; up]``), or ``[E, I, H]`` with ``gated=False``
     down : ``[E, H, I]``
     gated : bool
+    gate_up_bias, down_bias : optional ``[E, 2I]`` (``[E, I]`` not gated) and ``[E, H]``: expert biases
+        (gpt-oss), :class:`~jax_nvfp4.BF16Experts`'
 
     Attributes
     ----------
     gate_up, down : nnx.Param holding the arrays as given (bf16 usually; float32 master weights
         are cast to bf16 for the MoE).
+    gate_up_bias, down_bias : nnx.Param, or None without biases (used as stored: the backend adds them in
+        float32)
     """
 
-    def __init__(self, gate_up, down, *, gated: bool = True):
-        BF16Experts(gate_up, down, gated)  # validates the shapes
+    def __init__(self, gate_up, down, *, gated: bool = True, gate_up_bias=None, down_bias=None):
+        BF16Experts(gate_up, down, gated, gate_up_bias, down_bias)  # validates the shapes
         self.gate_up = nnx.Param(gate_up)
         self.down = nnx.Param(down)
+        self.gate_up_bias, self.down_bias = (None if b is None else nnx.Param(b) for b in (gate_up_bias, down_bias))
         self.gated = gated
 
     @classmethod
     def random(cls, num_experts: int, hidden_size: int, intermediate_size: int, *, gated: bool = True,
-               param_dtype=jnp.bfloat16, rngs: nnx.Rngs) -> "BF16ExpertWeights":
-        """Random experts, normal with variance ``1/fan_in``."""
+               bias: bool = False, param_dtype=jnp.bfloat16, rngs: nnx.Rngs) -> "BF16ExpertWeights":
+        """Random experts, normal with variance ``1/fan_in``; with ``bias``, zero expert biases."""
         rows = (2 if gated else 1) * intermediate_size
+        biases = ((jnp.zeros((num_experts, rows), param_dtype), jnp.zeros((num_experts, hidden_size), param_dtype))
+                  if bias else (None, None))
         return cls(_normal(rngs.params(), (num_experts, rows, hidden_size), hidden_size, param_dtype),
                    _normal(rngs.params(), (num_experts, hidden_size, intermediate_size), intermediate_size,
-                           param_dtype), gated=gated)
+                           param_dtype), gated=gated, gate_up_bias=biases[0], down_bias=biases[1])
 
     def experts(self) -> BF16Experts:
         """The weights as :class:`~jax_nvfp4.BF16Experts` (cast to bf16), for :func:`jax_nvfp4.moe`."""
         return BF16Experts(self.gate_up[...].astype(jnp.bfloat16), self.down[...].astype(jnp.bfloat16),
-                           self.gated)
+                           self.gated, **self.biases())
 
 
-class NVFP4ExpertWeights(nnx.Module):
+class NVFP4ExpertWeights(_ExpertBiases, nnx.Module):
     """NVFP4 expert stack (not trainable): the parts of :class:`~jax_nvfp4.NVFP4Experts` as Variables.
 
     Parameters
@@ -94,6 +107,7 @@ class NVFP4ExpertWeights(nnx.Module):
     gate_up_scales : QuantizedWeight float8_e4m3fn ``[E, 2I, H/16]``
     gate_up_global_scale : QuantizedWeight float32 ``[E]``
     down_data, down_scales, down_global_scale : the same for ``[E, H, I]``
+    gate_up_bias, down_bias : QuantizedWeight (the experts' biases, as given: not quantized), or None
     gated : bool; dtype : the source dtype recorded by the quantizer; order : the byte order of
         the data and scales (:attr:`jax_nvfp4.NVFP4Array.order`) (static)
 
@@ -112,6 +126,9 @@ class NVFP4ExpertWeights(nnx.Module):
             setattr(self, f"{name}_data{tag}", QuantizedWeight(w.data))
             setattr(self, f"{name}_scales{tag}", QuantizedWeight(w.scales))
             setattr(self, f"{name}_global_scale", QuantizedWeight(w.global_scale))
+        for name in BIAS_FIELDS:
+            b = getattr(experts, name)
+            setattr(self, name, None if b is None else QuantizedWeight(b))
         self.gated = experts.gated
         self.dtype = jnp.dtype(experts.gate_up.dtype)
 
@@ -131,7 +148,7 @@ class NVFP4ExpertWeights(nnx.Module):
         def part(name):
             return NVFP4Array(getattr(self, f"{name}_data{tag}")[...], getattr(self, f"{name}_scales{tag}")[...],
                               getattr(self, f"{name}_global_scale")[...], self.dtype, self.order)
-        return NVFP4Experts(part("gate_up"), part("down"), self.gated)
+        return NVFP4Experts(part("gate_up"), part("down"), self.gated, **self.biases())
 
 
 def check_choice(value, choices, name):
@@ -180,6 +197,10 @@ class MoE(nnx.Module):
     router_bias : bool
         Add a learned per-expert router bias ``[E]`` (required by ``deepseek_v3``, where it affects
         selection only).
+    expert_bias : bool
+        Give the experts biases (gpt-oss): ``gate_up_bias [E, 2I]`` added to GEMM1's output before the
+        activation, ``down_bias [E, H]`` to GEMM2's before the routing weight (zeros at first). Backends
+        ``xla`` and ``ffi`` run them (not ``flashinfer``).
     n_group, topk_group, routed_scaling_factor
         Routing parameters (see :func:`jax_nvfp4.route`).
     expert_axis : str, optional
@@ -212,6 +233,7 @@ class MoE(nnx.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, *,
                  routing: str = "softmax_topk", activation: str = "swiglu", mode: str | None = None,
                  backend: str = "auto", batch_invariant: bool = False, router_bias: bool = False,
+                 expert_bias: bool = False,
                  n_group: int | None = None, topk_group: int | None = None, routed_scaling_factor: float = 1.0,
                  expert_axis: str | None = None, mesh: jax.sharding.Mesh | None = None,
                  token_axis: str | tuple[str, ...] | None = None,
@@ -246,7 +268,7 @@ class MoE(nnx.Module):
                                  param_dtype=param_dtype, preferred_element_type=jnp.float32, rngs=rngs)
         self.router_bias = nnx.Param(jnp.zeros((num_experts,), jnp.float32)) if router_bias else None
         self.experts = BF16ExpertWeights.random(num_experts, hidden_size, intermediate_size,
-                                                gated=activations.is_gated(activation),
+                                                gated=activations.is_gated(activation), bias=expert_bias,
                                                 param_dtype=param_dtype, rngs=rngs)
 
     @property

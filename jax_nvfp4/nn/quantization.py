@@ -142,7 +142,7 @@ def quantize_moe(model, *, ignore: str | Sequence[str] = (), recipe: str = "nvfp
         block, ex = blocks[name], blocks[name].experts
         if not block.quantized:
             try:
-                q = _quantize_experts(ex.gate_up[...], ex.down[...], recipe=recipe, gated=ex.gated)
+                q = _quantize_experts(ex.gate_up[...], ex.down[...], recipe=recipe, gated=ex.gated, **ex.biases())
             except (TypeError, ValueError) as err:  # (shapes NVFP4 cannot take: name the block)
                 if type(err) not in (TypeError, ValueError):
                     raise
@@ -270,6 +270,9 @@ def _load_experts(model, source: dict, mode: str, order: str, strict: bool, cons
         if want != got or ex.gated != activations.is_gated(block.activation):
             raise ValueError(f"checkpoint MoE module {module!r}: experts (E, H, I) = {got}, gated={ex.gated} "
                              f"do not fit the block's {want} with activation {block.activation!r}")
+        if ex.has_bias != bool(block.experts.biases()):
+            raise ValueError(f"checkpoint MoE module {module!r}: experts {'with' if ex.has_bias else 'without'} "
+                             f"biases, but the block has {'some' if block.experts.biases() else 'none'} (expert_bias)")
         block.experts = _weights(ex, _order_of(block, order, module, keep=False))
         block.mode = mode
         loaded.append(module)
