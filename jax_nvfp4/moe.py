@@ -3,8 +3,8 @@
 Semantics are spec section 5: per selected (token t, expert e),
 ``g = alpha1[e] * (x_t @ w13_e^T)`` (fp32 accumulation), ``a = act(gate, up)``,
 ``y_t += w_{t,e} * alpha2[e] * (a @ w2_e^T)``; the output is bf16. Experts with biases (gpt-oss) add
-``b13[e]`` to ``g`` and ``b2[e]`` to ``alpha2[e] * (a @ w2_e^T)`` before the routing weight. The expert computation is
-delegated to a backend (:mod:`jax_nvfp4.backends`); ``xla`` (pure JAX) runs everywhere.
+``b13[e]`` to ``g`` and ``b2[e]`` to ``alpha2[e] * (a @ w2_e^T)`` before the routing weight. The expert
+computation is delegated to a backend (:mod:`jax_nvfp4.backends`); ``xla`` (pure JAX) runs everywhere.
 """
 
 from __future__ import annotations

@@ -1131,7 +1131,8 @@ def test_gemm_pairing_checks():
         with pytest.raises(Exception, match=msg):
             jax.ffi.ffi_call(ops.TARGET_GEMM, jax.ShapeDtypeStruct((sid.shape[0], 48), BF16),
                              vmap_method="sequential")(
-                a, w.data, w.scales, w.global_scale, jnp.zeros((0,), jnp.float32), sid, te, jnp.zeros((1,), jnp.float32),
+                a, w.data, w.scales, w.global_scale, jnp.zeros((0,), jnp.float32), sid, te,
+                jnp.zeros((1,), jnp.float32),
                 activation=np.int64(act), row_scale_mode=np.int64(0), top_k=np.int64(3), gather=np.int64(1),
                 tile_m=np.int64(8), k_split=np.int64(1), pairing=np.int64(pairing), kernel_flags=np.int64(0))
 

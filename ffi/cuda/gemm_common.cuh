@@ -237,7 +237,8 @@ __device__ __forceinline__ void EpilogueAct(const GemmParams& p, int32_t e, int6
   const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
   const float alpha = p.alpha[e] * kDecodeBias;  // the 2^-8 left in the decoded weights
   const float* bias = ExpertBias(p, e);
-  const float2 fb[2] = {FeatureBias(bias, p.n_out, feat0 + g, GATED), FeatureBias(bias, p.n_out, feat0 + g + 8, GATED)};
+  const float2 fb[2] = {FeatureBias(bias, p.n_out, feat0 + g, GATED),
+                        FeatureBias(bias, p.n_out, feat0 + g + 8, GATED)};
   // This thread's two output columns, once (a PairingPos per store was 3-4% of a GEMM's instructions).
   const int64_t col[2] = {PairingPos(p.pairing, Pairing::kOut, feat0 + g),
                           PairingPos(p.pairing, Pairing::kOut, feat0 + g + 8)};

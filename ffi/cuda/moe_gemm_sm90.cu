@@ -874,13 +874,14 @@ constexpr int WsFeatures() { return (GATED ? (NB == 1 ? 32 : 64) : 64 * NB) * NC
 // EpilogueAct's values and stores; rows from nrows on (the next item's) are not stored.
 template <int ACT, bool UP, typename OutT, int FM>
 __device__ __forceinline__ void SplitGatedStores(const GemmParams& p, float alpha, const float* bias, int64_t row0,
-                                                 int64_t feat0,
-                                                 const float (&acc)[FM][4], const float (&other)[FM / 2][4],
-                                                 uint32_t rows, uint32_t factors, int nrows) {
+                                                 int64_t feat0, const float (&acc)[FM][4],
+                                                 const float (&other)[FM / 2][4], uint32_t rows, uint32_t factors,
+                                                 int nrows) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int64_t col[2] = {PairingPos(p.pairing, Pairing::kOut, feat0 + g),
                           PairingPos(p.pairing, Pairing::kOut, feat0 + g + 8)};
-  const float2 fb[2] = {FeatureBias(bias, p.n_out, feat0 + g, true), FeatureBias(bias, p.n_out, feat0 + g + 8, true)};
+  const float2 fb[2] = {FeatureBias(bias, p.n_out, feat0 + g, true),
+                        FeatureBias(bias, p.n_out, feat0 + g + 8, true)};
   constexpr int m0 = UP ? FM / 2 : 0;
 #pragma unroll
   for (int mm = 0; mm < FM / 2; ++mm) {

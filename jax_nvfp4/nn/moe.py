@@ -58,7 +58,7 @@ class BF16ExpertWeights(_ExpertBiases, nnx.Module):
     down : ``[E, H, I]``
     gated : bool
     gate_up_bias, down_bias : optional ``[E, 2I]`` (``[E, I]`` not gated) and ``[E, H]``: expert biases
-        (gpt-oss), :class:`~jax_nvfp4.BF16Experts`'
+        (gpt-oss), as in :class:`~jax_nvfp4.BF16Experts`
 
     Attributes
     ----------
