@@ -1146,8 +1146,8 @@ def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str =
         return out
     # GEMM2's bias, sum_j w_j * b2[e_j] over the token's local experts, in fp32 after the finalize (one more bf16
     # rounding than backend xla's): w * (s * acc + b2) = w * s * acc + w * b2.
-    local = topk_ids - offset
-    ok = (topk_ids >= 0) & (local >= 0) & (local < e)
+    local = shard_ids(topk_ids, offset)
+    ok = (local >= 0) & (local < e)
     b2 = experts.down_bias.astype(jnp.float32)[jnp.clip(local, 0, e - 1)]  # [T, k, H]
     w = jnp.where(ok, jnp.asarray(topk_weights, jnp.float32), 0.0)
     return (out.astype(jnp.float32) + jnp.sum(w[..., None] * b2, axis=1)).astype(jnp.bfloat16)
