@@ -361,8 +361,10 @@ class NVFP4Experts(_ExpertShapes):
 
     @classmethod
     def from_parts(cls, gate_up_data, gate_up_scales, gate_up_global_scale, down_data, down_scales,
-                   down_global_scale, *, gated: bool = True, dtype=jnp.bfloat16) -> "NVFP4Experts":
-        """Build from packed arrays (data uint8, scales float8_e4m3fn or their uint8 bits, global [E])."""
+                   down_global_scale, *, gated: bool = True, dtype=jnp.bfloat16, gate_up_bias=None,
+                   down_bias=None) -> "NVFP4Experts":
+        """Build from packed arrays (data uint8, scales float8_e4m3fn or their uint8 bits, global [E]) and the
+        optional biases."""
         def scales(s):
             s = jnp.asarray(s)
             return jax.lax.bitcast_convert_type(s, jnp.float8_e4m3fn) if s.dtype == jnp.uint8 else s
@@ -371,7 +373,7 @@ class NVFP4Experts(_ExpertShapes):
                        jnp.asarray(gate_up_global_scale, jnp.float32), jnp.dtype(dtype)),
             NVFP4Array(jnp.asarray(down_data), scales(down_scales),
                        jnp.asarray(down_global_scale, jnp.float32), jnp.dtype(dtype)),
-            gated)
+            gated, gate_up_bias, down_bias)
 
 
 @jax.tree_util.register_dataclass

@@ -11,6 +11,7 @@ import tracemalloc
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
@@ -202,7 +203,7 @@ def test_output_format_and_metadata(tmp_path):
     dst = tmp_path / "dst"
     convert_checkpoint(src, dst, progress=False)
     cfg = json.loads((dst / "nvfp4_config.json").read_text())
-    assert cfg["format"] == "jax_nvfp4" and cfg["format_version"] == 1 and cfg["recipe"] == "nvfp4"
+    assert cfg["format"] == "jax_nvfp4" and cfg["format_version"] == 2 and cfg["recipe"] == "nvfp4"
     assert cfg["source_dtype"] == "bfloat16" and cfg["group_size"] == 16 and cfg["ignore"] == []
     assert cfg["gemm1_row_order"] == ["gate", "up"]
     assert cfg["moe_modules"]["model.layers.1.mlp"] == dict(
@@ -215,7 +216,7 @@ def test_output_format_and_metadata(tmp_path):
         header = json.loads(raw[8:8 + n])
         meta = header.pop("__metadata__")
         assert meta["format"] == "pt"  # source metadata kept
-        assert meta["nvfp4_format"] == "jax_nvfp4" and meta["nvfp4_format_version"] == "1"
+        assert meta["nvfp4_format"] == "jax_nvfp4" and meta["nvfp4_format_version"] == "2"
         assert meta["nvfp4_recipe"] == "nvfp4" and json.loads(meta["nvfp4_source_dtype"]) == "bfloat16"
         spans = sorted(h["data_offsets"] for h in header.values())
         assert spans[0][0] == 0 and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
@@ -228,6 +229,14 @@ def test_output_format_and_metadata(tmp_path):
             for k in st.keys():
                 if header[k]["dtype"] != "F8_E4M3":  # its flax loader has no float8 (a library bug)
                     assert tuple(st.get_tensor(k).shape) == tuple(header[k]["shape"])
+    # version 1 (before expert biases) is the same without them: still read; a newer one is refused
+    for version, ok in ((1, True), (3, False)):
+        (dst / "nvfp4_config.json").write_text(json.dumps(cfg | {"format_version": version}))
+        if ok:
+            assert set(load_nvfp4_experts(dst)) == set(cfg["moe_modules"])
+        else:
+            with pytest.raises(CheckpointError, match="version 3 is not 'jax_nvfp4' version 1 or 2"):
+                load_nvfp4_experts(dst)
 
 
 def test_four_over_six_recipe(tmp_path):
@@ -592,3 +601,212 @@ def test_peak_memory_is_one_expert_not_the_model(tmp_path):
     bound = 3 * expert_bytes
     assert s.experts_converted == E and total > 20 * bound
     assert peak < bound, f"peak {peak / 1e6:.1f} MB > {bound / 1e6:.1f} MB (one expert {expert_bytes / 1e6:.2f} MB)"
+
+
+# ----------------------------------------------------------------------------- stacked experts (gpt-oss, Llama 4)
+
+def gpt_oss_module(L):
+    return f"model.layers.{L}.mlp"
+
+
+def mxfp4_reference(blocks, scales) -> np.ndarray:
+    """float32 ``[..., N, K]`` of MXFP4 blocks ``[..., N, K/32, 16]`` and E8M0 scales (ml_dtypes decodes E2M1)."""
+    codes = np.stack([blocks & 15, blocks >> 4], axis=-1).reshape(*blocks.shape[:-1], 32)
+    vals = codes.view(ml_dtypes.float4_e2m1fn).astype(np.float32)
+    return (vals * np.exp2(scales.astype(np.float64) - 127)[..., None]).astype(np.float32).reshape(
+        *blocks.shape[:-2], -1)
+
+
+def make_stacked(kind="gpt_oss_bf16", *, layers=2, E=4, H=64, I=32, bias=True, seed=3):
+    """A Hugging Face-style checkpoint with stacked experts, and each layer's source weights in our layout
+    (gate_up ``[E, 2I, H]`` rows [gate; up], down ``[E, H, I]``, biases de-interleaved), written by the test."""
+    rng = np.random.default_rng(seed)
+    t = {"model.embed_tokens.weight": randw(rng, (32, H))}
+    ours = {}
+    for L in range(layers):
+        m = gpt_oss_module(L)
+        t[f"{m}.router.weight"], t[f"{m}.router.bias"] = randw(rng, (E, H)), randw(rng, (E,))
+        if kind == "gpt_oss_mxfp4":
+            g = {}
+            for proj, (n, k) in (("gate_up_proj", (2 * I, H)), ("down_proj", (H, I))):
+                t[f"{m}.experts.{proj}_blocks"] = rng.integers(0, 256, (E, n, k // 32, 16), dtype=np.uint8)
+                t[f"{m}.experts.{proj}_scales"] = rng.integers(119, 125, (E, n, k // 32), dtype=np.uint8)
+                g[proj] = mxfp4_reference(t[f"{m}.experts.{proj}_blocks"], t[f"{m}.experts.{proj}_scales"])
+            gu_rows, down = g["gate_up_proj"].astype(BF16), g["down_proj"].astype(BF16)  # [E, 2I, H] interleaved
+        else:
+            gu_rows = randw(rng, (E, 2 * I, H), scale=0.05)
+            down = randw(rng, (E, H, I), scale=0.05)
+            t[f"{m}.experts.gate_up_proj"] = np.ascontiguousarray(gu_rows.transpose(0, 2, 1))  # [E, H, 2I], x @ w
+            t[f"{m}.experts.down_proj"] = np.ascontiguousarray(down.transpose(0, 2, 1))  # [E, I, H]
+        if bias:
+            t[f"{m}.experts.gate_up_proj_bias"] = randw(rng, (E, 2 * I), scale=0.5)
+            t[f"{m}.experts.down_proj_bias"] = randw(rng, (E, H), scale=0.5)
+        b1 = t.get(f"{m}.experts.gate_up_proj_bias")
+        if kind.startswith("gpt_oss"):  # gpt-oss alternates gate and up columns: ours has the gate rows first
+            gu_rows = np.concatenate([gu_rows[:, 0::2], gu_rows[:, 1::2]], axis=1)
+            b1 = None if b1 is None else np.concatenate([b1[:, 0::2], b1[:, 1::2]], axis=1)
+        ours[m] = dict(gate_up=gu_rows, down=down, gate_up_bias=b1, down_bias=t.get(f"{m}.experts.down_proj_bias"))
+    return t, ours
+
+
+_STACKED_CONFIG = {"gpt_oss_bf16": "gpt_oss", "gpt_oss_mxfp4": "gpt_oss", "llama4_bf16": "llama4"}
+
+
+def expected_stacked(w) -> jax_nvfp4.NVFP4Experts:
+    ref = _quantize_experts(w["gate_up"], w["down"])
+    return ref.__class__(ref.gate_up, ref.down, True, w["gate_up_bias"], w["down_bias"])
+
+
+def assert_biases_equal(got: jax_nvfp4.NVFP4Experts, ref: jax_nvfp4.NVFP4Experts):
+    for b in ("gate_up_bias", "down_bias"):
+        g, r = getattr(got, b), getattr(ref, b)
+        assert (g is None) == (r is None), b
+        if r is not None:
+            assert g.dtype == r.dtype and g.tobytes() == np.asarray(r).tobytes(), b
+
+
+@pytest.mark.parametrize("kind,bias,shards", [("gpt_oss_bf16", True, 2), ("gpt_oss_mxfp4", True, 1),
+                                              ("llama4_bf16", False, 1)])
+def test_stacked_experts_convert_and_load(tmp_path, kind, bias, shards):
+    """gpt-oss (bf16 or MXFP4, gate/up interleaved, biases) and Llama 4 (halves): quantized exactly as our layout of
+    the same weights would be, by convert_checkpoint, load_nvfp4_experts and quantizing while loading."""
+    tensors, ours = make_stacked(kind, bias=bias)
+    src = write_checkpoint(tmp_path / "src", tensors, shards, config={"model_type": _STACKED_CONFIG[kind]})
+    online = jax_nvfp4.quantize_checkpoint_experts(src)
+    summary = convert_checkpoint(src, tmp_path / "dst", progress=False)
+    loaded = load_nvfp4_experts(tmp_path / "dst")
+    assert set(online) == set(loaded) == set(ours) and summary.experts_converted == 8
+    for m, w in ours.items():
+        ref = expected_stacked(w)
+        for got in (online[m], loaded[m]):
+            assert_loaded_equal(got, ref)
+            assert_biases_equal(got, ref)
+    out = read_output(tmp_path / "dst")
+    assert not any(".experts.gate_up_proj" in n or ".experts.down_proj" in n for n in out)  # consumed
+    assert_copied(out, tensors, skip=lambda n: ".experts." in n)
+    assert len(out) == sum(".experts." not in n for n in tensors) + 2 * 4 * (8 if bias else 6)
+    cfg = json.loads((tmp_path / "dst" / "nvfp4_config.json").read_text())
+    mod = cfg["moe_modules"][gpt_oss_module(0)]
+    assert cfg["format_version"] == 2 and mod["intermediate_size"] == 32 and mod["gated"]
+    assert mod["source_dtype"] == ("mxfp4" if "mxfp4" in kind else "bfloat16")
+    assert mod.get("bias_dtype") == ("bfloat16" if bias else None)
+
+
+def gpt_oss_mlp_reference(x, router_w, router_b, w, top_k):
+    """Transformers' GptOssMLP in float64 on the source weights in gpt-oss's own layout: router logits plus bias,
+    top-k then softmax, interleaved gate/up, clamped SwiGLU with alpha 1.702 and up + 1, biases."""
+    x = x.astype(np.float64)
+    logits = x @ router_w.astype(np.float64).T + router_b.astype(np.float64)
+    ids = np.argsort(-logits, axis=1, kind="stable")[:, :top_k]
+    top = np.take_along_axis(logits, ids, 1)
+    wts = np.exp(top - top.max(1, keepdims=True))
+    wts /= wts.sum(1, keepdims=True)
+    gu_hf = w["gate_up_hf"].astype(np.float64)  # [E, H, 2I], columns gate, up, gate, up, ...
+    out = np.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j, e in enumerate(ids[t]):
+            gu = x[t] @ gu_hf[e] + w["gate_up_bias_hf"][e].astype(np.float64)
+            gate, up = np.minimum(gu[0::2], 7.0), np.clip(gu[1::2], -7.0, 7.0)
+            h = (up + 1) * gate / (1 + np.exp(-1.702 * gate))
+            out[t] += wts[t, j] * (h @ w["down_hf"][e].astype(np.float64) + w["down_proj_bias"][e].astype(np.float64))
+    return out
+
+
+def test_gpt_oss_block_matches_transformers_semantics(tmp_path):
+    """A gpt-oss MoE layer from its checkpoint: nn.MoE(routing="renormalize", activation="swiglu_oai", router and
+    expert biases) with the checkpoint's experts loaded, against Transformers' GptOssMLP on the source weights.
+
+    The test's de-interleaving is checked bit-exact against the loader above; here bf16 experts in that layout must
+    give gpt-oss's output (bf16 rounding only), and the NVFP4 experts loaded from the checkpoint must come within
+    NVFP4's error of it, far closer than the same layer with gate and up swapped."""
+    from flax import nnx
+
+    from jax_nvfp4 import nn as nvnn
+
+    E, H, I, k, T = 4, 64, 32, 2, 16
+    tensors, ours = make_stacked("gpt_oss_bf16", layers=1, E=E, H=H, I=I)
+    m = gpt_oss_module(0)
+    w = ours[m] | {"gate_up_hf": tensors[f"{m}.experts.gate_up_proj"], "down_hf": tensors[f"{m}.experts.down_proj"],
+                   "gate_up_bias_hf": tensors[f"{m}.experts.gate_up_proj_bias"],
+                   "down_proj_bias": tensors[f"{m}.experts.down_proj_bias"]}
+    src = write_checkpoint(tmp_path / "src", tensors, config={"model_type": "gpt_oss"})
+    x = randw(np.random.default_rng(9), (T, H), scale=1.0)
+    ref = gpt_oss_mlp_reference(x, tensors[f"{m}.router.weight"], tensors[f"{m}.router.bias"], w, k)
+
+    class Model(nnx.Module):  # the MoE block at the checkpoint's path, model.layers.0.mlp
+        def __init__(self):
+            self.layers = nnx.List([nnx.Module()])
+            self.layers[0].mlp = nvnn.MoE(H, I, E, k, routing="renormalize", activation="swiglu_oai",
+                                          router_bias=True, expert_bias=True, backend="xla", rngs=nnx.Rngs(0))
+
+    model = Model()
+    block = model.layers[0].mlp
+    block.router.kernel[...] = jnp.asarray(tensors[f"{m}.router.weight"].T)
+    block.router_bias[...] = jnp.asarray(tensors[f"{m}.router.bias"], jnp.float32)
+    for name in ("gate_up", "down", "gate_up_bias", "down_bias"):
+        getattr(block.experts, name)[...] = jnp.asarray(w[name])
+    def rel(y, want=ref):
+        return np.linalg.norm(np.asarray(y, np.float64) - want) / np.linalg.norm(want)
+
+    assert rel(block(jnp.asarray(x))) < 0.01  # bf16 experts in our layout give gpt-oss's layer
+    convert_checkpoint(src, tmp_path / "dst", progress=False)
+    assert nvnn.load_experts(model, tmp_path / "dst") == [m]  # NVFP4 experts with their biases
+    assert block.mode == "w4a16" and block.experts.down_bias[...].dtype == jnp.bfloat16
+    err = rel(block(jnp.asarray(x)))
+    gu = w["gate_up_hf"]
+    swapped = w | {"gate_up_hf": np.stack([gu[..., 1::2], gu[..., 0::2]], -1).reshape(gu.shape)}
+    wrong = gpt_oss_mlp_reference(x, tensors[f"{m}.router.weight"], tensors[f"{m}.router.bias"], swapped, k)
+    assert err < 0.1 and rel(wrong) > 4 * err, (err, rel(wrong))  # NVFP4's error, not a wrong layer
+
+
+def _no_down(t):
+    for p in ("_blocks", "_scales", "_bias"):
+        del t[f"model.layers.1.mlp.experts.down_proj{p}"]
+    return "model.layers.1.mlp.experts.gate_up_proj", "down_proj is missing"
+
+
+def _blocks_without_scales(t):
+    del t["model.layers.0.mlp.experts.down_proj_scales"]
+    return "model.layers.0.mlp.experts.down_proj_blocks", "without model.layers.0.mlp.experts.down_proj_scales"
+
+
+def _nan_scale(t):
+    t["model.layers.1.mlp.experts.gate_up_proj_scales"][2, 5, 1] = 255  # E8M0 NaN
+    return "model.layers.1.mlp.experts.gate_up_proj_blocks (expert 2)", "non-finite value nan"
+
+
+def _unequal_i(t):
+    n = "model.layers.0.mlp.experts.down_proj_blocks"
+    for part in (n, n.replace("blocks", "scales"), n.replace("blocks", "bias")):
+        t[part] = t[part][:, :48].copy()
+    return "model.layers.0.mlp", "[2I, H] = [64, 64] but down_proj 4 of [H, I] = [48, 32]"
+
+
+def _bias_shape(t):
+    n = "model.layers.0.mlp.experts.gate_up_proj_bias"
+    t[n] = t[n][:, :-2].copy()
+    return n, "expected [4, 64] (one bias per expert and output feature)"
+
+
+def _also_per_expert(t):
+    t["model.layers.0.mlp.experts.0.up_proj.weight"] = np.zeros((32, 64), BF16)
+    return "model.layers.0.mlp", "both per-expert tensors"
+
+
+def _unknown_model_type(t):
+    return "model.layers.0.mlp", "model_type ['gpt_oss', 'llama4', 'llama4_text'], got 'mystery_moe'"
+
+
+@pytest.mark.parametrize("corrupt", [_no_down, _blocks_without_scales, _nan_scale, _unequal_i, _bias_shape,
+                                     _also_per_expert, _unknown_model_type], ids=lambda f: f.__name__[1:])
+def test_stacked_bad_input(tmp_path, corrupt):
+    tensors, _ = make_stacked("gpt_oss_mxfp4")
+    name, msg = corrupt(tensors)
+    model_type = "mystery_moe" if corrupt is _unknown_model_type else "gpt_oss"
+    src = write_checkpoint(tmp_path / "src", tensors, 2, config={"model_type": model_type})
+    for convert in (lambda: convert_checkpoint(src, tmp_path / "dst", progress=False),
+                    lambda: load_nvfp4_experts(src, quantize_source=True)):
+        with pytest.raises(CheckpointError) as info:
+            convert()
+        assert name in str(info.value) and msg in str(info.value), str(info.value)
+    assert siblings(tmp_path / "dst") == {"src"}

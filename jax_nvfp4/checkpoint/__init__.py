@@ -16,7 +16,9 @@ Output (NVFP4 checkpoint): for each quantized expert, with ``P = {module}.expert
 - ``P.gate_up_proj.weight_global_scale``: float32 ``[]``, the global *decode* scale (one per expert,
   shared by gate and up);
 - ``P.down_proj.weight`` ``[H, I/2]``, ``P.down_proj.weight_scale`` ``[H, I/16]``,
-  ``P.down_proj.weight_global_scale`` ``[]``: the same for GEMM2.
+  ``P.down_proj.weight_global_scale`` ``[]``: the same for GEMM2;
+- ``P.gate_up_proj.bias`` ``[2I]`` (gate entries first) and ``P.down_proj.bias`` ``[H]``: the expert
+  biases of a source that has them (gpt-oss), bfloat16 as stored or float32 (format version 2).
 
 A non-gated layer stores ``P.up_proj.*`` (``[I, H/2]``) instead of ``P.gate_up_proj.*``. Shards mirror
 the source (same file names, an index when the source had one); each file's ``__metadata__`` keeps
@@ -28,6 +30,7 @@ Modules:
 
 - :mod:`.safetensors_io`: safetensors header and tensor reading, the streaming writer;
 - :mod:`.naming`: source expert names (Mixtral, Qwen3-MoE, DeepSeek), ignore patterns, output names;
+- :mod:`.stacked`: experts stacked in one tensor per projection (gpt-oss, bf16 or MXFP4; Llama 4);
 - :mod:`.experts`: finding, grouping and validating a source checkpoint's experts (source dtypes, FP8 scales);
 - :mod:`.sources`: source weights to NVFP4 (FP8 dequantization, NaN/Inf checks, quantization);
 - :mod:`.conversion`: :func:`convert_checkpoint`, atomic output;

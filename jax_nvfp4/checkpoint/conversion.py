@@ -20,11 +20,11 @@ from pathlib import Path
 
 from ..formats import BLOCK
 from .experts import MoELayer, plan_layers
-from .naming import (BLOCK_SCALE, CONFIG_NAME, DATA, DOWN, FORMAT_NAME, FORMAT_VERSION, GATE_UP, GEMMS,
+from .naming import (BIAS, BLOCK_SCALE, CONFIG_NAME, DATA, DOWN, FORMAT_NAME, FORMAT_VERSION, GATE_UP, GEMMS,
                      GLOBAL_SCALE, UP, ignore_patterns, output_names)
-from .safetensors_io import (INDEX_FILE, Checkpoint, CheckpointError, OutTensor, StreamingWriter, TensorInfo,
-                             TensorReader, dtype_name, itemsize, open_checkpoint)
-from .sources import check_recipe, quantize_weights, quantized_parts, source_progress
+from .safetensors_io import (INDEX_FILE, ST_DTYPES, Checkpoint, CheckpointError, OutTensor, StreamingWriter,
+                             TensorInfo, TensorReader, dtype_name, itemsize, open_checkpoint)
+from .sources import check_recipe, quantize_weights, quantized_parts, read_bias, source_progress
 
 # top-level files that hold weights: never copied as side files (the safetensors ones are rewritten)
 _WEIGHT_EXTS = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".npz")
@@ -94,9 +94,11 @@ class _Unit:
         return self.copy.nbytes if self.copy is not None else sum(w.nbytes for w in self.weights)
 
 
-def _quantized_specs(names: dict[str, str], rows: int, k: int) -> list[OutTensor]:
+def _quantized_specs(names: dict[str, str], rows: int, k: int, bias_dtype) -> list[OutTensor]:
+    """The outputs of one quantized weight, in :func:`quantize_weights`'s order, then its bias if any."""
+    parts = quantized_parts(rows, k) | ({} if bias_dtype is None else {"bias": (ST_DTYPES[bias_dtype], (rows,))})
     return [OutTensor(names[part], dtype, shape, math.prod(shape) * itemsize(dtype))
-            for part, (dtype, shape) in quantized_parts(rows, k).items()]
+            for part, (dtype, shape) in parts.items()]
 
 
 def _plan_units(ckpt: Checkpoint, layers: dict[str, MoELayer]) -> tuple[list[_Unit], list[str]]:
@@ -106,11 +108,11 @@ def _plan_units(ckpt: Checkpoint, layers: dict[str, MoELayer]) -> tuple[list[_Un
         if layer.ignored:
             continue
         for e in range(layer.num_experts):
-            names = output_names(layer.module, e, layer.gated)
+            names = output_names(layer.module, e, layer.gated, bias=layer.bias_dtype is not None)
             for gemm in GEMMS:
                 ws = layer.weights(e, gemm)
-                rows, k = sum(w.info.shape[0] for w in ws), ws[0].info.shape[1]
-                units.append(_Unit(ws[0].info, _quantized_specs(names[gemm], rows, k),
+                rows, k = sum(w.shape[0] for w in ws), ws[0].shape[1]
+                units.append(_Unit(ws[0].info, _quantized_specs(names[gemm], rows, k, layer.bias_dtype),
                                    layer=layer, expert=e, gemm=gemm))
                 for w in ws:
                     consumed.update(t.name for t in w.tensors)
@@ -139,7 +141,9 @@ def _run_unit(u: _Unit, writer: StreamingWriter, reader: TensorReader, recipe: s
         writer.copy(u.copy.name, reader, u.copy)
         return
     parts = quantize_weights(reader, u.weights, u.layer.quant_dtype, recipe)
-    for spec, arr in zip(u.outputs, parts):
+    if u.layer.bias_dtype is not None:
+        parts += (read_bias(reader, u.weights, u.layer.bias_dtype),)
+    for spec, arr in zip(u.outputs, parts, strict=True):
         writer.write(spec.name, arr)
 
 
@@ -159,6 +163,7 @@ def _nvfp4_config(layers, ignore, recipe, dropped) -> dict:
             "data": DATA + " (uint8, two E2M1 codes a byte, even element in the low nibble)",
             "block_scale": BLOCK_SCALE + " (float8_e4m3fn, one per 16 elements, linear layout)",
             "global_scale": GLOBAL_SCALE + " (float32 scalar, the global DECODE scale)",
+            "bias": BIAS + " (the expert's bias [N], gate entries first, where moe_modules gives a bias_dtype)",
         },
         "ignore": list(ignore),
         "ignored_modules": sorted(ly.module for ly in layers.values() if ly.ignored),

@@ -7,7 +7,8 @@ written, so that a bad checkpoint fails fast and leaves nothing behind.
 Source dtypes: bfloat16, float16, float32 are quantized as they are; float8_e4m3fn needs a scale
 ``weight_scale_inv`` (or ``weight_scale``) next to the weight, either per tensor (one element) or
 per 128x128 block (``[ceil(out/128), ceil(in/128)]``; the block size is read from
-``config.json``'s ``quantization_config.weight_block_size`` when present).
+``config.json``'s ``quantization_config.weight_block_size`` when present). Experts stacked in one
+tensor per projection (gpt-oss, Llama 4) are found by :mod:`.stacked`.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from .safetensors_io import NP_DTYPES, Checkpoint, CheckpointError, TensorInfo, 
 
 DEFAULT_FP8_BLOCK = (128, 128)
 FP8 = "F8_E4M3"  # dequantized with its scale, rounded to bf16, then quantized
+MXFP4 = "U8"  # gpt-oss: E2M1 codes in [N, K/32, 16] blocks with E8M0 scales [N, K/32]; dequantized to bf16
 _QUANTIZABLE = ("BF16", "F16", "F32")  # quantized as stored
 _SCALE_DTYPES = ("F32", "BF16", "F16")
 
@@ -37,17 +39,35 @@ class ExpertWeight:
     """One source projection (gate, up or down) of one expert."""
 
     info: TensorInfo
-    scale: TensorInfo | None = None  # FP8 dequantization scale
+    scale: TensorInfo | None = None  # FP8 dequantization scale, or MXFP4's E8M0 scales
     input_scale: TensorInfo | None = None  # FP8 activation scale (dropped)
     block: tuple[int, int] | None = None  # FP8 scale block (rows, cols); None: one scale per tensor
+    # Experts stacked in one source tensor (gpt-oss, Llama 4): info, scale and bias are this expert's slices.
+    expert: int | None = None
+    transposed: bool = False  # the source holds [K, N] (used as x @ w): its columns are our rows
+    interleaved: bool = False  # fused GEMM1 rows alternate gate, up (gpt-oss); else [gate; up] halves
+    bias: TensorInfo | None = None  # the expert's bias [N] (kept unquantized)
 
     @property
     def name(self) -> str:
         return self.info.name
 
     @property
+    def label(self) -> str:
+        """The name for messages: the tensor, and the expert of a stacked one."""
+        return self.name if self.expert is None else f"{self.name} (expert {self.expert})"
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(N, K)``: rows (output features) by input features, whatever the source's layout."""
+        s = self.info.shape
+        if self.info.dtype == MXFP4:
+            return s[0], s[1] * s[2] * 2
+        return (s[1], s[0]) if self.transposed else s
+
+    @property
     def tensors(self) -> list[TensorInfo]:
-        return [t for t in (self.info, self.scale, self.input_scale) if t is not None]
+        return [t for t in (self.info, self.scale, self.input_scale, self.bias) if t is not None]
 
     @property
     def nbytes(self) -> int:
@@ -74,12 +94,20 @@ class MoELayer:
 
     @property
     def quant_dtype(self):
-        """Dtype of the values handed to the quantizer (FP8 sources are rounded to bf16 first)."""
-        return np.dtype(ml_dtypes.bfloat16) if self.source_dtype == FP8 else NP_DTYPES[self.source_dtype]
+        """Dtype of the values handed to the quantizer (FP8 and MXFP4 sources are rounded to bf16 first)."""
+        return np.dtype(ml_dtypes.bfloat16) if self.source_dtype in (FP8, MXFP4) else NP_DTYPES[self.source_dtype]
+
+    @property
+    def bias_dtype(self):
+        """Dtype of the expert biases (bfloat16 kept, others float32), or None without biases."""
+        b = next((w.bias for w in self.experts[0].values() if w.bias is not None), None) if self.experts else None
+        return None if b is None else np.dtype(ml_dtypes.bfloat16 if b.dtype == "BF16" else np.float32)
 
     def gemm1(self, e: int) -> list[ExpertWeight]:
-        """The source weights stacked as GEMM1 rows: [gate, up] or [up]."""
+        """The source weights stacked as GEMM1 rows: [gate, up], [up], or one fused gate_up."""
         ex = self.experts[e]
+        if "gate_up" in ex:
+            return [ex["gate_up"]]
         return [ex["gate"], ex["up"]] if self.gated else [ex["up"]]
 
     def weights(self, e: int, gemm: str) -> list[ExpertWeight]:
@@ -92,13 +120,15 @@ class MoELayer:
 
     def info(self) -> dict:
         """The module's entry in ``nvfp4_config.json``'s ``moe_modules``."""
-        d = dict(num_experts=self.num_experts, quantized=not self.ignored,
-                 source_dtype=dtype_name(self.source_dtype) if self.source_dtype else None)
+        src = "mxfp4" if self.source_dtype == MXFP4 else dtype_name(self.source_dtype) if self.source_dtype else None
+        d = dict(num_experts=self.num_experts, quantized=not self.ignored, source_dtype=src)
         if not self.ignored:
             d.update(gated=self.gated, hidden_size=self.hidden, intermediate_size=self.inter,
                      quantized_dtype=self.quant_dtype.name)
             if self.fp8_scaling:
                 d["fp8_scaling"] = self.fp8_scaling
+            if self.bias_dtype is not None:
+                d["bias_dtype"] = self.bias_dtype.name
         return d
 
 
@@ -223,7 +253,13 @@ def _fp8_block_size(root: Path) -> tuple[int, int]:
 
 def plan_layers(ckpt: Checkpoint, ignore: Sequence[str]) -> dict[str, MoELayer]:
     """Find, classify (ignored or not) and validate every MoE module; raises before any output."""
+    from .stacked import find_stacked_layers  # (stacked.py builds this module's classes)
+
     layers = _find_layers(ckpt.tensors)
+    stacked = find_stacked_layers(ckpt.tensors, ckpt.root)  # validated as found
+    for module in stacked.keys() & layers.keys():
+        raise CheckpointError(f"MoE module {module!r} holds both per-expert tensors ({module}.experts.N.*) and "
+                              f"stacked ones ({module}.experts.gate_up_proj*)")
     block = _fp8_block_size(ckpt.root)
     for layer in layers.values():
         layer.ignored = _layer_ignored(layer, ignore)
@@ -231,6 +267,9 @@ def plan_layers(ckpt: Checkpoint, ignore: Sequence[str]) -> dict[str, MoELayer]:
             layer.source_dtype = layer.experts[0].get("up", next(iter(layer.experts[0].values()))).info.dtype
         else:
             _validate_layer(layer, block)
+    for layer in stacked.values():
+        layer.ignored = _layer_ignored(layer, ignore)
+    layers.update(stacked)
     for p in ignore:
         if not any(matches_ignore(t.name, p) for ly in layers.values() if ly.ignored for t in ly.tensors()):
             # stacklevel: the caller of convert_checkpoint / quantize_checkpoint_experts

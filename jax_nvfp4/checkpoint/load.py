@@ -10,10 +10,10 @@ import numpy as np
 
 from ..formats import NVFP4Experts
 from .experts import plan_layers
-from .naming import CONFIG_NAME, FORMAT_NAME, FORMAT_VERSION, GEMMS, ignore_patterns, output_names
+from .naming import CONFIG_NAME, FORMAT_NAME, FORMAT_VERSION, GEMMS, READABLE_VERSIONS, ignore_patterns, output_names
 from .safetensors_io import (NP_DTYPES, ST_DTYPES, Checkpoint, CheckpointError, TensorReader, checkpoint_folder,
                              open_checkpoint)
-from .sources import check_recipe, quantize_weights, quantized_parts, source_progress
+from .sources import check_recipe, quantize_weights, quantized_parts, read_bias, source_progress
 
 _DTYPE_BY_NAME = {dt.name: dt for dt in NP_DTYPES.values()}  # "bfloat16" -> dtype
 
@@ -22,18 +22,21 @@ class _Stack:
     """Host buffers for one MoE module's stacked NVFP4 experts, filled expert by expert.
 
     ``parts[gemm][part]`` (gemm ``"gate_up"`` or ``"down"``): ``"data"`` ``[E, rows, K/2]``,
-    ``"scales"`` ``[E, rows, K/16]``, ``"global_scale"`` ``[E]``.
+    ``"scales"`` ``[E, rows, K/16]``, ``"global_scale"`` ``[E]``, and with ``bias_dtype`` ``"bias"`` ``[E, rows]``.
     """
 
-    def __init__(self, num_experts: int, gated: bool, hidden: int, inter: int):
+    def __init__(self, num_experts: int, gated: bool, hidden: int, inter: int, bias_dtype=None):
         def buffers(rows, k):
-            return {part: np.empty((num_experts, *shape), NP_DTYPES[dtype])
+            bufs = {part: np.empty((num_experts, *shape), NP_DTYPES[dtype])
                     for part, (dtype, shape) in quantized_parts(rows, k).items()}
+            return bufs | ({} if bias_dtype is None else {"bias": np.empty((num_experts, rows), bias_dtype)})
         self.parts = {"gate_up": buffers((2 if gated else 1) * inter, hidden), "down": buffers(hidden, inter)}
 
     def experts(self, gated: bool, dtype) -> NVFP4Experts:
-        return NVFP4Experts.from_parts(*(jnp.asarray(a) for gemm in GEMMS for a in self.parts[gemm].values()),
-                                       gated=gated, dtype=dtype)
+        quantized = {gemm: [jnp.asarray(self.parts[gemm][p]) for p in ("data", "scales", "global_scale")]
+                     for gemm in GEMMS}
+        biases = {f"{gemm}_bias": jnp.asarray(self.parts[gemm]["bias"]) for gemm in GEMMS if "bias" in self.parts[gemm]}
+        return NVFP4Experts.from_parts(*quantized["gate_up"], *quantized["down"], gated=gated, dtype=dtype, **biases)
 
 
 def quantize_checkpoint_experts(src, *, ignore: Sequence[str] = (), recipe: str = "nvfp4",
@@ -47,8 +50,9 @@ def quantize_checkpoint_experts(src, *, ignore: Sequence[str] = (), recipe: str 
     Returns
     -------
     dict mapping MoE module name (e.g. ``"model.layers.0.mlp"``) to NVFP4Experts with gate_up
-    ``[E, 2I, H]`` (or ``[E, I, H]`` not gated) and down ``[E, H, I]``, global scales ``[E]``.
-    Ignored modules are absent.
+    ``[E, 2I, H]`` (or ``[E, I, H]`` not gated) and down ``[E, H, I]``, global scales ``[E]``, and the
+    source's expert biases when it has them (gpt-oss: ``gate_up_bias [E, 2I]``, ``down_bias [E, H]``,
+    bfloat16 as stored or float32). Ignored modules are absent.
     """
     check_recipe(recipe)
     ignore = ignore_patterns(ignore)
@@ -58,11 +62,13 @@ def quantize_checkpoint_experts(src, *, ignore: Sequence[str] = (), recipe: str 
     out = {}
     with TensorReader() as reader, source_progress(total, "nvfp4 quantize", progress) as bar:
         for ly in layers:
-            stack = _Stack(ly.num_experts, ly.gated, ly.hidden, ly.inter)
+            stack = _Stack(ly.num_experts, ly.gated, ly.hidden, ly.inter, ly.bias_dtype)
             for e in range(ly.num_experts):
                 for gemm in GEMMS:
                     ws = ly.weights(e, gemm)
                     parts = quantize_weights(reader, ws, ly.quant_dtype, recipe)
+                    if ly.bias_dtype is not None:
+                        parts += (read_bias(reader, ws, ly.bias_dtype),)
                     for buf, part in zip(stack.parts[gemm].values(), parts):
                         buf[e] = part
                     bar.update(sum(w.nbytes for w in ws))
@@ -78,9 +84,10 @@ def read_nvfp4_config(path) -> dict:
         raise CheckpointError(f"{root} is not an NVFP4 checkpoint written by jax_nvfp4 (no {CONFIG_NAME}); "
                               "to quantize a source checkpoint while loading, pass quantize_source=True")
     cfg = json.loads(cfg_path.read_text())
-    if cfg.get("format") != FORMAT_NAME or cfg.get("format_version") != FORMAT_VERSION:
+    if cfg.get("format") != FORMAT_NAME or cfg.get("format_version") not in READABLE_VERSIONS:
         raise CheckpointError(f"{cfg_path}: format {cfg.get('format')!r} version {cfg.get('format_version')!r} "
-                              f"is not {FORMAT_NAME!r} version {FORMAT_VERSION}")
+                              f"is not {FORMAT_NAME!r} version {' or '.join(map(str, READABLE_VERSIONS))}"
+                              f"{' (written by a newer jax_nvfp4?)' if cfg.get('format') == FORMAT_NAME else ''}")
     return cfg
 
 
@@ -99,7 +106,8 @@ def load_nvfp4_experts(path, *, quantize_source: bool = False, ignore: Sequence[
     -------
     dict mapping MoE module name (e.g. ``"model.layers.0.mlp"``) to NVFP4Experts: gate_up data uint8
     ``[E, 2I, H/2]`` (rows [gate; up]; ``[E, I, H/2]`` not gated), scales float8_e4m3fn
-    ``[E, 2I, H/16]``, global_scale float32 ``[E]``; down ``[E, H, I/2]`` / ``[E, H, I/16]`` / ``[E]``.
+    ``[E, 2I, H/16]``, global_scale float32 ``[E]``; down ``[E, H, I/2]`` / ``[E, H, I/16]`` / ``[E]``;
+    expert biases ``gate_up_bias [E, 2I]`` / ``down_bias [E, H]`` where the checkpoint has them.
     Modules kept in source precision (ignored) are absent.
     """
     if quantize_source:
@@ -111,10 +119,11 @@ def load_nvfp4_experts(path, *, quantize_source: bool = False, ignore: Sequence[
         for module, m in cfg["moe_modules"].items():
             if not m["quantized"]:
                 continue
-            gated, n = m["gated"], m["num_experts"]
-            stack = _Stack(n, gated, m["hidden_size"], m["intermediate_size"])
+            gated, n, bias_dtype = m["gated"], m["num_experts"], m.get("bias_dtype")
+            bias_dtype = None if bias_dtype is None else _DTYPE_BY_NAME[bias_dtype]
+            stack = _Stack(n, gated, m["hidden_size"], m["intermediate_size"], bias_dtype)
             for e in range(n):
-                names = output_names(module, e, gated)
+                names = output_names(module, e, gated, bias=bias_dtype is not None)
                 for gemm in GEMMS:
                     for part, buf in stack.parts[gemm].items():
                         # buf[e, ...] is a view also for the 1-D global scales (buf[e] would be a copy)

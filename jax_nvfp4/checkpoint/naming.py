@@ -5,7 +5,8 @@ Recognized source expert names (``L`` layer, ``N`` expert)::
     Mixtral:              model.layers.L.block_sparse_moe.experts.N.{w1,w3,w2}.weight  (gate, up, down)
     Qwen3-MoE, DeepSeek:  model.layers.L.mlp.experts.N.{gate,up,down}_proj.weight
 
-with ``weight_scale_inv`` / ``weight_scale`` / ``input_scale`` in place of ``weight`` for FP8 scales.
+with ``weight_scale_inv`` / ``weight_scale`` / ``input_scale`` in place of ``weight`` for FP8 scales;
+experts stacked in one tensor per projection (gpt-oss, Llama 4) are named in :mod:`.stacked`.
 The *MoE module* is the part before ``.experts`` (``model.layers.L.mlp``).
 """
 
@@ -16,10 +17,12 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 FORMAT_NAME = "jax_nvfp4"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: optional expert biases (``*.bias``); version 1 checkpoints (no biases) still load
+READABLE_VERSIONS = (1, 2)
 CONFIG_NAME = "nvfp4_config.json"
 GATE_UP, UP, DOWN = "gate_up_proj", "up_proj", "down_proj"  # output projection names
 DATA, BLOCK_SCALE, GLOBAL_SCALE = "weight", "weight_scale", "weight_global_scale"  # output params
+BIAS = "bias"  # an expert's bias [N] (gate entries first), unquantized
 GEMMS = ("gate_up", "down")  # keys of output_names, in GEMM order
 
 _EXPERT_RE = re.compile(
@@ -67,9 +70,9 @@ def matches_ignore(name: str, pattern: str) -> bool:
     return bool(p) and (n == p or n.startswith(p + "."))
 
 
-def output_names(module: str, e: int, gated: bool) -> dict[str, dict[str, str]]:
-    """Output tensor names of expert ``e``: ``{"gate_up"|"down": {"data"|"scales"|"global_scale": name}}``."""
+def output_names(module: str, e: int, gated: bool, bias: bool = False) -> dict[str, dict[str, str]]:
+    """Output tensor names of expert ``e``: ``{"gate_up"|"down": {"data"|"scales"|"global_scale"[|"bias"]: name}}``."""
     p = f"{module}.experts.{e}"
-    params = {"data": DATA, "scales": BLOCK_SCALE, "global_scale": GLOBAL_SCALE}
+    params = {"data": DATA, "scales": BLOCK_SCALE, "global_scale": GLOBAL_SCALE} | ({"bias": BIAS} if bias else {})
     return {gemm: {part: f"{p}.{proj}.{param}" for part, param in params.items()}
             for gemm, proj in zip(GEMMS, (GATE_UP if gated else UP, DOWN))}

@@ -2,7 +2,8 @@
 
 bfloat16, float16 and float32 weights reach the quantizer as stored. FP8 (float8_e4m3fn) weights
 are dequantized as ``fp32(w) * scale`` and rounded to bfloat16 first (spec section 4), so an FP8
-checkpoint quantizes exactly as its bf16 dequantization would.
+checkpoint quantizes exactly as its bf16 dequantization would; MXFP4 (gpt-oss) likewise. Stacked
+experts (:mod:`.stacked`) are transposed and their gate rows put first on the way.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ import numpy as np
 
 from ..formats import BLOCK
 from ..quantize import RECIPES, quantize
-from .experts import FP8, ExpertWeight
+from .experts import FP8, MXFP4, ExpertWeight
 from .safetensors_io import CheckpointError, TensorReader
+from .stacked import read_stacked_bias, read_stacked_rows
 
 
 def check_recipe(recipe: str) -> None:
@@ -68,18 +70,20 @@ def _row_blocks(weights: Sequence[ExpertWeight]) -> Iterator[tuple[ExpertWeight,
     """Each weight with its rows in the row-stack of ``weights``."""
     r = 0
     for w in weights:
-        n = w.info.shape[0]
+        n = w.shape[0]
         yield w, slice(r, r + n)
         r += n
 
 
 def _load_rows(reader: TensorReader, weights: Sequence[ExpertWeight], dtype) -> np.ndarray:
     """Read the weights stacked along rows into one buffer ``[sum N, K]`` of ``dtype`` (no extra copy)."""
-    k = weights[0].info.shape[1]
-    out = np.empty((sum(w.info.shape[0] for w in weights), k), dtype)
+    k = weights[0].shape[1]
+    out = np.empty((sum(w.shape[0] for w in weights), k), dtype)
     for w, rows in _row_blocks(weights):
         if w.info.dtype == FP8:
             _dequantize_fp8_into(reader, w, out[rows])
+        elif w.expert is not None:
+            read_stacked_rows(reader, w, out[rows])
         else:
             reader.read_into(w.info, out[rows])
     return out
@@ -91,8 +95,8 @@ def _check_finite(x: np.ndarray, weights: Sequence[ExpertWeight]) -> None:
         part = x[rows].astype(np.float32)
         if not np.isfinite(part).all():
             bad = np.argwhere(~np.isfinite(part))[0]
-            what = " after FP8 dequantization" if w.info.dtype == FP8 else ""
-            raise CheckpointError(f"tensor {w.name!r}: non-finite value {part[tuple(bad)]} at {bad.tolist()}"
+            what = {FP8: " after FP8 dequantization", MXFP4: " after MXFP4 dequantization"}.get(w.info.dtype, "")
+            raise CheckpointError(f"tensor {w.label!r}: non-finite value {part[tuple(bad)]} at {bad.tolist()}"
                                   f"{what}; refusing to quantize NaN/Inf weights")
 
 
@@ -109,3 +113,14 @@ def quantize_weights(reader: TensorReader, weights: Sequence[ExpertWeight], dtyp
         _check_finite(x, weights)
     del x
     return np.asarray(data), np.asarray(scales), np.asarray(gs)
+
+
+def read_bias(reader: TensorReader, weights: Sequence[ExpertWeight], dtype) -> np.ndarray | None:
+    """The bias of the row-stack of ``weights`` (one stacked-expert weight) as ``dtype``, or None without."""
+    w = weights[0]
+    if w.bias is None:
+        return None
+    b = read_stacked_bias(reader, w, dtype)
+    if not np.isfinite(b.astype(np.float32)).all():
+        raise CheckpointError(f"tensor {w.bias.name!r} (expert {w.expert}): non-finite bias values")
+    return b
