@@ -3,7 +3,8 @@ byte and FLOP floors of the experts actually hit.
 
 Shapes (``jax_nvfp4.arg_specs``): a DeepSeek-V3 EP8 shard (256 experts, top-8, 32 local, H 7168,
 I 2048; every token's 8 rows land on the 32 local experts) and Qwen3-30B-A3B (128 experts, top-8,
-H 2048, I 768). Routing is precomputed (random, ``topk_ids``/``topk_weights``), so the timings are
+H 2048, I 768); also gpt-oss-120b (``--shapes gpt_oss_120b``: 128 experts, top-4, H = I = 2880, its
+SwiGLU and expert biases; ``--expert-bias`` gives any shape biases). Routing is precomputed (random, ``topk_ids``/``topk_weights``), so the timings are
 of the expert part: dispatch, GEMM1, activation, GEMM2, combine.
 
 Floors, for the experts the batch actually hits (averaged over the input sets):
@@ -11,7 +12,7 @@ Floors, for the experts the batch actually hits (averaged over the input sets):
 
     python benchmarks/moe_bench.py [--quick] [--backends xla,ffi] [--modes bf16,w4a16,w4a4]
         [--shapes deepseek_v3_ep8,qwen3_30b_a3b] [--tokens 1,4,16] [--xla-variants all/ragged,all/tiled]
-        [--json out.json] [--plot out.png]
+        [--expert-bias] [--json out.json] [--plot out.png]
 
 ``--quick`` runs tiny shapes (a CPU smoke test in seconds). Backends that are not available on
 the default device, or do not support a problem, are skipped with a note.
@@ -20,6 +21,7 @@ the default device, or do not support a problem, are skipped with a note.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -146,7 +148,7 @@ def bench_shape(shape, tokens, modes, backends, args, log, on_tokens=None):
 
                 def fn(x, ids, w, ex, name=name, mode=mode):
                     return nv.moe(x, ex, topk_ids=ids, topk_weights=w, mode=mode, backend=name,
-                                  local_expert_offset=shape.local_expert_offset)
+                                  activation=shape.activation, local_expert_offset=shape.local_expert_offset)
 
                 record(name, mode, fn, [s + (b if mode == "bf16" else nvfp4_for(name),) for s in sets])
 
@@ -247,6 +249,9 @@ def main(argv=None):
                    help="time an extra row 'ffi[rows]': the experts in the checkpoint's rows order (every other "
                         "row gets them in its backend's jax_nvfp4.weight_order: blocked for ffi on a GPU)")
     p.add_argument("--no-baseline", action="store_true", help=f"skip the {BASELINE} baseline")
+    p.add_argument("--expert-bias", action="store_true",
+                   help="give every shape's experts biases (gpt-oss's; gpt_oss_120b has them anyway); the "
+                        f"{BASELINE} baseline stays a plain SwiGLU layer")
     p.add_argument("--max-expanded-tflop", type=float, default=100.0,
                    help="skip the baseline when ragged_dot's dense expansion exceeds this many TFLOP")
     p.add_argument("--warmup", type=int, default=None)
@@ -271,7 +276,7 @@ def main(argv=None):
 
     all_shapes = specs.QUICK_SHAPES if args.quick else specs.SHAPES
     names = args.shapes.split(",") if args.shapes else list(all_shapes)
-    known = {**specs.SHAPES, **specs.QUICK_SHAPES}
+    known = {**specs.SHAPES, **specs.OTHER_SHAPES, **specs.QUICK_SHAPES}
     unknown = [n for n in names if n not in known]
     if unknown:
         p.error(f"unknown shapes {unknown}; known: {sorted(known)}")
@@ -329,7 +334,10 @@ def main(argv=None):
             write_json(args.json, dict(head, complete=False, results=results + rows))
 
     for n in names:
-        results += bench_shape(known[n], tokens, modes, backends, args, log, save_partial)
+        shape = known[n]
+        if args.expert_bias and not shape.expert_bias:  # a row name of its own: the same shape, with biases
+            shape = dataclasses.replace(shape, name=f"{n}+bias", expert_bias=True)
+        results += bench_shape(shape, tokens, modes, backends, args, log, save_partial)
     out = dict(head, complete=True, results=results)
     if args.json:
         write_json(args.json, out)

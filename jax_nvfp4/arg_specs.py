@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .backends.base import MoEProblem
-from .formats import BF16Experts, NVFP4Array, NVFP4Experts, dequantize
+from .formats import BIAS_FIELDS, BF16Experts, NVFP4Array, NVFP4Experts, dequantize
 
 H200_HBM_BYTES_PER_S = 4.3e12  # measured HBM copy rate (spec section 6)
 H200_BF16_FLOP_PER_S = 790e12  # upper end of the measured bf16 dense matmul rate
@@ -42,6 +42,9 @@ class MoEShape:
     local_expert_offset : int
         Global id of local expert 0.
     gated : bool
+    activation : str
+    expert_bias : bool
+        The experts carry biases (``gate_up_bias [E, 2I]``, ``down_bias [E, H]``; gpt-oss).
     """
 
     name: str
@@ -52,10 +55,13 @@ class MoEShape:
     top_k: int
     local_expert_offset: int = 0
     gated: bool = True
+    activation: str = "swiglu"
+    expert_bias: bool = False
 
-    def problem(self, tokens: int, mode: str, activation: str = "swiglu") -> MoEProblem:
+    def problem(self, tokens: int, mode: str) -> MoEProblem:
         """The backends' static description of this layer at ``tokens`` tokens."""
-        return MoEProblem(tokens, self.hidden, self.intermediate, self.local_experts, self.top_k, mode, activation)
+        return MoEProblem(tokens, self.hidden, self.intermediate, self.local_experts, self.top_k, mode,
+                          self.activation, expert_bias=self.expert_bias)
 
     @property
     def gemm1_rows(self) -> int:
@@ -80,7 +86,11 @@ DEEPSEEK_V3_EP8 = MoEShape("deepseek_v3_ep8", num_experts=256, local_experts=32,
                            intermediate=2048, top_k=8)
 QWEN3_30B_A3B = MoEShape("qwen3_30b_a3b", num_experts=128, local_experts=128, hidden=2048,
                          intermediate=768, top_k=8)
-SHAPES = {s.name: s for s in (DEEPSEEK_V3_EP8, QWEN3_30B_A3B)}
+SHAPES = {s.name: s for s in (DEEPSEEK_V3_EP8, QWEN3_30B_A3B)}  # issue 5's table
+# gpt-oss-120b: 128 experts top-4, H = I = 2880 (K tails of 64 in the kernels), its SwiGLU and expert biases
+GPT_OSS_120B = MoEShape("gpt_oss_120b", num_experts=128, local_experts=128, hidden=2880, intermediate=2880,
+                        top_k=4, activation="swiglu_oai", expert_bias=True)
+OTHER_SHAPES = {s.name: s for s in (GPT_OSS_120B,)}
 TOKENS = (1, 4, 16, 64, 256, 1024, 4096)
 
 # Tiny analogues (same structure, CPU-sized) for smoke runs and tests.
@@ -108,17 +118,22 @@ def _random_nvfp4(key, shape, k):
 
 
 def random_nvfp4_experts(key, shape: MoEShape, num_experts: int | None = None) -> NVFP4Experts:
-    """Random NVFP4 experts for ``shape`` (``num_experts`` defaults to ``shape.local_experts``)."""
+    """Random NVFP4 experts for ``shape`` (``num_experts`` defaults to ``shape.local_experts``), with bf16
+    biases of scale 0.1 when ``shape.expert_bias``."""
     e = shape.local_experts if num_experts is None else num_experts
-    k1, k2 = jax.random.split(key)
+    k1, k2, k3, k4 = jax.random.split(key, 4)
+    biases = {}
+    if shape.expert_bias:
+        biases = dict(gate_up_bias=0.1 * jax.random.normal(k3, (e, shape.gemm1_rows), jnp.bfloat16),
+                      down_bias=0.1 * jax.random.normal(k4, (e, shape.hidden), jnp.bfloat16))
     return NVFP4Experts(_random_nvfp4(k1, (e, shape.gemm1_rows), shape.hidden),
-                        _random_nvfp4(k2, (e, shape.hidden), shape.intermediate), shape.gated)
+                        _random_nvfp4(k2, (e, shape.hidden), shape.intermediate), shape.gated, **biases)
 
 
 def to_bf16_experts(experts: NVFP4Experts) -> BF16Experts:
-    """bf16 copy of NVFP4 experts (decoded with the global scale, rounded to bf16)."""
+    """bf16 copy of NVFP4 experts (decoded with the global scale, rounded to bf16; biases as they are)."""
     return BF16Experts(dequantize(experts.gate_up, jnp.bfloat16), dequantize(experts.down, jnp.bfloat16),
-                       experts.gated)
+                       experts.gated, *(getattr(experts, b) for b in BIAS_FIELDS))
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))

@@ -3,12 +3,14 @@ device time to a broken argument or result row. Not timings: only that every row
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import os
 import subprocess
 import sys
 
+import jax
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
@@ -47,6 +49,24 @@ def test_moe_bench_quick_rows(tmp_path, clock):
         assert r["timing"] == (f"chain2/{clock}" if r["backend"].startswith("ffi") else "median")
     summary = "\n".join(ab_summary.summary_lines(rows))
     assert all(f"ffi[{v}]" in summary for v in ("flags=2", "flags=6", "ks=4", "tm=32", "tm=16,flags=2", "flags=512,ks=2")), summary
+
+
+def test_moe_bench_expert_bias_rows(tmp_path):
+    """--expert-bias: the shape's experts carry biases (rows named shape+bias) and every backend that takes them
+    runs them; gpt-oss-120b is a known shape with its activation and biases."""
+    out = tmp_path / "bench.json"
+    moe_bench.main(["--quick", "--shapes", "tiny", "--tokens", "3", "--modes", "bf16,w4a16", "--backends", "ffi,xla",
+                    "--expert-bias", "--sets", "1", "--json", str(out)])
+    rows = json.loads(out.read_text())["results"]
+    assert {r["shape"] for r in rows} == {"tiny+bias"}
+    ran = {(r["backend"], r["mode"]) for r in rows if "median_us" in r}
+    assert {("xla", "bf16"), ("xla", "w4a16"), ("ffi", "w4a16"), (moe_bench.BASELINE, "bf16")} <= ran, rows
+    assert not [r for r in rows if "error" in r]
+    tiny = moe_bench.specs.QUICK_SHAPES["tiny"]
+    biased = moe_bench.specs.random_nvfp4_experts(jax.random.key(0), dataclasses.replace(tiny, expert_bias=True))
+    assert biased.has_bias and moe_bench.specs.to_bf16_experts(biased).has_bias
+    oss = moe_bench.specs.OTHER_SHAPES["gpt_oss_120b"]
+    assert oss.expert_bias and oss.problem(1, "w4a16").activation == "swiglu_oai"
 
 
 def test_moe_bench_times_each_backend_in_its_weight_order(tmp_path, monkeypatch):
