@@ -61,7 +61,7 @@ def configurations(variants, mode):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--shape", default="deepseek_v3_ep8", choices=sorted({**specs.SHAPES, **specs.QUICK_SHAPES}))
+    p.add_argument("--shape", default="deepseek_v3_ep8", choices=sorted(specs.ALL_SHAPES))
     p.add_argument("--tokens", default="4,16,64,256,1024,4096", help="batch sizes (each >= --probes)")
     p.add_argument("--probes", type=int, default=4)
     p.add_argument("--mode", default="w4a16", choices=("w4a16", "w4a4"))
@@ -75,7 +75,7 @@ def main(argv=None):
     tokens = sorted({int(t) for t in args.tokens.split(",") if t})
     if not tokens or tokens[0] < args.probes:
         p.error(f"--tokens must all be >= --probes ({args.probes})")
-    shape = {**specs.SHAPES, **specs.QUICK_SHAPES}[args.shape]
+    shape = specs.ALL_SHAPES[args.shape]
     key = jax.random.key(0)
     experts = specs.random_nvfp4_experts(key, shape)
     if nv.weight_order("ffi", hidden_size=shape.hidden, intermediate_size=shape.intermediate) == "blocked":

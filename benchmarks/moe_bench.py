@@ -276,7 +276,7 @@ def main(argv=None):
 
     all_shapes = specs.QUICK_SHAPES if args.quick else specs.SHAPES
     names = args.shapes.split(",") if args.shapes else list(all_shapes)
-    known = {**specs.SHAPES, **specs.OTHER_SHAPES, **specs.QUICK_SHAPES}
+    known = specs.ALL_SHAPES
     unknown = [n for n in names if n not in known]
     if unknown:
         p.error(f"unknown shapes {unknown}; known: {sorted(known)}")

@@ -30,7 +30,7 @@ from _timing import kernel_timeline, span_us  # noqa: E402
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--shape", default="deepseek_v3_ep8", choices=sorted({**specs.SHAPES, **specs.QUICK_SHAPES}))
+    p.add_argument("--shape", default="deepseek_v3_ep8", choices=sorted(specs.ALL_SHAPES))
     p.add_argument("--tokens", type=int, default=1)
     p.add_argument("--mode", default="w4a16", choices=("w4a16", "w4a4"))
     p.add_argument("--backend", default="ffi")
@@ -43,7 +43,7 @@ def main(argv=None):
     p.add_argument("--order", default="auto", choices=("auto", "rows", "blocked"),
                    help="byte order of the experts (auto: jax_nvfp4.weight_order of the backend, as users get)")
     args = p.parse_args(argv)
-    shape = {**specs.SHAPES, **specs.QUICK_SHAPES}[args.shape]
+    shape = specs.ALL_SHAPES[args.shape]
     key = jax.random.key(0)
     experts = specs.random_nvfp4_experts(key, shape)
     order = args.order if args.order != "auto" else nv.weight_order(
@@ -62,7 +62,8 @@ def main(argv=None):
                                              local_expert_offset=shape.local_expert_offset))
     else:
         f = jax.jit(lambda x, i, w, ex: nv.moe(x, ex, topk_ids=i, topk_weights=w, mode=args.mode,
-                                               backend=args.backend, local_expert_offset=shape.local_expert_offset))
+                                               backend=args.backend, activation=shape.activation,
+                                               local_expert_offset=shape.local_expert_offset))
     for _ in range(1 + args.calls):
         jax.block_until_ready(f(x, ids, w, experts))
     flags = f"[flags={args.kernel_flags}]" if args.kernel_flags else ""

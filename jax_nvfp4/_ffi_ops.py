@@ -1088,7 +1088,10 @@ def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str =
     # The intermediate in the paired order on the mma.sync tiles: GEMM2 then loads its activation
     # pairs as they are (H200, 2026-12-01: decode layers 1-2% faster; wgmma prefill 0.3-1% slower).
     # On 64- and 32-row tiles, the chunk order where the sm_90a wgmma GEMM2s (TMA-fed, warp-specialized) read it.
-    natural = bool(kernel_flags & KernelFlag.NATURAL_INTERMEDIATE)
+    # Natural where GEMM2's K (I) has a 64-K tail: its paired loop must stream its weights, and streamed rows
+    # with a tail read about 3x their bytes from DRAM (moe_gemm.cu, Launch; H100, 2026-12-06, gpt-oss-120b
+    # I = 2880: layers x0.70-0.72 at T = 16-64, x0.90 at 1024, x0.95 at 1).
+    natural = bool(kernel_flags & KernelFlag.NATURAL_INTERMEDIATE) or experts.intermediate_size % CHUNK_K != 0
     paired = tile_m <= PAIRED_MAX_TILE_M and not natural
     wgmma = tile_m in WGMMA_TILE_MS and not kernel_flags & KernelFlag.NO_WGMMA and chunk_intermediate_supported()
     chunk = wgmma and _chunk_intermediate_layout(experts, kernel_flags)

@@ -98,6 +98,7 @@ TINY_EP = MoEShape("tiny_ep", num_experts=64, local_experts=8, hidden=256, inter
                    local_expert_offset=8)
 TINY = MoEShape("tiny", num_experts=16, local_experts=16, hidden=128, intermediate=64, top_k=2)
 QUICK_SHAPES = {s.name: s for s in (TINY_EP, TINY)}
+ALL_SHAPES = {**SHAPES, **OTHER_SHAPES, **QUICK_SHAPES}  # every name the benchmark scripts take
 QUICK_TOKENS = (1, 16)
 
 _SCALE_CHOICES = np.array([0.25, 0.375, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0], np.float32)

@@ -353,18 +353,21 @@ def test_align_takes_kernel_flags_and_checks_them():
 def test_paired_intermediate_is_bitwise_the_natural_order_on_the_cpu(mode):
     """On mma.sync tiles (8-32 rows) moe's GEMM1 writes the paired order and GEMM2 reads it
     (pairing attributes of the two calls, in order); KernelFlag.NATURAL_INTERMEDIATE and 64-row
-    tiles keep the natural order. The layer's output does not change by a bit."""
-    ex = make_experts(5, 8, 128, 64)
+    tiles keep the natural order, and so does an intermediate with a 64-K tail (I = 64; gpt-oss's 2880), whose
+    paired GEMM2 would have to stream its weights. The layer's output does not change by a bit."""
     x = make_x(1, 7, 128)
     ids, w = make_routing(2, 7, 3, 8)
-    f = jax.jit(lambda x, i, w, flags, tm: ops.moe_forward(x, ex, i, w, mode=mode, kernel_flags=flags, tile_m=tm),
-                static_argnums=(3, 4))
-    natural = int(ops.KernelFlag.NATURAL_INTERMEDIATE)
-    want = f32(f(x, ids, w, natural, None))
-    for flags, tm, pairing in [(0, None, ["2", "1"]), (0, 32, ["2", "1"]), (natural, None, ["0", "0"]),
-                               (0, 64, ["0", "0"])]:
-        assert re.findall(r"pairing = (\d)", f.lower(x, ids, w, flags, tm).as_text()) == pairing, (flags, tm)
-        np.testing.assert_array_equal(f32(f(x, ids, w, flags, tm)), want)
+    natural, no_wgmma = int(ops.KernelFlag.NATURAL_INTERMEDIATE), int(ops.KernelFlag.NO_WGMMA)
+    paired, plain = ["2", "1"], ["0", "0"]  # (I % 128 == 0: wgmma tiles take the chunk order, unless NO_WGMMA)
+    for inter, cases in ((128, [(0, None, paired), (no_wgmma, 32, paired), (natural, None, plain)]),
+                         (64, [(0, None, plain), (0, 32, plain), (natural, None, plain), (0, 64, plain)])):
+        ex = make_experts(5, 8, 128, inter)
+        f = jax.jit(lambda x, i, w, flags, tm, ex=ex: ops.moe_forward(x, ex, i, w, mode=mode, kernel_flags=flags,
+                                                                      tile_m=tm), static_argnums=(3, 4))
+        want = f32(f(x, ids, w, natural, None))
+        for flags, tm, pairing in cases:
+            assert re.findall(r"pairing = (\d)", f.lower(x, ids, w, flags, tm).as_text()) == pairing, (inter, flags)
+            np.testing.assert_array_equal(f32(f(x, ids, w, flags, tm)), want)
 
 
 def test_kernel_flags_reach_the_custom_call_and_keep_the_function():

@@ -381,7 +381,12 @@ void Launch(const GemmParams& p, int64_t tile_m, int64_t k_split, int64_t slabs,
   // prefetches 8-11 chunks ahead and gate / up rows in separate warps, 70-96 registers, were 2-76%
   // and up to 17% slower on the H200, 2026-12-01: removed; so were lane 0's bulk L2 prefetches of each
   // fragment's next 4-12 chunks, up to 1.28x slower on 2026-12-04; shared-memory rings: DecodeLoop.)
-  const bool plain = !PA && ((flags & int64_t(KernelFlag::kPlainWeightLoads)) || p.K / k_split < kStreamMinSpan);
+  // Rows with a 64-K tail (K % 128 == 64, gpt-oss's 2880) load plainly too: with the hints their layers
+  // read 3.3x their weight bytes from DRAM (Nsight Compute, H100, 2026-12-06) and took 1.12-1.58x as long
+  // (T = 16-1024); K = 2816 / 2944 rows, no tail, stayed 1.12-1.27x faster with them.
+  const bool tail = !BW && p.K % 128 != 0;
+  const bool plain =
+      !PA && ((flags & int64_t(KernelFlag::kPlainWeightLoads)) || p.K / k_split < kStreamMinSpan || tail);
   constexpr int R = kRegisterLoop, S = kStreamLoop;
   if constexpr (GATED) {  // activations a chunk ahead: 8-row tiles where a warp's K span is >= kXAheadMinSpan
     if (tile_m == 8 && p.K / k_split >= kXAheadMinSpan && !(flags & int64_t(KernelFlag::kActivationsInLoop)))
