@@ -688,7 +688,7 @@ def test_stacked_experts_convert_and_load(tmp_path, kind, bias, shards):
     cfg = json.loads((tmp_path / "dst" / "nvfp4_config.json").read_text())
     mod = cfg["moe_modules"][gpt_oss_module(0)]
     assert cfg["format_version"] == 2 and mod["intermediate_size"] == 32 and mod["gated"]
-    assert mod["source_dtype"] == ("mxfp4" if "mxfp4" in kind else "bfloat16")
+    assert mod["source_dtype"] == cfg["source_dtype"] == ("mxfp4" if "mxfp4" in kind else "bfloat16")
     assert mod.get("bias_dtype") == ("bfloat16" if bias else None)
 
 
@@ -793,12 +793,18 @@ def _also_per_expert(t):
     return "model.layers.0.mlp", "both per-expert tensors"
 
 
+def _nan_bias(t):
+    n = "model.layers.0.mlp.experts.down_proj_bias"
+    t[n][3, 1] = np.nan
+    return n + "' (expert 3)", "non-finite bias values"
+
+
 def _unknown_model_type(t):
     return "model.layers.0.mlp", "model_type ['gpt_oss', 'llama4', 'llama4_text'], got 'mystery_moe'"
 
 
 @pytest.mark.parametrize("corrupt", [_no_down, _blocks_without_scales, _nan_scale, _unequal_i, _bias_shape,
-                                     _also_per_expert, _unknown_model_type], ids=lambda f: f.__name__[1:])
+                                     _nan_bias, _also_per_expert, _unknown_model_type], ids=lambda f: f.__name__[1:])
 def test_stacked_bad_input(tmp_path, corrupt):
     tensors, _ = make_stacked("gpt_oss_mxfp4")
     name, msg = corrupt(tensors)

@@ -23,8 +23,8 @@ from .experts import MoELayer, plan_layers
 from .naming import (BIAS, BLOCK_SCALE, CONFIG_NAME, DATA, DOWN, FORMAT_NAME, FORMAT_VERSION, GATE_UP, GEMMS,
                      GLOBAL_SCALE, UP, ignore_patterns, output_names)
 from .safetensors_io import (INDEX_FILE, ST_DTYPES, Checkpoint, CheckpointError, OutTensor, StreamingWriter,
-                             TensorInfo, TensorReader, dtype_name, itemsize, open_checkpoint)
-from .sources import check_recipe, quantize_weights, quantized_parts, read_bias, source_progress
+                             TensorInfo, TensorReader, itemsize, open_checkpoint)
+from .sources import check_recipe, expert_outputs, quantized_parts, source_progress
 
 # top-level files that hold weights: never copied as side files (the safetensors ones are rewritten)
 _WEIGHT_EXTS = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".npz")
@@ -95,7 +95,7 @@ class _Unit:
 
 
 def _quantized_specs(names: dict[str, str], rows: int, k: int, bias_dtype) -> list[OutTensor]:
-    """The outputs of one quantized weight, in :func:`quantize_weights`'s order, then its bias if any."""
+    """The outputs of one quantized weight, in :func:`expert_outputs`'s order."""
     parts = quantized_parts(rows, k) | ({} if bias_dtype is None else {"bias": (ST_DTYPES[bias_dtype], (rows,))})
     return [OutTensor(names[part], dtype, shape, math.prod(shape) * itemsize(dtype))
             for part, (dtype, shape) in parts.items()]
@@ -140,16 +140,14 @@ def _run_unit(u: _Unit, writer: StreamingWriter, reader: TensorReader, recipe: s
     if u.copy is not None:
         writer.copy(u.copy.name, reader, u.copy)
         return
-    parts = quantize_weights(reader, u.weights, u.layer.quant_dtype, recipe)
-    if u.layer.bias_dtype is not None:
-        parts += (read_bias(reader, u.weights, u.layer.bias_dtype),)
+    parts = expert_outputs(reader, u.weights, u.layer.quant_dtype, recipe, u.layer.bias_dtype)
     for spec, arr in zip(u.outputs, parts, strict=True):
         writer.write(spec.name, arr)
 
 
 def _nvfp4_config(layers, ignore, recipe, dropped) -> dict:
     quantized = [ly for ly in layers.values() if not ly.ignored]
-    src = sorted({dtype_name(ly.source_dtype) for ly in quantized})
+    src = sorted({ly.source_name for ly in quantized})
     return {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,

@@ -98,6 +98,13 @@ class MoELayer:
         return np.dtype(ml_dtypes.bfloat16) if self.source_dtype in (FP8, MXFP4) else NP_DTYPES[self.source_dtype]
 
     @property
+    def source_name(self) -> str | None:
+        """The source dtype as ``nvfp4_config.json`` names it (``"bfloat16"``, ``"float8_e4m3fn"``, ``"mxfp4"``)."""
+        if not self.source_dtype:
+            return None
+        return "mxfp4" if self.source_dtype == MXFP4 else dtype_name(self.source_dtype)
+
+    @property
     def bias_dtype(self):
         """Dtype of the expert biases (bfloat16 kept, others float32), or None without biases."""
         b = next((w.bias for w in self.experts[0].values() if w.bias is not None), None) if self.experts else None
@@ -120,8 +127,7 @@ class MoELayer:
 
     def info(self) -> dict:
         """The module's entry in ``nvfp4_config.json``'s ``moe_modules``."""
-        src = "mxfp4" if self.source_dtype == MXFP4 else dtype_name(self.source_dtype) if self.source_dtype else None
-        d = dict(num_experts=self.num_experts, quantized=not self.ignored, source_dtype=src)
+        d = dict(num_experts=self.num_experts, quantized=not self.ignored, source_dtype=self.source_name)
         if not self.ignored:
             d.update(gated=self.gated, hidden_size=self.hidden, intermediate_size=self.inter,
                      quantized_dtype=self.quant_dtype.name)

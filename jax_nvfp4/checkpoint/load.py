@@ -10,10 +10,10 @@ import numpy as np
 
 from ..formats import NVFP4Experts
 from .experts import plan_layers
-from .naming import CONFIG_NAME, FORMAT_NAME, FORMAT_VERSION, GEMMS, READABLE_VERSIONS, ignore_patterns, output_names
+from .naming import CONFIG_NAME, FORMAT_NAME, GEMMS, READABLE_VERSIONS, ignore_patterns, output_names
 from .safetensors_io import (NP_DTYPES, ST_DTYPES, Checkpoint, CheckpointError, TensorReader, checkpoint_folder,
                              open_checkpoint)
-from .sources import check_recipe, quantize_weights, quantized_parts, read_bias, source_progress
+from .sources import check_recipe, expert_outputs, quantized_parts, source_progress
 
 _DTYPE_BY_NAME = {dt.name: dt for dt in NP_DTYPES.values()}  # "bfloat16" -> dtype
 
@@ -66,10 +66,8 @@ def quantize_checkpoint_experts(src, *, ignore: Sequence[str] = (), recipe: str 
             for e in range(ly.num_experts):
                 for gemm in GEMMS:
                     ws = ly.weights(e, gemm)
-                    parts = quantize_weights(reader, ws, ly.quant_dtype, recipe)
-                    if ly.bias_dtype is not None:
-                        parts += (read_bias(reader, ws, ly.bias_dtype),)
-                    for buf, part in zip(stack.parts[gemm].values(), parts):
+                    parts = expert_outputs(reader, ws, ly.quant_dtype, recipe, ly.bias_dtype)
+                    for buf, part in zip(stack.parts[gemm].values(), parts, strict=True):
                         buf[e] = part
                     bar.update(sum(w.nbytes for w in ws))
             out[ly.module] = stack.experts(ly.gated, ly.quant_dtype)

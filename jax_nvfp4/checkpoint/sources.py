@@ -115,12 +115,14 @@ def quantize_weights(reader: TensorReader, weights: Sequence[ExpertWeight], dtyp
     return np.asarray(data), np.asarray(scales), np.asarray(gs)
 
 
-def read_bias(reader: TensorReader, weights: Sequence[ExpertWeight], dtype) -> np.ndarray | None:
-    """The bias of the row-stack of ``weights`` (one stacked-expert weight) as ``dtype``, or None without."""
+def expert_outputs(reader: TensorReader, weights: Sequence[ExpertWeight], dtype, recipe: str, bias_dtype=None):
+    """:func:`quantize_weights` of ``weights``, then, with ``bias_dtype``, their bias ``[N]`` as that dtype (a
+    stacked-expert weight's, gate entries first)."""
+    parts = quantize_weights(reader, weights, dtype, recipe)
+    if bias_dtype is None:
+        return parts
     w = weights[0]
-    if w.bias is None:
-        return None
-    b = read_stacked_bias(reader, w, dtype)
+    b = read_stacked_bias(reader, w, bias_dtype)
     if not np.isfinite(b.astype(np.float32)).all():
         raise CheckpointError(f"tensor {w.bias.name!r} (expert {w.expert}): non-finite bias values")
-    return b
+    return parts + (b,)
