@@ -34,10 +34,6 @@ _E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6]
 GATE_UP_ORDER = {"gpt_oss": "interleaved", "llama4": "halves", "llama4_text": "halves"}  # by config model_type
 
 
-def is_stacked_name(name: str) -> bool:
-    return _STACKED_RE.match(name) is not None
-
-
 def _model_type(root: Path) -> str | None:
     try:
         cfg = json.loads((root / "config.json").read_text())
