@@ -4,8 +4,9 @@ byte and FLOP floors of the experts actually hit.
 Shapes (``jax_nvfp4.arg_specs``): a DeepSeek-V3 EP8 shard (256 experts, top-8, 32 local, H 7168,
 I 2048; every token's 8 rows land on the 32 local experts) and Qwen3-30B-A3B (128 experts, top-8,
 H 2048, I 768); also gpt-oss-120b (``--shapes gpt_oss_120b``: 128 experts, top-4, H = I = 2880, its
-SwiGLU and expert biases; ``--expert-bias`` gives any shape biases). Routing is precomputed (random, ``topk_ids``/``topk_weights``), so the timings are
-of the expert part: dispatch, GEMM1, activation, GEMM2, combine.
+SwiGLU and expert biases; ``--expert-bias`` gives any shape biases). Routing is precomputed (random,
+``topk_ids``/``topk_weights``), so the timings are of the expert part: dispatch, GEMM1, activation,
+GEMM2, combine.
 
 Floors, for the experts the batch actually hits (averaged over the input sets):
 ``bytes / 4.3 TB/s`` (NVFP4 data + block scales, or bf16) and ``2 * rows * H * 3I / 790 TFLOP/s``.
