@@ -1041,6 +1041,10 @@ def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str =
     if not isinstance(experts, NVFP4Experts):
         raise TypeError(f"the ffi kernels need NVFP4Experts, got {type(experts).__name__}")
     require_unstacked(experts, "moe_forward")
+    if experts.valid_sizes is not None:
+        raise ValueError(f"moe_forward: these experts are zero-padded to H, I = {experts.gate_up.shape[-1]}, "
+                         f"{experts.down.shape[-1]} (valid_sizes {experts.valid_sizes}); pass "
+                         "experts.padded_layer() and experts.pad_input(x), as moe does")
     act = ACTIVATIONS[activation]
     gated = act != Activation.RELU2
     if experts.gated != gated:
@@ -1201,6 +1205,11 @@ def moe(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str = "w4a16"
         raise TypeError(f"the ffi kernels need NVFP4Experts (mode 'bf16' runs on backend 'xla'), "
                         f"got {type(experts).__name__}")
     require_unstacked(experts, "moe")
+    if experts.valid_sizes is not None:  # zero-padded blocked experts: their padded layer, as jax_nvfp4.moe runs it
+        return moe(experts.pad_input(jnp.asarray(x)), experts.padded_layer(), topk_ids, topk_weights, mode=mode,
+                   activation=activation, local_expert_offset=local_expert_offset, impl=impl, tile_m=tile_m,
+                   kernel_flags=kernel_flags, k_split=k_split, spread_experts=spread_experts,
+                   k_split_decode_only=k_split_decode_only)[:, :experts.hidden_size]
     if not isinstance(local_expert_offset, (int, np.integer)):
         topk_ids, local_expert_offset = shard_ids(topk_ids, local_expert_offset), 0
     if k_split is not None:

@@ -90,7 +90,9 @@ SHAPES = {s.name: s for s in (DEEPSEEK_V3_EP8, QWEN3_30B_A3B)}  # issue 5's tabl
 # gpt-oss-120b: 128 experts top-4, H = I = 2880 (K tails of 64 in the kernels), its SwiGLU and expert biases
 GPT_OSS_120B = MoEShape("gpt_oss_120b", num_experts=128, local_experts=128, hidden=2880, intermediate=2880,
                         top_k=4, activation="swiglu_oai", expert_bias=True)
-OTHER_SHAPES = {s.name: s for s in (GPT_OSS_120B,)}
+GPT_OSS_20B = MoEShape("gpt_oss_20b", num_experts=32, local_experts=32, hidden=2880, intermediate=2880,
+                       top_k=4, activation="swiglu_oai", expert_bias=True)
+OTHER_SHAPES = {s.name: s for s in (GPT_OSS_120B, GPT_OSS_20B)}
 TOKENS = (1, 4, 16, 64, 256, 1024, 4096)
 
 # Tiny analogues (same structure, CPU-sized) for smoke runs and tests.

@@ -236,21 +236,64 @@ def from_blocked_weights(w: NVFP4Array) -> NVFP4Array:
     return _reordered(w, False, "from_blocked_weights")
 
 
+def padded_sizes(hidden_size: int, intermediate_size: int) -> tuple[int, int]:
+    """H and I rounded up to whole ``BLOCK_K`` chunks: the sizes of blocked experts (:func:`to_blocked_experts`)."""
+    return tuple(-(-n // BLOCK_K) * BLOCK_K for n in (hidden_size, intermediate_size))
+
+
+def _fit(v, halves: int, rows: int, cols: int):
+    """``v [..., halves * n, c]`` with each of its ``halves`` (gate, up) cut or zero-padded to ``rows`` rows and its
+    last axis to ``cols``."""
+    *lead, n, c = v.shape
+    v = v.reshape(*lead, halves, n // halves, c)[..., :rows, :cols]
+    v = jnp.pad(v, [(0, 0)] * (len(lead) + 1) + [(0, rows - v.shape[-2]), (0, cols - v.shape[-1])])
+    return v.reshape(*lead, halves * rows, cols)
+
+
+def _resized(experts: "NVFP4Experts", hidden: int, inter: int) -> dict:
+    """The tensors of rows-order ``experts`` zero-padded (or cut back) to hidden size ``hidden`` and intermediate
+    ``inter``: gate and up rows each to ``inter``, GEMM1's K and GEMM2's rows to ``hidden``, GEMM2's K to ``inter``,
+    the biases alike. Zero codes and zero block scales decode to 0."""
+    halves = 2 if experts.gated else 1
+
+    def weight(w, halves, rows, k):
+        return NVFP4Array(_fit(w.data, halves, rows, k // 2), _fit(w.scales, halves, rows, k // BLOCK),
+                          w.global_scale, w.dtype, w.order)
+
+    def bias(b, halves, n):
+        return None if b is None else _fit(b[..., None], halves, n, 1)[..., 0]
+    return dict(gate_up=weight(experts.gate_up, halves, inter, hidden), down=weight(experts.down, 1, hidden, inter),
+                gate_up_bias=bias(experts.gate_up_bias, halves, inter), down_bias=bias(experts.down_bias, 1, hidden))
+
+
 def _reordered_experts(experts: "NVFP4Experts", to_blocked: bool) -> "NVFP4Experts":
     fn = "to_blocked_experts" if to_blocked else "from_blocked_experts"
     if not isinstance(experts, NVFP4Experts):
         raise TypeError(f"{fn} needs NVFP4Experts, got {type(experts).__name__}")
-    return dataclasses.replace(experts, **{name: _reordered(getattr(experts, name), to_blocked, f"{fn}: {name}")
-                                           for name in ("gate_up", "down")})
+    sizes = (experts.hidden_size, experts.intermediate_size)
+    pad = to_blocked and experts.gate_up.order == "rows" and not experts_blockable(*sizes)
+    if pad:
+        experts = dataclasses.replace(experts, **_resized(experts, *padded_sizes(*sizes)))
+    out = dataclasses.replace(experts, **{name: _reordered(getattr(experts, name), to_blocked, f"{fn}: {name}")
+                                          for name in ("gate_up", "down")}, valid_sizes=None)
+    if pad:
+        return dataclasses.replace(out, valid_sizes=sizes)
+    return out if to_blocked or experts.valid_sizes is None else dataclasses.replace(out, **_resized(out, *sizes))
 
 
 def to_blocked_experts(experts: "NVFP4Experts") -> "NVFP4Experts":
-    """:func:`to_blocked_weights` of both expert tensors."""
+    """:func:`to_blocked_weights` of both expert tensors, with H and I first zero-padded to multiples of 128
+    where they are not (e.g. gpt-oss, H = I = 2880 -> 2944): gate and up rows each to I', K to H', down's
+    rows to H' and its K to I', the biases alike. The padded codes and scales are zeros, so the padded
+    experts are the same layer: :func:`~jax_nvfp4.moe` runs them on ``x`` zero-padded to H' and keeps the
+    first H output features (``valid_sizes`` records H and I; ``hidden_size`` / ``intermediate_size`` stay
+    H and I). The padded bytes cost (H' I') / (H I) - 1 more memory and reads (4.5% for 2880), and buy the
+    kernels of whole 128-K chunks (H100, 2026-12-06: gpt-oss-120b layers faster, BENCHMARKS.md)."""
     return _reordered_experts(experts, True)
 
 
 def from_blocked_experts(experts: "NVFP4Experts") -> "NVFP4Experts":
-    """:func:`from_blocked_weights` of both expert tensors."""
+    """:func:`from_blocked_weights` of both expert tensors, without the padding of :func:`to_blocked_experts`."""
     return _reordered_experts(experts, False)
 
 
@@ -269,11 +312,15 @@ class _ExpertShapes:
 
     @property
     def hidden_size(self) -> int:
-        return self.gate_up.shape[-1]
+        """H (before any zero padding of blocked experts: ``valid_sizes``)."""
+        valid = getattr(self, "valid_sizes", None)
+        return valid[0] if valid else self.gate_up.shape[-1]
 
     @property
     def intermediate_size(self) -> int:
-        return self.down.shape[-1]
+        """I (before any zero padding of blocked experts: ``valid_sizes``)."""
+        valid = getattr(self, "valid_sizes", None)
+        return valid[1] if valid else self.down.shape[-1]
 
     @property
     def stack_shape(self) -> tuple[int, ...]:
@@ -296,7 +343,7 @@ class _ExpertShapes:
 
     def _check_biases(self, where: str) -> None:
         stack, e = self.stack_shape, self.num_experts
-        for name, n in (("gate_up_bias", self.gate_up.shape[-2]), ("down_bias", self.hidden_size)):
+        for name, n in (("gate_up_bias", self.gate_up.shape[-2]), ("down_bias", self.down.shape[-2])):
             b = getattr(self, name)
             if b is None or not _is_array(b):
                 continue
@@ -333,6 +380,10 @@ class NVFP4Experts(_ExpertShapes):
         Added to GEMM1's output after ``alpha1`` and before the activation (gpt-oss); not quantized.
     down_bias : optional float ``[E, H]``
         Added to GEMM2's output after ``alpha2``, before the routing weight multiplies it.
+    valid_sizes : None or (H, I) (static)
+        Set on blocked experts whose H or I is not a multiple of 128 (:func:`~jax_nvfp4.to_blocked_experts`):
+        the tensors (and biases) are zero-padded to ``H'``, ``I'``, the next multiples of 128, and
+        ``hidden_size`` / ``intermediate_size`` are H and I.
 
     Stacked experts (several layers' sets, ``[L, E, N, K]`` and global scales ``[L, E]``; any leading axes) are
     what ``jax.vmap`` of :func:`~jax_nvfp4.quantize_experts` returns and what ``jax.lax.scan`` over layers takes;
@@ -344,20 +395,42 @@ class NVFP4Experts(_ExpertShapes):
     gated: bool = dataclasses.field(default=True, metadata=dict(static=True))
     gate_up_bias: Any = None
     down_bias: Any = None
+    valid_sizes: Any = dataclasses.field(default=None, metadata=dict(static=True))
 
     def __post_init__(self):
+        if self.valid_sizes is not None and (
+                not isinstance(self.valid_sizes, tuple) or len(self.valid_sizes) != 2
+                or not all(isinstance(n, int) and n > 0 and n % BLOCK == 0 for n in self.valid_sizes)):
+            raise ValueError(f"NVFP4Experts.valid_sizes must be None or a tuple (H, I) of positive multiples of "
+                             f"{BLOCK}, got {self.valid_sizes!r}")
         # (Only real arrays: pytree maps may leave anything in the leaves, e.g. jax.tree.map(jnp.shape, experts).)
         if all(isinstance(w, NVFP4Array) and _is_array(w.data) for w in (self.gate_up, self.down)):
             _check_expert_shapes(self.gate_up.shape, self.down.shape, self.gated, "NVFP4Experts")
             if self.gate_up.order != self.down.order:
                 raise ValueError(f"NVFP4Experts.gate_up and .down must have one byte order, got "
                                  f"{self.gate_up.order!r} and {self.down.order!r}")
+            stored = (self.gate_up.shape[-1], self.down.shape[-1])
+            if self.valid_sizes is not None and (self.gate_up.order != "blocked"
+                                                 or padded_sizes(*self.valid_sizes) != stored
+                                                 or self.valid_sizes == stored):
+                raise ValueError(f"NVFP4Experts.valid_sizes (H, I) = {self.valid_sizes} is for blocked experts "
+                                 f"zero-padded to multiples of {BLOCK_K} (to_blocked_experts), but these are "
+                                 f"{self.gate_up.order!r} experts of H = {stored[0]}, I = {stored[1]}")
             for name, w in (("gate_up", self.gate_up), ("down", self.down)):
                 if _is_array(w.global_scale) and tuple(w.global_scale.shape) != w.shape[:-2]:
                     raise ValueError(
                         f"NVFP4Experts.{name}.global_scale must have shape [..., E]={w.shape[:-2]}, "
                         f"got {w.global_scale.shape}")
             self._check_biases("NVFP4Experts")
+
+    def padded_layer(self) -> "NVFP4Experts":
+        """These experts as the layer of their padded sizes (``valid_sizes`` dropped): the one
+        :func:`~jax_nvfp4.moe` runs on ``x`` zero-padded to ``gate_up.shape[-1]``."""
+        return dataclasses.replace(self, valid_sizes=None)
+
+    def pad_input(self, x):
+        """``x [T, H]`` zero-padded to the padded layer's ``[T, H']`` (``gate_up.shape[-1]``)."""
+        return jnp.pad(x, ((0, 0), (0, self.gate_up.shape[-1] - x.shape[1])))
 
     @classmethod
     def from_parts(cls, gate_up_data, gate_up_scales, gate_up_global_scale, down_data, down_scales,

@@ -201,6 +201,15 @@ def moe(x, experts, *, router_logits=None, routing: str = "softmax_topk", top_k:
     t, h = x.shape
     if h != experts.hidden_size:
         raise ValueError(f"x.shape[1]={h} does not match the experts' hidden size H={experts.hidden_size}")
+    if getattr(experts, "valid_sizes", None) is not None:
+        # Blocked experts zero-padded to whole 128-K chunks (to_blocked_experts): the padded layer on x padded with
+        # zeros is the same layer (its extra output features are zeros); the checks below run on it.
+        res = moe(experts.pad_input(x), experts.padded_layer(), router_logits=router_logits,
+                  routing=routing, top_k=top_k, topk_ids=topk_ids, topk_weights=topk_weights, bias=bias,
+                  n_group=n_group, topk_group=topk_group, routed_scaling_factor=routed_scaling_factor,
+                  activation=activation, mode=mode, local_expert_offset=local_expert_offset, backend=backend,
+                  return_routing=return_routing, batch_invariant=batch_invariant)
+        return (res[0][:, :h], res[1]) if return_routing else res[:, :h]
 
     if router_logits is not None:
         if topk_ids is not None or topk_weights is not None:

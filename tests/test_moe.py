@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import jax_nvfp4 as nv
-from jax_nvfp4 import activations, arg_specs
+from jax_nvfp4 import _ffi_ops as ffi_ops, activations, arg_specs
 from jax_nvfp4.backends import base
 from jax_nvfp4.backends.xla import XLABackend, choose_dispatch, choose_gmm, gmm_ragged, gmm_tiled, moe_experts
 from conftest import golden_moe, golden_names, run_on_cpu_devices
@@ -845,12 +845,62 @@ def test_blocked_experts_are_the_same_layer_on_every_reader():
     p_rows, p_blocked = (nv.prepare_flashinfer_weights(e, "cutedsl") for e in (ex, bl))
     for a, b in zip(jax.tree.leaves(p_blocked), jax.tree.leaves(p_rows)):
         np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
-    with pytest.raises(ValueError, match=r"to_blocked_experts: down: the blocked order needs .* K % 128 == 0"):
-        nv.to_blocked_experts(make_experts(21, e=4, h=256, inter=64))
     with pytest.raises(ValueError, match=r"from_blocked_experts: gate_up: needs an NVFP4Array in the 'blocked'"):
         nv.from_blocked_experts(ex)
     with pytest.raises(TypeError, match="to_blocked_experts needs NVFP4Experts, got BF16Experts"):
         nv.to_blocked_experts(make_experts(21, bf16=True))
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_blocked_experts_zero_pad_h_and_i_to_whole_chunks(gated):
+    """Where H or I is not a multiple of 128 (gpt-oss: 2880), to_blocked_experts pads both with zeros: gate and up
+    rows each to I', K to H', down to [H', I'], the biases alike; valid_sizes keeps H and I. The padded experts
+    are the same layer (equal bytes on the xla and CPU ffi backends, eager and jitted, w4a16 and w4a4), and
+    from_blocked_experts gives the rows experts back exactly."""
+    act = "swiglu_oai" if gated else "relu2"
+    e, h, i = 4, 80, 48
+    k = jax.random.split(jax.random.key(5), 4)
+    gu = jax.random.normal(k[0], (e, (2 if gated else 1) * i, h), jnp.bfloat16)
+    ex = nv.quantize_experts(gu, jax.random.normal(k[1], (e, h, i), jnp.bfloat16), gated=gated,
+                             gate_up_bias=jax.random.normal(k[2], gu.shape[:2]),
+                             down_bias=jax.random.normal(k[3], (e, h), jnp.bfloat16))
+    bl = nv.to_blocked_experts(ex)
+    halves = 2 if gated else 1
+    assert (bl.gate_up.shape, bl.down.shape, bl.valid_sizes) == ((e, halves * 128, 128), (e, 128, 128), (h, i))
+    assert (bl.hidden_size, bl.intermediate_size, bl.gate_up.order) == (h, i, "blocked")
+    assert bl.gate_up_bias.shape == (e, halves * 128) and bl.down_bias.shape == (e, 128)
+    # Each half in place, zeros around it (decoded, so codes and scales both).
+    want = np.zeros((e, halves, 128, 128), np.float32)
+    want[:, :, :i, :h] = f32(nv.dequantize(ex.gate_up)).reshape(e, halves, i, h)
+    np.testing.assert_array_equal(f32(nv.dequantize(bl.gate_up)), want.reshape(e, halves * 128, 128))
+    down = np.zeros((e, 128, 128), np.float32)
+    down[:, :h, :i] = f32(nv.dequantize(ex.down))
+    np.testing.assert_array_equal(f32(nv.dequantize(bl.down)), down)
+    bias = np.zeros((e, halves, 128), np.float32)
+    bias[:, :, :i] = f32(ex.gate_up_bias).reshape(e, halves, i)
+    np.testing.assert_array_equal(f32(bl.gate_up_bias), bias.reshape(e, -1))
+    back = nv.from_blocked_experts(bl)
+    assert back.valid_sizes is None and jax.tree.structure(back) == jax.tree.structure(ex)
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(ex)):
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+    x, logits = make_inputs(22, e_global=e, h=h)
+    for backend, mode in (("xla", "w4a16"), ("xla", "w4a4"), ("ffi", "w4a16"), ("ffi", "w4a4")):
+        run = functools.partial(moe, router_logits=logits, top_k=2, activation=act, mode=mode, backend=backend,
+                                return_routing=True)
+        want, routing = run(x, ex)
+        got, got_routing = run(x, bl)
+        assert got.shape == (x.shape[0], h)
+        np.testing.assert_array_equal(f32(got), f32(want))
+        np.testing.assert_array_equal(f32(jax.jit(lambda x, ex: run(x, ex)[0])(x, bl)), f32(want))
+        np.testing.assert_array_equal(np.asarray(got_routing[0]), np.asarray(routing[0]))
+    with pytest.raises(ValueError, match=r"valid_sizes \(H, I\) = \(80, 48\) is for blocked experts zero-padded"):
+        dataclasses.replace(ex, valid_sizes=(h, i))  # rows experts
+    with pytest.raises(ValueError, match="valid_sizes .* is for blocked experts"):
+        dataclasses.replace(bl, valid_sizes=(h, 144))  # (I' would be 256)
+    with pytest.raises(ValueError, match="valid_sizes must be None or a tuple"):
+        dataclasses.replace(bl, valid_sizes=(h, 50))
+    with pytest.raises(ValueError, match=r"moe_forward: these experts are zero-padded .* experts.padded_layer\(\)"):
+        ffi_ops.moe_forward(x, bl, *nv.route(logits, "softmax_topk", top_k=2), activation=act)
 
 
 def test_weight_order():

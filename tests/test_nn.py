@@ -381,8 +381,13 @@ def test_weight_order_of_quantized_and_loaded_blocks(monkeypatch):
     np.testing.assert_array_equal(on_xla(target), on_xla(rows))
     with pytest.raises(ValueError, match="order"):
         nvnn.quantize_moe(blk, order="columns")
-    with pytest.raises(ValueError, match="order='blocked' needs H and I to be multiples of 128"):
-        nvnn.quantize_moe(nvnn.MoE(64, 32, 4, 2, rngs=nnx.Rngs(3)), order="blocked")
+    small = nvnn.MoE(64, 48, 4, 2, rngs=nnx.Rngs(3), routing="renormalize_naive", backend="ffi")  # zero-padded
+    padded = nvnn.quantize_moe(small, order="blocked")
+    assert padded.experts.experts().gate_up.shape == (4, 256, 128) and padded.experts.experts().valid_sizes == (64, 48)
+    xs = xb[:, :64]
+    np.testing.assert_array_equal(padded(xs), nvnn.quantize_moe(small, order="rows")(xs))
+    back = nvnn.quantize_moe(padded, order="rows").experts.experts()
+    assert back.gate_up.shape == (4, 96, 64) and back.valid_sizes is None
 
 
 def test_batch_invariant_block_runs_the_ffi_backend(model, x):

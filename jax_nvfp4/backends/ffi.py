@@ -10,8 +10,12 @@ from __future__ import annotations
 import jax
 
 from .. import _ffi_ops as ops
-from ..formats import experts_blockable
+from ..formats import padded_sizes
 from . import base
+
+# The most zero padding (a fraction of the weight bytes) the blocked order may add for its whole 128-K chunks
+# (H100, 2026-12-06: gpt-oss, H = I = 2880 -> 2944, 4.5% more bytes, BENCHMARKS.md); rows beyond it.
+MAX_PADDING = 0.125
 
 
 def _default_device():
@@ -92,9 +96,12 @@ class FFIBackend:
 
     def weight_order(self, hidden: int, intermediate: int) -> str:
         """The blocked order on CUDA (H200, 2026-12-01: decode layers 7-13% faster, prefill layers
-        4-6% faster than on rows); the CPU handler reads both orders at one speed."""
-        cuda = _platform(_default_device()) == "cuda"
-        return "blocked" if cuda and experts_blockable(hidden, intermediate) else "rows"
+        4-6% faster than on rows), where its zero padding of H and I to multiples of 128 (to_blocked_experts)
+        adds at most MAX_PADDING of the weight bytes; the CPU handler reads both orders at one speed."""
+        if _platform(_default_device()) != "cuda":
+            return "rows"
+        hp, ip = padded_sizes(hidden, intermediate)
+        return "blocked" if hp * ip <= (1 + MAX_PADDING) * hidden * intermediate else "rows"
 
     def unsupported_reason(self, problem: base.MoEProblem) -> str | None:
         if problem.mode not in ops.MODES:

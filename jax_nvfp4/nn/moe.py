@@ -109,7 +109,7 @@ class NVFP4ExpertWeights(_ExpertBiases, nnx.Module):
     down_data, down_scales, down_global_scale : the same for ``[E, H, I]``
     gate_up_bias, down_bias : QuantizedWeight (the experts' biases, as given: not quantized), or None
     gated : bool; dtype : the source dtype recorded by the quantizer; order : the byte order of
-        the data and scales (:attr:`jax_nvfp4.NVFP4Array.order`) (static)
+        the data and scales (:attr:`jax_nvfp4.NVFP4Array.order`); valid_sizes : the experts' (static)
 
     In the blocked order the data and scales are named ``gate_up_data_blocked2``,
     ``gate_up_scales_blocked2``, ... so that the order is part of the state's structure: a state saved
@@ -131,6 +131,7 @@ class NVFP4ExpertWeights(_ExpertBiases, nnx.Module):
             setattr(self, name, None if b is None else QuantizedWeight(b))
         self.gated = experts.gated
         self.dtype = jnp.dtype(experts.gate_up.dtype)
+        self.valid_sizes = experts.valid_sizes
 
     def experts(self) -> NVFP4Experts:
         """The weights as :class:`~jax_nvfp4.NVFP4Experts`, for :func:`jax_nvfp4.moe`."""
@@ -148,7 +149,8 @@ class NVFP4ExpertWeights(_ExpertBiases, nnx.Module):
         def part(name):
             return NVFP4Array(getattr(self, f"{name}_data{tag}")[...], getattr(self, f"{name}_scales{tag}")[...],
                               getattr(self, f"{name}_global_scale")[...], self.dtype, self.order)
-        return NVFP4Experts(part("gate_up"), part("down"), self.gated, **self.biases())
+        return NVFP4Experts(part("gate_up"), part("down"), self.gated, **self.biases(),
+                            valid_sizes=self.valid_sizes)
 
 
 def check_choice(value, choices, name):

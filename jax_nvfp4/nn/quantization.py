@@ -19,7 +19,7 @@ from flax import nnx
 from .. import activations
 from ..backends.base import MODES
 from ..checkpoint.naming import ignore_patterns, matches_ignore, strip_model
-from ..formats import BLOCK_K, ORDERS, experts_blockable, from_blocked_experts, to_blocked_experts
+from ..formats import ORDERS, from_blocked_experts, to_blocked_experts
 from ..moe import weight_order
 from ..quantize import RECIPES, non_finite_experts, quantize_experts
 from .moe import MoE, NVFP4ExpertWeights, check_backend, check_choice, check_expert_axis
@@ -31,17 +31,13 @@ WEIGHT_ORDERS = ("auto",) + ORDERS
 _to_blocked, _from_blocked = jax.jit(to_blocked_experts), jax.jit(from_blocked_experts)
 
 
-def _order_of(block: MoE, order: str, name: str, keep: bool = True) -> str:
+def _order_of(block: MoE, order: str, keep: bool = True) -> str:
     """The byte order ``order`` asks of ``block`` (``"auto"``: the one its backend reads fastest;
     with ``keep``, a block that already holds NVFP4 experts keeps theirs)."""
     if order == "auto":
         if keep and block.quantized:
             return block.experts.order
         return weight_order(block.backend, hidden_size=block.hidden_size, intermediate_size=block.intermediate_size)
-    h, i = block.hidden_size, block.intermediate_size
-    if order == "blocked" and not experts_blockable(h, i):
-        raise ValueError(f"order='blocked' needs H and I to be multiples of {BLOCK_K}, but MoE block {name!r} has "
-                         f"H={h}, I={i}")
     return order
 
 
@@ -135,7 +131,7 @@ def quantize_moe(model, *, ignore: str | Sequence[str] = (), recipe: str = "nvfp
             warnings.warn(f"ignore pattern {p!r} matches no MoE block (blocks: "
                           f"{', '.join(map(repr, list(blocks)[:4]))}{', ...' if len(blocks) > 4 else ''})",
                           stacklevel=2)
-    orders = {name: _order_of(blocks[name], order, name) for name in keep}  # every block checked first
+    orders = {name: _order_of(blocks[name], order) for name in keep}
     label = lambda name: name or "(the model itself)"  # noqa: E731
     scales = {}  # the new global scales, NaN where an expert's weights were not finite
     for name in keep:  # (block by block: inplace, each block's bf16 experts can be freed as it is replaced)
@@ -273,7 +269,7 @@ def _load_experts(model, source: dict, mode: str, order: str, strict: bool, cons
         if ex.has_bias != bool(block.experts.biases()):
             raise ValueError(f"checkpoint MoE module {module!r}: experts {'with' if ex.has_bias else 'without'} "
                              f"biases, but the block has {'some' if block.experts.biases() else 'none'} (expert_bias)")
-        block.experts = _weights(ex, _order_of(block, order, module, keep=False))
+        block.experts = _weights(ex, _order_of(block, order, keep=False))
         block.mode = mode
         loaded.append(module)
     return loaded
