@@ -18,6 +18,7 @@ The bf16 row measures the engine alone (cached decoding vs one teacher-forced pa
     python examples/rl_rollout.py                      # tiny random model on the CPU, seconds
     python examples/rl_rollout.py --config qwen3-30b-a3b --layers 8 --batch 64 --prompt-len 128 \\
         --new-tokens 256                               # Qwen3-30B-A3B shapes on a GPU (random weights)
+    python examples/rl_rollout.py --config gpt-oss-20b --layers 8 ...   # gpt-oss-20b shapes
     python examples/rl_rollout.py --expert-parallel 8  # the NVFP4 rollout copy's experts split over 8 devices
 
 With ``--expert-parallel N`` the quantized rollout copy holds ``E / N`` experts of every block on each of the first
@@ -52,7 +53,8 @@ MODES = ("bf16", "w4a16", "w4a4")
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    p.add_argument("--config", default="tiny", choices=sorted(nvnn.CONFIGS), help="model shapes (default tiny)")
+    p.add_argument("--config", default="tiny", choices=sorted(MODELS),
+                   help="model shapes (default tiny; gpt-oss-*: the gpt-oss decoder, sliding windows, sinks, biases)")
     p.add_argument("--layers", type=int, default=None, help="override the number of decoder layers")
     p.add_argument("--batch", type=int, default=8, help="sequences per rollout")
     p.add_argument("--prompt-len", type=int, default=16, help="prompt columns (prompts are left-padded, "
@@ -137,8 +139,14 @@ def rollout_model(policy, quantized, mode):
     return quantized if mode == "w4a16" else nvnn.set_moe_options(quantized, mode="w4a4")
 
 
+# --config name -> (config, model class): the Qwen3-MoE presets and the gpt-oss ones.
+MODELS = {**{n: (c, nvnn.Qwen3MoeForCausalLM) for n, c in nvnn.CONFIGS.items()},
+          **{f"gpt-oss-{n}" if n == "tiny" else n: (c, nvnn.GptOssForCausalLM) for n, c in nvnn.GPT_OSS_CONFIGS.items()}}
+
+
 def run(args, log=print):
-    cfg = nvnn.CONFIGS[args.config].replace(moe_backend=args.backend)
+    cfg, model_cls = MODELS[args.config]
+    cfg = cfg.replace(moe_backend=args.backend)
     mesh = None
     if args.expert_parallel > 1:
         mesh = jax.make_mesh((args.expert_parallel,), ("ep",), devices=jax.devices()[:args.expert_parallel])
@@ -146,12 +154,12 @@ def run(args, log=print):
         cfg = cfg.replace(num_hidden_layers=args.layers)
     key = jax.random.key(args.seed)
     t0 = time.perf_counter()
-    policy = nvnn.Qwen3MoeForCausalLM(cfg, rngs=nnx.Rngs(args.seed))  # random weights, on the default device
+    policy = model_cls(cfg, rngs=nnx.Rngs(args.seed))  # random weights, on the default device
     n_params = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(nnx.state(policy, nnx.Param)))
     jax.block_until_ready(nnx.state(policy))
     log(f"device: {jax.devices()[0].device_kind}  jax {jax.__version__}")
     log(f"model: {args.config} ({cfg.num_hidden_layers} layers, {cfg.num_experts} experts top-{cfg.num_experts_per_tok}, "
-        f"H {cfg.hidden_size}, I {cfg.moe_intermediate_size}, vocab {cfg.vocab_size}), {_count(n_params)} bf16 "
+        f"H {cfg.hidden_size}, I {getattr(cfg, 'moe_intermediate_size', getattr(cfg, 'intermediate_size', None))}, vocab {cfg.vocab_size}), {_count(n_params)} bf16 "
         f"parameters, random init {time.perf_counter() - t0:.1f} s")
     log(f"rollout: batch {args.batch}, prompt {args.prompt_len}, {args.new_tokens} new tokens, "
         f"temperature {args.temperature}, top_p {args.top_p}, modes {', '.join(args.modes)}, backend {args.backend}"

@@ -10,7 +10,8 @@
 #   NCU_CONFIGS / TIMELINE_CONFIGS (space-separated shape:tokens[:mode[:kernel_flags[:tile_m[:order]]]];
 #   tile_m and order (rows / blocked): ncu only), NCU_SOURCE (one such config: the ncu stage also
 #   samples the GEMMs' stalls per SASS instruction, scripts/ncu_source_top.py),
-#   FFI_BENCH_ARGS (more moe_bench.py arguments, e.g. "--tokens 1,64 --no-baseline"),
+#   FFI_BENCH_ARGS (more moe_bench.py arguments, e.g. "--tokens 1,64 --no-baseline"), ROLLOUT_ARGS (the rollout
+#   stage's examples/rl_rollout.py arguments; default Qwen3-30B-A3B shapes, 8 layers),
 #   AB_DECODE / AB_W4A4 / AB_PREFILL (moe_bench arguments of the ab stage's parts, or "skip"),
 #   AB_TREE (abtree stage: another source tree, e.g. `mkdir .ab_old && git archive C | tar -x -C .ab_old`,
 #   ignored by git and named in the device call's carry),
@@ -391,9 +392,10 @@ if stage invariance; then
 fi
 
 if stage rollout; then
-  log "RL rollout example, Qwen3-30B-A3B shapes (random weights), bf16 vs w4a16"
-  timeout $(left 400) python3 examples/rl_rollout.py --config qwen3-30b-a3b --layers 8 --batch 64 \
-    --prompt-len 128 --new-tokens 256 --iters 2 --modes bf16,w4a16 --no-progress --json "$OUT/rollout.json" \
+  log "RL rollout example (random weights): ${ROLLOUT_ARGS:-Qwen3-30B-A3B shapes, 8 layers, bf16 vs w4a16}"
+  # shellcheck disable=SC2086
+  timeout $(left 400) python3 examples/rl_rollout.py ${ROLLOUT_ARGS:---config qwen3-30b-a3b --layers 8 --batch 64 \
+    --prompt-len 128 --new-tokens 256 --iters 2 --modes bf16,w4a16} --no-progress --json "$OUT/rollout.json" \
     2>&1 | tail -30 | tee -a "$OUT/ffi_summary.txt"
 fi
 if stage graph; then

@@ -165,8 +165,10 @@ def test_load_ignore_and_errors(ckpt, tmp_path):
         nvnn.load_qwen3_moe(dst, quantize=True)
     with pytest.raises(FileNotFoundError, match="checkpoint not found"):  # not the parent's checkpoint
         nvnn.load_qwen3_moe(dst / "typo")
-    with pytest.raises(ValueError, match="order='blocked' needs H and I to be multiples of 128"):  # H = 64
-        nvnn.load_qwen3_moe(dst, order="blocked")
+    blocked = nvnn.load_qwen3_moe(dst, order="blocked")  # H = 64, I = 32: zero-padded to 128, the same model
+    assert blocked.model.layers[0].mlp.experts.experts().valid_sizes == (64, 32)
+    tokens = jnp.arange(12, dtype=jnp.int32).reshape(2, 6) % 256
+    np.testing.assert_array_equal(np.asarray(blocked(tokens).logits), np.asarray(p(tokens).logits))
     with pytest.raises(ValueError, match="order must be one of"):
         nvnn.load_qwen3_moe(dst, order="columns")
     with pytest.raises(ValueError, match="ignore and recipe"):

@@ -8,6 +8,7 @@ experts (:mod:`.stacked`) are transposed and their gate rows put first on the wa
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 from collections.abc import Iterator, Sequence
@@ -126,3 +127,35 @@ def expert_outputs(reader: TensorReader, weights: Sequence[ExpertWeight], dtype,
     if not np.isfinite(b.astype(np.float32)).all():
         raise CheckpointError(f"tensor {w.bias.name!r} (expert {w.expert}): non-finite bias values")
     return parts + (b,)
+
+
+def read_source_experts(ckpt, reader: TensorReader, module: str, dtype):
+    """The source experts of one MoE module of a checkpoint, unquantized, in our layout (what a model with bf16
+    experts loads): per-expert tensors or stacked ones (gpt-oss, Llama 4), bf16/fp16/fp32, FP8 (dequantized
+    with its scales) or MXFP4 (decoded), as ``dtype``.
+
+    Returns
+    -------
+    (gate_up ``[E, 2I, H]`` rows ``[gate; up]`` (``[E, I, H]`` not gated), down ``[E, H, I]``, biases: a dict
+    ``gate_up_bias [E, 2I]`` / ``down_bias [E, H]`` where the module has them, else empty), numpy.
+    """
+    from .experts import plan_layers  # (experts.py imports this module's readers through stacked.py)
+
+    own = {n: t for n, t in ckpt.tensors.items() if n.startswith(module + ".experts.")}
+    layer = plan_layers(dataclasses.replace(ckpt, tensors=own), ()).get(module)
+    if layer is None:
+        raise CheckpointError(f"checkpoint {ckpt.root}: no routed-expert tensors of MoE module {module!r} "
+                              f"({module}.experts.*)")
+    e = layer.num_experts
+    gate_up = np.empty((e, (2 if layer.gated else 1) * layer.inter, layer.hidden), dtype)
+    down = np.empty((e, layer.hidden, layer.inter), dtype)
+    biases = {}
+    if layer.bias_dtype is not None:
+        biases = dict(gate_up_bias=np.empty(gate_up.shape[:2], layer.bias_dtype),
+                      down_bias=np.empty(down.shape[:2], layer.bias_dtype))
+    for n in range(e):
+        for name, out, ws in (("gate_up", gate_up, layer.gemm1(n)), ("down", down, layer.weights(n, "down"))):
+            out[n] = _load_rows(reader, ws, dtype)
+            if biases:
+                biases[f"{name}_bias"][n] = read_stacked_bias(reader, ws[0], layer.bias_dtype)
+    return gate_up, down, biases

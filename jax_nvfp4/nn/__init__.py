@@ -1,5 +1,5 @@
-"""Flax NNX integration: an NVFP4-capable MoE module, online quantization of live models, a Qwen3-MoE
-decoder and jitted generation for RL rollouts. Needs flax (``pip install jax_nvfp4[flax]``).
+"""Flax NNX integration: an NVFP4-capable MoE module, online quantization of live models, Qwen3-MoE and
+gpt-oss decoders and jitted generation for RL rollouts. Needs flax (``pip install jax_nvfp4[flax]``).
 
 Use in a Flax model::
 
@@ -12,15 +12,16 @@ Use in a Flax model::
     out = nvnn.generate(qmodel, prompts, key=key, max_new_tokens=128, temperature=1.0)
 
 Modules: :mod:`.moe` (the MoE module), :mod:`.quantization` (quantize_moe, load_experts),
-:mod:`.qwen3_moe` (the model), :mod:`.qwen3_moe_loader` (Hugging Face checkpoints),
-:mod:`.generation` (sampling and scoring).
+:mod:`.decoder` (what the decoders share), :mod:`.qwen3_moe` and :mod:`.gpt_oss` (the models),
+:mod:`.loader` (Hugging Face checkpoints), :mod:`.generation` (sampling and scoring).
 """
 
 from .moe import BF16ExpertWeights, MoE, NVFP4ExpertWeights, QuantizedWeight, replay_weights
 from .quantization import expert_parallel, load_experts, moe_modules, quantize_moe, set_moe_options
-from .qwen3_moe import (CONFIGS, CausalLMOutput, DecoderOutput, KVCache, Qwen3MoeConfig, Qwen3MoeForCausalLM,
-                        RMSNorm, rotary)
-from .qwen3_moe_loader import load_qwen3_moe
+from .decoder import CausalLM, CausalLMOutput, DecoderOutput, KVCache, RMSNorm, rotary
+from .qwen3_moe import CONFIGS, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from .gpt_oss import CONFIGS as GPT_OSS_CONFIGS, GptOssConfig, GptOssForCausalLM
+from .loader import load_gpt_oss, load_qwen3_moe
 from .generation import GenerationOutput, generate, sample_logits, sequence_logprobs
 
 __all__ = [
@@ -28,6 +29,6 @@ __all__ = [
     "expert_parallel",
     "load_experts", "moe_modules", "replay_weights",
     "Qwen3MoeConfig", "Qwen3MoeForCausalLM", "CONFIGS", "KVCache", "CausalLMOutput", "DecoderOutput", "RMSNorm",
-    "rotary", "load_qwen3_moe",
+    "rotary", "load_qwen3_moe", "CausalLM", "GptOssConfig", "GptOssForCausalLM", "GPT_OSS_CONFIGS", "load_gpt_oss",
     "generate", "sequence_logprobs", "sample_logits", "GenerationOutput",
 ]

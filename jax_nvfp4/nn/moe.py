@@ -44,6 +44,11 @@ def _normal(key, shape, fan_in: int, dtype):
 
 
 class _ExpertBiases:
+    @property
+    def has_bias(self) -> bool:
+        """Whether the experts hold biases (also on an abstract model, ``nnx.eval_shape``)."""
+        return any(getattr(self, n, None) is not None for n in BIAS_FIELDS)
+
     def biases(self) -> dict:
         """The expert biases held, as arrays by field name (``gate_up_bias``, ``down_bias``); empty without."""
         return {n: getattr(self, n)[...] for n in BIAS_FIELDS if getattr(self, n, None) is not None}

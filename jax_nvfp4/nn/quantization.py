@@ -266,9 +266,9 @@ def _load_experts(model, source: dict, mode: str, order: str, strict: bool, cons
         if want != got or ex.gated != activations.is_gated(block.activation):
             raise ValueError(f"checkpoint MoE module {module!r}: experts (E, H, I) = {got}, gated={ex.gated} "
                              f"do not fit the block's {want} with activation {block.activation!r}")
-        if ex.has_bias != bool(block.experts.biases()):
+        if ex.has_bias != block.experts.has_bias:
             raise ValueError(f"checkpoint MoE module {module!r}: experts {'with' if ex.has_bias else 'without'} "
-                             f"biases, but the block has {'some' if block.experts.biases() else 'none'} (expert_bias)")
+                             f"biases, but the block has {'some' if block.experts.has_bias else 'none'} (expert_bias)")
         block.experts = _weights(ex, _order_of(block, order, keep=False))
         block.mode = mode
         loaded.append(module)

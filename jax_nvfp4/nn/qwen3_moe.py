@@ -7,9 +7,8 @@ scaled), grouped-query attention with RMSNorm on each query and key head before 
 the LM head. Module paths mirror the Hugging Face names (``model.layers.0.mlp`` is an MoE block), so
 ``quantize_moe``'s ignore patterns and the checkpoint converter's agree.
 
-Activations are bfloat16; matmuls accumulate in float32; attention softmax, router and logits are
-float32. The attention runs over a :class:`KVCache` (prefill and decode) or, without one, causally
-over the given tokens (scoring); either way a key mask supports left-padded batches.
+The layers shared with the other decoders (RMSNorm, rotary, the KV cache and the attention, the causal-LM
+forward pass) are :mod:`jax_nvfp4.nn.decoder`'s.
 """
 
 from __future__ import annotations
@@ -18,16 +17,14 @@ import dataclasses
 import functools
 import json
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
-import jax
 import jax.numpy as jnp
-from jax import lax
 from flax import nnx
 
+from .decoder import BF16, CausalLM, RMSNorm, attend, rotary
 from .moe import MoE
 
-BF16 = jnp.bfloat16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,80 +124,6 @@ CONFIGS = {
 # Building blocks
 
 
-class RMSNorm(nnx.Module):
-    """Hugging Face RMSNorm: ``weight * bf16(x / sqrt(mean(x^2) + eps))`` with the norm in float32.
-
-    Attributes
-    ----------
-    weight : nnx.Param ``[dim]``
-    """
-
-    def __init__(self, dim: int, eps: float, param_dtype=BF16):
-        self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
-        self.eps = eps
-
-    def __call__(self, x):
-        """``x [..., dim]`` -> same shape and dtype."""
-        xf = x.astype(jnp.float32)
-        y = xf * lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return (self.weight[...].astype(x.dtype) * y.astype(x.dtype)).astype(x.dtype)
-
-
-def rotary(x, positions, theta: float):
-    """Rotary embedding, Hugging Face's ``rotate_half`` convention (first half paired with second).
-
-    Parameters
-    ----------
-    x : ``[B, T, N, D]``
-    positions : int ``[B, T]``
-    theta : rope base
-
-    Returns
-    -------
-    ``[B, T, N, D]`` in ``x.dtype`` (computed in float32).
-    """
-    d = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
-    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
-    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
-    xf = x.astype(jnp.float32)
-    rot = jnp.concatenate([-xf[..., d // 2:], xf[..., : d // 2]], axis=-1)
-    return (xf * jnp.cos(emb) + rot * jnp.sin(emb)).astype(x.dtype)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class KVCache:
-    """Keys and values of every layer for ``S`` slots (a pytree; pass it through ``jit``/loops).
-
-    Attributes
-    ----------
-    keys, values : tuple of bf16 ``[B, S, num_key_value_heads, head_dim]``, one per layer
-        (post-norm, post-rotary keys).
-    mask : bool ``[B, S]``
-        Slots holding real tokens (False: empty, or left padding).
-    index : int32 ``[]``
-        Next slot to write; every sequence of the batch advances together.
-    """
-
-    keys: tuple
-    values: tuple
-    mask: Any
-    index: Any
-
-    @classmethod
-    def create(cls, config: Qwen3MoeConfig, batch: int, max_len: int, dtype=BF16) -> "KVCache":
-        """An empty cache of ``max_len`` slots."""
-        shape = (batch, max_len, config.num_key_value_heads, config.head_dim)
-        zeros = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_hidden_layers))
-        return cls(zeros, tuple(jnp.zeros(shape, dtype) for _ in range(config.num_hidden_layers)),
-                   jnp.zeros((batch, max_len), bool), jnp.zeros((), jnp.int32))
-
-    @property
-    def max_len(self) -> int:
-        return self.mask.shape[1]
-
-
 class Attention(nnx.Module):
     """Qwen3 grouped-query attention with per-head q/k RMSNorm and rotary embeddings.
 
@@ -244,22 +167,8 @@ class Attention(nnx.Module):
         q = rotary(self.q_norm(self.q_proj(x).reshape(b, t, n, d)), positions, self.rope_theta)
         k = rotary(self.k_norm(self.k_proj(x).reshape(b, t, nkv, d)), positions, self.rope_theta)
         v = self.v_proj(x).reshape(b, t, nkv, d)
-        if kv is None:
-            keys, values, q_slot = k, v, jnp.arange(t)
-        else:
-            keys = lax.dynamic_update_slice(kv[0], k.astype(kv[0].dtype), (0, index, 0, 0))
-            values = lax.dynamic_update_slice(kv[1], v.astype(kv[1].dtype), (0, index, 0, 0))
-            q_slot = index + jnp.arange(t)
-        k_slot = jnp.arange(keys.shape[1])
-        causal = k_slot[None, :] <= q_slot[:, None]  # [T, S]
-        # A query always sees its own slot, so rows of padding never softmax over nothing.
-        allowed = causal[None] & (key_mask[:, None, :] | (k_slot[None, :] == q_slot[:, None])[None])  # [B, T, S]
-        qg = q.reshape(b, t, nkv, n // nkv, d)
-        scores = jnp.einsum("btkgd,bskd->bkgts", qg, keys, preferred_element_type=jnp.float32) * d ** -0.5
-        scores = jnp.where(allowed[:, None, None], scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
-        out = jnp.einsum("bkgts,bskd->btkgd", probs, values, preferred_element_type=jnp.float32)
-        return self.o_proj(out.astype(BF16).reshape(b, t, n * d)), (keys, values)
+        out, kv = attend(q, k, v, key_mask, kv, index)
+        return self.o_proj(out), kv
 
 
 class DecoderLayer(nnx.Module):
@@ -305,29 +214,7 @@ class Qwen3MoeModel(nnx.Module):
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, c.param_dtype)
 
 
-class CausalLMOutput(NamedTuple):
-    """Output of :class:`Qwen3MoeForCausalLM`.
-
-    logits : float32 ``[B, T, V]`` (``[B, 1, V]`` with ``last_only``)
-    cache : the updated :class:`KVCache`, or None
-    routing : int32 ``[L, B, T, k]`` expert ids of every layer (``return_routing``), or None
-    """
-
-    logits: Any
-    cache: Any = None
-    routing: Any = None
-
-
-class DecoderOutput(NamedTuple):
-    """Output of :meth:`Qwen3MoeForCausalLM.hidden_states`: as :class:`CausalLMOutput` with the
-    final-norm hidden states bf16 ``[B, T, H]`` in place of the logits."""
-
-    hidden: Any
-    cache: Any = None
-    routing: Any = None
-
-
-class Qwen3MoeForCausalLM(nnx.Module):
+class Qwen3MoeForCausalLM(CausalLM):
     """Qwen3-MoE causal language model.
 
     Parameters
@@ -354,82 +241,3 @@ class Qwen3MoeForCausalLM(nnx.Module):
         self.lm_head = None if config.tie_word_embeddings else nnx.Linear(
             config.hidden_size, config.vocab_size, use_bias=False, dtype=BF16, param_dtype=config.param_dtype,
             preferred_element_type=jnp.float32, rngs=rngs)
-
-    def init_cache(self, batch: int, max_len: int) -> KVCache:
-        """An empty :class:`KVCache` for ``batch`` sequences of up to ``max_len`` tokens."""
-        return KVCache.create(self.config, batch, max_len)
-
-    def hidden_states(self, tokens, positions=None, *, attention_mask=None, cache: KVCache | None = None,
-                      topk_ids=None, return_routing: bool = False) -> DecoderOutput:
-        """Final-norm hidden states (the part of :meth:`__call__` before the LM head).
-
-        Parameters
-        ----------
-        tokens : int32 ``[B, T]``
-        positions : optional int32 ``[B, T]``
-            Default: each token's index among the real tokens of its sequence (counting the cache's),
-            so left-padded batches get positions 0, 1, ... from their first real token.
-        attention_mask : optional bool ``[B, T]``: False for padding (never attended to)
-        cache : optional KVCache; the tokens fill slots ``[cache.index, cache.index + T)`` (which must
-            fit in ``cache.max_len``: it is not checked under jit)
-        topk_ids : optional int32 ``[L, B, T, k]``: replay these expert selections (see :class:`MoE`)
-        return_routing : bool: also return the expert ids ``[L, B, T, k]``
-
-        Returns
-        -------
-        DecoderOutput(hidden bf16 ``[B, T, H]``, cache or None, routing or None)
-        """
-        c = self.config
-        if tokens.ndim != 2:
-            raise ValueError(f"tokens must be [B, T], got shape {tuple(tokens.shape)}")
-        b, t = tokens.shape
-        mask = jnp.ones((b, t), bool) if attention_mask is None else attention_mask.astype(bool)
-        if mask.shape != (b, t):
-            raise ValueError(f"attention_mask must have shape {(b, t)} (tokens'), got {tuple(mask.shape)}")
-        want = (c.num_hidden_layers, b, t, c.num_experts_per_tok)
-        if topk_ids is not None and tuple(topk_ids.shape) != want:
-            raise ValueError(f"topk_ids must be [layers, B, T, num_experts_per_tok] = {list(want)}, "
-                             f"got {tuple(topk_ids.shape)}")
-        if cache is None:
-            key_mask, index, before = mask, None, 0
-        else:
-            if len(cache.keys) != c.num_hidden_layers or cache.mask.shape[0] != b:
-                raise ValueError(f"cache holds {len(cache.keys)} layers x batch {cache.mask.shape[0]}, the model "
-                                 f"has {c.num_hidden_layers} layers and tokens batch {b}")
-            index = cache.index
-            key_mask = lax.dynamic_update_slice(cache.mask, mask, (0, index))
-            before = jnp.sum(cache.mask, axis=1, dtype=jnp.int32)[:, None]
-        if positions is None:
-            positions = jnp.maximum(before + jnp.cumsum(mask, axis=1, dtype=jnp.int32) - 1, 0)
-        x = self.model.embed_tokens(tokens).astype(BF16)
-        new_k, new_v, routing = [], [], []
-        for i, layer in enumerate(self.model.layers):
-            kv = None if cache is None else (cache.keys[i], cache.values[i])
-            x, (k, v), ids = layer(x, positions, key_mask, kv, index,
-                                   None if topk_ids is None else topk_ids[i])
-            new_k.append(k)
-            new_v.append(v)
-            routing.append(ids)
-        new_cache = None if cache is None else KVCache(tuple(new_k), tuple(new_v), key_mask, index + t)
-        return DecoderOutput(self.model.norm(x), new_cache, jnp.stack(routing) if return_routing else None)
-
-    def logits(self, hidden):
-        """float32 logits ``[..., V]`` of final-norm hidden states ``[..., H]`` (bf16 operands, fp32 accumulation)."""
-        if self.lm_head is not None:
-            return self.lm_head(hidden)
-        emb = self.model.embed_tokens.embedding[...].astype(BF16)
-        return jnp.einsum("...h,vh->...v", hidden.astype(BF16), emb, preferred_element_type=jnp.float32)
-
-    def __call__(self, tokens, positions=None, *, attention_mask=None, cache: KVCache | None = None, topk_ids=None,
-                 return_routing: bool = False, last_only: bool = False) -> CausalLMOutput:
-        """Logits of ``tokens``; arguments as :meth:`hidden_states`, plus ``last_only`` (logits of the last
-        position only, ``[B, 1, V]``: what decoding needs).
-
-        Returns
-        -------
-        CausalLMOutput(logits float32 ``[B, T, V]``, cache or None, routing int32 ``[L, B, T, k]`` or None)
-        """
-        out = self.hidden_states(tokens, positions, attention_mask=attention_mask, cache=cache, topk_ids=topk_ids,
-                                 return_routing=return_routing)
-        h = out.hidden[:, -1:] if last_only else out.hidden
-        return CausalLMOutput(self.logits(h), out.cache, out.routing)
