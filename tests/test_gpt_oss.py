@@ -97,6 +97,9 @@ def test_config_from_hf_and_presets(ckpts):
             big.intermediate_size, big.num_key_value_heads, big.vocab_size, big.layer_types[:2]) == (
         2880, 36, 128, 4, 2880, 8, 201088, ("sliding_attention", "full_attention"))
     assert nvnn.GPT_OSS_CONFIGS["gpt-oss-20b"].num_local_experts == 32
+    assert big.replace(num_hidden_layers=3).layer_types == ("sliding_attention", "full_attention", "sliding_attention")
+    with pytest.raises(ValueError, match="needs layer_types"):
+        c.replace(num_hidden_layers=3)
     for bad, msg in ((dict(swiglu_limit=10.0), "swiglu_limit"), (dict(rope_scaling={"rope_type": "linear"}), "yarn"),
                      (dict(model_type="qwen3_moe"), "model_type"), (dict(attention_bias=False), "attention_bias"),
                      (dict(layer_types=["full_attention"]), "layer_types")):
@@ -192,7 +195,9 @@ def test_cache_and_left_padding_give_the_full_forward(ckpts, tokens):
         out = model(toks[:, t:t + 1], cache=cache)
         cache = out.cache
         steps.append(np.asarray(out.logits[0, -1]))
-    np.testing.assert_allclose(np.stack(steps), full[5:], atol=0.03 * np.std(full))
+    err = np.abs(np.stack(steps) - full[5:])  # (bf16 rounding; on an H100 0.034 std at most, 0.0057 std mean)
+    assert err.max() < 0.08 * np.std(full) and err.mean() < 0.012 * np.std(full), (err.max(), err.mean())
+    assert np.abs(np.stack(steps) - full[4:-1]).mean() > 0.1 * np.std(full)  # (one position off is far)
 
 
 def test_generate_runs_on_gpt_oss(ckpts):

@@ -86,6 +86,12 @@ class GptOssConfig:
         return self.num_local_experts
 
     def replace(self, **changes) -> "GptOssConfig":
+        """A copy with ``changes``; fewer ``num_hidden_layers`` without ``layer_types`` keep the first layers' types."""
+        n = changes.get("num_hidden_layers", self.num_hidden_layers)
+        if "layer_types" not in changes and n < self.num_hidden_layers:
+            changes["layer_types"] = self.layer_types[:n]
+        elif "layer_types" not in changes and n > self.num_hidden_layers:
+            raise ValueError(f"num_hidden_layers={n} (more than {self.num_hidden_layers}) needs layer_types")
         return dataclasses.replace(self, **changes)
 
     @classmethod
