@@ -72,3 +72,13 @@ def golden_moe(name: str):
     from jax_nvfp4.arg_specs import load_golden_moe
     golden(name)  # skips when absent
     return load_golden_moe(GOLDEN, name)
+
+
+def write_hf(root, weights: dict, config: dict):
+    """A Hugging Face checkpoint folder: ``config.json`` and one ``model.safetensors`` of numpy ``weights``."""
+    import json
+    from safetensors.numpy import save_file
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(json.dumps(config))
+    save_file(weights, str(root / "model.safetensors"), metadata={"format": "pt"})
+    return root

@@ -4,13 +4,10 @@ one checked to matter), the KV cache with left padding, generation, and config e
 
 from __future__ import annotations
 
-import json
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from safetensors.numpy import save_file
 
 pytest.importorskip("flax")
 from flax import nnx  # noqa: E402
@@ -18,6 +15,7 @@ from flax import nnx  # noqa: E402
 import jax_nvfp4 as nv  # noqa: E402
 from jax_nvfp4 import nn as nvnn  # noqa: E402
 from jax_nvfp4.nn import gpt_oss  # noqa: E402
+import conftest  # noqa: E402
 import gpt_oss_numpy_ref as ref  # noqa: E402
 
 # gpt-oss-20b's config.json at tiny sizes: H = I = 64 are not multiples of 128, as 2880 is not.
@@ -33,10 +31,7 @@ T = 14
 
 
 def write_hf(root, weights, config=HF_CONFIG):
-    root.mkdir(parents=True, exist_ok=True)
-    (root / "config.json").write_text(json.dumps(config))
-    save_file(weights, str(root / "model.safetensors"), metadata={"format": "pt"})
-    return root
+    return conftest.write_hf(root, weights, config)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import safetensors
-from safetensors.numpy import save_file
 
 pytest.importorskip("flax")
 from flax import nnx  # noqa: E402
@@ -19,6 +18,7 @@ from flax import nnx  # noqa: E402
 import jax_nvfp4 as nv  # noqa: E402
 from jax_nvfp4 import nn as nvnn  # noqa: E402
 from jax_nvfp4.checkpoint import CheckpointError  # noqa: E402
+import conftest  # noqa: E402
 import qwen3_moe_numpy_ref as ref  # noqa: E402
 
 HF_CONFIG = dict(model_type="qwen3_moe", vocab_size=256, hidden_size=64, num_hidden_layers=2,
@@ -30,10 +30,7 @@ T = 20
 
 
 def write_hf(root, weights, config=HF_CONFIG):
-    root.mkdir(parents=True, exist_ok=True)
-    (root / "config.json").write_text(json.dumps(config))
-    save_file(weights, str(root / "model.safetensors"), metadata={"format": "pt"})
-    return root
+    return conftest.write_hf(root, weights, config)
 
 
 @pytest.fixture(scope="module")

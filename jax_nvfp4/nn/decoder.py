@@ -9,6 +9,8 @@ attention runs over a :class:`KVCache` (prefill and decode) or, without one, cau
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import jax
@@ -17,6 +19,40 @@ from jax import lax
 from flax import nnx
 
 BF16 = jnp.bfloat16
+
+
+def check_config(config, num_experts: int) -> None:
+    """What every decoder config must hold: whole KV head groups, an even head_dim, 1 <= top-k <= experts."""
+    c = config
+    if c.num_attention_heads % c.num_key_value_heads:
+        raise ValueError(f"num_attention_heads={c.num_attention_heads} must be a multiple of "
+                         f"num_key_value_heads={c.num_key_value_heads}")
+    if c.head_dim % 2:
+        raise ValueError(f"head_dim must be even (rotary pairs), got {c.head_dim}")
+    if not 1 <= c.num_experts_per_tok <= num_experts:
+        raise ValueError(f"num_experts_per_tok must be in [1, {num_experts} experts], got {c.num_experts_per_tok}")
+
+
+def hf_config(config, model_type: str) -> dict:
+    """A Hugging Face config (a dict, a ``config.json`` path, or a checkpoint folder) as a dict, refused unless its
+    ``model_type`` (when given) is ``model_type``."""
+    if not isinstance(config, dict):
+        path = Path(config)
+        config = json.loads((path / "config.json" if path.is_dir() else path).read_text())
+    mt = config.get("model_type")
+    if mt not in (None, model_type):
+        raise ValueError(f"config model_type is {mt!r}, not {model_type!r}")
+    return config
+
+
+def hf_fields(cls, config: dict) -> dict:
+    """The fields of the config dataclass ``cls`` that ``config`` gives (not the jax_nvfp4 options ``moe_backend``,
+    ``param_dtype``), with ``head_dim`` defaulted to ``hidden_size / num_attention_heads``."""
+    fields = {f.name for f in dataclasses.fields(cls)}
+    kw = {k: v for k, v in config.items() if k in fields and k not in ("moe_backend", "param_dtype")}
+    if kw.get("head_dim") is None:
+        kw["head_dim"] = config["hidden_size"] // config["num_attention_heads"]
+    return kw
 
 
 class RMSNorm(nnx.Module):
@@ -169,12 +205,31 @@ class DecoderOutput(NamedTuple):
     routing: Any = None
 
 
+class DecoderLayer(nnx.Module):
+    """``x + attn(norm(x))``, then ``x + moe(norm(x))``: a subclass sets ``input_layernorm``, ``self_attn``,
+    ``post_attention_layernorm`` and ``mlp`` (a :class:`jax_nvfp4.nn.MoE`)."""
+
+    def __call__(self, x, positions, key_mask, kv=None, index=None, topk_ids=None):
+        """Returns (bf16 ``[B, T, H]``, (keys, values), expert ids int32 ``[B, T, k]``)."""
+        h, kv = self.self_attn(self.input_layernorm(x), positions, key_mask, kv, index)
+        x = x + h
+        m, (ids, _) = self.mlp(self.post_attention_layernorm(x), topk_ids=topk_ids, return_routing=True)
+        return x + m, kv, ids
+
+
 class CausalLM(nnx.Module):
     """The forward pass of a decoder-only language model whose ``model`` holds ``embed_tokens`` (nnx.Embed),
     ``layers`` (each called ``layer(x, positions, key_mask, kv, index, topk_ids)`` and returning ``(x, kv,
     expert ids)``) and ``norm``, with an ``lm_head`` (or None: tied embeddings) and a ``config`` with
     ``num_hidden_layers``, ``num_key_value_heads``, ``head_dim`` and ``num_experts_per_tok``. This is the
     interface :mod:`jax_nvfp4.nn.generation` takes."""
+
+    def __init__(self, config, model: nnx.Module, *, rngs: nnx.Rngs):
+        self.config = config
+        self.model = model
+        self.lm_head = None if config.tie_word_embeddings else nnx.Linear(
+            config.hidden_size, config.vocab_size, use_bias=False, dtype=BF16, param_dtype=config.param_dtype,
+            preferred_element_type=jnp.float32, rngs=rngs)
 
     def init_cache(self, batch: int, max_len: int) -> KVCache:
         """An empty :class:`KVCache` for ``batch`` sequences of up to ``max_len`` tokens."""

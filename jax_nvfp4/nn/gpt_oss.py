@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -24,7 +22,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .. import activations
-from .decoder import BF16, CausalLM, RMSNorm, attend, rotary
+from . import decoder
+from .decoder import BF16, CausalLM, RMSNorm, attend, check_config, hf_config, hf_fields, rotary
 from .moe import MoE
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -64,14 +63,7 @@ class GptOssConfig:
     param_dtype: Any = BF16
 
     def __post_init__(self):
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"num_attention_heads={self.num_attention_heads} must be a multiple of "
-                             f"num_key_value_heads={self.num_key_value_heads}")
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim must be even (rotary pairs), got {self.head_dim}")
-        if not 1 <= self.num_experts_per_tok <= self.num_local_experts:
-            raise ValueError(f"num_experts_per_tok must be in [1, num_local_experts={self.num_local_experts}], "
-                             f"got {self.num_experts_per_tok}")
+        check_config(self, self.num_local_experts)
         if self.layer_types is None:
             object.__setattr__(self, "layer_types", tuple(LAYER_TYPES[i % 2] for i in range(self.num_hidden_layers)))
         object.__setattr__(self, "layer_types", tuple(self.layer_types))
@@ -97,12 +89,7 @@ class GptOssConfig:
     @classmethod
     def from_hf(cls, config, **overrides) -> "GptOssConfig":
         """From a Hugging Face config: a dict, a ``config.json`` path, or a checkpoint folder."""
-        if not isinstance(config, dict):
-            path = Path(config)
-            config = json.loads((path / "config.json" if path.is_dir() else path).read_text())
-        mt = config.get("model_type")
-        if mt not in (None, "gpt_oss"):
-            raise ValueError(f"config model_type is {mt!r}, not 'gpt_oss'")
+        config = hf_config(config, "gpt_oss")
         unsupported = []
         if config.get("hidden_act", "silu") != "silu":
             unsupported.append(f"hidden_act={config['hidden_act']!r}")
@@ -117,8 +104,7 @@ class GptOssConfig:
             unsupported.append(f"rope_scaling={rope} (attention_factor / mscale)")
         if unsupported:
             raise ValueError(f"unsupported gpt-oss config: {', '.join(unsupported)}")
-        fields = {f.name for f in dataclasses.fields(cls)}
-        kw = {k: v for k, v in config.items() if k in fields and k not in ("moe_backend", "param_dtype")}
+        kw = hf_fields(cls, config)
         if kw.get("layer_types") is not None:
             kw["layer_types"] = tuple(kw["layer_types"])
         max_pos = config.get("max_position_embeddings", cls.max_position_embeddings)
@@ -128,8 +114,6 @@ class GptOssConfig:
                   rope_original_max_position_embeddings=int(original or max_pos))
         if original:  # Hugging Face then takes the factor from the two lengths
             kw["rope_factor"] = max_pos / original
-        if kw.get("head_dim") is None:
-            kw["head_dim"] = config["hidden_size"] // config["num_attention_heads"]
         kw.update(overrides)
         return cls(**kw)
 
@@ -208,7 +192,7 @@ class Attention(nnx.Module):
         return self.o_proj(out), kv
 
 
-class DecoderLayer(nnx.Module):
+class DecoderLayer(decoder.DecoderLayer):
     """``x + attn(norm(x))``, then ``x + moe(norm(x))``.
 
     Attributes
@@ -227,13 +211,6 @@ class DecoderLayer(nnx.Module):
         self.mlp = MoE(c.hidden_size, c.intermediate_size, c.num_local_experts, c.num_experts_per_tok,
                        routing="renormalize", activation="swiglu_oai", router_bias=True, expert_bias=True,
                        backend=c.moe_backend, param_dtype=c.param_dtype, rngs=rngs)
-
-    def __call__(self, x, positions, key_mask, kv=None, index=None, topk_ids=None):
-        """Returns (bf16 ``[B, T, H]``, (keys, values), expert ids int32 ``[B, T, k]``)."""
-        h, kv = self.self_attn(self.input_layernorm(x), positions, key_mask, kv, index)
-        x = x + h
-        m, (ids, _) = self.mlp(self.post_attention_layernorm(x), topk_ids=topk_ids, return_routing=True)
-        return x + m, kv, ids
 
 
 class GptOssModel(nnx.Module):
@@ -264,8 +241,4 @@ class GptOssForCausalLM(CausalLM):
     """
 
     def __init__(self, config: GptOssConfig, *, rngs: nnx.Rngs):
-        self.config = config
-        self.model = GptOssModel(config, rngs=rngs)
-        self.lm_head = None if config.tie_word_embeddings else nnx.Linear(
-            config.hidden_size, config.vocab_size, use_bias=False, dtype=BF16, param_dtype=config.param_dtype,
-            preferred_element_type=jnp.float32, rngs=rngs)
+        super().__init__(config, GptOssModel(config, rngs=rngs), rngs=rngs)

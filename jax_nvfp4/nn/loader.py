@@ -130,7 +130,19 @@ def _load(model_type: str, make_model, path, *, quantize: bool, ignore, recipe: 
     return model
 
 
-_LOAD_DOC = """Load a {name} checkpoint folder (``config.json`` + safetensors) into :class:`{cls}`.
+def _loader(model_type: str, config_cls, model_cls, name: str, sources: str):
+    """The public loader of one decoder: :func:`_load` with its config and model classes, and its docstring."""
+    def load(path, *, quantize: bool = False, ignore: str | Sequence[str] = (), recipe: str = "nvfp4",
+             mode: str = "w4a16", moe_backend: str = "auto", order: str = "auto", param_dtype=BF16,
+             progress: bool = False):
+        def make(root):
+            cfg = config_cls.from_hf(root, moe_backend=moe_backend, param_dtype=param_dtype)
+            return model_cls(cfg, rngs=nnx.Rngs(0))
+        return _load(model_type, make, path, quantize=quantize, ignore=ignore, recipe=recipe, mode=mode,
+                     order=order, param_dtype=param_dtype, progress=progress)
+
+    load.__name__ = load.__qualname__ = f"load_{model_type}"
+    load.__doc__ = f"""Load a {name} checkpoint folder (``config.json`` + safetensors) into :class:`{model_cls.__name__}`.
 
     Parameters
     ----------
@@ -149,7 +161,7 @@ _LOAD_DOC = """Load a {name} checkpoint folder (``config.json`` + safetensors) i
 
     Returns
     -------
-    {cls}
+    {model_cls.__name__}
 
     Raises
     ------
@@ -157,28 +169,9 @@ _LOAD_DOC = """Load a {name} checkpoint folder (``config.json`` + safetensors) i
         weights), naming it.
     FileNotFoundError : ``path`` does not exist.
     """
+    return load
 
 
-def load_qwen3_moe(path, *, quantize: bool = False, ignore: str | Sequence[str] = (), recipe: str = "nvfp4",
-                   mode: str = "w4a16", moe_backend: str = "auto", order: str = "auto", param_dtype=BF16,
-                   progress: bool = False) -> Qwen3MoeForCausalLM:
-    def make(root):
-        return Qwen3MoeForCausalLM(Qwen3MoeConfig.from_hf(root, moe_backend=moe_backend, param_dtype=param_dtype),
-                                   rngs=nnx.Rngs(0))
-    return _load("qwen3_moe", make, path, quantize=quantize, ignore=ignore, recipe=recipe, mode=mode, order=order,
-                 param_dtype=param_dtype, progress=progress)
-
-
-def load_gpt_oss(path, *, quantize: bool = False, ignore: str | Sequence[str] = (), recipe: str = "nvfp4",
-                 mode: str = "w4a16", moe_backend: str = "auto", order: str = "auto", param_dtype=BF16,
-                 progress: bool = False) -> GptOssForCausalLM:
-    def make(root):
-        return GptOssForCausalLM(GptOssConfig.from_hf(root, moe_backend=moe_backend, param_dtype=param_dtype),
-                                 rngs=nnx.Rngs(0))
-    return _load("gpt_oss", make, path, quantize=quantize, ignore=ignore, recipe=recipe, mode=mode, order=order,
-                 param_dtype=param_dtype, progress=progress)
-
-
-load_qwen3_moe.__doc__ = _LOAD_DOC.format(name="Qwen3-MoE", cls="Qwen3MoeForCausalLM", sources="bf16/fp16/fp32")
-load_gpt_oss.__doc__ = _LOAD_DOC.format(name="gpt-oss", cls="GptOssForCausalLM",
-                                        sources="the MXFP4 release, or bf16")
+load_qwen3_moe = _loader("qwen3_moe", Qwen3MoeConfig, Qwen3MoeForCausalLM, "Qwen3-MoE", "bf16/fp16/fp32")
+load_gpt_oss = _loader("gpt_oss", GptOssConfig, GptOssForCausalLM, "gpt-oss",
+                       "the MXFP4 release, or bf16/fp16/fp32")

@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
-from pathlib import Path
 from typing import Any
 
-import jax.numpy as jnp
 from flax import nnx
 
-from .decoder import BF16, CausalLM, RMSNorm, attend, rotary
+from . import decoder
+from .decoder import BF16, CausalLM, RMSNorm, attend, check_config, hf_config, hf_fields, rotary
 from .moe import MoE
 
 
@@ -55,14 +53,7 @@ class Qwen3MoeConfig:
     param_dtype: Any = BF16
 
     def __post_init__(self):
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"num_attention_heads={self.num_attention_heads} must be a multiple of "
-                             f"num_key_value_heads={self.num_key_value_heads}")
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim must be even (rotary pairs), got {self.head_dim}")
-        if not 1 <= self.num_experts_per_tok <= self.num_experts:
-            raise ValueError(f"num_experts_per_tok must be in [1, num_experts={self.num_experts}], "
-                             f"got {self.num_experts_per_tok}")
+        check_config(self, self.num_experts)
 
     @property
     def routing(self) -> str:
@@ -75,12 +66,7 @@ class Qwen3MoeConfig:
     @classmethod
     def from_hf(cls, config, **overrides) -> "Qwen3MoeConfig":
         """From a Hugging Face config: a dict, a ``config.json`` path, or a checkpoint folder."""
-        if not isinstance(config, dict):
-            path = Path(config)
-            config = json.loads((path / "config.json" if path.is_dir() else path).read_text())
-        mt = config.get("model_type")
-        if mt not in (None, "qwen3_moe"):
-            raise ValueError(f"config model_type is {mt!r}, not 'qwen3_moe'")
+        config = hf_config(config, "qwen3_moe")
         unsupported = []
         if config.get("mlp_only_layers"):
             unsupported.append(f"mlp_only_layers={config['mlp_only_layers']}")
@@ -95,10 +81,7 @@ class Qwen3MoeConfig:
         if unsupported:
             raise ValueError(f"unsupported Qwen3-MoE config: {', '.join(unsupported)} (every layer must be "
                              "an MoE block with plain rotary attention)")
-        fields = {f.name for f in dataclasses.fields(cls)}
-        kw = {k: v for k, v in config.items() if k in fields and k not in ("moe_backend", "param_dtype")}
-        if kw.get("head_dim") is None:
-            kw["head_dim"] = config["hidden_size"] // config["num_attention_heads"]
+        kw = hf_fields(cls, config)
         kw.update(overrides)
         return cls(**kw)
 
@@ -171,7 +154,7 @@ class Attention(nnx.Module):
         return self.o_proj(out), kv
 
 
-class DecoderLayer(nnx.Module):
+class DecoderLayer(decoder.DecoderLayer):
     """``x + attn(norm(x))``, then ``x + moe(norm(x))``.
 
     Attributes
@@ -189,13 +172,6 @@ class DecoderLayer(nnx.Module):
         self.mlp = MoE(c.hidden_size, c.moe_intermediate_size, c.num_experts, c.num_experts_per_tok,
                        routing=c.routing, activation="swiglu", backend=c.moe_backend, param_dtype=c.param_dtype,
                        rngs=rngs)
-
-    def __call__(self, x, positions, key_mask, kv=None, index=None, topk_ids=None):
-        """Returns (bf16 ``[B, T, H]``, (keys, values), expert ids int32 ``[B, T, k]``)."""
-        h, kv = self.self_attn(self.input_layernorm(x), positions, key_mask, kv, index)
-        x = x + h
-        m, (ids, _) = self.mlp(self.post_attention_layernorm(x), topk_ids=topk_ids, return_routing=True)
-        return x + m, kv, ids
 
 
 class Qwen3MoeModel(nnx.Module):
@@ -236,8 +212,4 @@ class Qwen3MoeForCausalLM(CausalLM):
     """
 
     def __init__(self, config: Qwen3MoeConfig, *, rngs: nnx.Rngs):
-        self.config = config
-        self.model = Qwen3MoeModel(config, rngs=rngs)
-        self.lm_head = None if config.tie_word_embeddings else nnx.Linear(
-            config.hidden_size, config.vocab_size, use_bias=False, dtype=BF16, param_dtype=config.param_dtype,
-            preferred_element_type=jnp.float32, rngs=rngs)
+        super().__init__(config, Qwen3MoeModel(config, rngs=rngs), rngs=rngs)
