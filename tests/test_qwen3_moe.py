@@ -165,7 +165,8 @@ def test_load_ignore_and_errors(ckpt, tmp_path):
     blocked = nvnn.load_qwen3_moe(dst, order="blocked")  # H = 64, I = 32: zero-padded to 128, the same model
     assert blocked.model.layers[0].mlp.experts.experts().valid_sizes == (64, 32)
     tokens = jnp.arange(12, dtype=jnp.int32).reshape(2, 6) % 256
-    np.testing.assert_array_equal(np.asarray(blocked(tokens).logits), np.asarray(p(tokens).logits))
+    want = np.asarray(p(tokens).logits)  # (on the CPU the same bytes; on a GPU other kernels' sums: p's are rows)
+    np.testing.assert_allclose(np.asarray(blocked(tokens).logits), want, atol=0.02 * np.std(want))
     with pytest.raises(ValueError, match="order must be one of"):
         nvnn.load_qwen3_moe(dst, order="columns")
     with pytest.raises(ValueError, match="ignore and recipe"):
