@@ -288,7 +288,8 @@ def to_blocked_experts(experts: "NVFP4Experts") -> "NVFP4Experts":
     experts are the same layer: :func:`~jax_nvfp4.moe` runs them on ``x`` zero-padded to H' and keeps the
     first H output features (``valid_sizes`` records H and I; ``hidden_size`` / ``intermediate_size`` stay
     H and I). The padded bytes cost (H' I') / (H I) - 1 more memory and reads (4.5% for 2880), and buy the
-    kernels of whole 128-K chunks (H100, 2026-12-06: gpt-oss-120b layers faster, BENCHMARKS.md)."""
+    kernels of whole 128-K chunks (H100, 2026-12-06: gpt-oss-120b layers 1.2-2.5x faster than on rows, BENCHMARKS.md
+    session 53)."""
     return _reordered_experts(experts, True)
 
 
