@@ -226,6 +226,30 @@ def test_greedy_generation_matches_teacher_forcing(bf16_model, greedy):
     np.testing.assert_array_equal(np.asarray(g.routing)[:, live], np.asarray(full.routing)[:, live])
 
 
+def test_sequence_logprobs_in_passes(bf16_model, greedy):
+    """batch_chunk scores the batch in passes of that many sequences (padding rows dropped): the log-probabilities
+    of one pass, also with routing replay, and a pass's memory that of its sequences only."""
+    g, seq, smask = greedy
+    whole = nvnn.sequence_logprobs(bf16_model, seq, attention_mask=smask, batch_chunk=3)
+    replay = nvnn.sequence_logprobs(bf16_model, seq, attention_mask=smask, topk_ids=g.routing, batch_chunk=3)
+    for bc in (1, 2):  # (2: one padding row)
+        got = nvnn.sequence_logprobs(bf16_model, seq, attention_mask=smask, batch_chunk=bc)
+        assert got.shape == whole.shape
+        np.testing.assert_allclose(got, whole, atol=1e-5)
+        np.testing.assert_allclose(nvnn.sequence_logprobs(bf16_model, seq, attention_mask=smask, topk_ids=g.routing,
+                                                          batch_chunk=bc), replay, atol=1e-5)
+    with pytest.raises(ValueError, match="batch_chunk must be an int >= 1"):
+        nvnn.sequence_logprobs(bf16_model, seq, attention_mask=smask, batch_chunk=0)
+    from jax_nvfp4.nn import generation
+    graphdef, state = nnx.split(bf16_model)
+    big = jnp.zeros((32, 64), jnp.int32)
+
+    def temp(bc):  # compiled temporary memory of one call
+        return generation._sequence_logprobs.lower(graphdef, state, big, big > -1, None, temperature=1.0, chunk=8,
+                                                   batch_chunk=bc).compile().memory_analysis().temp_size_in_bytes
+    assert temp(4) < temp(32) / 3
+
+
 def test_left_padding_does_not_leak(bf16_model, greedy):
     """Real tokens see the same logits whether the padding is on the left or (masked) on the right."""
     _, seq, smask = greedy

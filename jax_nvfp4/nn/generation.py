@@ -169,10 +169,15 @@ def _generate(graphdef, state, prompts, prompt_mask, key, eos_id, pad_id, *, max
 
 
 _LOGITS_CHUNK_BYTES = 1 << 28  # float32 logits materialized at a time by sequence_logprobs (256 MiB)
+# Tokens of one forward pass of sequence_logprobs by default. XLA keeps each layer's loop buffers of the bf16 (xla
+# backend) experts apart, so a pass's memory grows with layers x tokens: about 4.7 GB a layer at 64 x 384 tokens of
+# Qwen3-30B-A3B or gpt-oss-20b (XLA:CPU memory_analysis); 64 x 384 tokens of 8 gpt-oss-20b layers asked the H100 for
+# 35.7 GiB (2026-12-06).
+_SCORE_TOKENS = 8192
 
 
 def sequence_logprobs(model, tokens, *, attention_mask=None, temperature: float = 1.0, topk_ids=None,
-                      chunk: int | None = None):
+                      chunk: int | None = None, batch_chunk: int | None = None):
     """Teacher-forced log-probabilities of each next token (one forward pass, one ``jax.jit``).
 
     Parameters
@@ -185,6 +190,9 @@ def sequence_logprobs(model, tokens, *, attention_mask=None, temperature: float 
         ``GenerationOutput.routing``) instead of routing with this model's routers
     chunk : int (static), optional: positions whose ``[B, chunk, V]`` float32 logits are materialized at
         a time; default: as many as fit in 256 MiB (e.g. 6 for B = 64 and Qwen3's 151936-token vocabulary)
+    batch_chunk : int (static), optional: sequences per forward pass (one ``lax.map`` over the passes, each
+        sequence scored as alone: the model's memory is that of ``batch_chunk`` sequences); default: the batch
+        split evenly into passes of at most 8192 tokens (e.g. 4 passes of 16 for 64 x 384 tokens)
 
     Returns
     -------
@@ -202,14 +210,37 @@ def sequence_logprobs(model, tokens, *, attention_mask=None, temperature: float 
         chunk = max(1, _LOGITS_CHUNK_BYTES // (4 * tokens.shape[0] * model.config.vocab_size))
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
+    b, length = tokens.shape
+    if batch_chunk is None:
+        passes = -(-b // max(1, _SCORE_TOKENS // length))
+        batch_chunk = -(-b // passes)
+    if isinstance(batch_chunk, bool) or not isinstance(batch_chunk, int) or batch_chunk < 1:
+        raise ValueError(f"batch_chunk must be an int >= 1, got {batch_chunk!r}")
     graphdef, state = nnx.split(model)
     return _sequence_logprobs(graphdef, state, tokens.astype(jnp.int32), attention_mask.astype(bool), topk_ids,
-                              temperature=float(temperature), chunk=int(chunk))
+                              temperature=float(temperature), chunk=int(chunk), batch_chunk=min(batch_chunk, b))
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "temperature", "chunk"))
-def _sequence_logprobs(graphdef, state, tokens, mask, topk_ids, *, temperature, chunk):
+@functools.partial(jax.jit, static_argnames=("graphdef", "temperature", "chunk", "batch_chunk"))
+def _sequence_logprobs(graphdef, state, tokens, mask, topk_ids, *, temperature, chunk, batch_chunk):
     model = nnx.merge(graphdef, state)
+    b = tokens.shape[0]
+    if batch_chunk >= b:
+        return _score(model, tokens, mask, topk_ids, temperature, chunk)
+    # Passes of batch_chunk sequences; the padding rows (no real token) are dropped.
+    n = -(-b // batch_chunk)
+    pad = n * batch_chunk - b
+
+    def split(a, axis=0):
+        a = jnp.pad(a, [(0, pad) if i == axis else (0, 0) for i in range(a.ndim)])
+        return jnp.moveaxis(a.reshape(a.shape[:axis] + (n, batch_chunk) + a.shape[axis + 1:]), axis, 0)
+    ids = None if topk_ids is None else split(topk_ids, axis=1)
+    lp = lax.map(lambda a: _score(model, a[0], a[1], a[2], temperature, chunk), (split(tokens), split(mask), ids))
+    return lp.reshape(n * batch_chunk, -1)[:b]
+
+
+def _score(model, tokens, mask, topk_ids, temperature, chunk):
+    """float32 ``[B, L - 1]`` log-probabilities of one forward pass (see :func:`sequence_logprobs`)."""
     b, length = tokens.shape
     hidden = model.hidden_states(tokens, attention_mask=mask, topk_ids=topk_ids).hidden[:, :-1]
     targets = tokens[:, 1:]
