@@ -3,10 +3,10 @@
 :func:`generate` runs the prefill and a ``lax.while_loop`` of decode steps in one compiled function:
 temperature / top-p sampling, per-token log-probabilities, EOS handling, and optionally every
 layer's expert selection (``return_routing``) for routing replay. :func:`sequence_logprobs` scores
-given sequences in one forward pass (teacher forcing), e.g. under the bf16 policy, to measure the
+given sequences by teacher forcing (in passes of at most 8192 tokens), e.g. under the bf16 policy, to measure the
 mismatch of a quantized rollout engine.
 
-Both take any model with the :class:`~jax_nvfp4.nn.Qwen3MoeForCausalLM` interface (``config``,
+Both take any :class:`~jax_nvfp4.nn.CausalLM` (``Qwen3MoeForCausalLM``, ``GptOssForCausalLM``: ``config``,
 ``init_cache``, ``hidden_states``, ``logits``). Prompts are left-padded: ``prompt_mask`` is False on
 the padding, and every sequence's last prompt token sits in the last column.
 """
@@ -90,7 +90,7 @@ def generate(model, prompt_tokens, *, key, max_new_tokens: int, prompt_mask=None
 
     Parameters
     ----------
-    model : :class:`~jax_nvfp4.nn.Qwen3MoeForCausalLM` (bf16 or quantized: its MoE mode decides)
+    model : a :class:`~jax_nvfp4.nn.CausalLM` (bf16 or quantized: its MoE mode decides)
     prompt_tokens : int32 ``[B, P]``, left-padded
     key : PRNG key
     max_new_tokens : int (static) N
@@ -178,11 +178,12 @@ _SCORE_TOKENS = 8192
 
 def sequence_logprobs(model, tokens, *, attention_mask=None, temperature: float = 1.0, topk_ids=None,
                       chunk: int | None = None, batch_chunk: int | None = None):
-    """Teacher-forced log-probabilities of each next token (one forward pass, one ``jax.jit``).
+    """Teacher-forced log-probabilities of each next token (one ``jax.jit``; forward passes of ``batch_chunk``
+    sequences).
 
     Parameters
     ----------
-    model : :class:`~jax_nvfp4.nn.Qwen3MoeForCausalLM`
+    model : a :class:`~jax_nvfp4.nn.CausalLM`
     tokens : int32 ``[B, L]`` (left-padded prompt followed by its continuation, say)
     attention_mask : optional bool ``[B, L]``: False on padding
     temperature : float (static): log-probabilities of ``softmax(logits / temperature)`` (as the sampler's)
