@@ -141,7 +141,8 @@ def rollout_model(policy, quantized, mode):
 
 # --config name -> (config, model class): the Qwen3-MoE presets and the gpt-oss ones.
 MODELS = {**{n: (c, nvnn.Qwen3MoeForCausalLM) for n, c in nvnn.CONFIGS.items()},
-          **{f"gpt-oss-{n}" if n == "tiny" else n: (c, nvnn.GptOssForCausalLM) for n, c in nvnn.GPT_OSS_CONFIGS.items()}}
+          **{("gpt-oss-tiny" if n == "tiny" else n): (c, nvnn.GptOssForCausalLM)
+             for n, c in nvnn.GPT_OSS_CONFIGS.items()}}
 
 
 def run(args, log=print):
@@ -157,9 +158,10 @@ def run(args, log=print):
     policy = model_cls(cfg, rngs=nnx.Rngs(args.seed))  # random weights, on the default device
     n_params = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(nnx.state(policy, nnx.Param)))
     jax.block_until_ready(nnx.state(policy))
+    inter = cfg.moe_intermediate_size if hasattr(cfg, "moe_intermediate_size") else cfg.intermediate_size
     log(f"device: {jax.devices()[0].device_kind}  jax {jax.__version__}")
     log(f"model: {args.config} ({cfg.num_hidden_layers} layers, {cfg.num_experts} experts top-{cfg.num_experts_per_tok}, "
-        f"H {cfg.hidden_size}, I {getattr(cfg, 'moe_intermediate_size', getattr(cfg, 'intermediate_size', None))}, vocab {cfg.vocab_size}), {_count(n_params)} bf16 "
+        f"H {cfg.hidden_size}, I {inter}, vocab {cfg.vocab_size}), {_count(n_params)} bf16 "
         f"parameters, random init {time.perf_counter() - t0:.1f} s")
     log(f"rollout: batch {args.batch}, prompt {args.prompt_len}, {args.new_tokens} new tokens, "
         f"temperature {args.temperature}, top_p {args.top_p}, modes {', '.join(args.modes)}, backend {args.backend}"

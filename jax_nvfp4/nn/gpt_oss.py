@@ -94,7 +94,8 @@ class GptOssConfig:
         if config.get("hidden_act", "silu") != "silu":
             unsupported.append(f"hidden_act={config['hidden_act']!r}")
         if config.get("swiglu_limit", activations.SWIGLU_OAI_LIMIT) != activations.SWIGLU_OAI_LIMIT:
-            unsupported.append(f"swiglu_limit={config['swiglu_limit']} (swiglu_oai's is {activations.SWIGLU_OAI_LIMIT})")
+            unsupported.append(f"swiglu_limit={config['swiglu_limit']} "
+                               f"(swiglu_oai's is {activations.SWIGLU_OAI_LIMIT})")
         if not config.get("attention_bias", True):
             unsupported.append("attention_bias=false")
         rope = dict(config.get("rope_scaling") or {})

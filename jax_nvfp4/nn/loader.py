@@ -142,7 +142,8 @@ def _loader(model_type: str, config_cls, model_cls, name: str, sources: str):
                      order=order, param_dtype=param_dtype, progress=progress)
 
     load.__name__ = load.__qualname__ = f"load_{model_type}"
-    load.__doc__ = f"""Load a {name} checkpoint folder (``config.json`` + safetensors) into :class:`{model_cls.__name__}`.
+    load.__doc__ = f"""Load a {name} checkpoint folder (``config.json`` + safetensors) into
+    :class:`{model_cls.__name__}`.
 
     Parameters
     ----------
