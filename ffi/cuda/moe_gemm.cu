@@ -384,7 +384,7 @@ void Launch(const GemmParams& p, int64_t tile_m, int64_t k_split, int64_t slabs,
   // Rows with a 64-K tail (K % 128 == 64, gpt-oss's 2880) load plainly too: with the hints their layers
   // read 3.3x their weight bytes from DRAM (Nsight Compute, H100, 2026-12-06) and took 1.12-1.58x as long
   // (T = 16-1024); K = 2816 / 2944 rows, no tail, stayed 1.12-1.27x faster with them.
-  const bool tail = !BW && p.K % 128 != 0;
+  const bool tail = !BW && p.K % kBlockK != 0;
   const bool plain =
       !PA && ((flags & int64_t(KernelFlag::kPlainWeightLoads)) || p.K / k_split < kStreamMinSpan || tail);
   constexpr int R = kRegisterLoop, S = kStreamLoop;

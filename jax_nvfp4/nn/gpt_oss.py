@@ -186,8 +186,9 @@ class Attention(nnx.Module):
         b, t, _ = x.shape
         n, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         inv_freq, scale = yarn_frequencies(*self.rope)
-        q = rotary(self.q_proj(x).reshape(b, t, n, d), positions, jnp.asarray(inv_freq), scale=scale)
-        k = rotary(self.k_proj(x).reshape(b, t, nkv, d), positions, jnp.asarray(inv_freq), scale=scale)
+        inv_freq = jnp.asarray(inv_freq)
+        q = rotary(self.q_proj(x).reshape(b, t, n, d), positions, inv_freq, scale=scale)
+        k = rotary(self.k_proj(x).reshape(b, t, nkv, d), positions, inv_freq, scale=scale)
         v = self.v_proj(x).reshape(b, t, nkv, d)
         out, kv = attend(q, k, v, key_mask, kv, index, window=self.window, sinks=self.sinks[...])
         return self.o_proj(out), kv
