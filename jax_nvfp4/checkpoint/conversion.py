@@ -116,7 +116,8 @@ def _plan_units(ckpt: Checkpoint, layers: dict[str, MoELayer]) -> tuple[list[_Un
                                    layer=layer, expert=e, gemm=gemm))
                 for w in ws:
                     consumed.update(t.name for t in w.tensors)
-                    if w.input_scale is not None:  # a static FP8 activation scale: meaningless for NVFP4
+                    # A static FP8 activation scale, or NVFP4's (ModelOpt): w4a4 here scales activations per token.
+                    if w.input_scale is not None:
                         dropped.append(w.input_scale.name)
     for name, t in ckpt.tensors.items():
         if name not in consumed:

@@ -7,8 +7,11 @@ written, so that a bad checkpoint fails fast and leaves nothing behind.
 Source dtypes: bfloat16, float16, float32 are quantized as they are; float8_e4m3fn needs a scale
 ``weight_scale_inv`` (or ``weight_scale``) next to the weight, either per tensor (one element) or
 per 128x128 block (``[ceil(out/128), ceil(in/128)]``; the block size is read from
-``config.json``'s ``quantization_config.weight_block_size`` when present). Experts stacked in one
-tensor per projection (gpt-oss, Llama 4) are found by :mod:`.stacked`.
+``config.json``'s ``quantization_config.weight_block_size`` when present). NVFP4 weights as NVIDIA
+ModelOpt exports them (uint8 E2M1 codes ``[out, in/2]``, even element in the low nibble, with float8_e4m3fn
+``weight_scale [out, in/16]`` and a float32 global decode scale ``weight_scale_2``) are taken as stored, not
+quantized again (:mod:`.sources`). Experts stacked in one tensor per projection (gpt-oss, Llama 4) are found by
+:mod:`.stacked`.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from .safetensors_io import NP_DTYPES, Checkpoint, CheckpointError, TensorInfo, 
 DEFAULT_FP8_BLOCK = (128, 128)
 FP8 = "F8_E4M3"  # dequantized with its scale, rounded to bf16, then quantized
 MXFP4 = "U8"  # gpt-oss: E2M1 codes in [N, K/32, 16] blocks with E8M0 scales [N, K/32]; dequantized to bf16
+NVFP4 = "NVFP4"  # a module's source kind for NVFP4 weights (ModelOpt: U8 codes, E4M3 block and F32 global scales)
 _QUANTIZABLE = ("BF16", "F16", "F32")  # quantized as stored
 _SCALE_DTYPES = ("F32", "BF16", "F16")
 
@@ -47,6 +51,17 @@ class ExpertWeight:
     transposed: bool = False  # the source holds [K, N] (used as x @ w): its columns are our rows
     interleaved: bool = False  # fused GEMM1 rows alternate gate, up (gpt-oss); else [gate; up] halves
     bias: TensorInfo | None = None  # the expert's bias [N] (kept unquantized)
+    global_scale: TensorInfo | None = None  # NVFP4 weights: the F32 global decode scale (ModelOpt's weight_scale_2)
+
+    @property
+    def nvfp4(self) -> bool:
+        """Whether this is an NVFP4 weight (codes, block scales ``scale`` and ``global_scale``), taken as stored."""
+        return self.global_scale is not None
+
+    @property
+    def kind(self) -> str:
+        """The source kind: the safetensors dtype, or :data:`NVFP4`."""
+        return NVFP4 if self.nvfp4 else self.info.dtype
 
     @property
     def name(self) -> str:
@@ -61,13 +76,15 @@ class ExpertWeight:
     def shape(self) -> tuple[int, int]:
         """``(N, K)``: rows (output features) by input features, whatever the source's layout."""
         s = self.info.shape
+        if self.nvfp4:
+            return s[0], s[1] * 2
         if self.info.dtype == MXFP4:
             return s[0], s[1] * s[2] * 2
         return (s[1], s[0]) if self.transposed else s
 
     @property
     def tensors(self) -> list[TensorInfo]:
-        return [t for t in (self.info, self.scale, self.input_scale, self.bias) if t is not None]
+        return [t for t in (self.info, self.scale, self.global_scale, self.input_scale, self.bias) if t is not None]
 
     @property
     def nbytes(self) -> int:
@@ -94,15 +111,19 @@ class MoELayer:
 
     @property
     def quant_dtype(self):
-        """Dtype of the values handed to the quantizer (FP8 and MXFP4 sources are rounded to bf16 first)."""
-        return np.dtype(ml_dtypes.bfloat16) if self.source_dtype in (FP8, MXFP4) else NP_DTYPES[self.source_dtype]
+        """Dtype of the values handed to the quantizer (FP8 and MXFP4 sources are rounded to bf16 first), and the
+        dtype NVFP4 sources record (bf16)."""
+        if self.source_dtype in (FP8, MXFP4, NVFP4):
+            return np.dtype(ml_dtypes.bfloat16)
+        return NP_DTYPES[self.source_dtype]
 
     @property
     def source_name(self) -> str | None:
-        """The source dtype as ``nvfp4_config.json`` names it (``"bfloat16"``, ``"float8_e4m3fn"``, ``"mxfp4"``)."""
+        """The source dtype as ``nvfp4_config.json`` names it (``"bfloat16"``, ``"float8_e4m3fn"``, ``"mxfp4"``,
+        ``"nvfp4"``)."""
         if not self.source_dtype:
             return None
-        return "mxfp4" if self.source_dtype == MXFP4 else dtype_name(self.source_dtype)
+        return {MXFP4: "mxfp4", NVFP4: "nvfp4"}.get(self.source_dtype) or dtype_name(self.source_dtype)
 
     @property
     def bias_dtype(self):
@@ -169,7 +190,7 @@ def _make_weight(params: dict[str, TensorInfo], module: str, e: int, role: str) 
     if "weight_scale_inv" in params and "weight_scale" in params:
         raise CheckpointError(f"tensor {params['weight'].name!r} has both weight_scale_inv and weight_scale")
     scale = params.get("weight_scale_inv", params.get("weight_scale"))
-    return ExpertWeight(params["weight"], scale, params.get("input_scale"))
+    return ExpertWeight(params["weight"], scale, params.get("input_scale"), global_scale=params.get("weight_scale_2"))
 
 
 def _layer_ignored(layer: MoELayer, ignore: Sequence[str]) -> bool:
@@ -196,25 +217,27 @@ def _validate_layer(layer: MoELayer, fp8_block: tuple[int, int]) -> None:
     first = layer.experts[0]["up"]  # defines I, H and the dtype every expert must share
     if len(first.info.shape) != 2:
         raise CheckpointError(f"tensor {first.name!r}: expected a 2-D weight, got shape {list(first.info.shape)}")
-    layer.inter, layer.hidden = first.info.shape
-    layer.source_dtype = first.info.dtype
+    layer.inter, layer.hidden = first.shape
+    layer.source_dtype = first.kind
     want = {"gate": (layer.inter, layer.hidden), "up": (layer.inter, layer.hidden), "down": (layer.hidden, layer.inter)}
     for e, ex in enumerate(layer.experts):
         for role, w in ex.items():
             t = w.info
-            if t.shape != want[role]:
+            if len(t.shape) != 2 or w.shape != want[role]:
+                packed = " (NVFP4: [N, K/2] bytes)" if w.nvfp4 else ""
                 raise CheckpointError(
-                    f"tensor {t.name!r}: shape {list(t.shape)} differs from {list(want[role])} expected from "
+                    f"tensor {t.name!r}: shape {list(t.shape)}{packed} differs from {list(want[role])} expected from "
                     f"{first.name!r} (experts of MoE module {layer.module!r} must have equal shapes, "
                     "gate/up [I, H], down [H, I])")
-            if t.dtype not in _QUANTIZABLE and t.dtype != FP8:
+            if w.kind not in _QUANTIZABLE + (FP8, NVFP4):
                 raise CheckpointError(f"tensor {t.name!r}: unsupported dtype {t.dtype} for an expert weight "
-                                      f"(supported: {', '.join(_QUANTIZABLE + (FP8,))})")
-            if t.dtype != layer.source_dtype:
-                raise CheckpointError(f"tensor {t.name!r}: dtype {t.dtype} differs from {layer.source_dtype} "
+                                      f"(supported: {', '.join(_QUANTIZABLE + (FP8,))}, and U8 NVFP4 codes with "
+                                      "weight_scale and weight_scale_2)")
+            if w.kind != layer.source_dtype:
+                raise CheckpointError(f"tensor {t.name!r}: dtype {w.kind} differs from {layer.source_dtype} "
                                       f"of {first.name!r} (one dtype per MoE module)")
-            if t.shape[1] % BLOCK:
-                raise CheckpointError(f"tensor {t.name!r}: in-dim K={t.shape[1]} (shape {list(t.shape)}) "
+            if w.shape[1] % BLOCK:
+                raise CheckpointError(f"tensor {t.name!r}: in-dim K={w.shape[1]} (shape {list(t.shape)}) "
                                       f"is not a multiple of {BLOCK}")
             scaling = _validate_scale(w, fp8_block)
             if scaling:
@@ -222,8 +245,12 @@ def _validate_layer(layer: MoELayer, fp8_block: tuple[int, int]) -> None:
 
 
 def _validate_scale(w: ExpertWeight, fp8_block: tuple[int, int]) -> str | None:
-    """FP8 weights need a per-tensor or block scale; others must not have one. Returns the scaling."""
+    """FP8 weights need a per-tensor or block scale, NVFP4 ones block and global scales; others must not have one.
+    Returns the FP8 scaling."""
     t, s = w.info, w.scale
+    if w.nvfp4:
+        validate_nvfp4_scales(w)
+        return None
     if t.dtype != FP8:
         if s is not None:
             raise CheckpointError(f"tensor {s.name!r}: a dequantization scale for a {t.dtype} weight "
@@ -243,6 +270,20 @@ def _validate_scale(w: ExpertWeight, fp8_block: tuple[int, int]) -> str | None:
                               f"{bo}x{bi} block grid {list(want)} of {t.name!r} {list(t.shape)}")
     w.block = (bo, bi)
     return f"block {bo}x{bi}"
+
+
+def validate_nvfp4_scales(w: ExpertWeight) -> None:
+    """An NVFP4 weight's codes are U8 with float8_e4m3fn block scales [N, K/16] and one F32 global scale."""
+    t, s, g = w.info, w.scale, w.global_scale
+    if t.dtype != "U8":
+        raise CheckpointError(f"tensor {t.name!r}: dtype {t.dtype} next to {g.name!r}; NVFP4 codes are U8")
+    n, k = w.shape
+    if s is None or s.dtype != FP8 or tuple(s.shape) != (n, k // BLOCK):
+        got = "missing" if s is None else f"{s.dtype} {list(s.shape)}"
+        raise CheckpointError(f"tensor {t.name!r}: NVFP4 block scales (weight_scale) {got}, expected {FP8} "
+                              f"{[n, k // BLOCK]} (linear layout)")
+    if g.dtype != "F32" or math.prod(g.shape) != 1:
+        raise CheckpointError(f"tensor {g.name!r}: {g.dtype} {list(g.shape)}, expected one F32 global decode scale")
 
 
 def _fp8_block_size(root: Path) -> tuple[int, int]:

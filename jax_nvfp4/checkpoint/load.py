@@ -1,4 +1,5 @@
-"""Loading NVFP4 experts into JAX: from a converted checkpoint, or quantized from a source one."""
+"""Loading NVFP4 experts into JAX: from a converted checkpoint, an NVFP4 one of NVIDIA ModelOpt (bytes as stored),
+or quantized from a source one."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..formats import NVFP4Experts
-from .experts import plan_layers
+from .experts import NVFP4, plan_layers
 from .naming import CONFIG_NAME, FORMAT_NAME, GEMMS, READABLE_VERSIONS, ignore_patterns, output_names
 from .safetensors_io import (NP_DTYPES, ST_DTYPES, Checkpoint, CheckpointError, TensorReader, checkpoint_folder,
                              open_checkpoint)
@@ -44,7 +45,8 @@ def quantize_checkpoint_experts(src, *, ignore: Sequence[str] = (), recipe: str 
     """Quantize a source checkpoint's routed experts while loading them (nothing is written).
 
     Streams one expert tensor at a time: host memory holds the quantized experts plus one source
-    expert tensor. Same rules and errors as :func:`convert_checkpoint`; the result equals
+    expert tensor. NVFP4 experts (ModelOpt) are taken as stored. Same rules and errors as
+    :func:`convert_checkpoint`; the result equals
     ``load_nvfp4_experts(convert_checkpoint(src, dst, ...).dst)``.
 
     Returns
@@ -57,7 +59,17 @@ def quantize_checkpoint_experts(src, *, ignore: Sequence[str] = (), recipe: str 
     check_recipe(recipe)
     ignore = ignore_patterns(ignore)
     ckpt = open_checkpoint(src)
-    layers = [ly for ly in plan_layers(ckpt, ignore).values() if not ly.ignored]
+    return _stacked_experts(ckpt, [ly for ly in plan_layers(ckpt, ignore).values() if not ly.ignored], recipe,
+                            progress)
+
+
+def stored_nvfp4_layers(ckpt: Checkpoint) -> list:
+    """The MoE modules whose experts a checkpoint stores as NVFP4 (ModelOpt's export), validated."""
+    return [ly for ly in plan_layers(ckpt, ()).values() if ly.source_dtype == NVFP4]
+
+
+def _stacked_experts(ckpt: Checkpoint, layers, recipe: str, progress: bool) -> dict[str, NVFP4Experts]:
+    """The experts of ``layers`` stacked per module: quantized, or NVFP4 ones as stored."""
     total = sum(t.nbytes for ly in layers for t in ly.tensors())
     out = {}
     with TensorReader() as reader, source_progress(total, "nvfp4 quantize", progress) as bar:
@@ -95,8 +107,10 @@ def load_nvfp4_experts(path, *, quantize_source: bool = False, ignore: Sequence[
 
     Parameters
     ----------
-    path : an NVFP4 checkpoint written by :func:`convert_checkpoint` (folder or one of its files),
-        or, with ``quantize_source=True``, a source (bf16 / fp16 / fp32 / FP8) checkpoint.
+    path : an NVFP4 checkpoint (folder or one of its files) written by :func:`convert_checkpoint`, or by NVIDIA
+        ModelOpt (its experts' ``weight`` / ``weight_scale`` / ``weight_scale_2`` taken as stored; gate and up
+        share a global scale, see :func:`~jax_nvfp4.checkpoint.sources.nvfp4_parts`), or, with
+        ``quantize_source=True``, a source (bf16 / fp16 / fp32 / FP8) checkpoint.
     quantize_source : quantize the source's experts while loading (:func:`quantize_checkpoint_experts`);
         ``ignore``, ``recipe`` and ``progress`` apply only then.
 
@@ -110,8 +124,14 @@ def load_nvfp4_experts(path, *, quantize_source: bool = False, ignore: Sequence[
     """
     if quantize_source:
         return quantize_checkpoint_experts(path, ignore=ignore, recipe=recipe, progress=progress)
-    cfg = read_nvfp4_config(path)
-    ckpt = open_checkpoint(checkpoint_folder(path))  # all shards, whichever file was named
+    root = checkpoint_folder(path)
+    if not (root / CONFIG_NAME).is_file():
+        ckpt = open_checkpoint(root)
+        stored = stored_nvfp4_layers(ckpt)
+        if stored:
+            return _stacked_experts(ckpt, stored, "nvfp4", progress)
+    cfg = read_nvfp4_config(path)  # (raises: neither format)
+    ckpt = open_checkpoint(root)  # all shards, whichever file was named
     out = {}
     with TensorReader() as reader:
         for module, m in cfg["moe_modules"].items():

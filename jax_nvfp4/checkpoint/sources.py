@@ -2,8 +2,9 @@
 
 bfloat16, float16 and float32 weights reach the quantizer as stored. FP8 (float8_e4m3fn) weights
 are dequantized as ``fp32(w) * scale`` and rounded to bfloat16 first (spec section 4), so an FP8
-checkpoint quantizes exactly as its bf16 dequantization would; MXFP4 (gpt-oss) likewise. Stacked
-experts (:mod:`.stacked`) are transposed and their gate rows put first on the way.
+checkpoint quantizes exactly as its bf16 dequantization would; MXFP4 (gpt-oss) likewise. NVFP4 weights
+(ModelOpt) are not quantized again: their bytes are taken as stored (:func:`nvfp4_parts`). Stacked experts
+(:mod:`.stacked`) are transposed and their gate rows put first on the way.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import warnings
 from collections.abc import Iterator, Sequence
 
 import jax
@@ -18,9 +20,9 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from ..formats import BLOCK
+from ..formats import BLOCK, E2M1_TABLE
 from ..quantize import RECIPES, quantize
-from .experts import FP8, MXFP4, ExpertWeight
+from .experts import FP8, MXFP4, ExpertWeight, validate_nvfp4_scales
 from .safetensors_io import CheckpointError, TensorReader
 from .stacked import read_stacked_bias, read_stacked_rows
 
@@ -67,6 +69,85 @@ def _dequantize_fp8_into(reader: TensorReader, w: ExpertWeight, out: np.ndarray)
         out[r:r + step] = (w8[r:r + step].astype(np.float32) * scale).astype(ml_dtypes.bfloat16)
 
 
+def read_nvfp4(reader: TensorReader, w: ExpertWeight):
+    """An NVFP4 weight as stored: (codes uint8 ``[N, K/2]``, block scales float8_e4m3fn ``[N, K/16]``, global decode
+    scale float32 ``[]``).
+
+    A NaN block scale (the byte an exporter writes for a block of amax 0, as 0 / 0) is set to 0 where the block's
+    codes are all zero, which it then decodes to exactly, with a warning; anywhere else it, or a global scale that
+    is not finite and >= 0, is an error naming the tensor.
+    """
+    data, scales = reader.read(w.info), reader.read(w.scale)
+    g = np.float32(reader.read(w.global_scale).reshape(()))
+    if not (np.isfinite(g) and g >= 0):
+        raise CheckpointError(f"tensor {w.global_scale.name!r}: global scale {g}, expected finite and >= 0")
+    nan = np.isnan(scales.astype(np.float32))
+    if nan.any():
+        n, blocks = scales.shape
+        zero = ~(data.reshape(n, blocks, BLOCK // 2) & 0x77).any(axis=-1)  # every code +-0 (sign bits 0x88 aside)
+        if (nan & ~zero).any():
+            r, b = np.argwhere(nan & ~zero)[0]
+            raise CheckpointError(f"tensor {w.scale.name!r}: NaN block scale at [{r}, {b}] over nonzero codes of "
+                                  f"{w.name!r}; refusing NaN weights")
+        scales = np.where(nan, np.zeros((), scales.dtype), scales)
+        warnings.warn(f"tensor {w.scale.name!r}: {int(nan.sum())} NaN block scales of all-zero blocks set to 0",
+                      stacklevel=2)
+    return data, scales, g
+
+
+def nvfp4_parts(reader: TensorReader, weights: Sequence[ExpertWeight]):
+    """The row-stack of NVFP4 ``weights`` (gate and up, or down) under one global scale, as stored.
+
+    Where the weights' global scales differ (gate and up quantized apart), the larger is kept: that weight's bytes
+    stay as stored, and the other's block scales are multiplied by the ratio of the global scales (below 1) and
+    rounded to E4M3, with a warning; its codes stay. (Collapsing them to either scale unchanged would scale one
+    half of GEMM1 wrongly.)
+
+    Returns
+    -------
+    (data uint8 ``[N, K/2]``, scales float8_e4m3fn ``[N, K/16]``, global_scale float32 ``[]``) as numpy.
+    """
+    parts = [read_nvfp4(reader, w) for w in weights]
+    top = max(g for _, _, g in parts)
+    scales = []
+    for w, (_, s, g) in zip(weights, parts):
+        if g != top:
+            s = (s.astype(np.float64) * (np.float64(g) / np.float64(top))).astype(np.float32).astype(s.dtype)
+            warnings.warn(f"MoE module {w.name.split('.experts.')[0]!r}: gate and up NVFP4 global scales "
+                          f"(weight_scale_2) differ, e.g. {w.global_scale.name!r} {g} vs {top}; its block scales "
+                          "were rescaled to the larger (rounded to E4M3)", stacklevel=3)
+        scales.append(s)
+    return (np.concatenate([d for d, _, _ in parts]), np.concatenate(scales), np.float32(top))
+
+
+def _dequantize_nvfp4_into(reader: TensorReader, w: ExpertWeight, out: np.ndarray) -> None:
+    """``out [N, K] = dtype(e2m1 * fp32(block scale) * global scale)`` (fp32 products)."""
+    data, scales, g = read_nvfp4(reader, w)
+    n = data.shape[0]
+    codes = np.stack([data & 0xF, data >> 4], axis=-1).reshape(n, -1, BLOCK)
+    v = E2M1_TABLE[codes] * scales.astype(np.float32)[..., None] * g
+    out[...] = v.reshape(n, -1).astype(out.dtype)
+
+
+def nvfp4_weight(tensors: dict, name: str) -> ExpertWeight | None:
+    """The NVFP4 weight ``name`` of a checkpoint's ``tensors`` (ModelOpt: ``P.weight`` U8 codes next to ``P.weight_scale``
+    and ``P.weight_scale_2``; ``P.input_scale`` is kept as its activation scale), validated; None for any other."""
+    prefix = name[: -len("weight")] if name.endswith("weight") else None
+    if prefix is None or name not in tensors or prefix + "weight_scale_2" not in tensors:
+        return None
+    w = ExpertWeight(tensors[name], tensors.get(prefix + "weight_scale"), tensors.get(prefix + "input_scale"),
+                     global_scale=tensors[prefix + "weight_scale_2"])
+    validate_nvfp4_scales(w)
+    return w
+
+
+def dequantize_nvfp4(reader: TensorReader, w: ExpertWeight, dtype) -> np.ndarray:
+    """An NVFP4 weight ``[N, K]`` as ``dtype``: each value ``e2m1 * fp32(block scale) * global scale`` in fp32."""
+    out = np.empty(w.shape, dtype)
+    _dequantize_nvfp4_into(reader, w, out)
+    return out
+
+
 def _row_blocks(weights: Sequence[ExpertWeight]) -> Iterator[tuple[ExpertWeight, slice]]:
     """Each weight with its rows in the row-stack of ``weights``."""
     r = 0
@@ -81,7 +162,9 @@ def _load_rows(reader: TensorReader, weights: Sequence[ExpertWeight], dtype) -> 
     k = weights[0].shape[1]
     out = np.empty((sum(w.shape[0] for w in weights), k), dtype)
     for w, rows in _row_blocks(weights):
-        if w.info.dtype == FP8:
+        if w.nvfp4:
+            _dequantize_nvfp4_into(reader, w, out[rows])
+        elif w.info.dtype == FP8:
             _dequantize_fp8_into(reader, w, out[rows])
         elif w.expert is not None:
             read_stacked_rows(reader, w, out[rows])
@@ -106,8 +189,11 @@ def quantize_weights(reader: TensorReader, weights: Sequence[ExpertWeight], dtyp
 
     Returns
     -------
-    (data uint8 ``[N, K/2]``, scales float8_e4m3fn ``[N, K/16]``, global_scale float32 ``[]``) as numpy.
+    (data uint8 ``[N, K/2]``, scales float8_e4m3fn ``[N, K/16]``, global_scale float32 ``[]``) as numpy. NVFP4
+    weights are not quantized again: :func:`nvfp4_parts`.
     """
+    if weights[0].nvfp4:
+        return nvfp4_parts(reader, weights)
     x = _load_rows(reader, weights, dtype)
     data, scales, gs, finite = _quantize_tensor(x, recipe)
     if not bool(finite):  # name the culprit on the host only when the jitted check fails

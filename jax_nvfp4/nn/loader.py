@@ -1,5 +1,5 @@
-"""Loading Hugging Face safetensors checkpoints (bf16, or NVFP4 from the converter) into the decoders of
-:mod:`jax_nvfp4.nn`: :func:`load_qwen3_moe` and :func:`load_gpt_oss`.
+"""Loading Hugging Face safetensors checkpoints (bf16, NVFP4 from the converter, or NVFP4 from NVIDIA ModelOpt) into
+the decoders of :mod:`jax_nvfp4.nn`: :func:`load_qwen3_moe` and :func:`load_gpt_oss`.
 
 The model is built abstractly (``nnx.eval_shape``: no random weights are drawn) and filled tensor by
 tensor. NVFP4 experts come from :func:`jax_nvfp4.load_nvfp4_experts` (a converted checkpoint) or
@@ -7,6 +7,11 @@ tensor. NVFP4 experts come from :func:`jax_nvfp4.load_nvfp4_experts` (a converte
 tensor at a time); either way no bf16 expert stack is ever materialised. Unquantized experts (a source
 checkpoint, or modules the converter's ignore list kept) are stacked on the host one MoE module at a time, from
 per-expert tensors (Qwen3) or stacked ones (gpt-oss: bf16, or MXFP4 decoded), FP8 ones dequantized.
+
+A ModelOpt NVFP4 checkpoint (``weight`` U8 with ``weight_scale`` and ``weight_scale_2``) keeps its experts' bytes
+as stored; its other NVFP4 linear layers (attention, dense MLPs: the model runs them in bf16) are dequantized,
+``bf16(e2m1 * block scale * global scale)``. Their static activation scales (``input_scale``) go unused: w4a4
+here scales activations per token.
 
 Name mapping (``L`` layer, ``N`` expert; kernels are stored transposed, ``[in, out]``)::
 
@@ -35,10 +40,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+import numpy as np
+
 from ..checkpoint import (CONFIG_NAME, CheckpointError, load_nvfp4_experts, open_checkpoint,
                           quantize_checkpoint_experts)
+from ..checkpoint.load import stored_nvfp4_layers
 from ..checkpoint.safetensors_io import TensorReader, checkpoint_folder
-from ..checkpoint.sources import read_source_experts
+from ..checkpoint.sources import dequantize_nvfp4, nvfp4_weight, read_source_experts
 from .gpt_oss import GptOssConfig, GptOssForCausalLM
 from .moe import BF16ExpertWeights, check_choice
 from .quantization import QUANTIZED_MODES, WEIGHT_ORDERS, _load_experts, moe_modules
@@ -59,18 +67,26 @@ def _hf_name(path: tuple, renames: dict) -> tuple[str, bool]:
     return ".".join(mod + [leaf]), False  # weight, bias, sinks, router.bias
 
 
-def _read_dense(ckpt, reader, name: str, shape: tuple, transpose: bool, dtype) -> jax.Array:
+def _read_dense(ckpt, reader, name: str, shape: tuple, transpose: bool, dtype) -> tuple[jax.Array, list[str]]:
+    """A dense parameter (an NVFP4 one dequantized) and the names of the tensors it was read from."""
     info = ckpt.tensors.get(name)
     if info is None:
         raise CheckpointError(f"checkpoint {ckpt.root}: tensor {name!r} is missing")
     want = tuple(shape[::-1]) if transpose else tuple(shape)
-    if tuple(info.shape) != want:
-        raise CheckpointError(f"tensor {name!r}: shape {list(info.shape)}, expected {list(want)} from config.json")
-    if info.dtype not in _DENSE_DTYPES:
+    nvfp4 = nvfp4_weight(ckpt.tensors, name)
+    got = nvfp4.shape if nvfp4 is not None else tuple(info.shape)
+    if got != want:
+        raise CheckpointError(f"tensor {name!r}: shape {list(info.shape)}{' (NVFP4 codes)' if nvfp4 else ''}, "
+                              f"expected {list(want)} from config.json")
+    if nvfp4 is not None:
+        a, names = dequantize_nvfp4(reader, nvfp4, np.float32), [t.name for t in nvfp4.tensors]
+    elif info.dtype in _DENSE_DTYPES:
+        a, names = reader.read(info), [name]
+    else:
         raise CheckpointError(f"tensor {name!r}: dtype {info.dtype} is not supported for dense weights "
-                              f"(supported: {', '.join(_DENSE_DTYPES)})")
-    a = reader.read(info)
-    return jnp.asarray(a.T if transpose else a).astype(dtype)
+                              f"(supported: {', '.join(_DENSE_DTYPES)}, and NVFP4 with weight_scale and "
+                              "weight_scale_2)")
+    return jnp.asarray(a.T if transpose else a).astype(dtype), names
 
 
 def _source_experts(ckpt, reader, module: str, block, dtype) -> BF16ExpertWeights:
@@ -94,14 +110,15 @@ def _load(model_type: str, make_model, path, *, quantize: bool, ignore, recipe: 
     check_choice(mode, QUANTIZED_MODES, "mode")
     check_choice(order, WEIGHT_ORDERS, "order")
     root = checkpoint_folder(path)
-    nvfp4 = (root / CONFIG_NAME).is_file()
+    ckpt = open_checkpoint(root)
+    nvfp4 = (root / CONFIG_NAME).is_file() or bool(stored_nvfp4_layers(ckpt))
     if nvfp4 and quantize:
-        raise ValueError(f"{root} is already an NVFP4 checkpoint ({CONFIG_NAME}); load it with quantize=False")
+        what = CONFIG_NAME if (root / CONFIG_NAME).is_file() else "experts stored as NVFP4: ModelOpt"
+        raise ValueError(f"{root} is already an NVFP4 checkpoint ({what}); load it with quantize=False")
     if not quantize and (ignore or recipe != "nvfp4"):
         raise ValueError("ignore and recipe apply only with quantize=True (a converted checkpoint was "
                          "quantized with the converter's own)")
     model = nnx.eval_shape(lambda: make_model(root))
-    ckpt = open_checkpoint(root)
 
     if nvfp4:
         experts = load_nvfp4_experts(root)
@@ -122,8 +139,9 @@ def _load(model_type: str, make_model, path, *, quantize: bool, ignore, recipe: 
             if not isinstance(var, nnx.Variable) or not isinstance(var.get_value(), jax.ShapeDtypeStruct):
                 continue  # already loaded (experts)
             hf, transpose = _hf_name(vpath, _RENAMES[model_type])
-            var.set_value(_read_dense(ckpt, reader, hf, var.shape, transpose, var.get_value().dtype))
-            used.add(hf)
+            value, names = _read_dense(ckpt, reader, hf, var.shape, transpose, var.get_value().dtype)
+            var.set_value(value)
+            used.update(names)
     unused = sorted(set(ckpt.tensors) - used)
     if unused:
         warnings.warn(f"{len(unused)} checkpoint tensors were not used, e.g. {unused[:3]}", stacklevel=3)
@@ -147,8 +165,9 @@ def _loader(model_type: str, config_cls, model_cls, name: str, sources: str):
 
     Parameters
     ----------
-    path : checkpoint folder: Hugging Face ({sources}), or NVFP4 written by
-        :func:`jax_nvfp4.convert_checkpoint` (recognized by its ``nvfp4_config.json``)
+    path : checkpoint folder: Hugging Face ({sources}), NVFP4 written by
+        :func:`jax_nvfp4.convert_checkpoint` (recognized by its ``nvfp4_config.json``), or NVFP4 exported by NVIDIA
+        ModelOpt (experts as stored, other NVFP4 layers dequantized to bf16)
     quantize : bool
         Quantize a source checkpoint's experts to NVFP4 while loading (never holding their bf16
         stack). Not for NVFP4 checkpoints.
@@ -167,7 +186,7 @@ def _loader(model_type: str, config_cls, model_cls, name: str, sources: str):
     Raises
     ------
     CheckpointError : a tensor is missing, has the wrong shape or an unsupported dtype (e.g. FP8 dense
-        weights), naming it.
+        weights), or NVFP4 scales are malformed or NaN over nonzero codes, naming it.
     FileNotFoundError : ``path`` does not exist.
     """
     return load

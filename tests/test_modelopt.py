@@ -1,0 +1,239 @@
+"""NVFP4 checkpoints as NVIDIA ModelOpt exports them (``weight`` U8 codes, ``weight_scale`` E4M3 ``[N, K/16]``,
+``weight_scale_2`` the F32 global decode scale, ``input_scale``): experts loaded with their bytes as stored, other
+NVFP4 layers dequantized, mismatched gate / up global scales, NaN block scales, malformed scales.
+
+The ModelOpt checkpoints here are written from the bf16 test checkpoint with jax_nvfp4's quantizer (FlashInfer's
+arithmetic; ModelOpt's global scale is the same ``amax / (6 * 448)``), so loading one must give exactly the bytes
+that converting the bf16 checkpoint gives."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+pytest.importorskip("flax")
+from flax import nnx  # noqa: E402
+
+import jax_nvfp4 as nv  # noqa: E402
+from jax_nvfp4 import nn as nvnn  # noqa: E402
+from jax_nvfp4.checkpoint import CheckpointError, open_checkpoint, read_nvfp4_config  # noqa: E402
+from jax_nvfp4.checkpoint.safetensors_io import TensorReader  # noqa: E402
+from jax_nvfp4.checkpoint.sources import read_source_experts  # noqa: E402
+import conftest  # noqa: E402
+import qwen3_moe_numpy_ref as ref  # noqa: E402
+from test_qwen3_moe import HF_CONFIG  # noqa: E402
+
+F8 = ml_dtypes.float8_e4m3fn
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def quantized(x, amax=None):
+    """(codes uint8 [N, K/2], scales e4m3 [N, K/16], global decode scale f32 []) of x [N, K] (its own amax)."""
+    x = jnp.asarray(x)
+    amax = jnp.max(jnp.abs(x.astype(jnp.float32))) if amax is None else amax
+    q = nv.quantize(x, global_amax=jnp.asarray(amax, jnp.float32))
+    return np.asarray(q.data), np.asarray(q.scales), np.asarray(q.global_scale, np.float32)
+
+
+def dequantized(parts) -> np.ndarray:
+    data, scales, g = parts
+    q = nv.NVFP4Array(jnp.asarray(data), jnp.asarray(scales), jnp.asarray(g))
+    return np.asarray(nv.dequantize(q))
+
+
+def modelopt_weights(w: dict, *, attention: bool = True, synced: bool = True) -> tuple[dict, dict]:
+    """A ModelOpt NVFP4 export of the bf16 HF tensors ``w``: every expert projection (gate and up with one global
+    scale when ``synced``) and, with ``attention``, the attention projections; routers, norms, embeddings and the LM
+    head stay bf16 (ModelOpt's default exclusions). Returns (tensors, the quantized parts by weight name)."""
+    out, parts = {}, {}
+    for name, x in w.items():
+        quant = ".experts." in name or (attention and name.split(".")[-2] in ATTENTION)
+        if not quant:
+            out[name] = x
+            continue
+        amax = None
+        if synced and (".gate_proj." in name or ".up_proj." in name):
+            other = name.replace(".gate_proj.", ".up_proj.") if ".gate_proj." in name else \
+                name.replace(".up_proj.", ".gate_proj.")
+            amax = max(np.abs(x.astype(np.float32)).max(), np.abs(w[other].astype(np.float32)).max())
+        parts[name] = quantized(x, amax)
+        p = name[: -len("weight")]
+        out[name], out[p + "weight_scale"], out[p + "weight_scale_2"] = parts[name]
+        out[p + "input_scale"] = np.array(0.01, np.float32)  # a static activation scale: unused here
+    return out, parts
+
+
+def write_modelopt(root, tensors):
+    conftest.write_hf(root, tensors, HF_CONFIG | {"quantization_config": {"quant_method": "modelopt",
+                                                                            "quant_algo": "NVFP4"}})
+    (root / "hf_quant_config.json").write_text(json.dumps(
+        {"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "NVFP4", "group_size": 16,
+                                                             "kv_cache_quant_algo": None,
+                                                             "exclude_modules": ["lm_head"]}}))
+    return root
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    """(bf16 weights, ModelOpt checkpoint, its quantized parts, the bf16 one converted by jax_nvfp4)."""
+    w = ref.random_weights(HF_CONFIG, seed=0)
+    root = tmp_path_factory.mktemp("modelopt")
+    tensors, parts = modelopt_weights(w)
+    src = conftest.write_hf(root / "bf16", w, HF_CONFIG)
+    conv = root / "converted"
+    nv.convert_checkpoint(src, conv, progress=False)
+    return w, write_modelopt(root / "modelopt", tensors), parts, conv
+
+
+def same_bytes(a, b):
+    a, b = np.ascontiguousarray(a), np.ascontiguousarray(b)
+    return a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+def assert_same_experts(x: dict, y: dict):
+    assert x.keys() == y.keys() and x
+    for m in x:
+        for a, b in zip(jax.tree.leaves(x[m]), jax.tree.leaves(y[m]), strict=True):
+            assert same_bytes(a, b), m
+
+
+def test_modelopt_experts_load_as_stored(ckpts):
+    w, mo, parts, conv = ckpts
+    experts = nv.load_nvfp4_experts(mo)
+    # the bytes of converting the bf16 checkpoint (same quantizer, gate and up sharing one global scale) ...
+    assert_same_experts(experts, nv.load_nvfp4_experts(conv))
+    # ... which are the ModelOpt tensors themselves: gate rows, then up rows
+    e = experts["model.layers.1.mlp"]
+    p = "model.layers.1.mlp.experts.5."
+    gate, up, down = (parts[p + f"{r}_proj.weight"] for r in ("gate", "up", "down"))
+    assert same_bytes(e.gate_up.data[5], np.concatenate([gate[0], up[0]]))
+    assert same_bytes(e.gate_up.scales[5], np.concatenate([gate[1], up[1]]))
+    assert e.gate_up.global_scale[5] == gate[2] == up[2] and e.down.global_scale[5] == down[2]
+    assert same_bytes(e.down.data[5], down[0])
+    # quantize_checkpoint_experts takes them as stored too; the converter repacks them into our format
+    assert_same_experts(nv.quantize_checkpoint_experts(mo), experts)
+    re = mo.parent / "reconverted"
+    nv.convert_checkpoint(mo, re, progress=False)
+    assert_same_experts(nv.load_nvfp4_experts(re), experts)
+    cfg = read_nvfp4_config(re)
+    assert cfg["moe_modules"]["model.layers.0.mlp"]["source_dtype"] == "nvfp4"
+    assert p + "gate_proj.input_scale" in cfg["dropped_tensors"]
+
+
+def test_modelopt_model_loads_experts_and_dequantized_attention(ckpts, tmp_path):
+    w, mo, parts, conv = ckpts
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # every tensor used (the static input scales knowingly), nothing rescaled
+        model = nvnn.load_qwen3_moe(mo)
+    # The same model as a bf16 checkpoint whose attention holds bf16(dequantized NVFP4), its experts converted.
+    w2 = dict(w)
+    for name, pt in parts.items():
+        if ".experts." not in name:
+            w2[name] = dequantized(pt).astype(ml_dtypes.bfloat16)
+    conv2 = tmp_path / "converted"
+    nv.convert_checkpoint(conftest.write_hf(tmp_path / "bf16", w2, HF_CONFIG), conv2, progress=False)
+    other = nvnn.load_qwen3_moe(conv2)
+    for a, b in zip(jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(other)), strict=True):
+        assert same_bytes(a, b)
+    q = model.model.layers[0].self_attn.q_proj.kernel[...]
+    want = dequantized(parts["model.layers.0.self_attn.q_proj.weight"]).astype(ml_dtypes.bfloat16).T
+    assert same_bytes(q, want)
+    toks = jnp.asarray(np.random.default_rng(1).integers(0, HF_CONFIG["vocab_size"], 12))[None]
+    logits = model(toks).logits
+    assert np.isfinite(np.asarray(logits)).all()
+    np.testing.assert_array_equal(logits, other(toks).logits)
+    with pytest.raises(ValueError, match="already an NVFP4 checkpoint.*ModelOpt"):
+        nvnn.load_qwen3_moe(mo, quantize=True)
+
+
+def test_mismatched_gate_up_global_scales_rescale_the_smaller(ckpts, tmp_path):
+    w = ckpts[0]
+    tensors, parts = modelopt_weights(w, attention=False, synced=False)
+    root = write_modelopt(tmp_path / "mismatched", tensors)
+    with pytest.warns(UserWarning, match="gate and up NVFP4 global scales"):
+        experts = nv.load_nvfp4_experts(root)
+    i = HF_CONFIG["moe_intermediate_size"]
+    rescaled = differ = 0
+    for L in range(HF_CONFIG["num_hidden_layers"]):
+        ex = experts[f"model.layers.{L}.mlp"]
+        for e in range(HF_CONFIG["num_experts"]):
+            p = f"model.layers.{L}.mlp.experts.{e}."
+            halves = [parts[p + "gate_proj.weight"], parts[p + "up_proj.weight"]]
+            top = max(h[2] for h in halves)
+            differ += halves[0][2] != halves[1][2]
+            assert ex.gate_up.global_scale[e] == top
+            for j, (data, scales, g) in enumerate(halves):
+                rows = slice(j * i, (j + 1) * i)
+                assert same_bytes(ex.gate_up.data[e, rows], data)  # the codes stay
+                got = np.asarray(ex.gate_up.scales[e, rows])
+                if g == top:
+                    assert same_bytes(got, scales)
+                    continue
+                rescaled += 1
+                want = (scales.astype(np.float64) * (np.float64(g) / np.float64(top))).astype(np.float32).astype(F8)
+                assert same_bytes(got, want)
+                # within E4M3's rounding (1/16) of each block's original scale
+                old, new = scales.astype(np.float32) * g, got.astype(np.float32) * top
+                assert np.all(np.abs(new - old) <= old / 16 + 1e-30)
+    assert rescaled == differ >= 12  # one half of each expert whose scales differ (bf16 amaxes may tie)
+
+
+def test_nan_block_scales(ckpts, tmp_path):
+    w = ckpts[0]
+    tensors, _ = modelopt_weights(w, attention=False)
+    name = "model.layers.0.mlp.experts.3.down_proj."
+    data, scales = tensors[name + "weight"].copy(), tensors[name + "weight_scale"].copy()
+    data[2, 8:16] = 0x08  # block [2, 1]: codes +0 / -0, as an exporter writes a block of amax 0 ...
+    scales[2, 1] = np.float32(np.nan)  # ... with its 0 / 0 scale
+    root = write_modelopt(tmp_path / "nan", tensors | {name + "weight": data, name + "weight_scale": scales})
+    with pytest.warns(UserWarning, match="1 NaN block scales of all-zero blocks set to 0"):
+        experts = nv.load_nvfp4_experts(root)
+    down = experts["model.layers.0.mlp"].down
+    assert float(np.asarray(down.scales[3, 2, 1], np.float32)) == 0.0
+    assert np.isfinite(np.asarray(nv.dequantize(down))).all()
+    data[2, 8] = 0x21  # a nonzero code under the NaN scale: refused
+    root = write_modelopt(tmp_path / "nan2", tensors | {name + "weight": data, name + "weight_scale": scales})
+    with pytest.raises(CheckpointError, match=r"NaN block scale at \[2, 1\] over nonzero codes"):
+        nv.load_nvfp4_experts(root)
+
+
+@pytest.mark.parametrize("what", ["scale_shape", "scale_dtype", "global_shape", "no_block_scales", "negative"])
+def test_malformed_nvfp4_scales_are_named(ckpts, tmp_path, what):
+    tensors, _ = modelopt_weights(ckpts[0], attention=False)
+    p = "model.layers.1.mlp.experts.2.up_proj."
+    t = dict(tensors)
+    if what == "scale_shape":
+        t[p + "weight_scale"] = t[p + "weight_scale"][:, :-1]
+        match = "weight_scale.*expected F8_E4M3"
+    elif what == "scale_dtype":
+        t[p + "weight_scale"] = t[p + "weight_scale"].astype(np.float32)
+        match = "weight_scale.*expected F8_E4M3"
+    elif what == "global_shape":
+        t[p + "weight_scale_2"] = np.ones(2, np.float32)
+        match = "weight_scale_2.*one F32 global decode scale"
+    elif what == "no_block_scales":
+        del t[p + "weight_scale"]
+        match = "block scales \\(weight_scale\\) missing"
+    else:
+        t[p + "weight_scale_2"] = np.array(-1.0, np.float32)
+        match = "weight_scale_2.*global scale -1.0"
+    with pytest.raises(CheckpointError, match=match):
+        nv.load_nvfp4_experts(write_modelopt(tmp_path / what, t))
+
+
+def test_unquantized_read_of_nvfp4_experts_dequantizes(ckpts):
+    w, mo, parts, _ = ckpts
+    ckpt = open_checkpoint(mo)
+    with TensorReader() as reader:
+        gate_up, down, biases = read_source_experts(ckpt, reader, "model.layers.0.mlp", np.dtype(ml_dtypes.bfloat16))
+    assert not biases
+    p = "model.layers.0.mlp.experts.6."
+    want = np.concatenate([dequantized(parts[p + "gate_proj.weight"]), dequantized(parts[p + "up_proj.weight"])])
+    assert same_bytes(gate_up[6], want.astype(ml_dtypes.bfloat16))
+    assert same_bytes(down[6], dequantized(parts[p + "down_proj.weight"]).astype(ml_dtypes.bfloat16))
