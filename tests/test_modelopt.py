@@ -203,7 +203,8 @@ def test_nan_block_scales(ckpts, tmp_path):
         nv.load_nvfp4_experts(root)
 
 
-@pytest.mark.parametrize("what", ["scale_shape", "scale_dtype", "global_shape", "no_block_scales", "negative"])
+@pytest.mark.parametrize("what", ["scale_shape", "scale_dtype", "global_shape", "no_block_scales", "negative",
+                                  "no_global_scale"])
 def test_malformed_nvfp4_scales_are_named(ckpts, tmp_path, what):
     tensors, _ = modelopt_weights(ckpts[0], attention=False)
     p = "model.layers.1.mlp.experts.2.up_proj."
@@ -220,9 +221,12 @@ def test_malformed_nvfp4_scales_are_named(ckpts, tmp_path, what):
     elif what == "no_block_scales":
         del t[p + "weight_scale"]
         match = "block scales \\(weight_scale\\) missing"
-    else:
+    elif what == "negative":
         t[p + "weight_scale_2"] = np.array(-1.0, np.float32)
         match = "weight_scale_2.*global scale -1.0"
+    else:  # U8 codes without their global scale: not NVFP4, and not a dtype to quantize
+        del t[p + "weight_scale_2"]
+        match = "up_proj.weight.*unsupported dtype U8.*weight_scale_2"
     with pytest.raises(CheckpointError, match=match):
         nv.load_nvfp4_experts(write_modelopt(tmp_path / what, t))
 

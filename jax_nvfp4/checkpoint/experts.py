@@ -78,7 +78,7 @@ class ExpertWeight:
         s = self.info.shape
         if self.nvfp4:
             return s[0], s[1] * 2
-        if self.info.dtype == MXFP4:
+        if self.info.dtype == MXFP4 and len(s) == 3:
             return s[0], s[1] * s[2] * 2
         return (s[1], s[0]) if self.transposed else s
 
@@ -223,12 +223,6 @@ def _validate_layer(layer: MoELayer, fp8_block: tuple[int, int]) -> None:
     for e, ex in enumerate(layer.experts):
         for role, w in ex.items():
             t = w.info
-            if len(t.shape) != 2 or w.shape != want[role]:
-                packed = " (NVFP4: [N, K/2] bytes)" if w.nvfp4 else ""
-                raise CheckpointError(
-                    f"tensor {t.name!r}: shape {list(t.shape)}{packed} differs from {list(want[role])} expected from "
-                    f"{first.name!r} (experts of MoE module {layer.module!r} must have equal shapes, "
-                    "gate/up [I, H], down [H, I])")
             if w.kind not in _QUANTIZABLE + (FP8, NVFP4):
                 raise CheckpointError(f"tensor {t.name!r}: unsupported dtype {t.dtype} for an expert weight "
                                       f"(supported: {', '.join(_QUANTIZABLE + (FP8,))}, and U8 NVFP4 codes with "
@@ -236,6 +230,12 @@ def _validate_layer(layer: MoELayer, fp8_block: tuple[int, int]) -> None:
             if w.kind != layer.source_dtype:
                 raise CheckpointError(f"tensor {t.name!r}: dtype {w.kind} differs from {layer.source_dtype} "
                                       f"of {first.name!r} (one dtype per MoE module)")
+            if len(t.shape) != 2 or w.shape != want[role]:
+                packed = " (NVFP4: [N, K/2] bytes)" if w.nvfp4 else ""
+                raise CheckpointError(
+                    f"tensor {t.name!r}: shape {list(t.shape)}{packed} differs from {list(want[role])} expected from "
+                    f"{first.name!r} (experts of MoE module {layer.module!r} must have equal shapes, "
+                    "gate/up [I, H], down [H, I])")
             if w.shape[1] % BLOCK:
                 raise CheckpointError(f"tensor {t.name!r}: in-dim K={w.shape[1]} (shape {list(t.shape)}) "
                                       f"is not a multiple of {BLOCK}")

@@ -130,8 +130,9 @@ def _dequantize_nvfp4_into(reader: TensorReader, w: ExpertWeight, out: np.ndarra
 
 
 def nvfp4_weight(tensors: dict, name: str) -> ExpertWeight | None:
-    """The NVFP4 weight ``name`` of a checkpoint's ``tensors`` (ModelOpt: ``P.weight`` U8 codes next to ``P.weight_scale``
-    and ``P.weight_scale_2``; ``P.input_scale`` is kept as its activation scale), validated; None for any other."""
+    """The NVFP4 weight ``name`` of a checkpoint's ``tensors`` (ModelOpt: ``P.weight`` U8 codes next to
+    ``P.weight_scale`` and ``P.weight_scale_2``; ``P.input_scale`` is kept as its activation scale), validated; None
+    for any other."""
     prefix = name[: -len("weight")] if name.endswith("weight") else None
     if prefix is None or name not in tensors or prefix + "weight_scale_2" not in tensors:
         return None
@@ -142,7 +143,8 @@ def nvfp4_weight(tensors: dict, name: str) -> ExpertWeight | None:
 
 
 def dequantize_nvfp4(reader: TensorReader, w: ExpertWeight, dtype) -> np.ndarray:
-    """An NVFP4 weight ``[N, K]`` as ``dtype``: each value ``e2m1 * fp32(block scale) * global scale`` in fp32."""
+    """An NVFP4 weight ``[N, K]`` as ``dtype``: each value ``(e2m1 * fp32(block scale)) * global scale`` in fp32 (the
+    first product exact: one rounding, as :func:`jax_nvfp4.dequantize`)."""
     out = np.empty(w.shape, dtype)
     _dequantize_nvfp4_into(reader, w, out)
     return out

@@ -217,14 +217,15 @@ def expert_parallel(model, mesh: jax.sharding.Mesh, axis: str = "ep", *, token_a
 
 
 def load_experts(model, source, *, mode: str = "w4a16", order: str = "auto", strict: bool = True):
-    """Put NVFP4 experts from a converted checkpoint into the :class:`MoE` blocks of ``model``, in place.
+    """Put NVFP4 experts from a converted (or ModelOpt) checkpoint into the :class:`MoE` blocks of ``model``, in place.
 
     Parameters
     ----------
     model : an NNX module whose MoE block paths match the checkpoint's MoE module names (e.g.
         ``model.layers.0.mlp``; a leading ``model.`` is optional on either side). The model may be
         abstract (``nnx.eval_shape``): the bf16 expert stacks are replaced, never materialised.
-    source : path of an NVFP4 checkpoint written by :func:`jax_nvfp4.convert_checkpoint`, or the dict
+    source : path of an NVFP4 checkpoint written by :func:`jax_nvfp4.convert_checkpoint` or exported by NVIDIA
+        ModelOpt (:func:`jax_nvfp4.load_nvfp4_experts`), or the dict
         returned by :func:`jax_nvfp4.load_nvfp4_experts` / :func:`jax_nvfp4.quantize_checkpoint_experts`
     mode : ``"w4a16"`` or ``"w4a4"`` for the loaded blocks
     order : ``"auto"``, ``"rows"`` or ``"blocked"``: byte order of the loaded experts, as in
