@@ -14,6 +14,7 @@ from flax import nnx  # noqa: E402
 
 import jax_nvfp4 as nv  # noqa: E402
 from jax_nvfp4 import nn as nvnn  # noqa: E402
+from jax_nvfp4.checkpoint import CheckpointError  # noqa: E402
 from jax_nvfp4.nn import gpt_oss  # noqa: E402
 import conftest  # noqa: E402
 import gpt_oss_numpy_ref as ref  # noqa: E402
@@ -169,6 +170,50 @@ def test_converted_checkpoint_loads_and_matches_quantized_while_loading(ckpts, t
     b = nvnn.load_gpt_oss(src, quantize=True, order="rows")
     toks = jnp.asarray(tokens)[None]
     np.testing.assert_array_equal(np.asarray(a(toks).logits), np.asarray(b(toks).logits))
+
+
+def modelopt_stacked(w: dict) -> tuple[dict, dict]:
+    """ModelOpt's NVFP4 export of the bf16 stacked experts of ``w``: each projection ``[E, K, N]`` (x @ w) quantized
+    along K with one global scale over all experts, stored ``[E, K/2, N]`` / ``[E, K/16, N]`` (transposed back), its
+    columns as they were (gpt-oss: gate and up alternating). Returns (tensors, rows-order parts by projection)."""
+    out, parts = dict(w), {}
+    for name in [n for n in w if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        x = np.swapaxes(w[name], 1, 2)  # [E, N, K]
+        q = nv.quantize(jnp.asarray(x), global_amax=jnp.max(jnp.abs(jnp.asarray(x, jnp.float32))))
+        data, scales = np.asarray(q.data), np.asarray(q.scales)
+        parts[name] = data, scales, np.asarray(q.global_scale)
+        out[name] = np.ascontiguousarray(np.swapaxes(data, 1, 2))
+        out[name + "_weight_scale"] = np.ascontiguousarray(np.swapaxes(scales, 1, 2))
+        out[name + "_weight_scale_2"] = np.asarray(q.global_scale, np.float32)
+        out[name + "_input_scale"] = np.array(0.01, np.float32)
+    return out, parts
+
+
+def test_modelopt_stacked_nvfp4_experts_load_as_stored(ckpts, tokens, tmp_path):
+    """A ModelOpt NVFP4 gpt-oss checkpoint (stacked, transposed, interleaved experts): the experts' bytes as stored,
+    gate rows first, and the model matches the reference on them."""
+    w, _ = ckpts["bf16"]
+    tensors, parts = modelopt_stacked(w)
+    root = write_hf(tmp_path / "modelopt", tensors)
+    experts = nv.load_nvfp4_experts(root)
+    for L in range(HF_CONFIG["num_hidden_layers"]):
+        ex, q = experts[f"model.layers.{L}.mlp"], f"model.layers.{L}.mlp.experts."
+        data, scales, g = parts[q + "gate_up_proj"]
+        for got, want in ((ex.gate_up.data, data), (ex.gate_up.scales, scales)):
+            want = np.concatenate([want[:, 0::2], want[:, 1::2]], axis=1)  # alternating -> [gate; up]
+            np.testing.assert_array_equal(np.asarray(got).view(np.uint8), want.view(np.uint8))
+        np.testing.assert_array_equal(ex.gate_up.global_scale, np.full(HF_CONFIG["num_local_experts"], g))
+        np.testing.assert_array_equal(np.asarray(ex.down.data), parts[q + "down_proj"][0])
+        b = np.asarray(w[q + "gate_up_proj_bias"], np.float32)
+        np.testing.assert_array_equal(np.asarray(ex.gate_up_bias, np.float32),
+                                      np.concatenate([b[:, 0::2], b[:, 1::2]], axis=1))
+    model = nvnn.load_gpt_oss(root)
+    assert model.model.layers[0].mlp.quantized
+    assert_close_to_reference(model, w, tokens, experts={L: nvfp4_experts(model, L) for L in range(2)})
+    bad, name = dict(tensors), "model.layers.1.mlp.experts.down_proj_weight_scale"
+    bad[name] = bad[name][:, :, :-1]
+    with pytest.raises(CheckpointError, match="down_proj.*NVFP4 block scales"):
+        nv.load_nvfp4_experts(write_hf(tmp_path / "bad", bad))
 
 
 # ------------------------------------------------------------------------------------------ cache, generation

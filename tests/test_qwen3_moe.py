@@ -168,8 +168,10 @@ def test_load_ignore_and_errors(ckpt, tmp_path):
     got, want = np.asarray(blocked(tokens).logits), np.asarray(p(tokens).logits)
     if jax.devices()[0].platform == "cpu":
         np.testing.assert_array_equal(got, want)
-    else:  # (p's experts are rows there: other kernels, other sums)
-        np.testing.assert_allclose(got, want, atol=0.02 * np.std(want))
+    else:  # p's experts are rows there: other kernels, other sums, whose bf16 roundings two layers spread (H100:
+        # 9 of 3072 logits off by 2-3% of their spread)
+        err = np.abs(got - want)
+        assert err.max() < 0.1 * np.std(want) and err.mean() < 0.005 * np.std(want), (err.max(), err.mean())
     with pytest.raises(ValueError, match="order must be one of"):
         nvnn.load_qwen3_moe(dst, order="columns")
     with pytest.raises(ValueError, match="ignore and recipe"):

@@ -130,7 +130,7 @@ def _plan_units(ckpt: Checkpoint, layers: dict[str, MoELayer]) -> tuple[list[_Un
                 raise CheckpointError(f"output tensor {o.name!r} would be written twice (it already exists "
                                       "in the source under that name)")
             seen.add(o.name)
-    return units, sorted(dropped)
+    return units, sorted(set(dropped))  # (a stacked projection's one input scale serves every expert)
 
 
 # --------------------------------------------------------------------------------------------

@@ -76,8 +76,8 @@ class ExpertWeight:
     def shape(self) -> tuple[int, int]:
         """``(N, K)``: rows (output features) by input features, whatever the source's layout."""
         s = self.info.shape
-        if self.nvfp4:
-            return s[0], s[1] * 2
+        if self.nvfp4:  # codes packed along K: [N, K/2], or [K/2, N] stacked as x @ w (ModelOpt's bmm experts)
+            return (s[1], s[0] * 2) if self.transposed else (s[0], s[1] * 2)
         if self.info.dtype == MXFP4 and len(s) == 3:
             return s[0], s[1] * s[2] * 2
         return (s[1], s[0]) if self.transposed else s
@@ -278,10 +278,11 @@ def validate_nvfp4_scales(w: ExpertWeight) -> None:
     if t.dtype != "U8":
         raise CheckpointError(f"tensor {t.name!r}: dtype {t.dtype} next to {g.name!r}; NVFP4 codes are U8")
     n, k = w.shape
-    if s is None or s.dtype != FP8 or tuple(s.shape) != (n, k // BLOCK):
+    want = (k // BLOCK, n) if w.transposed else (n, k // BLOCK)
+    if s is None or s.dtype != FP8 or tuple(s.shape) != want:
         got = "missing" if s is None else f"{s.dtype} {list(s.shape)}"
         raise CheckpointError(f"tensor {t.name!r}: NVFP4 block scales (weight_scale) {got}, expected {FP8} "
-                              f"{[n, k // BLOCK]} (linear layout)")
+                              f"{list(want)} (linear layout)")
     if g.dtype != "F32" or math.prod(g.shape) != 1:
         raise CheckpointError(f"tensor {g.name!r}: {g.dtype} {list(g.shape)}, expected one F32 global decode scale")
 

@@ -70,14 +70,18 @@ def _dequantize_fp8_into(reader: TensorReader, w: ExpertWeight, out: np.ndarray)
 
 
 def read_nvfp4(reader: TensorReader, w: ExpertWeight):
-    """An NVFP4 weight as stored: (codes uint8 ``[N, K/2]``, block scales float8_e4m3fn ``[N, K/16]``, global decode
-    scale float32 ``[]``).
+    """An NVFP4 weight as stored, in our layout: (codes uint8 ``[N, K/2]``, block scales float8_e4m3fn ``[N, K/16]``,
+    global decode scale float32 ``[]``); stacked experts transposed, gpt-oss's gate rows put first.
 
     A NaN block scale (the byte an exporter writes for a block of amax 0, as 0 / 0) is set to 0 where the block's
     codes are all zero, which it then decodes to exactly, with a warning; anywhere else it, or a global scale that
     is not finite and >= 0, is an error naming the tensor.
     """
     data, scales = reader.read(w.info), reader.read(w.scale)
+    if w.transposed:  # stacked as x @ w: [K/2, N] codes, [K/16, N] scales
+        data, scales = np.ascontiguousarray(data.T), np.ascontiguousarray(scales.T)
+    if w.interleaved:  # gpt-oss: rows alternate gate, up
+        data, scales = (np.concatenate([a[0::2], a[1::2]]) for a in (data, scales))
     g = np.float32(reader.read(w.global_scale).reshape(()))
     if not (np.isfinite(g) and g >= 0):
         raise CheckpointError(f"tensor {w.global_scale.name!r}: global scale {g}, expected finite and >= 0")

@@ -6,18 +6,23 @@ Recognized names (``M`` the MoE module, e.g. ``model.layers.0.mlp``)::
     M.experts.gate_up_proj_blocks [E, 2I, H/32, 16] + _scales [E, 2I, H/32]                  (MXFP4, gpt-oss)
     M.experts.down_proj_blocks    [E, H, I/32, 16]  + _scales [E, H, I/32]
     M.experts.gate_up_proj_bias   [E, 2I]            M.experts.down_proj_bias [E, H]          (optional)
+    M.experts.gate_up_proj U8 [E, H/2, 2I] + _weight_scale F8_E4M3 [E, H/16, 2I] + _weight_scale_2 F32 [] or [E]
+    M.experts.down_proj    U8 [E, I/2, H]  + _weight_scale [E, I/16, H] + _weight_scale_2      (NVFP4, ModelOpt)
 
 The gate and up columns of ``gate_up_proj`` (and of its bias) alternate in gpt-oss and are halves
 ``[gate | up]`` in Llama 4; ``config.json``'s ``model_type`` says which, and anything else is refused
 rather than guessed. MXFP4 blocks hold E2M1 codes two a byte (even element in the low nibble) with one
 E8M0 scale (``2^(s - 127)``, 255 = NaN) per 32 elements; they are dequantized to bf16, as Transformers
-does, then quantized to NVFP4 like any bf16 weight.
+does, then quantized to NVFP4 like any bf16 weight. NVFP4 experts as ModelOpt exports stacked ones (packed along
+the input dimension, then transposed back to ``x @ w``; one global decode scale per projection, or one per
+expert; ``_input_scale`` unused) are taken as stored.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 from pathlib import Path
 
@@ -25,10 +30,11 @@ import ml_dtypes
 import numpy as np
 
 from ..formats import BLOCK
-from .experts import _QUANTIZABLE, MXFP4, ExpertWeight, MoELayer
+from .experts import _QUANTIZABLE, MXFP4, NVFP4, ExpertWeight, MoELayer, validate_nvfp4_scales
 from .safetensors_io import CheckpointError, TensorInfo
 
-_STACKED_RE = re.compile(r"^(?P<module>.+)\.experts\.(?P<proj>gate_up_proj|down_proj)(?P<part>|_blocks|_scales|_bias)$")
+_STACKED_RE = re.compile(r"^(?P<module>.+)\.experts\.(?P<proj>gate_up_proj|down_proj)"
+                         r"(?P<part>|_blocks|_scales|_bias|_weight_scale|_weight_scale_2|_input_scale)$")
 MX_BLOCK = 32  # elements per E8M0 scale
 _E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], np.float32)
 GATE_UP_ORDER = {"gpt_oss": "interleaved", "llama4": "halves", "llama4_text": "halves"}  # by config model_type
@@ -60,6 +66,8 @@ def _expect(t: TensorInfo | None, shape: tuple[int, ...], dtypes: tuple[str, ...
 def _proj_weights(module: str, proj: str, parts: dict[str, TensorInfo], order: str) -> tuple[list, tuple, str]:
     """One projection's per-expert weights, its logical ``(E, N, K)`` and source dtype."""
     name = f"{module}.experts.{proj}"
+    if "_weight_scale_2" in parts:
+        return _nvfp4_weights(module, proj, parts, order)
     plain, blocks, scales = parts.get(""), parts.get("_blocks"), parts.get("_scales")
     if (plain is None) == (blocks is None):
         raise CheckpointError(f"MoE module {module!r}: expected either {name} or {name}_blocks "
@@ -89,6 +97,38 @@ def _proj_weights(module: str, proj: str, parts: dict[str, TensorInfo], order: s
                             bias=None if "_bias" not in parts else _expert_slice(parts["_bias"], x))
                for x in range(e)]
     return weights, (e, n, k), dtype
+
+
+def _per_expert(t: TensorInfo | None, e: int, x: int) -> TensorInfo | None:
+    """Expert ``x``'s entry of a scale stored once (one element) or once per expert (``[E]``)."""
+    if t is None or math.prod(t.shape) == 1:
+        return t
+    if tuple(t.shape) != (e,):
+        raise CheckpointError(f"tensor {t.name!r}: shape {list(t.shape)}, expected one scale or one per expert [{e}]")
+    return _expert_slice(t, x)
+
+
+def _nvfp4_weights(module: str, proj: str, parts: dict[str, TensorInfo], order: str) -> tuple[list, tuple, str]:
+    """:func:`_proj_weights` of NVFP4 stacked experts (ModelOpt): codes ``[E, K/2, N]``, scales ``[E, K/16, N]``."""
+    name = f"{module}.experts.{proj}"
+    codes = parts.get("")
+    if codes is None or len(codes.shape) != 3 or codes.dtype != "U8":
+        got = "missing" if codes is None else f"{codes.dtype} {list(codes.shape)}"
+        raise CheckpointError(f"tensor {name!r}: {got}, expected NVFP4 codes U8 [E, K/2, N] next to "
+                              f"{name}_weight_scale_2")
+    e, k, n = codes.shape[0], codes.shape[1] * 2, codes.shape[2]
+    scales = parts.get("_weight_scale")
+    _expect(parts.get("_bias"), (e, n), ("BF16", "F16", "F32"), "one bias per expert and output feature")
+    weights = []
+    for x in range(e):
+        w = ExpertWeight(_expert_slice(codes, x), scale=None if scales is None else _expert_slice(scales, x),
+                         input_scale=_per_expert(parts.get("_input_scale"), e, x), expert=x, transposed=True,
+                         interleaved=proj == "gate_up_proj" and order == "interleaved",
+                         bias=None if "_bias" not in parts else _expert_slice(parts["_bias"], x),
+                         global_scale=_per_expert(parts["_weight_scale_2"], e, x))
+        validate_nvfp4_scales(w)
+        weights.append(w)
+    return weights, (e, n, k), NVFP4
 
 
 def find_stacked_layers(tensors: dict[str, TensorInfo], root: Path) -> dict[str, MoELayer]:
