@@ -38,9 +38,8 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
-
 import numpy as np
+from flax import nnx
 
 from ..checkpoint import (CONFIG_NAME, CheckpointError, load_nvfp4_experts, open_checkpoint,
                           quantize_checkpoint_experts)
