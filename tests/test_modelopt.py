@@ -150,6 +150,16 @@ def test_modelopt_model_loads_experts_and_dequantized_attention(ckpts, tmp_path)
     np.testing.assert_array_equal(logits, other(toks).logits)
     with pytest.raises(ValueError, match="already an NVFP4 checkpoint.*ModelOpt"):
         nvnn.load_qwen3_moe(mo, quantize=True)
+    # an FP8 KV cache's scales are named as such, not as unknown tensors
+    kv = tmp_path / "kv"
+    tensors, _ = modelopt_weights(w)
+    write_modelopt(kv, tensors | {f"model.layers.{L}.self_attn.{p}_proj.{p}_scale": np.array(0.1, np.float32)
+                                  for L in range(2) for p in "kv"})
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        nvnn.load_qwen3_moe(kv)
+    assert [str(r.message) for r in rec] == ["4 KV-cache scales (e.g. 'model.layers.0.self_attn.k_proj.k_scale') go "
+                                             "unused: the KV cache here is bf16"]
 
 
 def test_mismatched_gate_up_global_scales_rescale_the_smaller(ckpts, tmp_path):

@@ -142,6 +142,10 @@ def _load(model_type: str, make_model, path, *, quantize: bool, ignore, recipe: 
             var.set_value(value)
             used.update(names)
     unused = sorted(set(ckpt.tensors) - used)
+    kv = [n for n in unused if n.endswith((".k_scale", ".v_scale"))]  # a quantized KV cache's (ModelOpt, FP8)
+    if kv:
+        warnings.warn(f"{len(kv)} KV-cache scales (e.g. {kv[0]!r}) go unused: the KV cache here is bf16", stacklevel=3)
+    unused = sorted(set(unused) - set(kv))
     if unused:
         warnings.warn(f"{len(unused)} checkpoint tensors were not used, e.g. {unused[:3]}", stacklevel=3)
     return model
