@@ -9,9 +9,10 @@ Source dtypes: bfloat16, float16, float32 are quantized as they are; float8_e4m3
 per 128x128 block (``[ceil(out/128), ceil(in/128)]``; the block size is read from
 ``config.json``'s ``quantization_config.weight_block_size`` when present). NVFP4 weights as NVIDIA
 ModelOpt exports them (uint8 E2M1 codes ``[out, in/2]``, even element in the low nibble, with float8_e4m3fn
-``weight_scale [out, in/16]`` and a float32 global decode scale ``weight_scale_2``) are taken as stored, not
-quantized again (:mod:`.sources`). Experts stacked in one tensor per projection (gpt-oss, Llama 4) are found by
-:mod:`.stacked`.
+``weight_scale [out, in/16]`` and a float32 global decode scale ``weight_scale_2``), or as compressed-tensors
+(llm-compressor) writes them (``weight_packed``, ``weight_scale``, and ``weight_global_scale``: the global *encode*
+scale, whose reciprocal decodes) are taken as stored, not quantized again (:mod:`.sources`). Experts stacked in one
+tensor per projection (gpt-oss, Llama 4) are found by :mod:`.stacked`.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ class ExpertWeight:
     interleaved: bool = False  # fused GEMM1 rows alternate gate, up (gpt-oss); else [gate; up] halves
     bias: TensorInfo | None = None  # the expert's bias [N] (kept unquantized)
     global_scale: TensorInfo | None = None  # NVFP4 weights: the F32 global decode scale (ModelOpt's weight_scale_2)
+    encode_global: bool = False  # global_scale is the encode scale (compressed-tensors' weight_global_scale): 1 / it
 
     @property
     def nvfp4(self) -> bool:
@@ -184,6 +186,9 @@ def _find_layers(tensors: dict[str, TensorInfo]) -> dict[str, MoELayer]:
 
 
 def _make_weight(params: dict[str, TensorInfo], module: str, e: int, role: str) -> ExpertWeight:
+    if "weight_packed" in params:  # compressed-tensors NVFP4 (any other layout is named in _validate_layer)
+        return ExpertWeight(params["weight_packed"], params.get("weight_scale"), params.get("input_global_scale"),
+                            global_scale=params.get("weight_global_scale"), encode_global=True)
     if "weight" not in params:
         other = next(iter(params.values())).name
         raise CheckpointError(f"tensor {other!r} has no weight tensor next to it ({module}, expert {e}, {role})")
@@ -226,7 +231,8 @@ def _validate_layer(layer: MoELayer, fp8_block: tuple[int, int]) -> None:
             if w.kind not in _QUANTIZABLE + (FP8, NVFP4):
                 raise CheckpointError(f"tensor {t.name!r}: unsupported dtype {t.dtype} for an expert weight "
                                       f"(supported: {', '.join(_QUANTIZABLE + (FP8,))}, and U8 NVFP4 codes with "
-                                      "weight_scale and weight_scale_2)")
+                                      "weight_scale and weight_scale_2, or weight_packed with weight_scale and "
+                                      "weight_global_scale)")
             if w.kind != layer.source_dtype:
                 raise CheckpointError(f"tensor {t.name!r}: dtype {w.kind} differs from {layer.source_dtype} "
                                       f"of {first.name!r} (one dtype per MoE module)")

@@ -64,7 +64,7 @@ def quantize_checkpoint_experts(src, *, ignore: Sequence[str] = (), recipe: str 
 
 
 def stored_nvfp4_layers(ckpt: Checkpoint) -> list:
-    """The MoE modules whose experts a checkpoint stores as NVFP4 (ModelOpt's export), validated."""
+    """The MoE modules whose experts a checkpoint stores as NVFP4 (ModelOpt, compressed-tensors), validated."""
     return [ly for ly in plan_layers(ckpt, ()).values() if ly.source_dtype == NVFP4]
 
 
@@ -107,9 +107,10 @@ def load_nvfp4_experts(path, *, quantize_source: bool = False, ignore: Sequence[
 
     Parameters
     ----------
-    path : an NVFP4 checkpoint (folder or one of its files) written by :func:`convert_checkpoint`, or by NVIDIA
+    path : an NVFP4 checkpoint (folder or one of its files) written by :func:`convert_checkpoint`, by NVIDIA
         ModelOpt (its experts' ``weight`` / ``weight_scale`` / ``weight_scale_2`` taken as stored; gate and up
-        share a global scale, see :func:`~jax_nvfp4.checkpoint.sources.nvfp4_parts`), or, with
+        share a global scale, see :func:`~jax_nvfp4.checkpoint.sources.nvfp4_parts`) or by compressed-tensors
+        (``weight_packed`` / ``weight_scale`` / ``weight_global_scale``, its reciprocal the decode scale), or, with
         ``quantize_source=True``, a source (bf16 / fp16 / fp32 / FP8) checkpoint.
     quantize_source : quantize the source's experts while loading (:func:`quantize_checkpoint_experts`);
         ``ignore``, ``recipe`` and ``progress`` apply only then.

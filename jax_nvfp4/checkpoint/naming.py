@@ -6,7 +6,8 @@ Recognized source expert names (``L`` layer, ``N`` expert)::
     Qwen3-MoE, DeepSeek:  model.layers.L.mlp.experts.N.{gate,up,down}_proj.weight
 
 with ``weight_scale_inv`` / ``weight_scale`` / ``input_scale`` in place of ``weight`` for FP8 scales, and
-``weight_scale`` / ``weight_scale_2`` / ``input_scale`` for NVFP4 (ModelOpt) block, global and activation scales;
+``weight_scale`` / ``weight_scale_2`` / ``input_scale`` for NVFP4 (ModelOpt) block, global and activation scales, and
+``weight_packed`` / ``weight_scale`` / ``weight_global_scale`` / ``input_global_scale`` for NVFP4 (compressed-tensors);
 experts stacked in one tensor per projection (gpt-oss, Llama 4) are named in :mod:`.stacked`.
 The *MoE module* is the part before ``.experts`` (``model.layers.L.mlp``).
 """
@@ -29,7 +30,8 @@ GEMMS = ("gate_up", "down")  # keys of output_names, in GEMM order
 _EXPERT_RE = re.compile(
     r"^(?P<module>.+)\.experts\.(?P<expert>\d+)\."
     r"(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)\."
-    r"(?P<param>weight|weight_scale_inv|weight_scale_2|weight_scale|input_scale)$")
+    r"(?P<param>weight|weight_packed|weight_scale_inv|weight_scale_2|weight_scale|weight_global_scale|input_scale"
+    r"|input_global_scale)$")
 _ROLE = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 
 
@@ -39,7 +41,7 @@ class ExpertName(NamedTuple):
     module: str  # the MoE module, e.g. "model.layers.0.mlp"
     expert: int
     role: str  # "gate", "up" or "down", whatever the naming convention
-    param: str  # "weight", "weight_scale_inv", "weight_scale", "weight_scale_2" or "input_scale"
+    param: str  # "weight", "weight_scale_inv", "weight_scale", "input_scale", or an NVFP4 one (the regex)
 
 
 def parse_expert_name(name: str) -> ExpertName | None:

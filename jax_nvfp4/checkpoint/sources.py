@@ -71,7 +71,8 @@ def _dequantize_fp8_into(reader: TensorReader, w: ExpertWeight, out: np.ndarray)
 
 def read_nvfp4(reader: TensorReader, w: ExpertWeight):
     """An NVFP4 weight as stored, in our layout: (codes uint8 ``[N, K/2]``, block scales float8_e4m3fn ``[N, K/16]``,
-    global decode scale float32 ``[]``); stacked experts transposed, gpt-oss's gate rows put first.
+    global decode scale float32 ``[]``: compressed-tensors' ``1 / weight_global_scale`` in fp32, as vLLM takes it);
+    stacked experts transposed, gpt-oss's gate rows put first.
 
     A NaN block scale (the byte an exporter writes for a block of amax 0, as 0 / 0) is set to 0 where the block's
     codes are all zero, which it then decodes to exactly, with a warning; anywhere else it, or a global scale that
@@ -83,6 +84,10 @@ def read_nvfp4(reader: TensorReader, w: ExpertWeight):
     if w.interleaved:  # gpt-oss: rows alternate gate, up
         data, scales = (np.concatenate([a[0::2], a[1::2]]) for a in (data, scales))
     g = np.float32(reader.read(w.global_scale).reshape(()))
+    if w.encode_global:  # compressed-tensors stores the encode scale 2688 / amax; its reciprocal decodes
+        if not (np.isfinite(g) and g > 0):
+            raise CheckpointError(f"tensor {w.global_scale.name!r}: global encode scale {g}, expected finite and > 0")
+        g = np.float32(1) / g
     if not (np.isfinite(g) and g >= 0):
         raise CheckpointError(f"tensor {w.global_scale.name!r}: global scale {g}, expected finite and >= 0")
     nan = np.isnan(scales.astype(np.float32))
@@ -134,14 +139,22 @@ def _dequantize_nvfp4_into(reader: TensorReader, w: ExpertWeight, out: np.ndarra
 
 
 def nvfp4_weight(tensors: dict, name: str) -> ExpertWeight | None:
-    """The NVFP4 weight ``name`` of a checkpoint's ``tensors`` (ModelOpt: ``P.weight`` U8 codes next to
-    ``P.weight_scale`` and ``P.weight_scale_2``; ``P.input_scale`` is kept as its activation scale), validated; None
-    for any other."""
+    """The NVFP4 weight ``P.weight`` (``name``) of a checkpoint's ``tensors``, validated, or None for any other:
+    ModelOpt's ``P.weight`` U8 codes next to ``P.weight_scale`` and ``P.weight_scale_2`` (``P.input_scale`` kept as
+    its activation scale), or compressed-tensors' ``P.weight_packed``, ``P.weight_scale``, ``P.weight_global_scale``
+    (``P.input_global_scale``)."""
     prefix = name[: -len("weight")] if name.endswith("weight") else None
-    if prefix is None or name not in tensors or prefix + "weight_scale_2" not in tensors:
+    if prefix is None:
         return None
-    w = ExpertWeight(tensors[name], tensors.get(prefix + "weight_scale"), tensors.get(prefix + "input_scale"),
-                     global_scale=tensors[prefix + "weight_scale_2"])
+    if name in tensors and prefix + "weight_scale_2" in tensors:
+        w = ExpertWeight(tensors[name], tensors.get(prefix + "weight_scale"), tensors.get(prefix + "input_scale"),
+                         global_scale=tensors[prefix + "weight_scale_2"])
+    elif prefix + "weight_packed" in tensors and prefix + "weight_global_scale" in tensors:
+        w = ExpertWeight(tensors[prefix + "weight_packed"], tensors.get(prefix + "weight_scale"),
+                         tensors.get(prefix + "input_global_scale"),
+                         global_scale=tensors[prefix + "weight_global_scale"], encode_global=True)
+    else:
+        return None
     validate_nvfp4_scales(w)
     return w
 

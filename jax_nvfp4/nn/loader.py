@@ -8,10 +8,11 @@ tensor at a time); either way no bf16 expert stack is ever materialised. Unquant
 checkpoint, or modules the converter's ignore list kept) are stacked on the host one MoE module at a time, from
 per-expert tensors (Qwen3) or stacked ones (gpt-oss: bf16, or MXFP4 decoded), FP8 ones dequantized.
 
-A ModelOpt NVFP4 checkpoint (``weight`` U8 with ``weight_scale`` and ``weight_scale_2``) keeps its experts' bytes
-as stored; its other NVFP4 linear layers (attention, dense MLPs: the model runs them in bf16) are dequantized,
-``bf16(e2m1 * block scale * global scale)``. Their static activation scales (``input_scale``) go unused: w4a4
-here scales activations per token.
+A pre-quantized NVFP4 checkpoint (ModelOpt's ``weight`` U8 with ``weight_scale`` and ``weight_scale_2``, or
+compressed-tensors' ``weight_packed`` with ``weight_scale`` and ``weight_global_scale``) keeps its experts' bytes as
+stored; its other NVFP4 linear layers (attention, dense MLPs: the model runs them in bf16) are dequantized,
+``bf16(e2m1 * block scale * global decode scale)``. Their static activation scales go unused: w4a4 here scales
+activations per token.
 
 Name mapping (``L`` layer, ``N`` expert; kernels are stored transposed, ``[in, out]``)::
 
@@ -68,14 +69,14 @@ def _hf_name(path: tuple, renames: dict) -> tuple[str, bool]:
 
 def _read_dense(ckpt, reader, name: str, shape: tuple, transpose: bool, dtype) -> tuple[jax.Array, list[str]]:
     """A dense parameter (an NVFP4 one dequantized) and the names of the tensors it was read from."""
-    info = ckpt.tensors.get(name)
+    nvfp4 = nvfp4_weight(ckpt.tensors, name)
+    info = ckpt.tensors.get(name) if nvfp4 is None else nvfp4.info  # (compressed-tensors: P.weight_packed)
     if info is None:
         raise CheckpointError(f"checkpoint {ckpt.root}: tensor {name!r} is missing")
     want = tuple(shape[::-1]) if transpose else tuple(shape)
-    nvfp4 = nvfp4_weight(ckpt.tensors, name)
     got = nvfp4.shape if nvfp4 is not None else tuple(info.shape)
     if got != want:
-        raise CheckpointError(f"tensor {name!r}: shape {list(info.shape)}{' (NVFP4 codes)' if nvfp4 else ''}, "
+        raise CheckpointError(f"tensor {info.name!r}: shape {list(info.shape)}{' (NVFP4 codes)' if nvfp4 else ''}, "
                               f"expected {list(want)} from config.json")
     if nvfp4 is not None:
         a, names = dequantize_nvfp4(reader, nvfp4, np.float32), [t.name for t in nvfp4.tensors]
@@ -112,7 +113,8 @@ def _load(model_type: str, make_model, path, *, quantize: bool, ignore, recipe: 
     ckpt = open_checkpoint(root)
     nvfp4 = (root / CONFIG_NAME).is_file() or bool(stored_nvfp4_layers(ckpt))
     if nvfp4 and quantize:
-        what = CONFIG_NAME if (root / CONFIG_NAME).is_file() else "experts stored as NVFP4: ModelOpt"
+        what = (CONFIG_NAME if (root / CONFIG_NAME).is_file()
+                else "experts stored as NVFP4 (ModelOpt, compressed-tensors)")
         raise ValueError(f"{root} is already an NVFP4 checkpoint ({what}); load it with quantize=False")
     if not quantize and (ignore or recipe != "nvfp4"):
         raise ValueError("ignore and recipe apply only with quantize=True (a converted checkpoint was "
@@ -170,7 +172,7 @@ def _loader(model_type: str, config_cls, model_cls, name: str, sources: str):
     ----------
     path : checkpoint folder: Hugging Face ({sources}), NVFP4 written by
         :func:`jax_nvfp4.convert_checkpoint` (recognized by its ``nvfp4_config.json``), or NVFP4 exported by NVIDIA
-        ModelOpt (experts as stored, other NVFP4 layers dequantized to bf16)
+        ModelOpt or written by compressed-tensors (experts as stored, other NVFP4 layers dequantized to bf16)
     quantize : bool
         Quantize a source checkpoint's experts to NVFP4 while loading (never holding their bf16
         stack). Not for NVFP4 checkpoints.

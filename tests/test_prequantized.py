@@ -1,6 +1,8 @@
-"""NVFP4 checkpoints as NVIDIA ModelOpt exports them (``weight`` U8 codes, ``weight_scale`` E4M3 ``[N, K/16]``,
-``weight_scale_2`` the F32 global decode scale, ``input_scale``): experts loaded with their bytes as stored, other
-NVFP4 layers dequantized, mismatched gate / up global scales, NaN block scales, malformed scales.
+"""Pre-quantized NVFP4 checkpoints: as NVIDIA ModelOpt exports them (``weight`` U8 codes, ``weight_scale`` E4M3
+``[N, K/16]``, ``weight_scale_2`` the F32 global decode scale, ``input_scale``) and as compressed-tensors
+(llm-compressor) writes them (``weight_packed``, ``weight_scale``, ``weight_global_scale`` the F32 global *encode*
+scale, ``input_global_scale``): experts loaded with their bytes as stored, other NVFP4 layers dequantized,
+mismatched gate / up global scales, NaN block scales, malformed scales.
 
 The ModelOpt checkpoints here are written from the bf16 test checkpoint with jax_nvfp4's quantizer (FlashInfer's
 arithmetic; ModelOpt's global scale is the same ``amax / (6 * 448)``), so loading one must give exactly the bytes
@@ -251,3 +253,46 @@ def test_unquantized_read_of_nvfp4_experts_dequantizes(ckpts):
     want = np.concatenate([dequantized(parts[p + "gate_proj.weight"]), dequantized(parts[p + "up_proj.weight"])])
     assert same_bytes(gate_up[6], want.astype(ml_dtypes.bfloat16))
     assert same_bytes(down[6], dequantized(parts[p + "down_proj.weight"]).astype(ml_dtypes.bfloat16))
+
+
+def compressed_tensors(tensors: dict) -> tuple[dict, dict]:
+    """The ModelOpt export ``tensors`` renamed as compressed-tensors writes NVFP4 (``weight_packed``; the global scale
+    stored as its encode scale ``1 / decode``, shape [1]). Returns (tensors, the ModelOpt export with the decode scales
+    a reader of the compressed-tensors one gets back, ``1 / (1 / g)`` in fp32)."""
+    out, same = {}, dict(tensors)
+    for name, x in tensors.items():
+        if name.endswith(".weight_scale_2"):
+            p = name[: -len("weight_scale_2")]
+            enc = np.float32(1) / x
+            out[p + "weight_global_scale"] = np.reshape(enc, [1]).astype(np.float32)
+            same[name] = np.asarray(np.float32(1) / enc, np.float32)
+        elif name.endswith(".input_scale"):
+            out[name[: -len("input_scale")] + "input_global_scale"] = np.reshape(np.float32(1) / x, [1])
+        elif name.endswith(".weight") and name[: -len("weight")] + "weight_scale_2" in tensors:
+            out[name[: -len("weight")] + "weight_packed"] = x
+        else:
+            out[name] = x
+    return out, same
+
+
+def test_compressed_tensors_checkpoint_loads_as_stored(ckpts, tmp_path):
+    """The same bytes under compressed-tensors' names: the same model as the ModelOpt export with the decode scales
+    ``1 / weight_global_scale`` (fp32), experts as stored, attention dequantized."""
+    w = ckpts[0]
+    tensors, _ = modelopt_weights(w)
+    ct, same = compressed_tensors(tensors)
+    assert not any(n.endswith((".weight_scale_2", ".input_scale")) for n in ct)
+    cfg = HF_CONFIG | {"quantization_config": {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized"}}
+    ct_root = conftest.write_hf(tmp_path / "ct", ct, cfg)
+    mo_root = write_modelopt(tmp_path / "mo", same)
+    assert_same_experts(nv.load_nvfp4_experts(ct_root), nv.load_nvfp4_experts(mo_root))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        a = nvnn.load_qwen3_moe(ct_root)
+    b = nvnn.load_qwen3_moe(mo_root)
+    for x, y in zip(jax.tree.leaves(nnx.state(a)), jax.tree.leaves(nnx.state(b)), strict=True):
+        assert same_bytes(x, y)
+    bad = dict(ct)
+    bad["model.layers.0.mlp.experts.1.down_proj.weight_global_scale"] = np.zeros([1], np.float32)
+    with pytest.raises(CheckpointError, match="down_proj.weight_global_scale.*global encode scale 0.0"):
+        nv.load_nvfp4_experts(conftest.write_hf(tmp_path / "bad", bad, cfg))
