@@ -22,8 +22,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m jax_nvfp4.convert",
         description="Quantize the routed experts of a safetensors MoE checkpoint (bf16/fp16/fp32/FP8, gpt-oss MXFP4) "
-                    "to NVFP4 (those of an NVFP4 ModelOpt export are repacked as stored); every other tensor is "
-                    "copied unchanged.")
+                    "to NVFP4 (those of an NVFP4 ModelOpt or compressed-tensors checkpoint are repacked as "
+                    "stored); every other tensor is copied unchanged.")
     p.add_argument("src", metavar="SRC", help="checkpoint folder, .safetensors file or .index.json file")
     p.add_argument("dst", metavar="DST", help="output folder (must not exist; written atomically)")
     p.add_argument("--ignore", metavar="PATTERN", action="append", default=[],

@@ -32,7 +32,8 @@ Modules:
 - :mod:`.naming`: source expert names (Mixtral, Qwen3-MoE, DeepSeek), ignore patterns, output names;
 - :mod:`.stacked`: experts stacked in one tensor per projection (gpt-oss, bf16 or MXFP4; Llama 4);
 - :mod:`.experts`: finding, grouping and validating a source checkpoint's experts (source dtypes, FP8 scales);
-- :mod:`.sources`: source weights to NVFP4 (FP8 dequantization, NaN/Inf checks, quantization);
+- :mod:`.sources`: source weights to NVFP4 (FP8 dequantization, NaN/Inf checks, quantization; pre-quantized NVFP4
+  weights of ModelOpt or compressed-tensors taken as stored);
 - :mod:`.conversion`: :func:`convert_checkpoint`, atomic output;
 - :mod:`.load`: :func:`load_nvfp4_experts`, :func:`quantize_checkpoint_experts`.
 
