@@ -34,7 +34,7 @@ from .safetensors_io import NP_DTYPES, Checkpoint, CheckpointError, TensorInfo, 
 DEFAULT_FP8_BLOCK = (128, 128)
 FP8 = "F8_E4M3"  # dequantized with its scale, rounded to bf16, then quantized
 MXFP4 = "U8"  # gpt-oss: E2M1 codes in [N, K/32, 16] blocks with E8M0 scales [N, K/32]; dequantized to bf16
-NVFP4 = "NVFP4"  # a module's source kind for NVFP4 weights (ModelOpt: U8 codes, E4M3 block and F32 global scales)
+NVFP4 = "NVFP4"  # a module's source kind for NVFP4 weights (U8 codes, E4M3 block and F32 global scales)
 _QUANTIZABLE = ("BF16", "F16", "F32")  # quantized as stored
 _SCALE_DTYPES = ("F32", "BF16", "F16")
 
@@ -44,8 +44,8 @@ class ExpertWeight:
     """One source projection (gate, up or down) of one expert."""
 
     info: TensorInfo
-    scale: TensorInfo | None = None  # FP8 dequantization scale, or MXFP4's E8M0 scales
-    input_scale: TensorInfo | None = None  # FP8 activation scale (dropped)
+    scale: TensorInfo | None = None  # FP8 dequantization scale, MXFP4's E8M0 scales, or NVFP4's E4M3 block scales
+    input_scale: TensorInfo | None = None  # FP8 or NVFP4 static activation scale (dropped)
     block: tuple[int, int] | None = None  # FP8 scale block (rows, cols); None: one scale per tensor
     # Experts stacked in one source tensor (gpt-oss, Llama 4): info, scale and bias are this expert's slices.
     expert: int | None = None
