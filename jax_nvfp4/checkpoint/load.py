@@ -1,5 +1,5 @@
-"""Loading NVFP4 experts into JAX: from a converted checkpoint, an NVFP4 one of NVIDIA ModelOpt (bytes as stored),
-or quantized from a source one."""
+"""Loading NVFP4 experts into JAX: from a converted checkpoint, a pre-quantized one (NVIDIA ModelOpt,
+compressed-tensors: bytes as stored), or quantized from a source one."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def quantize_checkpoint_experts(src, *, ignore: Sequence[str] = (), recipe: str 
     """Quantize a source checkpoint's routed experts while loading them (nothing is written).
 
     Streams one expert tensor at a time: host memory holds the quantized experts plus one source
-    expert tensor. NVFP4 experts (ModelOpt) are taken as stored. Same rules and errors as
+    expert tensor. NVFP4 experts (ModelOpt, compressed-tensors) are taken as stored. Same rules and errors as
     :func:`convert_checkpoint`; the result equals
     ``load_nvfp4_experts(convert_checkpoint(src, dst, ...).dst)``.
 
