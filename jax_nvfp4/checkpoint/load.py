@@ -68,6 +68,11 @@ def stored_nvfp4_layers(ckpt: Checkpoint) -> list:
     return [ly for ly in plan_layers(ckpt, ()).values() if ly.source_dtype == NVFP4]
 
 
+def load_stored_nvfp4(ckpt: Checkpoint, layers, progress: bool = False) -> dict[str, NVFP4Experts]:
+    """The experts of ``layers`` (from :func:`stored_nvfp4_layers`) stacked per module, their bytes as stored."""
+    return _stacked_experts(ckpt, layers, "nvfp4", progress)
+
+
 def _stacked_experts(ckpt: Checkpoint, layers, recipe: str, progress: bool) -> dict[str, NVFP4Experts]:
     """The experts of ``layers`` stacked per module: quantized, or NVFP4 ones as stored."""
     total = sum(t.nbytes for ly in layers for t in ly.tensors())
@@ -130,7 +135,7 @@ def load_nvfp4_experts(path, *, quantize_source: bool = False, ignore: Sequence[
         ckpt = open_checkpoint(root)
         stored = stored_nvfp4_layers(ckpt)
         if stored:
-            return _stacked_experts(ckpt, stored, "nvfp4", progress)
+            return load_stored_nvfp4(ckpt, stored, progress)
     cfg = read_nvfp4_config(path)  # (raises: neither format)
     ckpt = open_checkpoint(root)  # all shards, whichever file was named
     out = {}

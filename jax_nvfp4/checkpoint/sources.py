@@ -130,12 +130,16 @@ def nvfp4_parts(reader: TensorReader, weights: Sequence[ExpertWeight]):
 
 
 def _dequantize_nvfp4_into(reader: TensorReader, w: ExpertWeight, out: np.ndarray) -> None:
-    """``out [N, K] = dtype(e2m1 * fp32(block scale) * global scale)`` (fp32 products)."""
+    """``out [N, K] = dtype(e2m1 * fp32(block scale) * global scale)`` (fp32 products), a few rows at a time
+    (bounded fp32 temporaries)."""
     data, scales, g = read_nvfp4(reader, w)
-    n = data.shape[0]
-    codes = np.stack([data & 0xF, data >> 4], axis=-1).reshape(n, -1, BLOCK)
-    v = E2M1_TABLE[codes] * scales.astype(np.float32)[..., None] * g
-    out[...] = v.reshape(n, -1).astype(out.dtype)
+    n, k = out.shape
+    step = max(1, (1 << 20) // k)  # ~4 MB of fp32 temporaries
+    for r in range(0, n, step):
+        d = data[r:r + step]
+        codes = np.stack([d & 0xF, d >> 4], axis=-1).reshape(len(d), -1, BLOCK)
+        v = E2M1_TABLE[codes] * scales[r:r + step].astype(np.float32)[..., None] * g
+        out[r:r + step] = v.reshape(len(d), k).astype(out.dtype)
 
 
 def nvfp4_weight(tensors: dict, name: str) -> ExpertWeight | None:

@@ -29,14 +29,13 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from ..formats import BLOCK
+from ..formats import BLOCK, E2M1_TABLE
 from .experts import _QUANTIZABLE, MXFP4, NVFP4, ExpertWeight, MoELayer, validate_nvfp4_scales
 from .safetensors_io import CheckpointError, TensorInfo
 
 _STACKED_RE = re.compile(r"^(?P<module>.+)\.experts\.(?P<proj>gate_up_proj|down_proj)"
                          r"(?P<part>|_blocks|_scales|_bias|_weight_scale|_weight_scale_2|_input_scale)$")
 MX_BLOCK = 32  # elements per E8M0 scale
-_E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], np.float32)
 GATE_UP_ORDER = {"gpt_oss": "interleaved", "llama4": "halves", "llama4_text": "halves"}  # by config model_type
 
 
@@ -195,5 +194,5 @@ def _dequantize_mxfp4(reader, w: ExpertWeight) -> np.ndarray:
         codes = np.stack([b & 15, b >> 4], axis=-1)  # even element in the low nibble
         e8 = s[r:r + step].astype(np.int32)
         scale = np.where(e8 == 255, np.float32(np.nan), np.ldexp(np.float32(1), np.minimum(e8, 254) - 127))
-        out[r:r + step] = (_E2M1[codes].reshape(len(b), g, MX_BLOCK) * scale[..., None]).reshape(len(b), -1)
+        out[r:r + step] = (E2M1_TABLE[codes].reshape(len(b), g, MX_BLOCK) * scale[..., None]).reshape(len(b), -1)
     return out

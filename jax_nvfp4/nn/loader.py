@@ -44,7 +44,7 @@ from flax import nnx
 
 from ..checkpoint import (CONFIG_NAME, CheckpointError, load_nvfp4_experts, open_checkpoint,
                           quantize_checkpoint_experts)
-from ..checkpoint.load import stored_nvfp4_layers
+from ..checkpoint.load import load_stored_nvfp4, stored_nvfp4_layers
 from ..checkpoint.safetensors_io import TensorReader, checkpoint_folder
 from ..checkpoint.sources import dequantize_nvfp4, nvfp4_weight, read_source_experts
 from .gpt_oss import GptOssConfig, GptOssForCausalLM
@@ -111,18 +111,20 @@ def _load(model_type: str, make_model, path, *, quantize: bool, ignore, recipe: 
     check_choice(order, WEIGHT_ORDERS, "order")
     root = checkpoint_folder(path)
     ckpt = open_checkpoint(root)
-    nvfp4 = (root / CONFIG_NAME).is_file() or bool(stored_nvfp4_layers(ckpt))
-    if nvfp4 and quantize:
-        what = (CONFIG_NAME if (root / CONFIG_NAME).is_file()
-                else "experts stored as NVFP4 (ModelOpt, compressed-tensors)")
+    converted = (root / CONFIG_NAME).is_file()
+    stored = [] if converted else stored_nvfp4_layers(ckpt)  # ModelOpt's or compressed-tensors' NVFP4 experts
+    if (converted or stored) and quantize:
+        what = CONFIG_NAME if converted else "experts stored as NVFP4 (ModelOpt, compressed-tensors)"
         raise ValueError(f"{root} is already an NVFP4 checkpoint ({what}); load it with quantize=False")
     if not quantize and (ignore or recipe != "nvfp4"):
         raise ValueError("ignore and recipe apply only with quantize=True (a converted checkpoint was "
                          "quantized with the converter's own)")
     model = nnx.eval_shape(lambda: make_model(root))
 
-    if nvfp4:
+    if converted:
         experts = load_nvfp4_experts(root)
+    elif stored:
+        experts = load_stored_nvfp4(ckpt, stored)
     elif quantize:
         experts = quantize_checkpoint_experts(root, ignore=ignore, recipe=recipe, progress=progress)
     else:
