@@ -363,7 +363,11 @@ inline bool ValidTileM(int64_t tile_m) {
 // Problem facts of one grouped GEMM call, validated from the buffers and attributes.
 struct GemmDims {
   int64_t a_rows, K, E, N, n_out, P, tiles, row_scale_n;
+  bool up_alpha;  // alpha is [2, E]: the up rows' own alphas follow the gate rows'
 };
+
+// The alphas of a gated GEMM's up rows: the second half of a [2, E] alpha, else alpha itself.
+inline const float* UpAlpha(const GemmDims& d, const float* alpha) { return d.up_alpha ? alpha + d.E : alpha; }
 
 // `platform_k_multiple`: 16 on the CPU, kCudaKMultiple on the GPU (the kernel's K chunk).
 template <typename A, typename W, typename WS, typename AL, typename SI, typename TE, typename RS,
@@ -396,12 +400,15 @@ ffi::Error CheckGemm(const char* op, const A& a, const W& w, const WS& ws, const
     return Invalid(op, "w_scales must be [E, N, K/16] = [" + std::to_string(d->E) + ", " +
                            std::to_string(d->N) + ", " + std::to_string(d->K / 16) + "], got " +
                            ShapeStr(sd));
-  if (alpha.dimensions().size() != 1 || alpha.dimensions()[0] != d->E)
-    return Invalid(op, "alpha must be [E] = [" + std::to_string(d->E) + "], got " +
-                           ShapeStr(alpha.dimensions()));
   if (activation < 0 || activation > int64_t(Activation::kSwigluOai))
     return Invalid(op, "unknown activation " + std::to_string(activation));
   const bool gated = IsGated(activation);
+  // [E], or [2, E] for a gated activation: the gate rows' alphas, then the up rows' (UpAlpha).
+  auto al = alpha.dimensions();
+  if (!(al.size() == 1 && al[0] == d->E) && !(gated && al.size() == 2 && al[0] == 2 && al[1] == d->E))
+    return Invalid(op, "alpha must be [E] = [" + std::to_string(d->E) + "]" +
+                           (gated ? " or [2, E] (gate rows', up rows')" : "") + ", got " + ShapeStr(al));
+  d->up_alpha = al.size() == 2;
   if (gated && d->N % 2 != 0)
     return Invalid(op, "a gated activation needs an even N (rows [gate; up]), got N = " +
                            std::to_string(d->N));

@@ -1,6 +1,7 @@
 // grouped_gemm (W4A16) on the CPU: for every sorted row r of a tile owned by expert e,
 //   acc[n] = sum_k a[row(r), k] * w_e[n, k]      (w decoded exactly: e2m1 * e4m3 scale; fp32)
 //   v = acc * (alpha[e] * row_scale) + bias[e, n]  -> activation (GEMM1) -> bf16
+// (a gated GEMM's up rows with their own alphas where alpha is [2, E])
 // the same function the CUDA kernel computes, written as plain loops.
 #include <algorithm>
 #include <atomic>
@@ -58,7 +59,7 @@ struct CpuGemm {
   const GemmDims& d;
   const uint16_t* a;
   const uint8_t *w, *ws;
-  const float *alpha, *rs, *bias;  // bias [E, N] or null
+  const float *alpha, *alpha_up, *rs, *bias;  // alpha_up: the up rows' (UpAlpha); bias [E, N] or null
   const int32_t *sid, *te;
   int64_t activation, row_scale_mode, top_k, gather, tile_m, pairing;
   uint16_t* out_bf16;
@@ -80,7 +81,7 @@ struct CpuGemm {
     const int64_t e = te[tile];
     int64_t used = 0;  // rows of this tile with a pair, gathered into arows
     int64_t src_of[kMaxTileM], row_of[kMaxTileM];
-    float scale_of[kMaxTileM];
+    float scale_of[kMaxTileM], up_scale_of[kMaxTileM];
     for (int64_t r = tile * tile_m; r < (tile + 1) * tile_m; ++r) {
       const int64_t pair = sid[r];
       const int64_t src = gather ? (pair >= 0 ? pair / top_k : -1) : r;
@@ -90,6 +91,7 @@ struct CpuGemm {
       }
       src_of[used] = src, row_of[used] = r;
       scale_of[used] = RowScaled(alpha[e], row_scale_mode, rs, d.row_scale_n, pair, top_k, r);
+      up_scale_of[used] = RowScaled(alpha_up[e], row_scale_mode, rs, d.row_scale_n, pair, top_k, r);
       ++used;
     }
     if (used == 0) return;
@@ -104,7 +106,7 @@ struct CpuGemm {
       const float bg = b ? b[n0 + n] : 0.0f, bu = b && gated ? b[d.n_out + n0 + n] : 0.0f;
       for (int64_t i = 0; i < used; ++i) {
         const float g = Dot(&arows[i * K], &wdec[n * K], K) * scale_of[i] + bg;
-        const float u = gated ? Dot(&arows[i * K], &wdec[(nb + n) * K], K) * scale_of[i] + bu : 0.0f;
+        const float u = gated ? Dot(&arows[i * K], &wdec[(nb + n) * K], K) * up_scale_of[i] + bu : 0.0f;
         Store(row_of[i], n0 + n, ApplyActivation(activation, g, u));
       }
     }
@@ -155,8 +157,9 @@ ffi::Error GroupedGemmCpuImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> a, ff
   // bf16 output (the default), or fp32 (w4a4 quantizes the unrounded intermediate).
   const bool f32_out = out->element_type() == ffi::DataType::F32;
   const CpuGemm g{d, a.typed_data(), w_data.typed_data(), static_cast<const uint8_t*>(w_scales.untyped_data()),
-                  alpha.typed_data(), row_scale.typed_data(), BiasData(bias), sorted_ids.typed_data(),
-                  tile_expert.typed_data(), activation, row_scale_mode, top_k, gather, tile_m, pairing,
+                  alpha.typed_data(), UpAlpha(d, alpha.typed_data()), row_scale.typed_data(), BiasData(bias),
+                  sorted_ids.typed_data(), tile_expert.typed_data(), activation, row_scale_mode, top_k, gather, tile_m,
+                  pairing,
                   f32_out ? nullptr : static_cast<uint16_t*>(out->untyped_data()),
                   f32_out ? static_cast<float*>(out->untyped_data()) : nullptr};
   const int64_t items = d.tiles * ((d.n_out + kFeatureBlock - 1) / kFeatureBlock);

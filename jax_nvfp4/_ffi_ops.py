@@ -495,13 +495,14 @@ def grouped_gemm(a, w: NVFP4Array, sorted_ids, tile_expert, *, tile_m: int,
                  activation: Activation = Activation.IDENTITY, top_k: int = 1, gather: bool = False,
                  row_scale=None, row_scale_mode: RowScale = RowScale.NONE, out_dtype=jnp.bfloat16,
                  k_split: int | None = None, pairing: Pairing = Pairing.NONE, kernel_flags: int = 0,
-                 bias=None, impl: str = "ffi"):
+                 bias=None, up_alpha=None, impl: str = "ffi"):
     """Grouped W4A16 GEMM over tile-padded row groups, with the MoE epilogue.
 
     For each sorted row ``r`` of a tile owned by expert ``e`` (pair ``p = sorted_ids[r] >= 0``)::
 
         acc = a[p // top_k if gather else r] @ deq(w[e])^T          (fp32, w decoded exactly)
-        v   = acc * alpha[e] * row_scale[index(r)] + bias[e]         (index per row_scale_mode)
+        v   = acc * (alpha[e] * row_scale[index(r)]) + bias[e]       (index per row_scale_mode;
+                                                                      up_alpha[e] for the up half)
         out[r] = out_dtype(act(v[:n], v[n:]) if gated else act(v))
 
     Padding rows (``p < 0``) of used tiles are 0; rows of unused tiles (``tile_expert < 0``) are
@@ -539,6 +540,9 @@ def grouped_gemm(a, w: NVFP4Array, sorted_ids, tile_expert, *, tile_m: int,
         CUDA kernel variant (0: the default); ignored by the CPU handler and the twin.
     bias : optional float ``[E, N]`` (rows as ``w``'s: ``[gate; up]`` when gated)
         Added to each feature after the scales, before the activation (gpt-oss's GEMM1 bias).
+    up_alpha : optional float32 ``[E]`` (gated only)
+        The up rows' global decode scale where it is not ``w.global_scale``
+        (:attr:`~jax_nvfp4.NVFP4Experts.up_global_scale`).
     impl : ``"ffi"`` or ``"jax"``
 
     Returns
@@ -551,23 +555,35 @@ def grouped_gemm(a, w: NVFP4Array, sorted_ids, tile_expert, *, tile_m: int,
     a, row_scale, activation, row_scale_mode, out_dtype, k_split, pairing, kernel_flags, n_out = _gemm_args(
         "grouped_gemm", a, w, sorted_ids.shape[0], tile_m, activation, row_scale, row_scale_mode, out_dtype, k_split,
         pairing, kernel_flags)
-    e = w.shape[0]
     bias = _gemm_bias("grouped_gemm", bias, w)
     if impl == "jax":
         w_rows = from_blocked_weights(w) if pairing & Pairing.BLOCKED_W else w
         a = from_paired(a) if pairing & Pairing.A else from_chunk_order(a) if pairing & Pairing.CHUNK_A else a
         out = _grouped_gemm_jax(a, w_rows, sorted_ids, tile_expert, tile_m, activation, top_k, gather, row_scale,
-                                row_scale_mode, bias).astype(out_dtype)
+                                row_scale_mode, bias, up_alpha).astype(out_dtype)
         return to_paired(out) if pairing & Pairing.OUT else to_chunk_order(out) if pairing & Pairing.CHUNK_OUT else out
     ensure_registered()
     p = sorted_ids.shape[0]
-    alpha = jnp.asarray(w.global_scale, jnp.float32).reshape(e)
+    alpha = _gemm_alpha("grouped_gemm", w, up_alpha, activation)
     return jax.ffi.ffi_call(TARGET_GEMM, jax.ShapeDtypeStruct((p, n_out), out_dtype),
                             vmap_method="sequential")(
         a, w.data, w.scales, alpha, bias, sorted_ids, tile_expert, row_scale,  # scales as float8_e4m3fn: no copy
         activation=np.int64(activation), row_scale_mode=np.int64(row_scale_mode), top_k=np.int64(top_k),
         gather=np.int64(bool(gather)), tile_m=np.int64(tile_m), k_split=np.int64(k_split),
         pairing=np.int64(pairing), kernel_flags=np.int64(kernel_flags))
+
+
+def _gemm_alpha(op, w, up_alpha, activation):
+    """A GEMM's alpha operand: float32 ``[E]``, or ``[2, E]`` (gate rows', up rows') with ``up_alpha``."""
+    e = w.shape[0]
+    alpha = jnp.asarray(w.global_scale, jnp.float32).reshape(e)
+    if up_alpha is None:
+        return alpha
+    up_alpha = jnp.asarray(up_alpha)
+    if activation not in GATED_ACTIVATIONS or up_alpha.shape != (e,) or up_alpha.dtype != jnp.float32:
+        raise ValueError(f"{op}: up_alpha must be float32 [E] = [{e}] with a gated activation, got "
+                         f"{up_alpha.dtype} {list(up_alpha.shape)} with {Activation(activation).name}")
+    return jnp.stack([alpha, up_alpha])
 
 
 def _gemm_bias(op, bias, w):
@@ -644,7 +660,7 @@ def apply_activation(activation: Activation, gate, up=None):
 
 
 def _grouped_gemm_jax(a, w, sorted_ids, tile_expert, tile_m, activation, top_k, gather, row_scale,
-                      row_scale_mode, bias):
+                      row_scale_mode, bias, up_alpha=None):
     e, n, kk = w.shape
     p = sorted_ids.shape[0]
     r = jnp.arange(p, dtype=jnp.int32)
@@ -658,12 +674,15 @@ def _grouped_gemm_jax(a, w, sorted_ids, tile_expert, tile_m, activation, top_k, 
     wdec = dequantize(w, jnp.bfloat16, apply_global_scale=False)  # exact
     acc = lax.ragged_dot(rows, jnp.swapaxes(wdec, 1, 2), group_sizes, preferred_element_type=jnp.float32,
                          precision=lax.Precision.HIGHEST)
-    scale = jnp.asarray(w.global_scale, jnp.float32)[jnp.clip(te, 0, e - 1)]
+    alphas = _gemm_alpha("grouped_gemm", w, up_alpha, activation).reshape(-1, e)[:, jnp.clip(te, 0, e - 1)]
     if row_scale_mode != RowScale.NONE:
         idx = {RowScale.TOKEN: pair // top_k, RowScale.PAIR: pair, RowScale.ROW: r}[row_scale_mode]
         ok = (idx >= 0) & (idx < row_scale.shape[0])
-        scale = scale * jnp.where(ok, row_scale[jnp.clip(idx, 0, row_scale.shape[0] - 1)], 0.0)
-    v = acc * scale[:, None]
+        alphas = alphas * jnp.where(ok, row_scale[jnp.clip(idx, 0, row_scale.shape[0] - 1)], 0.0)
+    # [P, 1] scales, or [P, N] with the up rows' own (alphas [2, P])
+    scale = alphas[0][:, None] if alphas.shape[0] == 1 else jnp.where(jnp.arange(n) < n // 2, alphas[0][:, None],
+                                                                      alphas[1][:, None])
+    v = acc * scale
     if bias.size:
         v = v + bias[jnp.clip(te, 0, e - 1)]
     if activation in GATED_ACTIVATIONS:
@@ -837,7 +856,8 @@ ALIGN_GEMM_MAX_CTAS = 512
 def moe_align_gemm(topk_ids, a, w: NVFP4Array, *, tile_m: int, expert_offset: int = 0,
                    activation: Activation = Activation.IDENTITY, row_scale=None,
                    row_scale_mode: RowScale = RowScale.NONE, out_dtype=jnp.bfloat16, k_split: int | None = None,
-                   pairing: Pairing = Pairing.NONE, kernel_flags: int = 0, bias=None, impl: str = "ffi"):
+                   pairing: Pairing = Pairing.NONE, kernel_flags: int = 0, bias=None, up_alpha=None,
+                   impl: str = "ffi"):
     """:func:`moe_align`, then :func:`grouped_gemm` of the pairs' tokens (``gather=True``,
     ``top_k = k``), in one call, for decode batches of at most ``ALIGN_ONE_WARP_PAIRS`` token-expert
     pairs on 8-row tiles: on the GPU one launch, each of whose CTAs aligns the pairs in one warp
@@ -851,7 +871,8 @@ def moe_align_gemm(topk_ids, a, w: NVFP4Array, *, tile_m: int, expert_offset: in
     w : NVFP4Array ``[E, N, K]`` (E: the local experts)
     tile_m : 8
     expert_offset : as :func:`moe_align`
-    activation, row_scale, row_scale_mode, out_dtype, k_split, kernel_flags, bias, impl : as :func:`grouped_gemm`
+    activation, row_scale, row_scale_mode, out_dtype, k_split, kernel_flags, bias, up_alpha, impl : as
+        :func:`grouped_gemm`
     pairing : :class:`Pairing` bits as :func:`grouped_gemm`'s, but ``CHUNK_A`` (a 32- and 64-row tile order)
 
     Returns
@@ -880,10 +901,10 @@ def moe_align_gemm(topk_ids, a, w: NVFP4Array, *, tile_m: int, expert_offset: in
                                                          impl="jax")
         out = grouped_gemm(a, w, sorted_ids, tile_expert, tile_m=tile_m, activation=activation, top_k=k,
                            gather=True, row_scale=row_scale, row_scale_mode=row_scale_mode, out_dtype=out_dtype,
-                           k_split=k_split, pairing=pairing, bias=bias, impl="jax")
+                           k_split=k_split, pairing=pairing, bias=bias, up_alpha=up_alpha, impl="jax")
         return out, sorted_ids, tile_expert, pair_to_row
     ensure_registered()
-    alpha = jnp.asarray(w.global_scale, jnp.float32).reshape(e)
+    alpha = _gemm_alpha("moe_align_gemm", w, up_alpha, activation)
     out = (jax.ShapeDtypeStruct((p, n_out), out_dtype), jax.ShapeDtypeStruct((p,), jnp.int32),
            jax.ShapeDtypeStruct((p // tile_m,), jnp.int32), jax.ShapeDtypeStruct((t, k), jnp.int32))
     return jax.ffi.ffi_call(TARGET_ALIGN_GEMM, out, vmap_method="sequential")(
@@ -1112,16 +1133,18 @@ def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str =
                 or kernel_flags & KernelFlag.ROWS96))
     common2 = dict(common, kernel_flags=kernel_flags | (KernelFlag.WS_GEMM2 if ws2 else 0))
 
+    up_alpha = experts.up_global_scale
     if MODES[mode] == Mode.W4A16:
         x1 = x.astype(jnp.bfloat16)
         x1 = to_chunk_order(x1) if ws else x1
         if align_gemm:
             h1, sorted_ids, tile_expert, pair_to_row = moe_align_gemm(
                 topk_ids, x1, experts.gate_up, tile_m=tile_m, expert_offset=offset, activation=act, k_split=ks1,
-                pairing=p1 | a1, kernel_flags=kernel_flags, bias=experts.gate_up_bias, impl=impl)
+                pairing=p1 | a1, kernel_flags=kernel_flags, bias=experts.gate_up_bias, up_alpha=up_alpha,
+                impl=impl)
         else:
-            h1 = grouped_gemm(x1, experts.gate_up, sorted_ids, tile_expert, activation=act,
-                              gather=True, k_split=ks1, pairing=p1 | a1, bias=experts.gate_up_bias, **common)
+            h1 = grouped_gemm(x1, experts.gate_up, sorted_ids, tile_expert, activation=act, gather=True, k_split=ks1,
+                              pairing=p1 | a1, bias=experts.gate_up_bias, up_alpha=up_alpha, **common)
         y = grouped_gemm(h1, experts.down, sorted_ids, tile_expert, activation=Activation.IDENTITY,
                          row_scale=w_flat, row_scale_mode=RowScale.PAIR, k_split=ks2, pairing=p2, **common2)
     else:  # w4a4: per-token NVFP4 activations, decoded exactly to bf16, scales in the epilogues
@@ -1141,7 +1164,8 @@ def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str =
         # paired (the paired order keeps every 16-value block whole: the same quantization per value).
         h1 = grouped_gemm(xq, experts.gate_up, sorted_ids, tile_expert, activation=act, gather=True,
                           row_scale=x_scale, row_scale_mode=RowScale.TOKEN, out_dtype=jnp.float32, k_split=ks1,
-                          pairing=(p1 & ~Pairing.CHUNK_OUT) | a1, bias=experts.gate_up_bias, **common)
+                          pairing=(p1 & ~Pairing.CHUNK_OUT) | a1, bias=experts.gate_up_bias, up_alpha=up_alpha,
+                          **common)
         # Rows of unused tiles are never written by the GPU: row_ids makes them zeros. The scales
         # come out times the rows' routing weights: GEMM2's row scales.
         aq, rs = quant_dequant_rows(h1, sorted_ids, row_weights=w_flat, chunk_out=chunk, impl=q_impl,

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .backends.base import MoEProblem
-from .formats import BIAS_FIELDS, BF16Experts, NVFP4Array, NVFP4Experts, dequantize
+from .formats import BF16Experts, NVFP4Array, NVFP4Experts
 
 H200_HBM_BYTES_PER_S = 4.3e12  # measured HBM copy rate (spec section 6)
 H200_BF16_FLOP_PER_S = 790e12  # upper end of the measured bf16 dense matmul rate
@@ -135,8 +135,7 @@ def random_nvfp4_experts(key, shape: MoEShape, num_experts: int | None = None) -
 
 def to_bf16_experts(experts: NVFP4Experts) -> BF16Experts:
     """bf16 copy of NVFP4 experts (decoded with the global scale, rounded to bf16; biases as they are)."""
-    return BF16Experts(dequantize(experts.gate_up, jnp.bfloat16), dequantize(experts.down, jnp.bfloat16),
-                       experts.gated, *(getattr(experts, b) for b in BIAS_FIELDS))
+    return experts.dequantized(jnp.bfloat16)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))

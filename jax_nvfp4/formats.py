@@ -301,6 +301,8 @@ def from_blocked_experts(experts: "NVFP4Experts") -> "NVFP4Experts":
 # The optional expert biases (gpt-oss): added to GEMM1's output after its global scale (before the activation) and
 # to GEMM2's after its own (before the routing weight), as FlashInfer's TensorRT-LLM and CUTLASS kernels add them.
 BIAS_FIELDS = ("gate_up_bias", "down_bias")
+# Optional per-expert arrays besides the weights, indexed with them along the stack axes.
+_PER_EXPERT_FIELDS = BIAS_FIELDS + ("up_global_scale",)
 
 
 class _ExpertShapes:
@@ -335,7 +337,8 @@ class _ExpertShapes:
             raise IndexError(f"{type(self).__name__} can be indexed only along its {len(self.stack_shape)} stack "
                              f"axes {self.stack_shape} (before [E, N, K]), got {len(idx)} indices")
         return dataclasses.replace(self, gate_up=self.gate_up[idx], down=self.down[idx],
-                                   **{b: getattr(self, b)[idx] for b in BIAS_FIELDS if getattr(self, b) is not None})
+                                   **{b: getattr(self, b)[idx] for b in _PER_EXPERT_FIELDS
+                                      if getattr(self, b, None) is not None})
 
     @property
     def has_bias(self) -> bool:
@@ -372,7 +375,8 @@ class NVFP4Experts(_ExpertShapes):
     Attributes
     ----------
     gate_up : NVFP4Array ``[E, 2I, H]`` (gated; rows ``[gate; up]``) or ``[E, I, H]`` (not gated)
-        GEMM1 weights; ``global_scale`` ``[E]``, one per expert shared by gate and up.
+        GEMM1 weights; ``global_scale`` ``[E]``, one per expert shared by gate and up (the gate rows' alone where
+        ``up_global_scale`` is set).
     down : NVFP4Array ``[E, H, I]``
         GEMM2 weights; ``global_scale`` ``[E]``.
     gated : bool (static)
@@ -385,6 +389,11 @@ class NVFP4Experts(_ExpertShapes):
         Set on blocked experts whose H or I is not a multiple of 128 (:func:`~jax_nvfp4.to_blocked_experts`):
         the tensors (and biases) are zero-padded to ``H'``, ``I'``, the next multiples of 128, and
         ``hidden_size`` / ``intermediate_size`` are H and I.
+    up_global_scale : optional float32 ``[E]`` (gated only)
+        The global decode scale of ``gate_up``'s up rows where it is not the gate rows' ``gate_up.global_scale``:
+        checkpoints that quantized gate and up apart (NVIDIA ModelOpt's per-expert ``weight_scale_2``) keep both
+        exactly, ``alpha1`` of the gate half and ``alpha1_up`` of the up half (SGLang's ``g1_alphas_up``). None
+        (what :func:`~jax_nvfp4.quantize_experts` gives): one shared scale.
 
     Stacked experts (several layers' sets, ``[L, E, N, K]`` and global scales ``[L, E]``; any leading axes) are
     what ``jax.vmap`` of :func:`~jax_nvfp4.quantize_experts` returns and what ``jax.lax.scan`` over layers takes;
@@ -397,6 +406,7 @@ class NVFP4Experts(_ExpertShapes):
     gate_up_bias: Any = None
     down_bias: Any = None
     valid_sizes: Any = dataclasses.field(default=None, metadata=dict(static=True))
+    up_global_scale: Any = None
 
     def __post_init__(self):
         if self.valid_sizes is not None and (
@@ -423,6 +433,31 @@ class NVFP4Experts(_ExpertShapes):
                         f"NVFP4Experts.{name}.global_scale must have shape [..., E]={w.shape[:-2]}, "
                         f"got {w.global_scale.shape}")
             self._check_biases("NVFP4Experts")
+            up = self.up_global_scale
+            if up is not None and _is_array(up):
+                if not self.gated:
+                    raise ValueError("NVFP4Experts.up_global_scale is for gated experts (rows [gate; up]); "
+                                     "these are not gated")
+                if up.dtype != jnp.float32 or tuple(up.shape) != self.gate_up.shape[:-2]:
+                    raise ValueError(f"NVFP4Experts.up_global_scale must be float32 [..., E]="
+                                     f"{list(self.gate_up.shape[:-2])}, got {up.dtype} {list(up.shape)}")
+
+    def gate_up_alphas(self):
+        """GEMM1's global decode scales, float32 ``[..., E]`` each: ``(gate rows', up rows')`` (the same array
+        twice without :attr:`up_global_scale`)."""
+        g = self.gate_up.global_scale
+        return g, (g if self.up_global_scale is None else self.up_global_scale)
+
+    def dequantized(self, dtype=jnp.bfloat16) -> "BF16Experts":
+        """The experts' values, ``dtype(e2m1 * block scale * global scale)`` (fp32 products), as
+        :class:`BF16Experts` (each GEMM1 half with its own global scale)."""
+        gu = self.gate_up
+        if self.up_global_scale is not None:  # a global scale per row: [..., E, 2I]
+            gate, up = self.gate_up_alphas()
+            rows = jnp.arange(gu.shape[-2]) < gu.shape[-2] // 2
+            gu = NVFP4Array(gu.data, gu.scales, jnp.where(rows, gate[..., None], up[..., None]), gu.dtype, gu.order)
+        return BF16Experts(dequantize(gu, dtype), dequantize(self.down, dtype), self.gated, self.gate_up_bias,
+                           self.down_bias)
 
     def padded_layer(self) -> "NVFP4Experts":
         """These experts as the layer of their padded sizes (``valid_sizes`` dropped): the one
@@ -436,9 +471,9 @@ class NVFP4Experts(_ExpertShapes):
     @classmethod
     def from_parts(cls, gate_up_data, gate_up_scales, gate_up_global_scale, down_data, down_scales,
                    down_global_scale, *, gated: bool = True, dtype=jnp.bfloat16, gate_up_bias=None,
-                   down_bias=None) -> "NVFP4Experts":
-        """Build from packed arrays (data uint8, scales float8_e4m3fn or their uint8 bits, global [E]) and the
-        optional biases."""
+                   down_bias=None, up_global_scale=None) -> "NVFP4Experts":
+        """Build from packed arrays (data uint8, scales float8_e4m3fn or their uint8 bits, global [E]), the
+        optional biases and the up rows' own global scales (:attr:`up_global_scale`)."""
         def scales(s):
             s = jnp.asarray(s)
             return jax.lax.bitcast_convert_type(s, jnp.float8_e4m3fn) if s.dtype == jnp.uint8 else s
@@ -447,7 +482,8 @@ class NVFP4Experts(_ExpertShapes):
                        jnp.asarray(gate_up_global_scale, jnp.float32), jnp.dtype(dtype)),
             NVFP4Array(jnp.asarray(down_data), scales(down_scales),
                        jnp.asarray(down_global_scale, jnp.float32), jnp.dtype(dtype)),
-            gated, gate_up_bias, down_bias)
+            gated, gate_up_bias, down_bias,
+            up_global_scale=None if up_global_scale is None else jnp.asarray(up_global_scale, jnp.float32))
 
 
 @jax.tree_util.register_dataclass

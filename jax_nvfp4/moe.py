@@ -3,7 +3,8 @@
 Semantics are spec section 5: per selected (token t, expert e),
 ``g = alpha1[e] * (x_t @ w13_e^T)`` (fp32 accumulation), ``a = act(gate, up)``,
 ``y_t += w_{t,e} * alpha2[e] * (a @ w2_e^T)``; the output is bf16. Experts with biases (gpt-oss) add
-``b13[e]`` to ``g`` and ``b2[e]`` to ``alpha2[e] * (a @ w2_e^T)`` before the routing weight. The expert
+``b13[e]`` to ``g`` and ``b2[e]`` to ``alpha2[e] * (a @ w2_e^T)`` before the routing weight; experts whose up rows
+have their own global scale (``up_global_scale``, ModelOpt's) scale ``g``'s up half by it instead. The expert
 computation is delegated to a backend (:mod:`jax_nvfp4.backends`); ``xla`` (pure JAX) runs everywhere.
 """
 
@@ -263,7 +264,8 @@ def moe(x, experts, *, router_logits=None, routing: str = "softmax_topk", top_k:
                          num_experts=experts.num_experts, top_k=k, mode=mode, activation=activation,
                          global_experts=e_global,
                          traced_offset=not isinstance(local_expert_offset, (int, np.integer)),
-                         expert_bias=getattr(experts, "has_bias", False))
+                         expert_bias=getattr(experts, "has_bias", False),
+                         up_global_scale=getattr(experts, "up_global_scale", None) is not None)
     if batch_invariant:
         if mode == "bf16" or backend not in ("auto", "ffi"):
             raise ValueError(f"batch_invariant=True runs on backend 'ffi' in mode 'w4a16' or 'w4a4' (its K split "

@@ -2,7 +2,7 @@
 ``[N, K/16]``, ``weight_scale_2`` the F32 global decode scale, ``input_scale``) and as compressed-tensors
 (llm-compressor) writes them (``weight_packed``, ``weight_scale``, ``weight_global_scale`` the F32 global *encode*
 scale, ``input_global_scale``): experts loaded with their bytes as stored, other NVFP4 layers dequantized,
-mismatched gate / up global scales, NaN block scales, malformed scales.
+mismatched gate / up global scales (both kept), NaN block scales, malformed scales.
 
 The ModelOpt checkpoints here are written from the bf16 test checkpoint with jax_nvfp4's quantizer (FlashInfer's
 arithmetic; ModelOpt's global scale is the same ``amax / (6 * 448)``), so loading one must give exactly the bytes
@@ -29,7 +29,7 @@ from jax_nvfp4.checkpoint.safetensors_io import TensorReader  # noqa: E402
 from jax_nvfp4.checkpoint.sources import read_source_experts  # noqa: E402
 import conftest  # noqa: E402
 import qwen3_moe_numpy_ref as ref  # noqa: E402
-from test_qwen3_moe import HF_CONFIG  # noqa: E402
+from test_qwen3_moe import HF_CONFIG, assert_close_to_reference  # noqa: E402
 
 F8 = ml_dtypes.float8_e4m3fn
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -164,36 +164,42 @@ def test_modelopt_model_loads_experts_and_dequantized_attention(ckpts, tmp_path)
                                              "unused: the KV cache here is bf16"]
 
 
-def test_mismatched_gate_up_global_scales_rescale_the_smaller(ckpts, tmp_path):
+def test_mismatched_gate_up_global_scales_are_both_kept(ckpts, tmp_path):
+    """Gate and up quantized apart (ModelOpt's own global scale each): the bytes as stored, gate's scale as gate_up's
+    global scale and up's as ``up_global_scale``; converting keeps both ([2] global scales, format 3); the model's
+    MoE blocks run them as the float64 reference of the stored values does."""
     w = ckpts[0]
     tensors, parts = modelopt_weights(w, attention=False, synced=False)
     root = write_modelopt(tmp_path / "mismatched", tensors)
-    with pytest.warns(UserWarning, match="gate and up NVFP4 global scales"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing rescaled, nothing to warn about
         experts = nv.load_nvfp4_experts(root)
     i = HF_CONFIG["moe_intermediate_size"]
-    rescaled = differ = 0
+    differ = 0
     for L in range(HF_CONFIG["num_hidden_layers"]):
         ex = experts[f"model.layers.{L}.mlp"]
+        assert ex.up_global_scale is not None
         for e in range(HF_CONFIG["num_experts"]):
             p = f"model.layers.{L}.mlp.experts.{e}."
-            halves = [parts[p + "gate_proj.weight"], parts[p + "up_proj.weight"]]
-            top = max(h[2] for h in halves)
-            differ += halves[0][2] != halves[1][2]
-            assert ex.gate_up.global_scale[e] == top
-            for j, (data, scales, g) in enumerate(halves):
-                rows = slice(j * i, (j + 1) * i)
-                assert same_bytes(ex.gate_up.data[e, rows], data)  # the codes stay
-                got = np.asarray(ex.gate_up.scales[e, rows])
-                if g == top:
-                    assert same_bytes(got, scales)
-                    continue
-                rescaled += 1
-                want = (scales.astype(np.float64) * (np.float64(g) / np.float64(top))).astype(np.float32).astype(F8)
-                assert same_bytes(got, want)
-                # within E4M3's rounding (1/16) of each block's original scale
-                old, new = scales.astype(np.float32) * g, got.astype(np.float32) * top
-                assert np.all(np.abs(new - old) <= old / 16 + 1e-30)
-    assert rescaled == differ >= 12  # one half of each expert whose scales differ (bf16 amaxes may tie)
+            (gd, gs, gg), (ud, us, ug) = parts[p + "gate_proj.weight"], parts[p + "up_proj.weight"]
+            differ += gg != ug
+            assert ex.gate_up.global_scale[e] == gg and ex.up_global_scale[e] == ug
+            assert same_bytes(ex.gate_up.data[e], np.concatenate([gd, ud]))
+            assert same_bytes(ex.gate_up.scales[e], np.concatenate([gs, us]))
+    assert differ >= 12  # (bf16 amaxes may tie)
+    conv = tmp_path / "converted"
+    nv.convert_checkpoint(root, conv, progress=False)
+    cfg = read_nvfp4_config(conv)
+    assert cfg["format_version"] == 3 and cfg["moe_modules"]["model.layers.0.mlp"]["up_global_scale"] is True
+    assert open_checkpoint(conv).tensors["model.layers.0.mlp.experts.0.gate_up_proj.weight_global_scale"].shape == (2,)
+    assert_same_experts(nv.load_nvfp4_experts(conv), experts)
+    # The model: its MoE blocks hold both scales and compute with the stored values (the float64 reference of
+    # the bf16 checkpoint whose experts are those values)
+    model = nvnn.load_qwen3_moe(conv)
+    up = model.model.layers[1].mlp.experts.up_global_scale[...]
+    np.testing.assert_array_equal(up, experts["model.layers.1.mlp"].up_global_scale)
+    w2 = dict(w) | {name: dequantized(pt) for name, pt in parts.items()}
+    assert_close_to_reference(model, w2, np.random.default_rng(3).integers(0, HF_CONFIG["vocab_size"], 12))
 
 
 def test_nan_block_scales(ckpts, tmp_path):

@@ -22,6 +22,7 @@ struct GemmParams {
   const uint8_t* w;           // [E, N, K/2] E2M1 pairs (rows, or blocked: Pairing::kBlockedW)
   const uint8_t* ws;          // [E, N, K/16] E4M3 bits (likewise)
   const float* alpha;         // [E]
+  const float* alpha_up;      // [E]: a gated GEMM's up rows' (alpha itself, or alpha's second half: UpAlpha)
   const float* bias;          // [E, N] added after alpha * row scale (GEMM1's rows [gate; up]), or null
   const int32_t* sorted_ids;  // [P]
   const int32_t* tile_expert; // [P / tile_m]
@@ -236,6 +237,7 @@ __device__ __forceinline__ void EpilogueAct(const GemmParams& p, int32_t e, int6
   constexpr int BM = FM * 8;
   const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
   const float alpha = p.alpha[e] * kDecodeBias;  // the 2^-8 left in the decoded weights
+  const float alpha_up = GATED ? p.alpha_up[e] * kDecodeBias : 0.0f;
   const float* bias = ExpertBias(p, e);
   const float2 fb[2] = {FeatureBias(bias, p.n_out, feat0 + g, GATED),
                         FeatureBias(bias, p.n_out, feat0 + g + 8, GATED)};
@@ -277,17 +279,18 @@ __device__ __forceinline__ void EpilogueAct(const GemmParams& p, int32_t e, int6
       const int64_t r = tile * BM + 8 * m + 2 * t + c;
       const int32_t pair = kBatched ? 0 : rows[8 * m + 2 * t + c];
       if constexpr (!kBatched) valid[m][c] = SourceRow(p, pair, r) >= 0;
-      const float scale =
-          kBatched ? alpha * rs[m][c]
-          : valid[m][c] ? RowScaled(alpha, p.row_scale_mode, p.row_scale, p.row_scale_n, pair, p.top_k, r)
-                        : alpha;
+      // (RowScaled of 1 is the row's factor itself: alpha * it as RowScaled(alpha) computes it)
+      const float f = kBatched ? rs[m][c]
+                      : valid[m][c] ? RowScaled(1.0f, p.row_scale_mode, p.row_scale, p.row_scale_n, pair, p.top_k, r)
+                                    : 1.0f;
+      const float scale = alpha * f, up_scale = alpha_up * f;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int i = 2 * h + c;
         float v = 0.0f;
         if (valid[m][c]) {
           const float gate = acc[0][m][i] * scale + fb[h].x;
-          const float up = GATED ? acc[NF - 1][m][i] * scale + fb[h].y : 0.0f;
+          const float up = GATED ? acc[NF - 1][m][i] * up_scale + fb[h].y : 0.0f;
           v = ApplyActivation(ACT >= 0 ? ACT : p.activation, gate, up);
         }
         Store(static_cast<OutT*>(p.out), r * p.n_out + col[h], v);

@@ -461,6 +461,7 @@ ffi::Error GroupedGemmCuda(cudaStream_t stream, const GemmDims& d, ffi::Buffer<f
   p.w = w_data.typed_data();
   p.ws = static_cast<const uint8_t*>(w_scales.untyped_data());
   p.alpha = alpha.typed_data();
+  p.alpha_up = UpAlpha(d, p.alpha);
   p.bias = bias;
   p.sorted_ids = sorted_ids.typed_data();
   p.tile_expert = tile_expert.typed_data();

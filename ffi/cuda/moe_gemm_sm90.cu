@@ -873,7 +873,7 @@ constexpr int WsFeatures() { return (GATED ? (NB == 1 ? 32 : 64) : 64 * NB) * NC
 // (other[m - m0], handed over in shared memory), with the row info in shared memory (as StoreStaged's), to
 // EpilogueAct's values and stores; rows from nrows on (the next item's) are not stored.
 template <int ACT, bool UP, typename OutT, int FM>
-__device__ __forceinline__ void SplitGatedStores(const GemmParams& p, float alpha, const float* bias, int64_t row0,
+__device__ __forceinline__ void SplitGatedStores(const GemmParams& p, float2 alpha, const float* bias, int64_t row0,
                                                  int64_t feat0, const float (&acc)[FM][4],
                                                  const float (&other)[FM / 2][4], uint32_t rows, uint32_t factors,
                                                  int nrows) {
@@ -892,21 +892,21 @@ __device__ __forceinline__ void SplitGatedStores(const GemmParams& p, float alph
     asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(rs.x), "=f"(rs.y) : "r"(factors + 4 * row));
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
-      const float scale = alpha * (c ? rs.y : rs.x);
+      const float scale = alpha.x * (c ? rs.y : rs.x), up_scale = alpha.y * (c ? rs.y : rs.x);
       if (row + c >= nrows) continue;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int i = 2 * h + c;
         const float gate = UP ? other[mm][i] : acc[m][i], up = UP ? acc[m][i] : other[mm][i];
         const float v =
-            (c ? valid.y : valid.x) ? ApplyActivation(ACT, gate * scale + fb[h].x, up * scale + fb[h].y) : 0.0f;
+            (c ? valid.y : valid.x) ? ApplyActivation(ACT, gate * scale + fb[h].x, up * up_scale + fb[h].y) : 0.0f;
         Store(static_cast<OutT*>(p.out), (row0 + row + c) * p.n_out + col[h], v);
       }
     }
   }
 }
 template <bool UP, typename OutT, int FM>
-__device__ __forceinline__ void SplitGatedStoresAct(const GemmParams& p, float alpha, const float* bias, int64_t row0,
+__device__ __forceinline__ void SplitGatedStoresAct(const GemmParams& p, float2 alpha, const float* bias, int64_t row0,
                                                     int64_t feat0, const float (&acc)[FM][4],
                                                     const float (&other)[FM / 2][4], uint32_t rows, uint32_t factors,
                                                     int nrows) {
@@ -1147,7 +1147,7 @@ __global__ void __launch_bounds__(WsShape<NC, NB>::kThreads, 1)
                        : "=f"(other[mm][0]), "=f"(other[mm][1]), "=f"(other[mm][2]), "=f"(other[mm][3])
                        : "r"(slot(kUp ? FM / 2 + mm : mm)));
         MbarWait(row_bar, done++ & 1);
-        const float alpha = p.alpha[e] * kDecodeBias;
+        const float2 alpha = make_float2(p.alpha[e] * kDecodeBias, p.alpha_up[e] * kDecodeBias);  // gate, up rows'
         if (active[0])
           SplitGatedStoresAct<kUp, OutT>(p, alpha, ExpertBias(p, e), row0, feat[0], acc[0], other, row_ids,
                                          row_scales, rows);

@@ -24,7 +24,8 @@ class MoEProblem:
     ``global_experts`` is the number of experts routed over (``router_logits.shape[1]``) when
     known, else None (precomputed routing); ``traced_offset``: ``local_expert_offset`` is a traced
     int32 scalar (e.g. ``lax.axis_index`` under ``shard_map``), not a Python int; ``expert_bias``: the
-    experts carry a GEMM1 or GEMM2 bias (``gate_up_bias`` / ``down_bias``).
+    experts carry a GEMM1 or GEMM2 bias (``gate_up_bias`` / ``down_bias``); ``up_global_scale``: GEMM1's up
+    rows have their own global scales (:attr:`~jax_nvfp4.NVFP4Experts.up_global_scale`).
     """
 
     tokens: int
@@ -37,6 +38,7 @@ class MoEProblem:
     global_experts: int | None = None
     traced_offset: bool = False
     expert_bias: bool = False
+    up_global_scale: bool = False
 
 
 class Backend(Protocol):

@@ -946,6 +946,10 @@ class FlashInferBackend:
         if problem.expert_bias:
             return ("expert biases (gate_up_bias / down_bias) are not passed to FlashInfer's kernels; backends 'ffi' "
                     "and 'xla' run them")
+        if problem.up_global_scale:
+            return ("experts whose up rows have their own global scale (up_global_scale) are not passed to "
+                    "FlashInfer's kernels here (the CuTe DSL kernels take one GEMM1 alpha an expert); backends 'ffi' "
+                    "and 'xla' run them")
         kernel = self.kernel_for(problem)
         if problem.mode not in KERNEL_MODES[kernel]:
             return f"kernel {kernel!r} runs modes {KERNEL_MODES[kernel]}, not {problem.mode!r}"

@@ -177,6 +177,10 @@ def prepare_weights(experts: NVFP4Experts, kernel: str = "cutedsl") -> PreparedW
         raise ValueError("prepare_flashinfer_weights: experts with biases (gate_up_bias / down_bias) do not run on "
                          "FlashInfer's kernels here (jax_nvfp4 does not pass biases to them); run them on backends "
                          "'ffi' or 'xla'")
+    if experts.up_global_scale is not None:
+        raise ValueError("prepare_flashinfer_weights: experts whose up rows have their own global scale "
+                         "(up_global_scale) do not run on FlashInfer's kernels here (one GEMM1 alpha an expert); "
+                         "run them on backends 'ffi' or 'xla'")
     if experts.gate_up.order == "blocked":  # FlashInfer's layouts start from the rows order
         experts = from_blocked_experts(experts)
     why = layout_unsupported_reason(kernel, experts.hidden_size, experts.intermediate_size, experts.gated)

@@ -13,7 +13,7 @@ Pipeline for ``M = T * k`` token-expert pairs (no ``[T, E, H]`` tensor anywhere)
      decode step never dequantizes an expert no token uses.
    - ``"all"``: every local expert is decoded once (exactly, to bf16: ``e2m1 * scale`` has
      at most 6 significant bits), the per-expert global scale applied to the fp32 result as
-     ``alpha``.
+     ``alpha`` (the gate and up rows of GEMM1 each their own where ``up_global_scale`` is set).
 3. **Grouped matmul** (``gmm``), bf16 operands with fp32 accumulation:
 
    - ``"ragged"``: :func:`jax.lax.ragged_dot_general`. XLA lowers it (on CPU and GPU) by
@@ -188,18 +188,20 @@ def _plan(flat_ids, num_experts, offset, dispatch):
 
 
 def _weights(experts, hit):
-    """bf16 GEMM operands (of the hit experts, if given) and per-expert alphas (None for bf16)."""
+    """bf16 GEMM operands (of the hit experts, if given) and per-expert alphas: GEMM1's gate and up rows', GEMM2's
+    (None for bf16)."""
     if isinstance(experts, NVFP4Experts):
         gu, dn = experts.gate_up, experts.down
+        alpha1, alpha1_up = experts.gate_up_alphas()
         if hit is not None:  # gather packed bytes first: decode only what is used
-            gu, dn = gu[hit], dn[hit]
+            gu, dn, alpha1, alpha1_up = gu[hit], dn[hit], alpha1[hit], alpha1_up[hit]
         return (dequantize(gu, jnp.bfloat16, apply_global_scale=False),
                 dequantize(dn, jnp.bfloat16, apply_global_scale=False),
-                gu.global_scale.astype(jnp.float32), dn.global_scale.astype(jnp.float32))
+                alpha1, alpha1_up, dn.global_scale.astype(jnp.float32))
     w1, w2 = experts.gate_up, experts.down
     if hit is not None:
         w1, w2 = jnp.take(w1, hit, axis=0), jnp.take(w2, hit, axis=0)
-    return w1.astype(jnp.bfloat16), w2.astype(jnp.bfloat16), None, None
+    return w1.astype(jnp.bfloat16), w2.astype(jnp.bfloat16), None, None, None
 
 
 def _exact_bf16(q):
@@ -237,19 +239,21 @@ def moe_experts(x, experts, topk_ids, topk_weights, *, mode: str, activation: st
     order, valid_s, sizes, row_group, hit = _plan(topk_ids.reshape(m).astype(jnp.int32), e,
                                                   local_expert_offset, dispatch)
     tok = order // k
-    w1, w2, alpha1, alpha2 = _weights(experts, hit)
+    w1, w2, alpha1, alpha1_up, alpha2 = _weights(experts, hit)
     b1, b2 = (None if b is None else jnp.asarray(b if hit is None else b[hit], jnp.float32)[row_group]
               for b in (experts.gate_up_bias, experts.down_bias))  # per row, float32
 
-    scale1 = None if alpha1 is None else alpha1[row_group]
     if mode == "w4a4":
         xq, dx = _exact_bf16(quantize(x, per_token=True))
-        xs, scale1 = xq[tok], dx[tok] * scale1
+        xs, dx = xq[tok], dx[tok]
     else:
-        xs = x[tok]
+        xs, dx = x[tok], None
     g = _gmm(gmm, xs, w1, sizes)  # [M, N1] f32
-    if scale1 is not None:
-        g = g * scale1[:, None]
+    if alpha1 is not None:  # the kernels' order: (da * alpha) per row, then times the sum
+        s_gate, s_up = (a[row_group] if dx is None else dx * a[row_group] for a in (alpha1, alpha1_up))
+        n1 = g.shape[1]
+        g = g * (s_gate[:, None] if experts.up_global_scale is None else
+                 jnp.where(jnp.arange(n1) < n1 // 2, s_gate[:, None], s_up[:, None]))
     if b1 is not None:
         g = g + b1
     a = activations.apply(activation, g)  # [M, I] f32

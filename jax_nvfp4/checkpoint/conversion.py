@@ -94,9 +94,11 @@ class _Unit:
         return self.copy.nbytes if self.copy is not None else sum(w.nbytes for w in self.weights)
 
 
-def _quantized_specs(names: dict[str, str], rows: int, k: int, bias_dtype) -> list[OutTensor]:
+def _quantized_specs(names: dict[str, str], rows: int, k: int, bias_dtype, up_scale: bool) -> list[OutTensor]:
     """The outputs of one quantized weight, in :func:`expert_outputs`'s order."""
-    parts = quantized_parts(rows, k) | ({} if bias_dtype is None else {"bias": (ST_DTYPES[bias_dtype], (rows,))})
+    parts = quantized_parts(rows, k, up_scale)
+    if bias_dtype is not None:
+        parts["bias"] = (ST_DTYPES[bias_dtype], (rows,))
     return [OutTensor(names[part], dtype, shape, math.prod(shape) * itemsize(dtype))
             for part, (dtype, shape) in parts.items()]
 
@@ -112,8 +114,9 @@ def _plan_units(ckpt: Checkpoint, layers: dict[str, MoELayer]) -> tuple[list[_Un
             for gemm in GEMMS:
                 ws = layer.weights(e, gemm)
                 rows, k = sum(w.shape[0] for w in ws), ws[0].shape[1]
-                units.append(_Unit(ws[0].info, _quantized_specs(names[gemm], rows, k, layer.bias_dtype),
-                                   layer=layer, expert=e, gemm=gemm))
+                specs = _quantized_specs(names[gemm], rows, k, layer.bias_dtype,
+                                         gemm == "gate_up" and layer.up_global_scale)
+                units.append(_Unit(ws[0].info, specs, layer=layer, expert=e, gemm=gemm))
                 for w in ws:
                     consumed.update(t.name for t in w.tensors)
                     # A static FP8 activation scale, or NVFP4's (ModelOpt): w4a4 here scales activations per token.
@@ -151,7 +154,8 @@ def _nvfp4_config(layers, ignore, recipe, dropped) -> dict:
     src = sorted({ly.source_name for ly in quantized})
     return {
         "format": FORMAT_NAME,
-        "format_version": FORMAT_VERSION,
+        # the oldest version that holds it (readers refuse newer ones)
+        "format_version": FORMAT_VERSION if any(ly.up_global_scale for ly in quantized) else 2,
         "quant_algo": "NVFP4",
         "recipe": recipe,
         "group_size": BLOCK,
@@ -161,7 +165,8 @@ def _nvfp4_config(layers, ignore, recipe, dropped) -> dict:
             "gemm1_gated": GATE_UP, "gemm1_not_gated": UP, "gemm2": DOWN,
             "data": DATA + " (uint8, two E2M1 codes a byte, even element in the low nibble)",
             "block_scale": BLOCK_SCALE + " (float8_e4m3fn, one per 16 elements, linear layout)",
-            "global_scale": GLOBAL_SCALE + " (float32 scalar, the global DECODE scale)",
+            "global_scale": GLOBAL_SCALE + " (float32 scalar, the global DECODE scale; [2], gate's then up's, in "
+                            "GEMM1 of modules whose moe_modules entry has up_global_scale)",
             "bias": BIAS + " (the expert's bias [N], gate entries first, where moe_modules gives a bias_dtype)",
         },
         "ignore": list(ignore),
@@ -179,7 +184,7 @@ def _version() -> str:
 
 def _file_metadata(src_meta: dict[str, str], cfg: dict) -> dict[str, str]:
     meta = {str(k): str(v) for k, v in src_meta.items()}
-    meta.update(nvfp4_format=FORMAT_NAME, nvfp4_format_version=str(FORMAT_VERSION), nvfp4_recipe=cfg["recipe"],
+    meta.update(nvfp4_format=FORMAT_NAME, nvfp4_format_version=str(cfg["format_version"]), nvfp4_recipe=cfg["recipe"],
                 nvfp4_source_dtype=json.dumps(cfg["source_dtype"]), nvfp4_group_size=str(BLOCK))
     return meta
 

@@ -140,6 +140,12 @@ class MoELayer:
             return [ex["gate_up"]]
         return [ex["gate"], ex["up"]] if self.gated else [ex["up"]]
 
+    @property
+    def up_global_scale(self) -> bool:
+        """Whether GEMM1's gate and up come pre-quantized apart (NVFP4, each its own global scale, kept both: the
+        quantized gate_up's global scale is ``[2]``, gate's then up's)."""
+        return self.source_dtype == NVFP4 and self.gated and bool(self.experts) and "gate_up" not in self.experts[0]
+
     def weights(self, e: int, gemm: str) -> list[ExpertWeight]:
         """The source weights of expert ``e``'s ``gemm`` (``"gate_up"`` or ``"down"``), stacked along rows."""
         return self.gemm1(e) if gemm == "gate_up" else [self.experts[e]["down"]]
@@ -158,6 +164,8 @@ class MoELayer:
                 d["fp8_scaling"] = self.fp8_scaling
             if self.bias_dtype is not None:
                 d["bias_dtype"] = self.bias_dtype.name
+            if self.up_global_scale:
+                d["up_global_scale"] = True
         return d
 
 

@@ -23,21 +23,28 @@ class _Stack:
     """Host buffers for one MoE module's stacked NVFP4 experts, filled expert by expert.
 
     ``parts[gemm][part]`` (gemm ``"gate_up"`` or ``"down"``): ``"data"`` ``[E, rows, K/2]``,
-    ``"scales"`` ``[E, rows, K/16]``, ``"global_scale"`` ``[E]``, and with ``bias_dtype`` ``"bias"`` ``[E, rows]``.
+    ``"scales"`` ``[E, rows, K/16]``, ``"global_scale"`` ``[E]`` (``up_scale``: gate_up's ``[E, 2]``, gate's and
+    up's), and with ``bias_dtype`` ``"bias"`` ``[E, rows]``.
     """
 
-    def __init__(self, num_experts: int, gated: bool, hidden: int, inter: int, bias_dtype=None):
-        def buffers(rows, k):
+    def __init__(self, num_experts: int, gated: bool, hidden: int, inter: int, bias_dtype=None,
+                 up_scale: bool = False):
+        def buffers(rows, k, up_scale=False):
             bufs = {part: np.empty((num_experts, *shape), NP_DTYPES[dtype])
-                    for part, (dtype, shape) in quantized_parts(rows, k).items()}
+                    for part, (dtype, shape) in quantized_parts(rows, k, up_scale).items()}
             return bufs | ({} if bias_dtype is None else {"bias": np.empty((num_experts, rows), bias_dtype)})
-        self.parts = {"gate_up": buffers((2 if gated else 1) * inter, hidden), "down": buffers(hidden, inter)}
+        self.parts = {"gate_up": buffers((2 if gated else 1) * inter, hidden, up_scale),
+                      "down": buffers(hidden, inter)}
 
     def experts(self, gated: bool, dtype) -> NVFP4Experts:
-        quantized = {gemm: [jnp.asarray(self.parts[gemm][p]) for p in ("data", "scales", "global_scale")]
-                     for gemm in GEMMS}
+        quantized = {gemm: [self.parts[gemm][p] for p in ("data", "scales", "global_scale")] for gemm in GEMMS}
+        up = None
+        g = quantized["gate_up"][2]
+        if g.ndim == 2:  # gate's and up's: the up rows keep their own only where some differ
+            quantized["gate_up"][2], up = g[:, 0], (None if np.array_equal(g[:, 0], g[:, 1]) else g[:, 1])
         biases = {f"{gemm}_bias": jnp.asarray(self.parts[gemm]["bias"]) for gemm in GEMMS if "bias" in self.parts[gemm]}
-        return NVFP4Experts.from_parts(*quantized["gate_up"], *quantized["down"], gated=gated, dtype=dtype, **biases)
+        return NVFP4Experts.from_parts(*quantized["gate_up"], *quantized["down"], gated=gated, dtype=dtype,
+                                       up_global_scale=up, **biases)
 
 
 def quantize_checkpoint_experts(src, *, ignore: Sequence[str] = (), recipe: str = "nvfp4",
@@ -79,7 +86,7 @@ def _stacked_experts(ckpt: Checkpoint, layers, recipe: str, progress: bool) -> d
     out = {}
     with TensorReader() as reader, source_progress(total, "nvfp4 quantize", progress) as bar:
         for ly in layers:
-            stack = _Stack(ly.num_experts, ly.gated, ly.hidden, ly.inter, ly.bias_dtype)
+            stack = _Stack(ly.num_experts, ly.gated, ly.hidden, ly.inter, ly.bias_dtype, ly.up_global_scale)
             for e in range(ly.num_experts):
                 for gemm in GEMMS:
                     ws = ly.weights(e, gemm)
@@ -113,8 +120,8 @@ def load_nvfp4_experts(path, *, quantize_source: bool = False, ignore: Sequence[
     Parameters
     ----------
     path : an NVFP4 checkpoint (folder or one of its files) written by :func:`convert_checkpoint`, by NVIDIA
-        ModelOpt (its experts' ``weight`` / ``weight_scale`` / ``weight_scale_2`` taken as stored; gate and up
-        share a global scale, see :func:`~jax_nvfp4.checkpoint.sources.nvfp4_parts`) or by compressed-tensors
+        ModelOpt (its experts' ``weight`` / ``weight_scale`` / ``weight_scale_2`` taken as stored; gate's and
+        up's global scales both kept, see :func:`~jax_nvfp4.checkpoint.sources.nvfp4_parts`) or by compressed-tensors
         (``weight_packed`` / ``weight_scale`` / ``weight_global_scale``, its reciprocal the decode scale), or, with
         ``quantize_source=True``, a source (bf16 / fp16 / fp32 / FP8) checkpoint.
     quantize_source : quantize the source's experts while loading (:func:`quantize_checkpoint_experts`);
@@ -124,7 +131,8 @@ def load_nvfp4_experts(path, *, quantize_source: bool = False, ignore: Sequence[
     -------
     dict mapping MoE module name (e.g. ``"model.layers.0.mlp"``) to NVFP4Experts: gate_up data uint8
     ``[E, 2I, H/2]`` (rows [gate; up]; ``[E, I, H/2]`` not gated), scales float8_e4m3fn
-    ``[E, 2I, H/16]``, global_scale float32 ``[E]``; down ``[E, H, I/2]`` / ``[E, H, I/16]`` / ``[E]``;
+    ``[E, 2I, H/16]``, global_scale float32 ``[E]`` (and ``up_global_scale [E]`` where a pre-quantized checkpoint's
+    gate and up scales differ); down ``[E, H, I/2]`` / ``[E, H, I/16]`` / ``[E]``;
     expert biases ``gate_up_bias [E, 2I]`` / ``down_bias [E, H]`` where the checkpoint has them.
     Modules kept in source precision (ignored) are absent.
     """
@@ -145,7 +153,8 @@ def load_nvfp4_experts(path, *, quantize_source: bool = False, ignore: Sequence[
                 continue
             gated, n, bias_dtype = m["gated"], m["num_experts"], m.get("bias_dtype")
             bias_dtype = None if bias_dtype is None else _DTYPE_BY_NAME[bias_dtype]
-            stack = _Stack(n, gated, m["hidden_size"], m["intermediate_size"], bias_dtype)
+            stack = _Stack(n, gated, m["hidden_size"], m["intermediate_size"], bias_dtype,
+                           m.get("up_global_scale", False))
             for e in range(n):
                 names = output_names(module, e, gated, bias=bias_dtype is not None)
                 for gemm in GEMMS:

@@ -19,8 +19,11 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 FORMAT_NAME = "jax_nvfp4"
-FORMAT_VERSION = 2  # 2: optional expert biases (``*.bias``); version 1 checkpoints (no biases) still load
-READABLE_VERSIONS = (1, 2)
+# The newest format version: 2, optional expert biases (``*.bias``); 3, GEMM1's global scale [2] (gate, up) in modules
+# whose pre-quantized source quantized gate and up apart (moe_modules' ``up_global_scale``), written only then. Older
+# versions still load.
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 CONFIG_NAME = "nvfp4_config.json"
 GATE_UP, UP, DOWN = "gate_up_proj", "up_proj", "down_proj"  # output projection names
 DATA, BLOCK_SCALE, GLOBAL_SCALE = "weight", "weight_scale", "weight_global_scale"  # output params

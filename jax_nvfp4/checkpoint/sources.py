@@ -33,10 +33,12 @@ def check_recipe(recipe: str) -> None:
         raise ValueError(f"recipe must be one of {RECIPES}, got {recipe!r}")
 
 
-def quantized_parts(rows: int, k: int) -> dict[str, tuple[str, tuple[int, ...]]]:
+def quantized_parts(rows: int, k: int, up_scale: bool = False) -> dict[str, tuple[str, tuple[int, ...]]]:
     """safetensors dtype and shape of each part of a quantized ``[rows, k]`` weight, in the order
-    :func:`quantize_weights` returns them: ``{"data" | "scales" | "global_scale": (dtype, shape)}``."""
-    return {"data": ("U8", (rows, k // 2)), "scales": ("F8_E4M3", (rows, k // BLOCK)), "global_scale": ("F32", ())}
+    :func:`quantize_weights` returns them: ``{"data" | "scales" | "global_scale": (dtype, shape)}``; ``up_scale``:
+    GEMM1 of pre-quantized gate and up, a global scale each (``[2]``)."""
+    return {"data": ("U8", (rows, k // 2)), "scales": ("F8_E4M3", (rows, k // BLOCK)),
+            "global_scale": ("F32", (2,) if up_scale else ())}
 
 
 def source_progress(total: int, desc: str, enabled: bool):
@@ -105,28 +107,20 @@ def read_nvfp4(reader: TensorReader, w: ExpertWeight):
 
 
 def nvfp4_parts(reader: TensorReader, weights: Sequence[ExpertWeight]):
-    """The row-stack of NVFP4 ``weights`` (gate and up, or down) under one global scale, as stored.
-
-    Where the weights' global scales differ (gate and up quantized apart), the larger is kept: that weight's bytes
-    stay as stored, and the other's block scales are multiplied by the ratio of the global scales (below 1) and
-    rounded to E4M3, with a warning; its codes stay. (Collapsing them to either scale unchanged would scale one
-    half of GEMM1 wrongly.)
+    """The row-stack of NVFP4 ``weights`` (``[gate, up]``, or one weight) as stored.
 
     Returns
     -------
-    (data uint8 ``[N, K/2]``, scales float8_e4m3fn ``[N, K/16]``, global_scale float32 ``[]``) as numpy.
+    (data uint8 ``[N, K/2]``, scales float8_e4m3fn ``[N, K/16]``, global_scale float32) as numpy; the global
+    scale is ``[]`` for one weight, ``[2]`` (gate's, up's) for gate and up: exporters quantize them apart
+    (ModelOpt 0.45 gave different scales to most pairs, vLLM issue 54974), and both are kept exactly
+    (:attr:`~jax_nvfp4.NVFP4Experts.up_global_scale`).
     """
     parts = [read_nvfp4(reader, w) for w in weights]
-    top = max(g for _, _, g in parts)
-    scales = []
-    for w, (_, s, g) in zip(weights, parts):
-        if g != top:
-            s = (s.astype(np.float64) * (np.float64(g) / np.float64(top))).astype(np.float32).astype(s.dtype)
-            warnings.warn(f"MoE module {w.name.split('.experts.')[0]!r}: gate and up NVFP4 global scales "
-                          f"(weight_scale_2) differ, e.g. {w.global_scale.name!r} {g} vs {top}; its block scales "
-                          "were rescaled to the larger (rounded to E4M3)", stacklevel=3)
-        scales.append(s)
-    return (np.concatenate([d for d, _, _ in parts]), np.concatenate(scales), np.float32(top))
+    if len(parts) not in (1, 2):
+        raise ValueError(f"nvfp4_parts: one weight or [gate, up], got {len(parts)}")
+    g = np.array([g for _, _, g in parts], np.float32).reshape(() if len(parts) == 1 else (2,))
+    return np.concatenate([d for d, _, _ in parts]), np.concatenate([s for _, s, _ in parts]), g
 
 
 def _dequantize_nvfp4_into(reader: TensorReader, w: ExpertWeight, out: np.ndarray) -> None:
@@ -213,7 +207,7 @@ def quantize_weights(reader: TensorReader, weights: Sequence[ExpertWeight], dtyp
     Returns
     -------
     (data uint8 ``[N, K/2]``, scales float8_e4m3fn ``[N, K/16]``, global_scale float32 ``[]``) as numpy. NVFP4
-    weights are not quantized again: :func:`nvfp4_parts`.
+    weights are not quantized again: :func:`nvfp4_parts` (pre-quantized gate and up: global scales ``[2]``).
     """
     if weights[0].nvfp4:
         return nvfp4_parts(reader, weights)

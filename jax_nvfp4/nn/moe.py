@@ -113,6 +113,8 @@ class NVFP4ExpertWeights(_ExpertBiases, nnx.Module):
     gate_up_global_scale : QuantizedWeight float32 ``[E]``
     down_data, down_scales, down_global_scale : the same for ``[E, H, I]``
     gate_up_bias, down_bias : QuantizedWeight (the experts' biases, as given: not quantized), or None
+    up_global_scale : QuantizedWeight float32 ``[E]``, the up rows' own global scales
+        (:attr:`~jax_nvfp4.NVFP4Experts.up_global_scale`), or None
     gated : bool; dtype : the source dtype recorded by the quantizer; order : the byte order of
         the data and scales (:attr:`jax_nvfp4.NVFP4Array.order`); valid_sizes : the experts' (static)
 
@@ -134,6 +136,8 @@ class NVFP4ExpertWeights(_ExpertBiases, nnx.Module):
         for name in BIAS_FIELDS:
             b = getattr(experts, name)
             setattr(self, name, None if b is None else QuantizedWeight(b))
+        up = experts.up_global_scale
+        self.up_global_scale = None if up is None else QuantizedWeight(up)
         self.gated = experts.gated
         self.dtype = jnp.dtype(experts.gate_up.dtype)
         self.valid_sizes = experts.valid_sizes
@@ -154,8 +158,9 @@ class NVFP4ExpertWeights(_ExpertBiases, nnx.Module):
         def part(name):
             return NVFP4Array(getattr(self, f"{name}_data{tag}")[...], getattr(self, f"{name}_scales{tag}")[...],
                               getattr(self, f"{name}_global_scale")[...], self.dtype, self.order)
+        up = self.up_global_scale
         return NVFP4Experts(part("gate_up"), part("down"), self.gated, **self.biases(),
-                            valid_sizes=self.valid_sizes)
+                            valid_sizes=self.valid_sizes, up_global_scale=None if up is None else up[...])
 
 
 def check_choice(value, choices, name):
