@@ -47,15 +47,16 @@ def with_biases(experts, seed):
 @pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
 @pytest.mark.parametrize("act", GATED)
 @pytest.mark.parametrize("order", ["rows", "blocked"])
-def test_moe_up_scale_is_bitwise_the_folded_experts(backend, mode, act, order):
+@pytest.mark.parametrize("t", [5, 300])  # (on the GPU: the align-in-GEMM decode kernel; 64-row and wgmma tiles)
+def test_moe_up_scale_is_bitwise_the_folded_experts(backend, mode, act, order, t):
     ex = make_experts(3, 8, 128, 128)
     if act == "swiglu_oai":
         ex = with_biases(ex, 4)
     if order == "blocked":
         ex = nv.to_blocked_experts(ex)
     own, folded = doubled_up(ex)
-    x = make_x(5, 40, 128)
-    ids, w = make_routing(6, 40, 4, 8)
+    x = make_x(5, t, 128)
+    ids, w = make_routing(6, t, 4, 8)
     run = jax.jit(lambda ex: nv.moe(x, ex, topk_ids=ids, topk_weights=w, mode=mode, activation=act, backend=backend))
     got, want = run(own), run(folded)
     assert np.isfinite(f32(want)).all() and (f32(want) != 0).any()
@@ -66,16 +67,17 @@ def test_moe_up_scale_is_bitwise_the_folded_experts(backend, mode, act, order):
 @pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
 @pytest.mark.parametrize("act", ["swiglu", "swiglu_oai"])
 def test_moe_random_up_scales_match_twin_and_xla(mode, act):
-    ex = make_experts(7, 8, 64, 32)
+    ex = make_experts(7, 8, 128, 64)
     if act == "swiglu_oai":
         ex = with_biases(ex, 8)
     up = jnp.asarray(np.random.default_rng(9).uniform(0.1, 3, 8) / 8, jnp.float32)
     ex = dataclasses.replace(ex, up_global_scale=up)
-    x = make_x(10, 33, 64)
+    x = make_x(10, 33, 128)
     ids, w = make_routing(11, 33, 4, 8)
-    got = jax.jit(lambda x: ops.moe(x, ex, ids, w, mode=mode, activation=act))(x)
-    twin = jax.jit(lambda x: ops.moe(x, ex, ids, w, mode=mode, activation=act, impl="jax"))(x)
-    assert relerr(got, twin) < 1e-5
+    # (eager: jitted, XLA's CPU fusions of the twin move it by ~3e-3 with biases, up scales or not)
+    got = ops.moe(x, ex, ids, w, mode=mode, activation=act)
+    twin = ops.moe(x, ex, ids, w, mode=mode, activation=act, impl="jax")
+    assert relerr(got, twin) < (1e-2 if jax.default_backend() == "gpu" else 1e-4)
     xla = nv.moe(x, ex, topk_ids=ids, topk_weights=w, mode=mode, activation=act, backend="xla")
     assert relerr(got, xla) < 1e-2
     if mode == "w4a16":  # against the experts' values in bf16 (weights rounded: a looser bound)
@@ -138,7 +140,8 @@ def test_gemm_up_alpha(on_gpu, kernel, act, row_mode, out_dtype):
     np.testing.assert_array_equal(run(w.global_scale)[used], base)
     np.testing.assert_array_equal(run(2 * w.global_scale)[used], 2 * base)
     up = jnp.asarray(rng.uniform(0.2, 3, e) / np.sqrt(h), jnp.float32)
-    assert relerr(run(up)[used], run(up, "jax")[used]) < 1e-5
+    # (the twin's dot sums in another order: on the GPU a few bf16 outputs round the other way; a wrong scale is ~1)
+    assert relerr(run(up)[used], run(up, "jax")[used]) < (1e-3 if on_gpu else 1e-5)
 
 
 def test_dequantized_and_indexing():
@@ -171,12 +174,12 @@ def test_bad_up_scales_are_named():
     # the custom call's own check (the alpha operand [2, E] is for gated activations)
     ops.ensure_registered()
     with pytest.raises(Exception, match=r"alpha must be \[E\] = \[4\], got \[2, 4\]"):
-        jax.ffi.ffi_call(ops.TARGET_GEMM, jax.ShapeDtypeStruct((sid.shape[0], 64), BF16))(
-            jnp.zeros((2, 32), BF16), ex.down.data, ex.down.scales, jnp.ones((2, 4), jnp.float32),
+        jax.block_until_ready(jax.ffi.ffi_call(ops.TARGET_GEMM, jax.ShapeDtypeStruct((sid.shape[0], 64), BF16))(
+            a, ex.gate_up.data, ex.gate_up.scales, jnp.ones((2, 4), jnp.float32),
             jnp.zeros((0,), jnp.float32), sid, te, jnp.zeros((1,), jnp.float32),
             activation=np.int64(ops.Activation.IDENTITY), row_scale_mode=np.int64(0), top_k=np.int64(1),
             gather=np.int64(1), tile_m=np.int64(8), k_split=np.int64(1), pairing=np.int64(0),
-            kernel_flags=np.int64(0))
+            kernel_flags=np.int64(0)))  # (a GPU handler's error comes with the result)
 
 
 def test_flashinfer_declines_up_scales():
