@@ -407,7 +407,8 @@ ffi::Error CheckGemm(const char* op, const A& a, const W& w, const WS& ws, const
   auto al = alpha.dimensions();
   if (!(al.size() == 1 && al[0] == d->E) && !(gated && al.size() == 2 && al[0] == 2 && al[1] == d->E))
     return Invalid(op, "alpha must be [E] = [" + std::to_string(d->E) + "]" +
-                           (gated ? " or [2, E] (gate rows', up rows')" : "") + ", got " + ShapeStr(al));
+                           (gated ? " or [2, E] (gate rows', up rows')" : " ([2, E] only with a gated activation)") +
+                           ", got " + ShapeStr(al));
   d->up_alpha = al.size() == 2;
   if (gated && d->N % 2 != 0)
     return Invalid(op, "a gated activation needs an even N (rows [gate; up]), got N = " +

@@ -450,7 +450,10 @@ class NVFP4Experts(_ExpertShapes):
 
     def dequantized(self, dtype=jnp.bfloat16) -> "BF16Experts":
         """The experts' values, ``dtype(e2m1 * block scale * global scale)`` (fp32 products), as
-        :class:`BF16Experts` (each GEMM1 half with its own global scale)."""
+        :class:`BF16Experts` (each GEMM1 half with its own global scale; zero-padded experts cut back to their
+        ``valid_sizes``)."""
+        if self.valid_sizes is not None:
+            return from_blocked_experts(self).dequantized(dtype)
         gu = self.gate_up
         if self.up_global_scale is not None:  # a global scale per row: [..., E, 2I]
             gate, up = self.gate_up_alphas()

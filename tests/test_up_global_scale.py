@@ -155,6 +155,12 @@ def test_dequantized_and_indexing():
     np.testing.assert_array_equal(d.gate_up[:, 128:], gu[:, 128:] * up[:, None, None])
     np.testing.assert_array_equal(d.down, nv.dequantize(ex.down, jnp.float32))
     np.testing.assert_array_equal(nv.to_blocked_experts(own).dequantized(jnp.float32).gate_up, d.gate_up)
+    # zero-padded (blocked, H = 64 and I = 32 to 128): the values cut back to H and I
+    small = dataclasses.replace(make_experts(15, 4, 64, 32), up_global_scale=up)
+    padded = nv.to_blocked_experts(small)
+    assert padded.valid_sizes == (64, 32)
+    for a, b in zip(jax.tree.leaves(padded.dequantized(jnp.float32)), jax.tree.leaves(small.dequantized(jnp.float32))):
+        np.testing.assert_array_equal(a, b)
     shared = dataclasses.replace(ex, up_global_scale=ex.gate_up.global_scale)
     stacked = jax.tree.map(lambda *v: jnp.stack(v), shared, own)  # (layers)
     np.testing.assert_array_equal(stacked[1].up_global_scale, up)
@@ -174,7 +180,8 @@ def test_bad_up_scales_are_named():
                          sid, te, tile_m=8, activation=ops.Activation.RELU2, up_alpha=jnp.ones((4,), jnp.float32))
     # the custom call's own check (the alpha operand [2, E] is for gated activations)
     ops.ensure_registered()
-    with pytest.raises(Exception, match=r"alpha must be \[E\] = \[4\], got \[2, 4\]"):
+    with pytest.raises(Exception, match=r"alpha must be \[E\] = \[4\] \(\[2, E\] only with a gated activation\), "
+                                        r"got \[2, 4\]"):
         jax.block_until_ready(jax.ffi.ffi_call(ops.TARGET_GEMM, jax.ShapeDtypeStruct((sid.shape[0], 64), BF16))(
             a, ex.gate_up.data, ex.gate_up.scales, jnp.ones((2, 4), jnp.float32),
             jnp.zeros((0,), jnp.float32), sid, te, jnp.zeros((1,), jnp.float32),

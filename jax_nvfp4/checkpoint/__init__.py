@@ -14,7 +14,8 @@ Output (NVFP4 checkpoint): for each quantized expert, with ``P = {module}.expert
 - ``P.gate_up_proj.weight_scale``: float8_e4m3fn (``F8_E4M3``) ``[2I, H/16]``, block decode scales,
   linear layout;
 - ``P.gate_up_proj.weight_global_scale``: float32 ``[]``, the global *decode* scale (one per expert,
-  shared by gate and up);
+  shared by gate and up), or ``[2]``, gate's then up's, in modules whose ``moe_modules`` entry has
+  ``up_global_scale`` (pre-quantized gate and up; format version 3);
 - ``P.down_proj.weight`` ``[H, I/2]``, ``P.down_proj.weight_scale`` ``[H, I/16]``,
   ``P.down_proj.weight_global_scale`` ``[]``: the same for GEMM2;
 - ``P.gate_up_proj.bias`` ``[2I]`` (gate entries first) and ``P.down_proj.bias`` ``[H]``: the expert

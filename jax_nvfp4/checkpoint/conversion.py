@@ -154,7 +154,7 @@ def _nvfp4_config(layers, ignore, recipe, dropped) -> dict:
     src = sorted({ly.source_name for ly in quantized})
     return {
         "format": FORMAT_NAME,
-        # the oldest version that holds it (readers refuse newer ones)
+        # 3 only where needed: readers refuse newer versions than theirs, and version 2's read all the rest
         "format_version": FORMAT_VERSION if any(ly.up_global_scale for ly in quantized) else 2,
         "quant_algo": "NVFP4",
         "recipe": recipe,

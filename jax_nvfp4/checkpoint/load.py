@@ -59,7 +59,8 @@ def quantize_checkpoint_experts(src, *, ignore: Sequence[str] = (), recipe: str 
     Returns
     -------
     dict mapping MoE module name (e.g. ``"model.layers.0.mlp"``) to NVFP4Experts with gate_up
-    ``[E, 2I, H]`` (or ``[E, I, H]`` not gated) and down ``[E, H, I]``, global scales ``[E]``, and the
+    ``[E, 2I, H]`` (or ``[E, I, H]`` not gated) and down ``[E, H, I]``, global scales ``[E]`` (and
+    ``up_global_scale [E]`` where a pre-quantized source's gate and up scales differ), and the
     source's expert biases when it has them (gpt-oss: ``gate_up_bias [E, 2I]``, ``down_bias [E, H]``,
     bfloat16 as stored or float32). Ignored modules are absent.
     """
