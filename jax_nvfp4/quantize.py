@@ -108,8 +108,9 @@ def _check_input(x, name="x"):
         raise ValueError(f"{name}: the last dimension K must be a multiple of {BLOCK}, got shape {x.shape}")
 
 
-def _quantize(x, amax, *, recipe: str, per_token: bool):
-    """Quantize ``x [..., K]`` with global amax ``amax`` (shape a prefix of ``x.shape[:-1]``).
+def _quantize(x, amax, *, recipe: str, per_token: bool, enc=None):
+    """Quantize ``x [..., K]`` with global amax ``amax`` (shape a prefix of ``x.shape[:-1]``), or with the given
+    global encode scale ``enc`` in its place (``amax`` None, ``per_token`` False).
 
     Returns ``(NVFP4Array, pick4)``; ``pick4`` ``[..., K/16]`` marks the 4over6 blocks that kept
     the 1.5x scale (None for ``"nvfp4"``).
@@ -119,10 +120,13 @@ def _quantize(x, amax, *, recipe: str, per_token: bool):
     lead = x.shape[:-1]
     nb = x.shape[-1] // BLOCK
     xb = xf.reshape(lead + (nb, BLOCK))
-    amax = jnp.asarray(amax, jnp.float32)
-    a_row = amax.reshape(amax.shape + (1,) * (len(lead) - amax.ndim + 1))  # broadcasts over [..., nb]
-
-    enc = global_encode_scale(a_row)
+    if enc is None:
+        amax = jnp.asarray(amax, jnp.float32)
+        a_row = amax.reshape(amax.shape + (1,) * (len(lead) - amax.ndim + 1))  # broadcasts over [..., nb]
+        enc = global_encode_scale(a_row)
+    else:
+        amax = jnp.asarray(enc, jnp.float32)  # (only its shape is used below)
+        enc = a_row = amax.reshape(amax.shape + (1,) * (len(lead) - amax.ndim + 1))
     dec = ex.div_rn(1.0, enc)
     vmax = ex.abs_max(xb, axis=-1)  # [..., nb]
     if recipe == "nvfp4":
@@ -149,7 +153,8 @@ def _quantize(x, amax, *, recipe: str, per_token: bool):
     return NVFP4Array(data, scales, gs, jnp.dtype(x.dtype)), pick4
 
 
-def quantize(x, *, per_token: bool = False, recipe: str = "nvfp4", global_amax=None) -> NVFP4Array:
+def quantize(x, *, per_token: bool = False, recipe: str = "nvfp4", global_amax=None,
+             global_encode_scale=None) -> NVFP4Array:
     """Quantize to NVFP4 exactly as FlashInfer's reference quantizer does.
 
     Parameters
@@ -166,6 +171,13 @@ def quantize(x, *, per_token: bool = False, recipe: str = "nvfp4", global_amax=N
         Overrides the computed amax, e.g. to share one scale across gate and up or across
         devices. Its shape must be a prefix of ``x.shape[:-1]`` (``[]`` per tensor, ``[E]`` per
         expert, ``x.shape[:-1]`` per row); the stored ``global_scale`` has that shape.
+    global_encode_scale : optional float32 array, finite and > 0
+        The global encode scale itself (``enc`` of spec section 2; FlashInfer's ``fp4_quantize(x, global_scale)``
+        takes this one), e.g. a static activation scale's ``1 / input_scale``, in place of one computed from an
+        amax; shaped as ``global_amax``, and not with it. The stored ``global_scale`` is ``fp32(1 / enc)``;
+        values beyond ``448 * 6 / enc`` saturate (block scales clamp to 448, elements to 6). ``per_token`` is
+        then ignored (the shape says which rows share a scale), and 4over6's block errors are the per-tensor
+        ones, ``(q_i * s8) * dec``.
 
     Returns
     -------
@@ -190,6 +202,16 @@ def quantize(x, *, per_token: bool = False, recipe: str = "nvfp4", global_amax=N
                         "(static_argnames=('per_token',))")
     if recipe not in RECIPES:
         raise ValueError(f"recipe must be one of {RECIPES}, got {recipe!r}")
+    if global_encode_scale is not None:
+        if global_amax is not None:
+            raise ValueError("quantize: give global_amax or global_encode_scale, not both")
+        enc = jnp.asarray(global_encode_scale, jnp.float32)
+        if tuple(enc.shape) != tuple(x.shape[: enc.ndim]) or enc.ndim > x.ndim - 1:
+            raise ValueError(
+                f"global_encode_scale shape {enc.shape} must be a prefix of x.shape[:-1] = {x.shape[:-1]}")
+        if not isinstance(enc, jax.core.Tracer) and not bool(jnp.all(jnp.isfinite(enc) & (enc > 0))):
+            raise ValueError(f"global_encode_scale must be finite and > 0, got {np.asarray(enc).ravel()[:4]}")
+        return _quantize(x, None, recipe=recipe, per_token=False, enc=enc)[0]
     if global_amax is not None:
         amax = jnp.asarray(global_amax, jnp.float32)
         if tuple(amax.shape) != tuple(x.shape[: amax.ndim]) or amax.ndim > x.ndim - 1:

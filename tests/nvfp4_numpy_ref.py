@@ -41,14 +41,19 @@ def _sq_error(xb, codes, s8, dec, amax, per_token):
     return err
 
 
-def quantize_ref(x, per_token=False, recipe="nvfp4"):
-    """x: float32 [rows, K] -> (packed uint8, e4m3 bits uint8, global decode float32)."""
+def quantize_ref(x, per_token=False, recipe="nvfp4", enc=None):
+    """x: float32 [rows, K] -> (packed uint8, e4m3 bits uint8, global decode float32); ``enc``: a given global
+    encode scale (scalar, or one per row with ``per_token``) in place of the amax's."""
     x = np.asarray(x, F32)
     rows, k = x.shape
     with np.errstate(divide="ignore", over="ignore", invalid="ignore", under="ignore"):
         amax = np.max(np.abs(x), axis=1) if per_token else np.full(rows, np.max(np.abs(x)), F32)
-        enc = np.minimum(F32(2688) / amax.astype(F32), FLT_MAX).astype(F32)
-        enc = np.where(enc == 0, F32(1), enc).astype(F32)
+        given = enc is not None
+        if given:
+            enc = np.broadcast_to(np.asarray(enc, F32), (rows,)).astype(F32)
+        else:
+            enc = np.minimum(F32(2688) / amax.astype(F32), FLT_MAX).astype(F32)
+            enc = np.where(enc == 0, F32(1), enc).astype(F32)
         dec = (F32(1) / enc).astype(F32)
         xb = x.reshape(rows, k // 16, 16)
         vmax = np.max(np.abs(xb), axis=2)
@@ -57,9 +62,10 @@ def quantize_ref(x, per_token=False, recipe="nvfp4"):
         else:  # section 2a
             sf6 = np.where(vmax == 0, F32(0), ((vmax / F32(6)).astype(F32) * enc[:, None]).astype(F32))
             (b4, s4, c4), (b6, s6, c6) = (_encode(xb, sf, dec) for sf in ((sf6 * F32(1.5)).astype(F32), sf6))
-            pick4 = _sq_error(xb, c4, s4, dec, amax, per_token) < _sq_error(xb, c6, s6, dec, amax, per_token)
+            per_row = per_token and not given  # (a given scale: the per-tensor error terms)
+            pick4 = _sq_error(xb, c4, s4, dec, amax, per_row) < _sq_error(xb, c6, s6, dec, amax, per_row)
             s_bits, codes = np.where(pick4, b4, b6), np.where(pick4[..., None], c4, c6)
     codes = codes.reshape(rows, k)
     data = codes[:, 0::2] | (codes[:, 1::2] << 4)
-    gs = np.where(amax == 0, F32(0), dec) if per_token else dec[:1].reshape(())
+    gs = dec if per_token and given else np.where(amax == 0, F32(0), dec) if per_token else dec[:1].reshape(())
     return data, s_bits, gs.astype(F32)

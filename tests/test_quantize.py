@@ -70,6 +70,48 @@ def test_global_amax_override_shares_scale():
         nv.quantize(x, global_amax=jnp.ones((3,)))
 
 
+@pytest.mark.parametrize("recipe", ["nvfp4", "4over6"])
+@pytest.mark.parametrize("name", QUANT_FILES)
+def test_golden_given_encode_scale(name, recipe):
+    """The reference's own encode scale, given: the reference's bytes (FlashInfer's fp4_quantize takes it so)."""
+    z = golden(name)
+    x = jnp.asarray(z["x_bf16_bits"].view(ml_dtypes.bfloat16))
+    variant = "tensor" if recipe == "nvfp4" else "fourover6_tensor"
+    data, scales, gs = _bytes(nv.quantize(x, recipe=recipe, global_encode_scale=z["tensor_global_encode"].reshape(())))
+    np.testing.assert_array_equal(data, z[f"{variant}_data"])
+    np.testing.assert_array_equal(scales, z[f"{variant}_scales"])
+    assert gs.tobytes() == z["tensor_global_decode"].astype(np.float32).tobytes()
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.floats(1e-3, 1e3), st.booleans(), st.sampled_from(["nvfp4", "4over6"]))
+def test_given_encode_scale_matches_reference(seed, scale, per_row, recipe):
+    """Static scales (e.g. a checkpoint's activation input_scale): any encode scale, per tensor or per row, values
+    past ``2688 / enc`` saturating (block scales at 448, elements at 6), as the numpy reference computes them."""
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((6, 64)) * rng.uniform(0.01, 100, (6, 1))).astype(np.float32)
+    enc = (np.float32(2688) / np.abs(x).max(axis=1) * np.float32(scale)).astype(np.float32)
+    enc = enc if per_row else enc[0]
+    data, scales, gs = _bytes(jax.jit(lambda x, e: nv.quantize(x, recipe=recipe, global_encode_scale=e))(x, enc))
+    rd, rs, rg = quantize_ref(x, per_token=per_row, recipe=recipe, enc=enc)
+    np.testing.assert_array_equal(data, rd)
+    np.testing.assert_array_equal(scales, rs)
+    np.testing.assert_array_equal(gs, rg)
+    if scale > 1.01:  # the scale covers less than the row's amax: its top block scale saturates
+        assert (scales.max(axis=-1) == 0x7E).any()
+
+
+def test_given_encode_scale_errors():
+    x = jnp.ones((4, 32), jnp.bfloat16)
+    with pytest.raises(ValueError, match="not both"):
+        nv.quantize(x, global_amax=1.0, global_encode_scale=1.0)
+    with pytest.raises(ValueError, match=r"global_encode_scale shape \(3,\) must be a prefix"):
+        nv.quantize(x, global_encode_scale=jnp.ones((3,)))
+    for bad in (0.0, -1.0, np.inf, np.nan):
+        with pytest.raises(ValueError, match="global_encode_scale must be finite and > 0"):
+            nv.quantize(x, global_encode_scale=bad)
+
+
 def test_quantize_experts_shares_gate_up_scale():
     k = jax.random.split(jax.random.key(1), 2)
     gu = jax.random.normal(k[0], (3, 64, 32), jnp.bfloat16)
