@@ -442,12 +442,6 @@ class NVFP4Experts(_ExpertShapes):
                     raise ValueError(f"NVFP4Experts.up_global_scale must be float32 [..., E]="
                                      f"{list(self.gate_up.shape[:-2])}, got {up.dtype} {list(up.shape)}")
 
-    def gate_up_alphas(self):
-        """GEMM1's global decode scales, float32 ``[..., E]`` each: ``(gate rows', up rows')`` (the same array
-        twice without :attr:`up_global_scale`)."""
-        g = self.gate_up.global_scale
-        return g, (g if self.up_global_scale is None else self.up_global_scale)
-
     def dequantized(self, dtype=jnp.bfloat16) -> "BF16Experts":
         """The experts' values, ``dtype(e2m1 * block scale * global scale)`` (fp32 products), as
         :class:`BF16Experts` (each GEMM1 half with its own global scale; zero-padded experts cut back to their
@@ -456,9 +450,9 @@ class NVFP4Experts(_ExpertShapes):
             return from_blocked_experts(self).dequantized(dtype)
         gu = self.gate_up
         if self.up_global_scale is not None:  # a global scale per row: [..., E, 2I]
-            gate, up = self.gate_up_alphas()
             rows = jnp.arange(gu.shape[-2]) < gu.shape[-2] // 2
-            gu = NVFP4Array(gu.data, gu.scales, jnp.where(rows, gate[..., None], up[..., None]), gu.dtype, gu.order)
+            per_row = jnp.where(rows, gu.global_scale[..., None], self.up_global_scale[..., None])
+            gu = NVFP4Array(gu.data, gu.scales, per_row, gu.dtype, gu.order)
         return BF16Experts(dequantize(gu, dtype), dequantize(self.down, dtype), self.gated, self.gate_up_bias,
                            self.down_bias)
 

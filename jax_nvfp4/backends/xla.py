@@ -188,16 +188,15 @@ def _plan(flat_ids, num_experts, offset, dispatch):
 
 
 def _weights(experts, hit):
-    """bf16 GEMM operands (of the hit experts, if given) and per-expert alphas: GEMM1's gate and up rows', GEMM2's
-    (None for bf16)."""
+    """bf16 GEMM operands (of the hit experts, if given) and per-expert alphas: GEMM1's, its up rows' own (None
+    without ``up_global_scale``), GEMM2's (all None for bf16)."""
     if isinstance(experts, NVFP4Experts):
-        gu, dn = experts.gate_up, experts.down
-        alpha1, alpha1_up = experts.gate_up_alphas()
+        gu, dn, up = experts.gate_up, experts.down, experts.up_global_scale
         if hit is not None:  # gather packed bytes first: decode only what is used
-            gu, dn, alpha1, alpha1_up = gu[hit], dn[hit], alpha1[hit], alpha1_up[hit]
+            gu, dn, up = gu[hit], dn[hit], (None if up is None else up[hit])
         return (dequantize(gu, jnp.bfloat16, apply_global_scale=False),
                 dequantize(dn, jnp.bfloat16, apply_global_scale=False),
-                alpha1, alpha1_up, dn.global_scale.astype(jnp.float32))
+                gu.global_scale.astype(jnp.float32), up, dn.global_scale.astype(jnp.float32))
     w1, w2 = experts.gate_up, experts.down
     if hit is not None:
         w1, w2 = jnp.take(w1, hit, axis=0), jnp.take(w2, hit, axis=0)
@@ -250,10 +249,11 @@ def moe_experts(x, experts, topk_ids, topk_weights, *, mode: str, activation: st
         xs, dx = x[tok], None
     g = _gmm(gmm, xs, w1, sizes)  # [M, N1] f32
     if alpha1 is not None:  # the kernels' order: (da * alpha) per row, then times the sum
-        s_gate, s_up = (a[row_group] if dx is None else dx * a[row_group] for a in (alpha1, alpha1_up))
-        n1 = g.shape[1]
-        g = g * (s_gate[:, None] if experts.up_global_scale is None else
-                 jnp.where(jnp.arange(n1) < n1 // 2, s_gate[:, None], s_up[:, None]))
+        row_scale = lambda a: (a[row_group] if dx is None else dx * a[row_group])[:, None]  # noqa: E731
+        s = row_scale(alpha1)
+        if alpha1_up is not None:  # the up half (the last n1 / 2 features) by its own
+            s = jnp.where(jnp.arange(g.shape[1]) < g.shape[1] // 2, s, row_scale(alpha1_up))
+        g = g * s
     if b1 is not None:
         g = g + b1
     a = activations.apply(activation, g)  # [M, I] f32

@@ -193,17 +193,24 @@ def _find_layers(tensors: dict[str, TensorInfo]) -> dict[str, MoELayer]:
     return layers
 
 
-def _make_weight(params: dict[str, TensorInfo], module: str, e: int, role: str) -> ExpertWeight:
-    if "weight_packed" in params:  # compressed-tensors NVFP4 (any other layout is named in _validate_layer)
+def weight_from_params(params: dict[str, TensorInfo]) -> ExpertWeight:
+    """One projection's :class:`ExpertWeight` from its tensors by parameter name: compressed-tensors' NVFP4
+    ``weight_packed`` (its ``weight_scale``, ``weight_global_scale``, ``input_global_scale``), else ``weight`` with
+    ``weight_scale_inv`` or ``weight_scale``, ``input_scale`` and (NVFP4, ModelOpt) ``weight_scale_2``."""
+    if "weight_packed" in params:  # (any other layout is named in _validate_layer)
         return ExpertWeight(params["weight_packed"], params.get("weight_scale"), params.get("input_global_scale"),
                             global_scale=params.get("weight_global_scale"), encode_global=True)
-    if "weight" not in params:
-        other = next(iter(params.values())).name
-        raise CheckpointError(f"tensor {other!r} has no weight tensor next to it ({module}, expert {e}, {role})")
-    if "weight_scale_inv" in params and "weight_scale" in params:
-        raise CheckpointError(f"tensor {params['weight'].name!r} has both weight_scale_inv and weight_scale")
     scale = params.get("weight_scale_inv", params.get("weight_scale"))
     return ExpertWeight(params["weight"], scale, params.get("input_scale"), global_scale=params.get("weight_scale_2"))
+
+
+def _make_weight(params: dict[str, TensorInfo], module: str, e: int, role: str) -> ExpertWeight:
+    if "weight_packed" not in params and "weight" not in params:
+        other = next(iter(params.values())).name
+        raise CheckpointError(f"tensor {other!r} has no weight tensor next to it ({module}, expert {e}, {role})")
+    if "weight_packed" not in params and "weight_scale_inv" in params and "weight_scale" in params:
+        raise CheckpointError(f"tensor {params['weight'].name!r} has both weight_scale_inv and weight_scale")
+    return weight_from_params(params)
 
 
 def _layer_ignored(layer: MoELayer, ignore: Sequence[str]) -> bool:

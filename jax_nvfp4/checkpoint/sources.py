@@ -22,7 +22,7 @@ import numpy as np
 
 from ..formats import BLOCK, E2M1_TABLE
 from ..quantize import RECIPES, quantize
-from .experts import FP8, MXFP4, ExpertWeight, validate_nvfp4_scales
+from .experts import FP8, MXFP4, ExpertWeight, validate_nvfp4_scales, weight_from_params
 from .safetensors_io import CheckpointError, TensorReader
 from .stacked import read_stacked_bias, read_stacked_rows
 
@@ -145,14 +145,12 @@ def nvfp4_weight(tensors: dict, name: str) -> ExpertWeight | None:
     if prefix is None:
         return None
     if name in tensors and prefix + "weight_scale_2" in tensors:
-        w = ExpertWeight(tensors[name], tensors.get(prefix + "weight_scale"), tensors.get(prefix + "input_scale"),
-                         global_scale=tensors[prefix + "weight_scale_2"])
+        params = ("weight", "weight_scale", "weight_scale_2", "input_scale")
     elif prefix + "weight_packed" in tensors and prefix + "weight_global_scale" in tensors:
-        w = ExpertWeight(tensors[prefix + "weight_packed"], tensors.get(prefix + "weight_scale"),
-                         tensors.get(prefix + "input_global_scale"),
-                         global_scale=tensors[prefix + "weight_global_scale"], encode_global=True)
+        params = ("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale")
     else:
         return None
+    w = weight_from_params({p: tensors[prefix + p] for p in params if prefix + p in tensors})
     validate_nvfp4_scales(w)
     return w
 
