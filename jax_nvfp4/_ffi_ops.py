@@ -42,7 +42,7 @@ from . import _exact
 from .expert_sharding import over_experts, with_batching, with_expert_grads
 from .formats import (BLOCKED_BIT_POS, NVFP4Array, NVFP4Experts, dequantize, from_blocked_weights,
                       require_unstacked)
-from .quantize import quantize
+from .quantize import quant_dequant_static, quantize
 from .routing import shard_ids
 
 try:
@@ -1088,9 +1088,10 @@ def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str =
     if k_split_decode_only and tile_m > MAX_SPLIT_TILE_M:
         k_split = None  # (larger tiles never split)
     w4a4 = MODES[mode] == Mode.W4A4
+    static = w4a4 and experts.input_scales is not None  # static activation scales: each pair's own rows
     # w4a4 decode: the align and the quantize of x in one launch (moe_align_quant), where the align is
     # the one-warp kernel and x is quantized by the kernel.
-    align_quant = (w4a4 and impl == "ffi" and t * k <= ALIGN_ONE_WARP_PAIRS and not kernel_flags & (
+    align_quant = (w4a4 and not static and impl == "ffi" and t * k <= ALIGN_ONE_WARP_PAIRS and not kernel_flags & (
         KernelFlag.SEPARATE_X_QUANT | KernelFlag.ALIGN_ONE_CTA | KernelFlag.JAX_QUANT))
     w_flat = jnp.asarray(topk_weights, jnp.float32).reshape(t * k)
     common = dict(tile_m=tile_m, top_k=k, impl=impl, kernel_flags=kernel_flags)
@@ -1153,7 +1154,13 @@ def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str =
         # where the next GEMM reads them so (x for the warp-specialized GEMM1, the intermediate for
         # the TMA-fed GEMM2).
         q_impl = "jax" if kernel_flags & KernelFlag.JAX_QUANT else impl
-        if align_quant:
+        gemm1 = dict(common)
+        if static:  # x's row per pair, on its expert's scale (in JAX); GEMM1 gathers pair p's row (top_k 1)
+            s_in = experts.input_scales
+            xq, x_scale = quant_dequant_static(jnp.repeat(x.astype(jnp.bfloat16), k, axis=0),
+                                               s_in[jnp.clip(topk_ids.reshape(t * k) - offset, 0, e - 1), 0])
+            xq, gemm1["top_k"] = to_chunk_order(xq) if ws else xq, 1
+        elif align_quant:
             sorted_ids, tile_expert, pair_to_row, xq, x_scale = moe_align_quant(
                 topk_ids, x.astype(jnp.bfloat16), e, tile_m=tile_m, expert_offset=offset, chunk_out=ws,
                 kernel_flags=kernel_flags)
@@ -1165,11 +1172,14 @@ def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str =
         h1 = grouped_gemm(xq, experts.gate_up, sorted_ids, tile_expert, activation=act, gather=True,
                           row_scale=x_scale, row_scale_mode=RowScale.TOKEN, out_dtype=jnp.float32, k_split=ks1,
                           pairing=(p1 & ~Pairing.CHUNK_OUT) | a1, bias=experts.gate_up_bias, up_alpha=up_alpha,
-                          **common)
+                          **gemm1)
         # Rows of unused tiles are never written by the GPU: row_ids makes them zeros. The scales
         # come out times the rows' routing weights: GEMM2's row scales.
-        aq, rs = quant_dequant_rows(h1, sorted_ids, row_weights=w_flat, chunk_out=chunk, impl=q_impl,
-                                    kernel_flags=kernel_flags)
+        if static:
+            aq, rs = _static_gemm2_rows(h1, sorted_ids, tile_expert, w_flat, s_in[:, 1], tile_m, chunk)
+        else:
+            aq, rs = quant_dequant_rows(h1, sorted_ids, row_weights=w_flat, chunk_out=chunk, impl=q_impl,
+                                        kernel_flags=kernel_flags)
         y = grouped_gemm(aq, experts.down, sorted_ids, tile_expert, activation=Activation.IDENTITY,
                          row_scale=rs, row_scale_mode=RowScale.ROW, k_split=ks2, pairing=p2, **common2)
     out = moe_finalize(y, pair_to_row, impl=impl, kernel_flags=kernel_flags)
@@ -1182,6 +1192,20 @@ def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str =
     b2 = experts.down_bias.astype(jnp.float32)[jnp.clip(local, 0, e - 1)]  # [T, k, H]
     w = jnp.where(ok, jnp.asarray(topk_weights, jnp.float32), 0.0)
     return (out.astype(jnp.float32) + jnp.sum(w[..., None] * b2, axis=1)).astype(jnp.bfloat16)
+
+
+def _static_gemm2_rows(h1, sorted_ids, tile_expert, row_weights, input_scale, tile_m: int, chunk_out: bool):
+    """:func:`quant_dequant_rows` of GEMM1's sorted rows on their experts' static scales (``input_scale [E]``): the
+    rows in bfloat16 and GEMM2's row scales, routing weight times the input scale (0 and zeros for rows of no
+    pair or of unused tiles)."""
+    e = input_scale.shape[0]
+    te = jnp.repeat(tile_expert, tile_m, total_repeat_length=sorted_ids.shape[0])
+    n = row_weights.shape[0]
+    used = (sorted_ids >= 0) & (sorted_ids < n) & (te >= 0) & (te < e)
+    aq, s = quant_dequant_static(jnp.where(used[:, None], h1, 0).astype(h1.dtype),
+                                 input_scale[jnp.clip(te, 0, e - 1)])
+    rs = jnp.where(used, _exact.mul_rn_differentiable(row_weights[jnp.clip(sorted_ids, 0, n - 1)], s), 0.0)
+    return (to_chunk_order(aq) if chunk_out else aq), rs
 
 
 @functools.lru_cache(maxsize=None)

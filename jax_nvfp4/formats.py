@@ -302,7 +302,7 @@ def from_blocked_experts(experts: "NVFP4Experts") -> "NVFP4Experts":
 # to GEMM2's after its own (before the routing weight), as FlashInfer's TensorRT-LLM and CUTLASS kernels add them.
 BIAS_FIELDS = ("gate_up_bias", "down_bias")
 # Optional per-expert arrays besides the weights, indexed with them along the stack axes.
-_PER_EXPERT_FIELDS = BIAS_FIELDS + ("up_global_scale",)
+_PER_EXPERT_FIELDS = BIAS_FIELDS + ("up_global_scale", "input_scales")
 
 
 class _ExpertShapes:
@@ -394,6 +394,14 @@ class NVFP4Experts(_ExpertShapes):
         checkpoints that quantized gate and up apart (NVIDIA ModelOpt's per-expert ``weight_scale_2``) keep both
         exactly, ``alpha1`` of the gate half and ``alpha1_up`` of the up half (SGLang's ``g1_alphas_up``). None
         (what :func:`~jax_nvfp4.quantize_experts` gives): one shared scale.
+    input_scales : optional float32 ``[E, 2]``, finite and > 0
+        Static activation scales for mode ``w4a4`` (NVIDIA ModelOpt's calibrated ``input_scale``, a global *decode*
+        scale, ``amax / 2688``): column 0 for GEMM1's input (x), column 1 for GEMM2's (the intermediate). Where set,
+        w4a4 quantizes a token's row for expert ``e`` with the global encode scale ``fp32(1 / input_scales[e, j])``
+        (values beyond ``2688 * input_scales[e, j]`` saturate) and scales the GEMM by ``input_scales[e, j]``, as the
+        serving stacks run ModelOpt checkpoints on Blackwell (their FlashInfer backends give every expert the
+        layer's maximum: :func:`~jax_nvfp4.checkpoint.load_nvfp4_experts` does so); None (the default): scales per
+        token, computed at run time. Mode ``w4a16`` ignores them.
 
     Stacked experts (several layers' sets, ``[L, E, N, K]`` and global scales ``[L, E]``; any leading axes) are
     what ``jax.vmap`` of :func:`~jax_nvfp4.quantize_experts` returns and what ``jax.lax.scan`` over layers takes;
@@ -407,6 +415,7 @@ class NVFP4Experts(_ExpertShapes):
     down_bias: Any = None
     valid_sizes: Any = dataclasses.field(default=None, metadata=dict(static=True))
     up_global_scale: Any = None
+    input_scales: Any = None
 
     def __post_init__(self):
         if self.valid_sizes is not None and (
@@ -441,6 +450,15 @@ class NVFP4Experts(_ExpertShapes):
                 if up.dtype != jnp.float32 or tuple(up.shape) != self.gate_up.shape[:-2]:
                     raise ValueError(f"NVFP4Experts.up_global_scale must be float32 [..., E]="
                                      f"{list(self.gate_up.shape[:-2])}, got {up.dtype} {list(up.shape)}")
+            s = self.input_scales
+            if s is not None and _is_array(s):
+                want = self.gate_up.shape[:-2] + (2,)
+                if s.dtype != jnp.float32 or tuple(s.shape) != want:
+                    raise ValueError(f"NVFP4Experts.input_scales must be float32 [..., E, 2]={list(want)} (GEMM1's "
+                                     f"and GEMM2's input decode scale per expert), got {s.dtype} {list(s.shape)}")
+                if not isinstance(s, jax.core.Tracer) and not bool(jnp.all(jnp.isfinite(s) & (s > 0))):
+                    raise ValueError(f"NVFP4Experts.input_scales must be finite and > 0, got "
+                                     f"{np.asarray(s).ravel()[:4]}")
 
     def dequantized(self, dtype=jnp.bfloat16) -> "BF16Experts":
         """The experts' values, ``dtype(e2m1 * block scale * global scale)`` (fp32 products), as
@@ -468,9 +486,10 @@ class NVFP4Experts(_ExpertShapes):
     @classmethod
     def from_parts(cls, gate_up_data, gate_up_scales, gate_up_global_scale, down_data, down_scales,
                    down_global_scale, *, gated: bool = True, dtype=jnp.bfloat16, gate_up_bias=None,
-                   down_bias=None, up_global_scale=None) -> "NVFP4Experts":
+                   down_bias=None, up_global_scale=None, input_scales=None) -> "NVFP4Experts":
         """Build from packed arrays (data uint8, scales float8_e4m3fn or their uint8 bits, global [E]), the
-        optional biases and the up rows' own global scales (:attr:`up_global_scale`)."""
+        optional biases, the up rows' own global scales (:attr:`up_global_scale`) and static activation scales
+        (:attr:`input_scales`)."""
         def scales(s):
             s = jnp.asarray(s)
             return jax.lax.bitcast_convert_type(s, jnp.float8_e4m3fn) if s.dtype == jnp.uint8 else s
@@ -480,7 +499,8 @@ class NVFP4Experts(_ExpertShapes):
             NVFP4Array(jnp.asarray(down_data), scales(down_scales),
                        jnp.asarray(down_global_scale, jnp.float32), jnp.dtype(dtype)),
             gated, gate_up_bias, down_bias,
-            up_global_scale=None if up_global_scale is None else jnp.asarray(up_global_scale, jnp.float32))
+            up_global_scale=None if up_global_scale is None else jnp.asarray(up_global_scale, jnp.float32),
+            input_scales=None if input_scales is None else jnp.asarray(input_scales, jnp.float32))
 
 
 @jax.tree_util.register_dataclass

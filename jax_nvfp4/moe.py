@@ -134,7 +134,10 @@ def moe(x, experts, *, router_logits=None, routing: str = "softmax_topk", top_k:
     mode : str (static), optional
         ``"bf16"`` (BF16Experts), ``"w4a16"`` or ``"w4a4"`` (NVFP4Experts). Default: ``"bf16"`` for
         BF16Experts, ``"w4a16"`` for NVFP4Experts. ``w4a4`` quantizes ``x`` per token and the
-        intermediate per row (spec section 5) and multiplies the exactly decoded values.
+        intermediate per row (spec section 5) and multiplies the exactly decoded values; on experts with static
+        activation scales (:attr:`~jax_nvfp4.NVFP4Experts.input_scales`, from ModelOpt checkpoints) it quantizes
+        each token's row for expert ``e`` and its intermediate there on ``e``'s scales instead (backends ``ffi``
+        and ``xla``).
     local_expert_offset : int (static) or int32 scalar (may be traced)
         Global id of local expert 0 (expert parallelism): only ids in
         ``[local_expert_offset, local_expert_offset + E)`` contribute; summing the outputs of
@@ -265,7 +268,8 @@ def moe(x, experts, *, router_logits=None, routing: str = "softmax_topk", top_k:
                          global_experts=e_global,
                          traced_offset=not isinstance(local_expert_offset, (int, np.integer)),
                          expert_bias=getattr(experts, "has_bias", False),
-                         up_global_scale=getattr(experts, "up_global_scale", None) is not None)
+                         up_global_scale=getattr(experts, "up_global_scale", None) is not None,
+                         static_input_scales=mode == "w4a4" and getattr(experts, "input_scales", None) is not None)
     if batch_invariant:
         if mode == "bf16" or backend not in ("auto", "ffi"):
             raise ValueError(f"batch_invariant=True runs on backend 'ffi' in mode 'w4a16' or 'w4a4' (its K split "

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _exact as ex
-from .formats import BLOCK, E2M1_TABLE, NVFP4Array, NVFP4Experts, _check_expert_shapes, pack_codes
+from .formats import BLOCK, E2M1_TABLE, NVFP4Array, NVFP4Experts, _check_expert_shapes, dequantize, pack_codes
 
 RECIPES = ("nvfp4", "4over6")
 FP4_MAX = 6.0
@@ -224,6 +224,22 @@ def quantize(x, *, per_token: bool = False, recipe: str = "nvfp4", global_amax=N
     else:
         amax = ex.abs_max(x.astype(jnp.float32))
     return _quantize(x, amax, recipe=recipe, per_token=per_token)[0]
+
+
+def quant_dequant_static(x, input_scale):
+    """Mode w4a4's rows on a static activation scale: ``x [R, K]`` quantized per row with the global encode scale
+    ``fp32(1 / input_scale[r])`` (:func:`quantize`'s ``global_encode_scale``; the serving stacks' ``1 / input_scale``)
+    and decoded back without it, exactly in bfloat16 (at most 6 significant bits), as
+    :func:`~jax_nvfp4._ffi_ops.quant_dequant_rows` does per token.
+
+    Returns (bfloat16 ``[R, K]``, ``input_scale`` float32 ``[R]``): the GEMMs' row decode scale is the input scale
+    itself (vLLM's and SGLang's ``g1_alphas = input_scale * weight_scale_2``), not ``fp32(1 / enc)``.
+    """
+    s = jnp.asarray(input_scale, jnp.float32)
+    # The scales' derivative flows through the row scale only (the rounding onto the grid is piecewise constant).
+    enc = jax.lax.stop_gradient(ex.div_rn(np.float32(1.0), s))
+    q = _quantize(x, None, recipe="nvfp4", per_token=False, enc=enc)[0]
+    return dequantize(q, jnp.bfloat16, apply_global_scale=False), s
 
 
 def non_finite_experts(amax_or_scale) -> list:

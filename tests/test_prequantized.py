@@ -1,8 +1,10 @@
 """Pre-quantized NVFP4 checkpoints: as NVIDIA ModelOpt exports them (``weight`` U8 codes, ``weight_scale`` E4M3
-``[N, K/16]``, ``weight_scale_2`` the F32 global decode scale, ``input_scale``) and as compressed-tensors
+``[N, K/16]``, ``weight_scale_2`` the F32 global decode scale, ``input_scale`` the static activation decode scale)
+and as compressed-tensors
 (llm-compressor) writes them (``weight_packed``, ``weight_scale``, ``weight_global_scale`` the F32 global *encode*
 scale, ``input_global_scale``): experts loaded with their bytes as stored, other NVFP4 layers dequantized,
-mismatched gate / up global scales (both kept), NaN block scales, malformed scales.
+mismatched gate / up global scales (both kept), static activation scales (the module's largest kept), NaN block
+scales, malformed scales.
 
 The ModelOpt checkpoints here are written from the bf16 test checkpoint with jax_nvfp4's quantizer (FlashInfer's
 arithmetic; ModelOpt's global scale is the same ``amax / (6 * 448)``), so loading one must give exactly the bytes
@@ -10,8 +12,10 @@ that converting the bf16 checkpoint gives."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import warnings
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -67,8 +71,31 @@ def modelopt_weights(w: dict, *, attention: bool = True, synced: bool = True) ->
         parts[name] = quantized(x, amax)
         p = name[: -len("weight")]
         out[name], out[p + "weight_scale"], out[p + "weight_scale_2"] = parts[name]
-        out[p + "input_scale"] = np.array(0.01, np.float32)  # a static activation scale: unused here
+        out[p + "input_scale"] = input_scale(name)
     return out, parts
+
+
+def input_scale(name: str) -> np.ndarray:
+    """A static activation decode scale of its own for each projection (about 0.01)."""
+    return np.array(0.01 * (1 + (zlib.crc32(name.encode()) % 97) / 97), np.float32)
+
+
+def layer_input_scales(tensors: dict, module: str) -> np.ndarray:
+    """The module's largest gate / up and down input scales, ``[2]``."""
+    def top(roles):
+        return max(float(x) for n, x in tensors.items() if n.startswith(module + ".experts.")
+                   and n.endswith(tuple(f".{r}_proj.input_scale" for r in roles)))
+    return np.array([top(("gate", "up")), top(("down",))], np.float32)
+
+
+def without_input_scales(experts: dict) -> dict:
+    return {m: dataclasses.replace(e, input_scales=None) for m, e in experts.items()}
+
+
+def state_leaves(model, input_scales: bool = True) -> list:
+    """The model's state arrays, without its experts' input scales unless ``input_scales``."""
+    return [v for path, v in jax.tree_util.tree_leaves_with_path(nnx.state(model))
+            if input_scales or "input_scales" not in jax.tree_util.keystr(path)]
 
 
 def write_modelopt(root, tensors):
@@ -109,7 +136,15 @@ def test_modelopt_experts_load_as_stored(ckpts):
     w, mo, parts, conv = ckpts
     experts = nv.load_nvfp4_experts(mo)
     # the bytes of converting the bf16 checkpoint (same quantizer, gate and up sharing one global scale) ...
-    assert_same_experts(experts, nv.load_nvfp4_experts(conv))
+    assert_same_experts(without_input_scales(experts), nv.load_nvfp4_experts(conv))
+    # ... with static activation scales: every expert the module's largest of GEMM1 (gate and up) and of GEMM2
+    tensors = open_checkpoint(mo)
+    with TensorReader() as reader:
+        stored = {n: reader.read(t) for n, t in tensors.tensors.items() if n.endswith("input_scale")}
+    for m, ex in experts.items():
+        want = layer_input_scales(stored, m)
+        assert want[0] != want[1]
+        np.testing.assert_array_equal(ex.input_scales, np.broadcast_to(want, (HF_CONFIG["num_experts"], 2)))
     # ... which are the ModelOpt tensors themselves: gate rows, then up rows
     e = experts["model.layers.1.mlp"]
     p = "model.layers.1.mlp.experts.5."
@@ -124,8 +159,12 @@ def test_modelopt_experts_load_as_stored(ckpts):
     nv.convert_checkpoint(mo, re, progress=False)
     assert_same_experts(nv.load_nvfp4_experts(re), experts)
     cfg = read_nvfp4_config(re)
-    assert cfg["moe_modules"]["model.layers.0.mlp"]["source_dtype"] == "nvfp4"
-    assert p + "gate_proj.input_scale" in cfg["dropped_tensors"]
+    module = cfg["moe_modules"]["model.layers.0.mlp"]
+    assert module["source_dtype"] == "nvfp4" and module["input_scales"] is True and cfg["format_version"] == 3
+    assert not cfg["dropped_tensors"]  # (each projection's input scale kept: gate's and up's as [2])
+    with TensorReader() as reader:
+        kept = reader.read(open_checkpoint(re).tensors["model.layers.1.mlp.experts.5.gate_up_proj.input_scale"])
+    np.testing.assert_array_equal(kept, [stored[p + "gate_proj.input_scale"], stored[p + "up_proj.input_scale"]])
 
 
 def test_modelopt_model_loads_experts_and_dequantized_attention(ckpts, tmp_path):
@@ -141,8 +180,10 @@ def test_modelopt_model_loads_experts_and_dequantized_attention(ckpts, tmp_path)
     conv2 = tmp_path / "converted"
     nv.convert_checkpoint(conftest.write_hf(tmp_path / "bf16", w2, HF_CONFIG), conv2, progress=False)
     other = nvnn.load_qwen3_moe(conv2)
-    for a, b in zip(jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(other)), strict=True):
+    for a, b in zip(state_leaves(model, input_scales=False), state_leaves(other), strict=True):
         assert same_bytes(a, b)
+    np.testing.assert_array_equal(model.model.layers[1].mlp.experts.input_scales[...],
+                                  nv.load_nvfp4_experts(mo)["model.layers.1.mlp"].input_scales)
     q = model.model.layers[0].self_attn.q_proj.kernel[...]
     want = dequantized(parts["model.layers.0.self_attn.q_proj.weight"]).astype(ml_dtypes.bfloat16).T
     assert same_bytes(q, want)
@@ -273,7 +314,9 @@ def compressed_tensors(tensors: dict) -> tuple[dict, dict]:
             out[p + "weight_global_scale"] = np.reshape(enc, [1]).astype(np.float32)
             same[name] = np.asarray(np.float32(1) / enc, np.float32)
         elif name.endswith(".input_scale"):
-            out[name[: -len("input_scale")] + "input_global_scale"] = np.reshape(np.float32(1) / x, [1])
+            enc = np.float32(1) / x
+            out[name[: -len("input_scale")] + "input_global_scale"] = np.reshape(enc, [1])
+            same[name] = np.asarray(np.float32(1) / enc, np.float32)
         elif name.endswith(".weight") and name[: -len("weight")] + "weight_scale_2" in tensors:
             out[name[: -len("weight")] + "weight_packed"] = x
         else:

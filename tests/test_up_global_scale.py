@@ -200,29 +200,33 @@ def test_flashinfer_declines_up_scales():
         nv.prepare_flashinfer_weights(ex)
 
 
-_SHARDED = textwrap.dedent("""
-    import dataclasses, jax, jax.numpy as jnp, numpy as np
-    from jax.sharding import NamedSharding, PartitionSpec as P
-    import jax_nvfp4 as nv
-    k = jax.random.split(jax.random.key(0), 4)
-    ex = nv.quantize_experts(jax.random.normal(k[0], (8, 128, 128), jnp.bfloat16),
-                             jax.random.normal(k[1], (8, 128, 64), jnp.bfloat16))
-    ex = dataclasses.replace(ex, up_global_scale=ex.gate_up.global_scale * jnp.linspace(0.5, 2, 8))
-    x = jax.random.normal(k[2], (12, 128), jnp.bfloat16)
-    logits = jax.random.normal(k[3], (12, 8), jnp.float32)
-    f32 = lambda v: np.asarray(v, np.float32)
-    layer = jax.jit(lambda x, ex: nv.moe(x, ex, router_logits=logits, top_k=2))
-    halves = [jax.tree_util.tree_map(lambda a: a[s], ex) for s in (slice(0, 4), slice(4, 8))]
-    want = f32(jnp.asarray(sum(f32(nv.moe(x, h, router_logits=logits, top_k=2, local_expert_offset=o, backend="ffi"))
-                               for h, o in zip(halves, (0, 4))), jnp.bfloat16))
-    mesh = jax.make_mesh((2,), ("ep",))
-    got = layer(jax.device_put(x, NamedSharding(mesh, P())), jax.device_put(ex, NamedSharding(mesh, P("ep"))))
-    np.testing.assert_array_equal(f32(got), want)
-    print("ok")
-""")
+def sharded_script(replace: str, mode: str = "w4a16") -> str:
+    """A script for :func:`run_on_cpu_devices`: experts changed by ``dataclasses.replace(ex, <replace>)`` placed along
+    E over 2 CPU devices under plain jit give bitwise the sum of the shards run alone (backend ffi)."""
+    return textwrap.dedent(f"""
+        import dataclasses, jax, jax.numpy as jnp, numpy as np
+        from jax.sharding import NamedSharding, PartitionSpec as P
+        import jax_nvfp4 as nv
+        k = jax.random.split(jax.random.key(0), 4)
+        ex = nv.quantize_experts(jax.random.normal(k[0], (8, 128, 128), jnp.bfloat16),
+                                 jax.random.normal(k[1], (8, 128, 64), jnp.bfloat16))
+        ex = dataclasses.replace(ex, {replace})
+        x = jax.random.normal(k[2], (12, 128), jnp.bfloat16)
+        logits = jax.random.normal(k[3], (12, 8), jnp.float32)
+        f32 = lambda v: np.asarray(v, np.float32)
+        layer = jax.jit(lambda x, ex: nv.moe(x, ex, router_logits=logits, top_k=2, mode="{mode}"))
+        halves = [jax.tree_util.tree_map(lambda a: a[s], ex) for s in (slice(0, 4), slice(4, 8))]
+        want = f32(jnp.asarray(sum(f32(nv.moe(x, h, router_logits=logits, top_k=2, local_expert_offset=o,
+                                              mode="{mode}", backend="ffi")) for h, o in zip(halves, (0, 4))),
+                               jnp.bfloat16))
+        mesh = jax.make_mesh((2,), ("ep",))
+        got = layer(jax.device_put(x, NamedSharding(mesh, P())), jax.device_put(ex, NamedSharding(mesh, P("ep"))))
+        np.testing.assert_array_equal(f32(got), want)
+        print("ok")
+    """)
 
 
 def test_up_scales_split_with_their_experts():
     """Experts with up_global_scale placed along E over 2 CPU devices under plain jit: each device's up scales go with
     its experts (the output is the sum of the shards run alone, bitwise)."""
-    run_on_cpu_devices(_SHARDED)
+    run_on_cpu_devices(sharded_script("up_global_scale=ex.gate_up.global_scale * jnp.linspace(0.5, 2, 8)"))

@@ -25,7 +25,8 @@ class MoEProblem:
     known, else None (precomputed routing); ``traced_offset``: ``local_expert_offset`` is a traced
     int32 scalar (e.g. ``lax.axis_index`` under ``shard_map``), not a Python int; ``expert_bias``: the
     experts carry a GEMM1 or GEMM2 bias (``gate_up_bias`` / ``down_bias``); ``up_global_scale``: GEMM1's up
-    rows have their own global scales (:attr:`~jax_nvfp4.NVFP4Experts.up_global_scale`).
+    rows have their own global scales (:attr:`~jax_nvfp4.NVFP4Experts.up_global_scale`); ``static_input_scales``:
+    mode w4a4 quantizes the activations on the experts' static scales (:attr:`~jax_nvfp4.NVFP4Experts.input_scales`).
     """
 
     tokens: int
@@ -39,6 +40,7 @@ class MoEProblem:
     traced_offset: bool = False
     expert_bias: bool = False
     up_global_scale: bool = False
+    static_input_scales: bool = False
 
 
 class Backend(Protocol):

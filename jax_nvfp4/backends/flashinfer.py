@@ -950,6 +950,9 @@ class FlashInferBackend:
             return ("experts whose up rows have their own global scale (up_global_scale) are not passed to "
                     "FlashInfer's kernels here (the CuTe DSL kernels take one GEMM1 alpha an expert); backends 'ffi' "
                     "and 'xla' run them")
+        if problem.static_input_scales:
+            return ("w4a4 on static activation scales (NVFP4Experts.input_scales) is not passed to FlashInfer's "
+                    "kernels here (they quantize per token); backends 'ffi' and 'xla' run it")
         kernel = self.kernel_for(problem)
         if problem.mode not in KERNEL_MODES[kernel]:
             return f"kernel {kernel!r} runs modes {KERNEL_MODES[kernel]}, not {problem.mode!r}"

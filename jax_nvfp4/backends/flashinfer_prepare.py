@@ -181,6 +181,11 @@ def prepare_weights(experts: NVFP4Experts, kernel: str = "cutedsl") -> PreparedW
         raise ValueError("prepare_flashinfer_weights: experts whose up rows have their own global scale "
                          "(up_global_scale) do not run on FlashInfer's kernels here (one GEMM1 alpha an expert); "
                          "run them on backends 'ffi' or 'xla'")
+    if experts.input_scales is not None:
+        raise ValueError("prepare_flashinfer_weights: experts with static activation scales (input_scales) do not "
+                         "run on FlashInfer's kernels here (they quantize w4a4 activations per token); run them on "
+                         "backends 'ffi' or 'xla', or drop the scales for w4a16 "
+                         "(dataclasses.replace(experts, input_scales=None))")
     if experts.gate_up.order == "blocked":  # FlashInfer's layouts start from the rows order
         experts = from_blocked_experts(experts)
     why = layout_unsupported_reason(kernel, experts.hidden_size, experts.intermediate_size, experts.gated)

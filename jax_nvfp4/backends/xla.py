@@ -24,7 +24,9 @@ Pipeline for ``M = T * k`` token-expert pairs (no ``[T, E, H]`` tensor anywhere)
      weights, costing about ``M + G * tile`` row products. Always used on the CPU.
 
 4. **Activation** in fp32; the intermediate is rounded to bf16 (``bf16``/``w4a16``) or
-   quantized per row to NVFP4 and decoded exactly (``w4a4``) before GEMM2.
+   quantized per row to NVFP4 and decoded exactly (``w4a4``) before GEMM2. ``w4a4`` on experts with static
+   activation scales (``input_scales``) quantizes each pair's rows of x and of the intermediate on its expert's
+   scale instead of per token.
 5. **Combine.** Rows are scaled by ``topk_weight * alpha2`` (and the activation scales in
    ``w4a4``), un-sorted by a gather, and each token's ``k`` rows are summed in a fixed order
    (deterministic, no scatter-add), then rounded to bf16.
@@ -42,7 +44,7 @@ from jax import lax
 from .. import activations
 from ..expert_sharding import over_experts, with_batching, with_expert_grads
 from ..formats import BF16Experts, NVFP4Experts, dequantize
-from ..quantize import quantize
+from ..quantize import quant_dequant_static, quantize
 from .base import MoEProblem, register
 
 DISPATCH = ("auto", "gather", "all")
@@ -242,7 +244,11 @@ def moe_experts(x, experts, topk_ids, topk_weights, *, mode: str, activation: st
     b1, b2 = (None if b is None else jnp.asarray(b if hit is None else b[hit], jnp.float32)[row_group]
               for b in (experts.gate_up_bias, experts.down_bias))  # per row, float32
 
-    if mode == "w4a4":
+    static = mode == "w4a4" and isinstance(experts, NVFP4Experts) and experts.input_scales is not None
+    if static:  # each pair's row on its expert's static scale (columns: GEMM1's, GEMM2's input)
+        s_in = experts.input_scales if hit is None else experts.input_scales[hit]
+        xs, dx = quant_dequant_static(x[tok], s_in[row_group, 0])
+    elif mode == "w4a4":
         xq, dx = _exact_bf16(quantize(x, per_token=True))
         xs, dx = xq[tok], dx[tok]
     else:
@@ -262,7 +268,7 @@ def moe_experts(x, experts, topk_ids, topk_weights, *, mode: str, activation: st
     # The spec's order, w * da * alpha2 (the ffi kernels' too); with a down bias w * (da * alpha2 * acc + b2).
     scale2 = jnp.ones_like(w) if b2 is not None else w
     if mode == "w4a4":
-        a, da = _exact_bf16(quantize(a, per_token=True))
+        a, da = quant_dequant_static(a, s_in[row_group, 1]) if static else _exact_bf16(quantize(a, per_token=True))
         scale2 = scale2 * da
     else:
         a = a.astype(jnp.bfloat16)

@@ -5,7 +5,8 @@ Spec section 4. A Hugging Face-style checkpoint (one ``model.safetensors`` or sh
 (no mmap, so resident memory is what we allocate). Each expert's GEMM1 (gate and up, sharing one
 global scale) and GEMM2 (down) are quantized with :func:`jax_nvfp4.quantize` and written
 straight into the output file; every other tensor is copied byte for byte. Expert ``input_scale``
-tensors (static FP8 activation scales) are dropped with their weights.
+tensors of FP8 sources (static FP8 activation scales) are dropped with their weights; NVFP4 sources' (ModelOpt)
+are kept.
 
 Output (NVFP4 checkpoint): for each quantized expert, with ``P = {module}.experts.{N}``,
 
@@ -19,7 +20,10 @@ Output (NVFP4 checkpoint): for each quantized expert, with ``P = {module}.expert
 - ``P.down_proj.weight`` ``[H, I/2]``, ``P.down_proj.weight_scale`` ``[H, I/16]``,
   ``P.down_proj.weight_global_scale`` ``[]``: the same for GEMM2;
 - ``P.gate_up_proj.bias`` ``[2I]`` (gate entries first) and ``P.down_proj.bias`` ``[H]``: the expert
-  biases of a source that has them (gpt-oss), bfloat16 as stored or float32 (format version 2).
+  biases of a source that has them (gpt-oss), bfloat16 as stored or float32 (format version 2);
+- ``P.gate_up_proj.input_scale`` (float32, shaped as its ``weight_global_scale``) and ``P.down_proj.input_scale``
+  ``[]``: a pre-quantized source's static activation *decode* scales, in modules whose ``moe_modules`` entry has
+  ``input_scales`` (format version 3; loaded as :attr:`~jax_nvfp4.NVFP4Experts.input_scales`, the module's largest).
 
 A non-gated layer stores ``P.up_proj.*`` (``[I, H/2]``) instead of ``P.gate_up_proj.*``. Shards mirror
 the source (same file names, an index when the source had one); each file's ``__metadata__`` keeps

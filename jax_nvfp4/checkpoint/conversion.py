@@ -21,8 +21,8 @@ from pathlib import Path
 from ..formats import BLOCK
 from .experts import MoELayer, plan_layers
 from .naming import (BIAS, BLOCK_SCALE, CONFIG_NAME, DATA, DOWN, FORMAT_NAME, FORMAT_VERSION, GATE_UP, GEMMS,
-                     GLOBAL_SCALE, UP, ignore_patterns, output_names)
-from .safetensors_io import (INDEX_FILE, ST_DTYPES, Checkpoint, CheckpointError, OutTensor, StreamingWriter,
+                     GLOBAL_SCALE, INPUT_SCALE, UP, ignore_patterns, output_names)
+from .safetensors_io import (INDEX_FILE, Checkpoint, CheckpointError, OutTensor, StreamingWriter,
                              TensorInfo, TensorReader, itemsize, open_checkpoint)
 from .sources import check_recipe, expert_outputs, quantized_parts, source_progress
 
@@ -94,11 +94,10 @@ class _Unit:
         return self.copy.nbytes if self.copy is not None else sum(w.nbytes for w in self.weights)
 
 
-def _quantized_specs(names: dict[str, str], rows: int, k: int, bias_dtype, up_scale: bool) -> list[OutTensor]:
+def _quantized_specs(names: dict[str, str], rows: int, k: int, bias_dtype, up_scale: bool,
+                     input_scale: bool) -> list[OutTensor]:
     """The outputs of one quantized weight, in :func:`expert_outputs`'s order."""
-    parts = quantized_parts(rows, k, up_scale)
-    if bias_dtype is not None:
-        parts["bias"] = (ST_DTYPES[bias_dtype], (rows,))
+    parts = quantized_parts(rows, k, up_scale, bias_dtype, input_scale)
     return [OutTensor(names[part], dtype, shape, math.prod(shape) * itemsize(dtype))
             for part, (dtype, shape) in parts.items()]
 
@@ -110,17 +109,18 @@ def _plan_units(ckpt: Checkpoint, layers: dict[str, MoELayer]) -> tuple[list[_Un
         if layer.ignored:
             continue
         for e in range(layer.num_experts):
-            names = output_names(layer.module, e, layer.gated, bias=layer.bias_dtype is not None)
+            names = output_names(layer.module, e, layer.gated, bias=layer.bias_dtype is not None,
+                                 input_scale=layer.input_scales)
             for gemm in GEMMS:
                 ws = layer.weights(e, gemm)
                 rows, k = sum(w.shape[0] for w in ws), ws[0].shape[1]
                 specs = _quantized_specs(names[gemm], rows, k, layer.bias_dtype,
-                                         gemm == "gate_up" and layer.up_global_scale)
+                                         gemm == "gate_up" and layer.up_global_scale, layer.input_scales)
                 units.append(_Unit(ws[0].info, specs, layer=layer, expert=e, gemm=gemm))
                 for w in ws:
                     consumed.update(t.name for t in w.tensors)
-                    # A static FP8 activation scale, or NVFP4's (ModelOpt): w4a4 here scales activations per token.
-                    if w.input_scale is not None:
+                    # A static FP8 activation scale (w4a4 here scales activations per token or on NVFP4's own).
+                    if w.input_scale is not None and not layer.input_scales:
                         dropped.append(w.input_scale.name)
     for name, t in ckpt.tensors.items():
         if name not in consumed:
@@ -144,7 +144,7 @@ def _run_unit(u: _Unit, writer: StreamingWriter, reader: TensorReader, recipe: s
     if u.copy is not None:
         writer.copy(u.copy.name, reader, u.copy)
         return
-    parts = expert_outputs(reader, u.weights, u.layer.quant_dtype, recipe, u.layer.bias_dtype)
+    parts = expert_outputs(reader, u.weights, u.layer.quant_dtype, recipe, u.layer.bias_dtype, u.layer.input_scales)
     for spec, arr in zip(u.outputs, parts, strict=True):
         writer.write(spec.name, arr)
 
@@ -155,7 +155,7 @@ def _nvfp4_config(layers, ignore, recipe, dropped) -> dict:
     return {
         "format": FORMAT_NAME,
         # 3 only where needed: readers refuse newer versions than theirs, and version 2's read all the rest
-        "format_version": FORMAT_VERSION if any(ly.up_global_scale for ly in quantized) else 2,
+        "format_version": FORMAT_VERSION if any(ly.up_global_scale or ly.input_scales for ly in quantized) else 2,
         "quant_algo": "NVFP4",
         "recipe": recipe,
         "group_size": BLOCK,
@@ -168,6 +168,8 @@ def _nvfp4_config(layers, ignore, recipe, dropped) -> dict:
             "global_scale": GLOBAL_SCALE + " (float32 scalar, the global DECODE scale; [2], gate's then up's, in "
                             "GEMM1 of modules whose moe_modules entry has up_global_scale)",
             "bias": BIAS + " (the expert's bias [N], gate entries first, where moe_modules gives a bias_dtype)",
+            "input_scale": INPUT_SCALE + " (float32, the pre-quantized source's static activation DECODE scale; [2], "
+                           "gate's then up's, where GEMM1's global scale is; where moe_modules has input_scales)",
         },
         "ignore": list(ignore),
         "ignored_modules": sorted(ly.module for ly in layers.values() if ly.ignored),

@@ -18,6 +18,7 @@ tensor per projection (gpt-oss, Llama 4) are found by :mod:`.stacked`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import warnings
@@ -45,7 +46,7 @@ class ExpertWeight:
 
     info: TensorInfo
     scale: TensorInfo | None = None  # FP8 dequantization scale, MXFP4's E8M0 scales, or NVFP4's E4M3 block scales
-    input_scale: TensorInfo | None = None  # FP8 or NVFP4 static activation scale (dropped)
+    input_scale: TensorInfo | None = None  # FP8 (dropped) or NVFP4 static activation scale
     block: tuple[int, int] | None = None  # FP8 scale block (rows, cols); None: one scale per tensor
     # Experts stacked in one source tensor (gpt-oss, Llama 4): info, scale and bias are this expert's slices.
     expert: int | None = None
@@ -146,6 +147,14 @@ class MoELayer:
         quantized gate_up's global scale is ``[2]``, gate's then up's)."""
         return self.source_dtype == NVFP4 and self.gated and bool(self.experts) and "gate_up" not in self.experts[0]
 
+    @functools.cached_property  # (asked for each expert's GEMMs)
+    def input_scales(self) -> bool:
+        """Whether the experts come pre-quantized with static activation scales, every projection its own (NVFP4
+        ``input_scale``: kept as :attr:`~jax_nvfp4.NVFP4Experts.input_scales`; FP8 ones, and NVFP4 ones some
+        projection lacks, are dropped)."""
+        return (self.source_dtype == NVFP4 and bool(self.experts)
+                and all(w.input_scale is not None for ex in self.experts for w in ex.values()))
+
     def weights(self, e: int, gemm: str) -> list[ExpertWeight]:
         """The source weights of expert ``e``'s ``gemm`` (``"gate_up"`` or ``"down"``), stacked along rows."""
         return self.gemm1(e) if gemm == "gate_up" else [self.experts[e]["down"]]
@@ -166,6 +175,8 @@ class MoELayer:
                 d["bias_dtype"] = self.bias_dtype.name
             if self.up_global_scale:
                 d["up_global_scale"] = True
+            if self.input_scales:
+                d["input_scales"] = True
         return d
 
 

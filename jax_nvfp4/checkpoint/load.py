@@ -24,15 +24,15 @@ class _Stack:
 
     ``parts[gemm][part]`` (gemm ``"gate_up"`` or ``"down"``): ``"data"`` ``[E, rows, K/2]``,
     ``"scales"`` ``[E, rows, K/16]``, ``"global_scale"`` ``[E]`` (``up_scale``: gate_up's ``[E, 2]``, gate's and
-    up's), and with ``bias_dtype`` ``"bias"`` ``[E, rows]``.
+    up's), with ``bias_dtype`` ``"bias"`` ``[E, rows]``, and with ``input_scale`` ``"input_scale"`` shaped as
+    ``"global_scale"``.
     """
 
     def __init__(self, num_experts: int, gated: bool, hidden: int, inter: int, bias_dtype=None,
-                 up_scale: bool = False):
+                 up_scale: bool = False, input_scale: bool = False):
         def buffers(rows, k, up_scale=False):
-            bufs = {part: np.empty((num_experts, *shape), NP_DTYPES[dtype])
-                    for part, (dtype, shape) in quantized_parts(rows, k, up_scale).items()}
-            return bufs | ({} if bias_dtype is None else {"bias": np.empty((num_experts, rows), bias_dtype)})
+            return {part: np.empty((num_experts, *shape), NP_DTYPES[dtype]) for part, (dtype, shape)
+                    in quantized_parts(rows, k, up_scale, bias_dtype, input_scale).items()}
         self.parts = {"gate_up": buffers((2 if gated else 1) * inter, hidden, up_scale),
                       "down": buffers(hidden, inter)}
 
@@ -43,8 +43,14 @@ class _Stack:
         if g.ndim == 2:  # gate's and up's: the up rows keep their own only where some differ
             quantized["gate_up"][2], up = g[:, 0], (None if np.array_equal(g[:, 0], g[:, 1]) else g[:, 1])
         biases = {f"{gemm}_bias": jnp.asarray(self.parts[gemm]["bias"]) for gemm in GEMMS if "bias" in self.parts[gemm]}
+        inputs = None
+        if "input_scale" in self.parts["down"]:
+            # One scale a GEMM for every expert, the module's largest (gate and up alike), as vLLM's and SGLang's
+            # FlashInfer backends take ModelOpt's: every shard of the experts then quantizes as the whole layer.
+            layer = [self.parts[gemm]["input_scale"].max() for gemm in GEMMS]
+            inputs = np.broadcast_to(np.array(layer, np.float32), (len(g), 2))
         return NVFP4Experts.from_parts(*quantized["gate_up"], *quantized["down"], gated=gated, dtype=dtype,
-                                       up_global_scale=up, **biases)
+                                       up_global_scale=up, input_scales=inputs, **biases)
 
 
 def quantize_checkpoint_experts(src, *, ignore: Sequence[str] = (), recipe: str = "nvfp4",
@@ -87,11 +93,12 @@ def _stacked_experts(ckpt: Checkpoint, layers, recipe: str, progress: bool) -> d
     out = {}
     with TensorReader() as reader, source_progress(total, "nvfp4 quantize", progress) as bar:
         for ly in layers:
-            stack = _Stack(ly.num_experts, ly.gated, ly.hidden, ly.inter, ly.bias_dtype, ly.up_global_scale)
+            stack = _Stack(ly.num_experts, ly.gated, ly.hidden, ly.inter, ly.bias_dtype, ly.up_global_scale,
+                           ly.input_scales)
             for e in range(ly.num_experts):
                 for gemm in GEMMS:
                     ws = ly.weights(e, gemm)
-                    parts = expert_outputs(reader, ws, ly.quant_dtype, recipe, ly.bias_dtype)
+                    parts = expert_outputs(reader, ws, ly.quant_dtype, recipe, ly.bias_dtype, ly.input_scales)
                     for buf, part in zip(stack.parts[gemm].values(), parts, strict=True):
                         buf[e] = part
                     bar.update(sum(w.nbytes for w in ws))
@@ -134,7 +141,10 @@ def load_nvfp4_experts(path, *, quantize_source: bool = False, ignore: Sequence[
     ``[E, 2I, H/2]`` (rows [gate; up]; ``[E, I, H/2]`` not gated), scales float8_e4m3fn
     ``[E, 2I, H/16]``, global_scale float32 ``[E]`` (and ``up_global_scale [E]`` where a pre-quantized checkpoint's
     gate and up scales differ); down ``[E, H, I/2]`` / ``[E, H, I/16]`` / ``[E]``;
-    expert biases ``gate_up_bias [E, 2I]`` / ``down_bias [E, H]`` where the checkpoint has them.
+    expert biases ``gate_up_bias [E, 2I]`` / ``down_bias [E, H]`` where the checkpoint has them; static activation
+    scales ``input_scales [E, 2]`` where a pre-quantized checkpoint gives every projection one (ModelOpt's
+    ``input_scale``): every expert gets the module's largest for GEMM1 (over gate and up) and for GEMM2, as vLLM's and
+    SGLang's FlashInfer backends use them (mode ``w4a4`` then quantizes on them).
     Modules kept in source precision (ignored) are absent.
     """
     if quantize_source:
@@ -154,10 +164,11 @@ def load_nvfp4_experts(path, *, quantize_source: bool = False, ignore: Sequence[
                 continue
             gated, n, bias_dtype = m["gated"], m["num_experts"], m.get("bias_dtype")
             bias_dtype = None if bias_dtype is None else _DTYPE_BY_NAME[bias_dtype]
+            inputs = m.get("input_scales", False)
             stack = _Stack(n, gated, m["hidden_size"], m["intermediate_size"], bias_dtype,
-                           m.get("up_global_scale", False))
+                           m.get("up_global_scale", False), inputs)
             for e in range(n):
-                names = output_names(module, e, gated, bias=bias_dtype is not None)
+                names = output_names(module, e, gated, bias=bias_dtype is not None, input_scale=inputs)
                 for gemm in GEMMS:
                     for part, buf in stack.parts[gemm].items():
                         # buf[e, ...] is a view also for the 1-D global scales (buf[e] would be a copy)

@@ -20,7 +20,8 @@ from typing import NamedTuple
 
 FORMAT_NAME = "jax_nvfp4"
 # The newest format version: 2, optional expert biases (``*.bias``); 3, GEMM1's global scale [2] (gate, up) in modules
-# whose pre-quantized source quantized gate and up apart (moe_modules' ``up_global_scale``), written only then. Older
+# whose pre-quantized source quantized gate and up apart (moe_modules' ``up_global_scale``) and the static activation
+# scales of pre-quantized sources (``*.input_scale``, moe_modules' ``input_scales``), written only then. Older
 # versions still load.
 FORMAT_VERSION = 3
 READABLE_VERSIONS = (1, 2, 3)
@@ -28,6 +29,7 @@ CONFIG_NAME = "nvfp4_config.json"
 GATE_UP, UP, DOWN = "gate_up_proj", "up_proj", "down_proj"  # output projection names
 DATA, BLOCK_SCALE, GLOBAL_SCALE = "weight", "weight_scale", "weight_global_scale"  # output params
 BIAS = "bias"  # an expert's bias [N] (gate entries first), unquantized
+INPUT_SCALE = "input_scale"  # a pre-quantized expert's static activation decode scale ([2] for gate and up)
 GEMMS = ("gate_up", "down")  # keys of output_names, in GEMM order
 
 _EXPERT_RE = re.compile(
@@ -76,9 +78,12 @@ def matches_ignore(name: str, pattern: str) -> bool:
     return bool(p) and (n == p or n.startswith(p + "."))
 
 
-def output_names(module: str, e: int, gated: bool, bias: bool = False) -> dict[str, dict[str, str]]:
-    """Output tensor names of expert ``e``: ``{"gate_up"|"down": {"data"|"scales"|"global_scale"[|"bias"]: name}}``."""
+def output_names(module: str, e: int, gated: bool, bias: bool = False,
+                 input_scale: bool = False) -> dict[str, dict[str, str]]:
+    """Output tensor names of expert ``e``: ``{"gate_up"|"down": {"data"|"scales"|"global_scale"[|"bias"]
+    [|"input_scale"]: name}}``."""
     p = f"{module}.experts.{e}"
-    params = {"data": DATA, "scales": BLOCK_SCALE, "global_scale": GLOBAL_SCALE} | ({"bias": BIAS} if bias else {})
+    params = ({"data": DATA, "scales": BLOCK_SCALE, "global_scale": GLOBAL_SCALE} | ({"bias": BIAS} if bias else {})
+              | ({"input_scale": INPUT_SCALE} if input_scale else {}))
     return {gemm: {part: f"{p}.{proj}.{param}" for part, param in params.items()}
             for gemm, proj in zip(GEMMS, (GATE_UP if gated else UP, DOWN))}

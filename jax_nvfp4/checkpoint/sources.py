@@ -23,7 +23,7 @@ import numpy as np
 from ..formats import BLOCK, E2M1_TABLE
 from ..quantize import RECIPES, quantize
 from .experts import FP8, MXFP4, ExpertWeight, validate_nvfp4_scales, weight_from_params
-from .safetensors_io import CheckpointError, TensorReader
+from .safetensors_io import ST_DTYPES, CheckpointError, TensorReader
 from .stacked import read_stacked_bias, read_stacked_rows
 
 
@@ -33,12 +33,19 @@ def check_recipe(recipe: str) -> None:
         raise ValueError(f"recipe must be one of {RECIPES}, got {recipe!r}")
 
 
-def quantized_parts(rows: int, k: int, up_scale: bool = False) -> dict[str, tuple[str, tuple[int, ...]]]:
+def quantized_parts(rows: int, k: int, up_scale: bool = False, bias_dtype=None,
+                    input_scale: bool = False) -> dict[str, tuple[str, tuple[int, ...]]]:
     """safetensors dtype and shape of each part of a quantized ``[rows, k]`` weight, in the order
-    :func:`quantize_weights` returns them: ``{"data" | "scales" | "global_scale": (dtype, shape)}``; ``up_scale``:
-    GEMM1 of pre-quantized gate and up, a global scale each (``[2]``)."""
-    return {"data": ("U8", (rows, k // 2)), "scales": ("F8_E4M3", (rows, k // BLOCK)),
-            "global_scale": ("F32", (2,) if up_scale else ())}
+    :func:`expert_outputs` returns them: ``{"data" | "scales" | "global_scale" [| "bias" | "input_scale"]: (dtype,
+    shape)}``; ``up_scale``: GEMM1 of pre-quantized gate and up, a global (and input) scale each (``[2]``);
+    ``bias_dtype``: the bias ``[rows]`` as that numpy dtype; ``input_scale``: the static activation decode scale."""
+    parts = {"data": ("U8", (rows, k // 2)), "scales": ("F8_E4M3", (rows, k // BLOCK)),
+             "global_scale": ("F32", (2,) if up_scale else ())}
+    if bias_dtype is not None:
+        parts["bias"] = (ST_DTYPES[np.dtype(bias_dtype)], (rows,))
+    if input_scale:
+        parts["input_scale"] = ("F32", (2,) if up_scale else ())
+    return parts
 
 
 def source_progress(total: int, desc: str, enabled: bool):
@@ -217,17 +224,32 @@ def quantize_weights(reader: TensorReader, weights: Sequence[ExpertWeight], dtyp
     return np.asarray(data), np.asarray(scales), np.asarray(gs)
 
 
-def expert_outputs(reader: TensorReader, weights: Sequence[ExpertWeight], dtype, recipe: str, bias_dtype=None):
+def expert_outputs(reader: TensorReader, weights: Sequence[ExpertWeight], dtype, recipe: str, bias_dtype=None,
+                   input_scale: bool = False):
     """:func:`quantize_weights` of ``weights``, then, with ``bias_dtype``, their bias ``[N]`` as that dtype (a
-    stacked-expert weight's, gate entries first)."""
+    stacked-expert weight's, gate entries first), then, with ``input_scale``, their static activation decode scales
+    (:func:`read_input_scales`)."""
     parts = quantize_weights(reader, weights, dtype, recipe)
-    if bias_dtype is None:
-        return parts
-    w = weights[0]
-    b = read_stacked_bias(reader, w, bias_dtype)
-    if not np.isfinite(b.astype(np.float32)).all():
-        raise CheckpointError(f"tensor {w.bias.name!r} (expert {w.expert}): non-finite bias values")
-    return parts + (b,)
+    if bias_dtype is not None:
+        w = weights[0]
+        b = read_stacked_bias(reader, w, bias_dtype)
+        if not np.isfinite(b.astype(np.float32)).all():
+            raise CheckpointError(f"tensor {w.bias.name!r} (expert {w.expert}): non-finite bias values")
+        parts = parts + (b,)
+    return parts + (read_input_scales(reader, weights),) if input_scale else parts
+
+
+def read_input_scales(reader: TensorReader, weights: Sequence[ExpertWeight]) -> np.ndarray:
+    """The static activation *decode* scales of NVFP4 ``weights`` (``[]`` for one, ``[2]`` for gate and up): ModelOpt's
+    ``input_scale`` (amax / 2688) as stored, compressed-tensors' ``1 / input_global_scale`` (an encode scale) in fp32;
+    each finite and > 0, else an error naming the tensor."""
+    out = []
+    for w in weights:
+        s = np.float32(reader.read(w.input_scale).reshape(()))
+        if not (np.isfinite(s) and s > 0):
+            raise CheckpointError(f"tensor {w.input_scale.name!r}: activation scale {s}, expected finite and > 0")
+        out.append(np.float32(1) / s if w.encode_global else s)
+    return np.array(out, np.float32).reshape(() if len(out) == 1 else (len(out),))
 
 
 def read_source_experts(ckpt, reader: TensorReader, module: str, dtype):

@@ -115,6 +115,8 @@ class NVFP4ExpertWeights(_ExpertBiases, nnx.Module):
     gate_up_bias, down_bias : QuantizedWeight (the experts' biases, as given: not quantized), or None
     up_global_scale : QuantizedWeight float32 ``[E]``, the up rows' own global scales
         (:attr:`~jax_nvfp4.NVFP4Experts.up_global_scale`), or None
+    input_scales : QuantizedWeight float32 ``[E, 2]``, static activation scales for w4a4
+        (:attr:`~jax_nvfp4.NVFP4Experts.input_scales`), or None
     gated : bool; dtype : the source dtype recorded by the quantizer; order : the byte order of
         the data and scales (:attr:`jax_nvfp4.NVFP4Array.order`); valid_sizes : the experts' (static)
 
@@ -138,6 +140,8 @@ class NVFP4ExpertWeights(_ExpertBiases, nnx.Module):
             setattr(self, name, None if b is None else QuantizedWeight(b))
         up = experts.up_global_scale
         self.up_global_scale = None if up is None else QuantizedWeight(up)
+        s = experts.input_scales
+        self.input_scales = None if s is None else QuantizedWeight(s)
         self.gated = experts.gated
         self.dtype = jnp.dtype(experts.gate_up.dtype)
         self.valid_sizes = experts.valid_sizes
@@ -158,9 +162,10 @@ class NVFP4ExpertWeights(_ExpertBiases, nnx.Module):
         def part(name):
             return NVFP4Array(getattr(self, f"{name}_data{tag}")[...], getattr(self, f"{name}_scales{tag}")[...],
                               getattr(self, f"{name}_global_scale")[...], self.dtype, self.order)
-        up = self.up_global_scale
+        up, s = self.up_global_scale, self.input_scales
         return NVFP4Experts(part("gate_up"), part("down"), self.gated, **self.biases(),
-                            valid_sizes=self.valid_sizes, up_global_scale=None if up is None else up[...])
+                            valid_sizes=self.valid_sizes, up_global_scale=None if up is None else up[...],
+                            input_scales=None if s is None else s[...])
 
 
 def check_choice(value, choices, name):
