@@ -13,7 +13,7 @@ Floors, for the experts the batch actually hits (averaged over the input sets):
 
     python benchmarks/moe_bench.py [--quick] [--backends xla,ffi] [--modes bf16,w4a16,w4a4]
         [--shapes deepseek_v3_ep8,qwen3_30b_a3b] [--tokens 1,4,16] [--xla-variants all/ragged,all/tiled]
-        [--expert-bias] [--json out.json] [--plot out.png]
+        [--expert-bias] [--static-scales] [--json out.json] [--plot out.png]
 
 ``--quick`` runs tiny shapes (a CPU smoke test in seconds). Backends that are not available on
 the default device, or do not support a problem, are skipped with a note.
@@ -253,6 +253,9 @@ def main(argv=None):
     p.add_argument("--expert-bias", action="store_true",
                    help="give every shape's experts biases (gpt-oss's; gpt_oss_120b has them anyway); the "
                         f"{BASELINE} baseline stays a plain SwiGLU layer")
+    p.add_argument("--static-scales", action="store_true",
+                   help="give every shape's experts static activation scales (NVFP4Experts.input_scales, ModelOpt's): "
+                        "its w4a4 rows quantize on them instead of per token")
     p.add_argument("--max-expanded-tflop", type=float, default=100.0,
                    help="skip the baseline when ragged_dot's dense expansion exceeds this many TFLOP")
     p.add_argument("--warmup", type=int, default=None)
@@ -338,6 +341,8 @@ def main(argv=None):
         shape = known[n]
         if args.expert_bias and not shape.expert_bias:  # a row name of its own: the same shape, with biases
             shape = dataclasses.replace(shape, name=f"{n}+bias", expert_bias=True)
+        if args.static_scales:
+            shape = dataclasses.replace(shape, name=f"{shape.name}+static", input_scales=True)
         results += bench_shape(shape, tokens, modes, backends, args, log, save_partial)
     out = dict(head, complete=True, results=results)
     if args.json:

@@ -45,6 +45,8 @@ class MoEShape:
     activation : str
     expert_bias : bool
         The experts carry biases (``gate_up_bias [E, 2I]``, ``down_bias [E, H]``; gpt-oss).
+    input_scales : bool
+        The experts carry static activation scales (``input_scales [E, 2]``, ModelOpt's), which mode w4a4 then uses.
     """
 
     name: str
@@ -57,11 +59,13 @@ class MoEShape:
     gated: bool = True
     activation: str = "swiglu"
     expert_bias: bool = False
+    input_scales: bool = False
 
     def problem(self, tokens: int, mode: str) -> MoEProblem:
         """The backends' static description of this layer at ``tokens`` tokens."""
         return MoEProblem(tokens, self.hidden, self.intermediate, self.local_experts, self.top_k, mode,
-                          self.activation, expert_bias=self.expert_bias)
+                          self.activation, expert_bias=self.expert_bias,
+                          static_input_scales=self.input_scales and mode == "w4a4")
 
     @property
     def gemm1_rows(self) -> int:
@@ -122,13 +126,16 @@ def _random_nvfp4(key, shape, k):
 
 def random_nvfp4_experts(key, shape: MoEShape, num_experts: int | None = None) -> NVFP4Experts:
     """Random NVFP4 experts for ``shape`` (``num_experts`` defaults to ``shape.local_experts``), with bf16
-    biases of scale 0.1 when ``shape.expert_bias``."""
+    biases of scale 0.1 when ``shape.expert_bias`` and static activation scales when ``shape.input_scales`` (about a
+    standard normal x's amax and a 16 times larger intermediate's, / 2688)."""
     e = shape.local_experts if num_experts is None else num_experts
     k1, k2, k3, k4 = jax.random.split(key, 4)
     biases = {}
     if shape.expert_bias:
         biases = dict(gate_up_bias=0.1 * jax.random.normal(k3, (e, shape.gemm1_rows), jnp.bfloat16),
                       down_bias=0.1 * jax.random.normal(k4, (e, shape.hidden), jnp.bfloat16))
+    if shape.input_scales:
+        biases["input_scales"] = jnp.broadcast_to(jnp.asarray([4.0, 64.0], jnp.float32) / 2688, (e, 2))
     return NVFP4Experts(_random_nvfp4(k1, (e, shape.gemm1_rows), shape.hidden),
                         _random_nvfp4(k2, (e, shape.hidden), shape.intermediate), shape.gated, **biases)
 

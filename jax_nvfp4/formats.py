@@ -394,7 +394,7 @@ class NVFP4Experts(_ExpertShapes):
         checkpoints that quantized gate and up apart (NVIDIA ModelOpt's per-expert ``weight_scale_2``) keep both
         exactly, ``alpha1`` of the gate half and ``alpha1_up`` of the up half (SGLang's ``g1_alphas_up``). None
         (what :func:`~jax_nvfp4.quantize_experts` gives): one shared scale.
-    input_scales : optional float32 ``[E, 2]``, finite and > 0
+    input_scales : optional float32 ``[E, 2]``, finite and > 0 (checked by :meth:`from_parts`)
         Static activation scales for mode ``w4a4`` (NVIDIA ModelOpt's calibrated ``input_scale``, a global *decode*
         scale, ``amax / 2688``): column 0 for GEMM1's input (x), column 1 for GEMM2's (the intermediate). Where set,
         w4a4 quantizes a token's row for expert ``e`` with the global encode scale ``fp32(1 / input_scales[e, j])``
@@ -453,12 +453,11 @@ class NVFP4Experts(_ExpertShapes):
             s = self.input_scales
             if s is not None and _is_array(s):
                 want = self.gate_up.shape[:-2] + (2,)
+                # (values are checked where scales are made, from_parts and the loaders: gradients and tree maps
+                # rebuild experts with other values here)
                 if s.dtype != jnp.float32 or tuple(s.shape) != want:
                     raise ValueError(f"NVFP4Experts.input_scales must be float32 [..., E, 2]={list(want)} (GEMM1's "
                                      f"and GEMM2's input decode scale per expert), got {s.dtype} {list(s.shape)}")
-                if not isinstance(s, jax.core.Tracer) and not bool(jnp.all(jnp.isfinite(s) & (s > 0))):
-                    raise ValueError(f"NVFP4Experts.input_scales must be finite and > 0, got "
-                                     f"{np.asarray(s).ravel()[:4]}")
 
     def dequantized(self, dtype=jnp.bfloat16) -> "BF16Experts":
         """The experts' values, ``dtype(e2m1 * block scale * global scale)`` (fp32 products), as
@@ -493,6 +492,10 @@ class NVFP4Experts(_ExpertShapes):
         def scales(s):
             s = jnp.asarray(s)
             return jax.lax.bitcast_convert_type(s, jnp.float8_e4m3fn) if s.dtype == jnp.uint8 else s
+        if input_scales is not None and not isinstance(input_scales, jax.core.Tracer):
+            v = np.asarray(input_scales, np.float32)
+            if not np.all(np.isfinite(v) & (v > 0)):
+                raise ValueError(f"NVFP4Experts.input_scales must be finite and > 0, got {v.ravel()[:4]}")
         return cls(
             NVFP4Array(jnp.asarray(gate_up_data), scales(gate_up_scales),
                        jnp.asarray(gate_up_global_scale, jnp.float32), jnp.dtype(dtype)),

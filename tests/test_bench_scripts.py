@@ -69,6 +69,19 @@ def test_moe_bench_expert_bias_rows(tmp_path):
     assert oss.expert_bias and oss.problem(1, "w4a16").activation == "swiglu_oai"
 
 
+def test_moe_bench_static_scales_rows(tmp_path):
+    """--static-scales: the shape's experts carry input_scales (rows named shape+static) and w4a4 quantizes on them."""
+    out = tmp_path / "bench.json"
+    moe_bench.main(["--quick", "--shapes", "tiny", "--tokens", "3", "--modes", "w4a4", "--backends", "ffi,xla",
+                    "--static-scales", "--no-baseline", "--sets", "1", "--json", str(out)])
+    rows = json.loads(out.read_text())["results"]
+    assert {r["shape"] for r in rows} == {"tiny+static"} and not [r for r in rows if "error" in r]
+    assert {r["backend"] for r in rows if "median_us" in r} == {"ffi", "xla"}
+    tiny = dataclasses.replace(moe_bench.specs.QUICK_SHAPES["tiny"], input_scales=True)
+    assert moe_bench.specs.random_nvfp4_experts(jax.random.key(0), tiny).input_scales.shape == (tiny.local_experts, 2)
+    assert tiny.problem(3, "w4a4").static_input_scales and not tiny.problem(3, "w4a16").static_input_scales
+
+
 def test_moe_bench_times_each_backend_in_its_weight_order(tmp_path, monkeypatch):
     """The ffi rows get the experts in jax_nvfp4.weight_order (blocked on a GPU: here forced, the
     CPU handler reads it too), ffi[rows] the rows order; both run."""

@@ -230,12 +230,12 @@ def test_output_format_and_metadata(tmp_path):
                 if header[k]["dtype"] != "F8_E4M3":  # its flax loader has no float8 (a library bug)
                     assert tuple(st.get_tensor(k).shape) == tuple(header[k]["shape"])
     # version 1 (before expert biases) is the same without them: still read; a newer one is refused
-    for version, ok in ((1, True), (4, False)):
+    for version, ok in ((1, True), (5, False)):
         (dst / "nvfp4_config.json").write_text(json.dumps(cfg | {"format_version": version}))
         if ok:
             assert set(load_nvfp4_experts(dst)) == set(cfg["moe_modules"])
         else:
-            with pytest.raises(CheckpointError, match="version 4 is not 'jax_nvfp4' version 1 or 2 or 3"):
+            with pytest.raises(CheckpointError, match="version 5 is not 'jax_nvfp4' version 1 or 2 or 3 or 4"):
                 load_nvfp4_experts(dst)
 
 

@@ -203,6 +203,8 @@ def test_modelopt_stacked_nvfp4_experts_load_as_stored(ckpts, tokens, tmp_path):
             want = np.concatenate([want[:, 0::2], want[:, 1::2]], axis=1)  # alternating -> [gate; up]
             np.testing.assert_array_equal(np.asarray(got).view(np.uint8), want.view(np.uint8))
         np.testing.assert_array_equal(ex.gate_up.global_scale, np.full(HF_CONFIG["num_local_experts"], g))
+        # the projections' one static activation scale each, for every expert
+        np.testing.assert_array_equal(ex.input_scales, np.full((HF_CONFIG["num_local_experts"], 2), 0.01, np.float32))
         np.testing.assert_array_equal(np.asarray(ex.down.data), parts[q + "down_proj"][0])
         b = np.asarray(w[q + "gate_up_proj_bias"], np.float32)
         np.testing.assert_array_equal(np.asarray(ex.gate_up_bias, np.float32),

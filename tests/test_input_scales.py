@@ -95,6 +95,8 @@ def test_each_pair_quantizes_on_its_experts_scales(backend, act, order, t):
         want = sum((f32(run(x, own, columns(ids, j), w)) for j in range(k)), np.zeros((t, 128), np.float32))
         np.testing.assert_array_equal(f32(full), f32(jnp.asarray(want, BF16)))
     assert relerr(full, run(x, ex, ids, w)) > 1e-2  # (not the per-token scales)
+    if backend == "ffi":  # (on the GPU: the static path through the decode, wgmma and warp-specialized kernels)
+        assert relerr(full, run_layer("xla", act=act)(x, own, ids, w)) < 1e-2
 
 
 def reference(x, ex, ids, w, act):
@@ -204,9 +206,21 @@ def test_bad_scales_are_named():
         dataclasses.replace(ex, input_scales=jnp.ones((4,), jnp.float32))
     with pytest.raises(ValueError, match=r"input_scales must be float32"):
         dataclasses.replace(ex, input_scales=jnp.ones((4, 2), jnp.bfloat16))
+    parts = (ex.gate_up.data, ex.gate_up.scales, ex.gate_up.global_scale, ex.down.data, ex.down.scales,
+             ex.down.global_scale)
     for bad in (0.0, -1.0, np.inf, np.nan):
         with pytest.raises(ValueError, match="input_scales must be finite and > 0"):
-            dataclasses.replace(ex, input_scales=jnp.full((4, 2), bad, jnp.float32))
+            nv.NVFP4Experts.from_parts(*parts, input_scales=np.full((4, 2), bad, np.float32))
+    ok = nv.NVFP4Experts.from_parts(*parts, input_scales=np.full((4, 2), 0.01, np.float32))
+    # gradients and tree maps rebuild the experts with other values (zeros): not refused
+    zeros = jax.tree.map(jnp.zeros_like, ok)
+    assert not np.asarray(zeros.input_scales).any()
+    x = make_x(23, 5, 64)
+    ids, w = make_routing(24, 5, 2, 4)
+    for mode in ("w4a16", "w4a4"):
+        g = jax.grad(lambda e: jnp.sum(nv.moe(x, e, topk_ids=ids, topk_weights=w, mode=mode).astype(jnp.float32)),
+                     allow_int=True)(ok)
+        assert g.input_scales.shape == (4, 2) and (np.asarray(g.input_scales).any() == (mode == "w4a4"))
 
 
 def test_flashinfer_declines_static_scales():
@@ -214,9 +228,21 @@ def test_flashinfer_declines_static_scales():
     from jax_nvfp4.backends.flashinfer import FlashInferBackend
     problem = base.MoEProblem(4, 256, 256, 8, 2, "w4a4", "swiglu", static_input_scales=True)
     assert "input_scales" in FlashInferBackend().unsupported_reason(problem)
+    assert FlashInferBackend().unsupported_reason(dataclasses.replace(problem, static_input_scales=False)) is None
+    # w4a16 ignores the scales: such experts run on FlashInfer's w4a16 (cutedsl) as without them; w4a4 is refused
     ex = dataclasses.replace(make_experts(22, 8, 256, 256), input_scales=jnp.ones((8, 2), jnp.float32))
+    prepared = nv.prepare_flashinfer_weights(ex, "cutedsl")
+    assert prepared.weight_only and prepared.modes == ("w4a16",)
+    plain = nv.prepare_flashinfer_weights(dataclasses.replace(ex, input_scales=None), "cutedsl")
+    assert plain.modes == ("w4a16", "w4a4")
+    for a, b in zip(jax.tree.leaves(prepared), jax.tree.leaves(plain), strict=True):
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+    from jax_nvfp4.backends.flashinfer_prepare import check_prepared
+    assert check_prepared(prepared, "w4a16", "swiglu") == "w4a16"
+    with pytest.raises(ValueError, match="prepared from experts with static activation scales"):
+        check_prepared(prepared, "w4a4", "swiglu")
     with pytest.raises(ValueError, match="input_scales"):
-        nv.prepare_flashinfer_weights(ex)
+        nv.prepare_flashinfer_weights(ex, "trtllm")
 
 
 def test_scales_split_with_their_experts():

@@ -160,7 +160,7 @@ def test_modelopt_experts_load_as_stored(ckpts):
     assert_same_experts(nv.load_nvfp4_experts(re), experts)
     cfg = read_nvfp4_config(re)
     module = cfg["moe_modules"]["model.layers.0.mlp"]
-    assert module["source_dtype"] == "nvfp4" and module["input_scales"] is True and cfg["format_version"] == 3
+    assert module["source_dtype"] == "nvfp4" and module["input_scales"] is True and cfg["format_version"] == 4
     assert not cfg["dropped_tensors"]  # (each projection's input scale kept: gate's and up's as [2])
     with TensorReader() as reader:
         kept = reader.read(open_checkpoint(re).tensors["model.layers.1.mlp.experts.5.gate_up_proj.input_scale"])
@@ -231,7 +231,7 @@ def test_mismatched_gate_up_global_scales_are_both_kept(ckpts, tmp_path):
     conv = tmp_path / "converted"
     nv.convert_checkpoint(root, conv, progress=False)
     cfg = read_nvfp4_config(conv)
-    assert cfg["format_version"] == 3 and cfg["moe_modules"]["model.layers.0.mlp"]["up_global_scale"] is True
+    assert cfg["format_version"] == 4 and cfg["moe_modules"]["model.layers.0.mlp"]["up_global_scale"] is True
     assert open_checkpoint(conv).tensors["model.layers.0.mlp.experts.0.gate_up_proj.weight_global_scale"].shape == (2,)
     assert_same_experts(nv.load_nvfp4_experts(conv), experts)
     # The model: its MoE blocks hold both scales and compute with the stored values (the float64 reference of

@@ -100,6 +100,9 @@ class PreparedWeights:
         The same for GEMM2 ``[E, H, I]``.
     kernel : ``"cutedsl"`` or ``"trtllm"`` (static)
     gated : bool (static)
+    weight_only : bool (static)
+        Prepared from experts with static activation scales (:attr:`~jax_nvfp4.NVFP4Experts.input_scales`), which
+        these kernels' w4a4 does not take here: only mode ``w4a16`` runs them.
     """
 
     w1: Any
@@ -110,6 +113,7 @@ class PreparedWeights:
     w2_alpha: Any
     kernel: str = dataclasses.field(default="cutedsl", metadata=dict(static=True))
     gated: bool = dataclasses.field(default=True, metadata=dict(static=True))
+    weight_only: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     def __post_init__(self):
         if self.kernel not in KERNELS:
@@ -147,7 +151,7 @@ class PreparedWeights:
     @property
     def modes(self) -> tuple[str, ...]:
         """The ``mode`` values these weights can run."""
-        return KERNEL_MODES[self.kernel]
+        return tuple(m for m in KERNEL_MODES[self.kernel] if m == "w4a16" or not self.weight_only)
 
     @property
     def activations(self) -> tuple[str, ...]:
@@ -181,11 +185,11 @@ def prepare_weights(experts: NVFP4Experts, kernel: str = "cutedsl") -> PreparedW
         raise ValueError("prepare_flashinfer_weights: experts whose up rows have their own global scale "
                          "(up_global_scale) do not run on FlashInfer's kernels here (one GEMM1 alpha an expert); "
                          "run them on backends 'ffi' or 'xla'")
-    if experts.input_scales is not None:
-        raise ValueError("prepare_flashinfer_weights: experts with static activation scales (input_scales) do not "
-                         "run on FlashInfer's kernels here (they quantize w4a4 activations per token); run them on "
-                         "backends 'ffi' or 'xla', or drop the scales for w4a16 "
-                         "(dataclasses.replace(experts, input_scales=None))")
+    weight_only = experts.input_scales is not None  # (w4a16 does not use them)
+    if weight_only and "w4a16" not in KERNEL_MODES[kernel]:
+        raise ValueError(f"prepare_flashinfer_weights: experts with static activation scales (input_scales) run "
+                         f"w4a4 on backends 'ffi' or 'xla' only (FlashInfer's kernels quantize activations per token "
+                         f"here), and kernel {kernel!r} runs w4a4 alone; prepare them for 'cutedsl' (w4a16)")
     if experts.gate_up.order == "blocked":  # FlashInfer's layouts start from the rows order
         experts = from_blocked_experts(experts)
     why = layout_unsupported_reason(kernel, experts.hidden_size, experts.intermediate_size, experts.gated)
@@ -209,7 +213,7 @@ def prepare_weights(experts: NVFP4Experts, kernel: str = "cutedsl") -> PreparedW
         w1_alpha=jnp.asarray(gu.global_scale, jnp.float32),
         w2=rows(dn.data, r2), w2_scales=scales(dn.scales, r2),
         w2_alpha=jnp.asarray(dn.global_scale, jnp.float32),
-        kernel=kernel, gated=experts.gated)
+        kernel=kernel, gated=experts.gated, weight_only=weight_only)
 
 
 def restore_experts(prepared: PreparedWeights, dtype=jnp.bfloat16) -> NVFP4Experts:
@@ -238,6 +242,10 @@ def check_prepared(prepared: PreparedWeights, mode: str | None, activation: str)
     """Resolve ``mode`` (None: the kernel's first mode) for ``prepared``; raise ValueError if the
     weights' kernel family cannot run ``mode``/``activation``."""
     mode = prepared.modes[0] if mode is None else mode
+    if mode not in prepared.modes and prepared.weight_only:
+        raise ValueError(f"these weights were prepared from experts with static activation scales (input_scales), "
+                         f"which FlashInfer's {mode!r} does not take here: run mode 'w4a16', or run the NVFP4Experts "
+                         "on backends 'ffi' or 'xla'")
     if mode not in prepared.modes:
         raise ValueError(f"weights prepared for kernel {prepared.kernel!r} run modes {prepared.modes}, "
                          f"not {mode!r}; prepare them with kernel="

@@ -23,7 +23,7 @@ Output (NVFP4 checkpoint): for each quantized expert, with ``P = {module}.expert
   biases of a source that has them (gpt-oss), bfloat16 as stored or float32 (format version 2);
 - ``P.gate_up_proj.input_scale`` (float32, shaped as its ``weight_global_scale``) and ``P.down_proj.input_scale``
   ``[]``: a pre-quantized source's static activation *decode* scales, in modules whose ``moe_modules`` entry has
-  ``input_scales`` (format version 3; loaded as :attr:`~jax_nvfp4.NVFP4Experts.input_scales`, the module's largest).
+  ``input_scales`` (format version 4; loaded as :attr:`~jax_nvfp4.NVFP4Experts.input_scales`, the module's largest).
 
 A non-gated layer stores ``P.up_proj.*`` (``[I, H/2]``) instead of ``P.gate_up_proj.*``. Shards mirror
 the source (same file names, an index when the source had one); each file's ``__metadata__`` keeps

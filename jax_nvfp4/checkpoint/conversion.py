@@ -155,7 +155,8 @@ def _nvfp4_config(layers, ignore, recipe, dropped) -> dict:
     return {
         "format": FORMAT_NAME,
         # 3 only where needed: readers refuse newer versions than theirs, and version 2's read all the rest
-        "format_version": FORMAT_VERSION if any(ly.up_global_scale or ly.input_scales for ly in quantized) else 2,
+        "format_version": (FORMAT_VERSION if any(ly.input_scales for ly in quantized)
+                           else 3 if any(ly.up_global_scale for ly in quantized) else 2),
         "quant_algo": "NVFP4",
         "recipe": recipe,
         "group_size": BLOCK,

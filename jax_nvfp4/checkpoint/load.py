@@ -66,7 +66,8 @@ def quantize_checkpoint_experts(src, *, ignore: Sequence[str] = (), recipe: str 
     -------
     dict mapping MoE module name (e.g. ``"model.layers.0.mlp"``) to NVFP4Experts with gate_up
     ``[E, 2I, H]`` (or ``[E, I, H]`` not gated) and down ``[E, H, I]``, global scales ``[E]`` (and
-    ``up_global_scale [E]`` where a pre-quantized source's gate and up scales differ), and the
+    ``up_global_scale [E]`` where a pre-quantized source's gate and up scales differ; ``input_scales [E, 2]`` where it
+    has static activation scales, as :func:`load_nvfp4_experts`), and the
     source's expert biases when it has them (gpt-oss: ``gate_up_bias [E, 2I]``, ``down_bias [E, H]``,
     bfloat16 as stored or float32). Ignored modules are absent.
     """

@@ -20,11 +20,11 @@ from typing import NamedTuple
 
 FORMAT_NAME = "jax_nvfp4"
 # The newest format version: 2, optional expert biases (``*.bias``); 3, GEMM1's global scale [2] (gate, up) in modules
-# whose pre-quantized source quantized gate and up apart (moe_modules' ``up_global_scale``) and the static activation
-# scales of pre-quantized sources (``*.input_scale``, moe_modules' ``input_scales``), written only then. Older
-# versions still load.
-FORMAT_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)
+# whose pre-quantized source quantized gate and up apart (moe_modules' ``up_global_scale``); 4, the static activation
+# scales of pre-quantized sources (``*.input_scale``, moe_modules' ``input_scales``). Each is written only where needed
+# (a reader refuses newer versions than its own rather than drop what they add); older versions still load.
+FORMAT_VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)
 CONFIG_NAME = "nvfp4_config.json"
 GATE_UP, UP, DOWN = "gate_up_proj", "up_proj", "down_proj"  # output projection names
 DATA, BLOCK_SCALE, GLOBAL_SCALE = "weight", "weight_scale", "weight_global_scale"  # output params

@@ -241,8 +241,9 @@ def expert_outputs(reader: TensorReader, weights: Sequence[ExpertWeight], dtype,
 
 def read_input_scales(reader: TensorReader, weights: Sequence[ExpertWeight]) -> np.ndarray:
     """The static activation *decode* scales of NVFP4 ``weights`` (``[]`` for one, ``[2]`` for gate and up): ModelOpt's
-    ``input_scale`` (amax / 2688) as stored, compressed-tensors' ``1 / input_global_scale`` (an encode scale) in fp32;
-    each finite and > 0, else an error naming the tensor."""
+    ``input_scale`` (amax / 2688) as stored, compressed-tensors' ``1 / input_global_scale`` (an encode scale) in fp32
+    (w4a4 then encodes with ``fp32(1 / that)``, in rare cases one ulp from the stored encode scale); each finite and
+    > 0, else an error naming the tensor."""
     out = []
     for w in weights:
         s = np.float32(reader.read(w.input_scale).reshape(()))

@@ -15,7 +15,7 @@ rather than guessed. MXFP4 blocks hold E2M1 codes two a byte (even element in th
 E8M0 scale (``2^(s - 127)``, 255 = NaN) per 32 elements; they are dequantized to bf16, as Transformers
 does, then quantized to NVFP4 like any bf16 weight. NVFP4 experts as ModelOpt exports stacked ones (packed along
 the input dimension, then transposed back to ``x @ w``; one global decode scale per projection, or one per
-expert; ``_input_scale`` unused) are taken as stored.
+expert; ``_input_scale``, once or per expert, the static activation scale) are taken as stored.
 """
 
 from __future__ import annotations

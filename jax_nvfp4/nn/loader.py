@@ -11,8 +11,8 @@ per-expert tensors (Qwen3) or stacked ones (gpt-oss: bf16, or MXFP4 decoded), FP
 A pre-quantized NVFP4 checkpoint (ModelOpt's ``weight`` U8 with ``weight_scale`` and ``weight_scale_2``, or
 compressed-tensors' ``weight_packed`` with ``weight_scale`` and ``weight_global_scale``) keeps its experts' bytes as
 stored; its other NVFP4 linear layers (attention, dense MLPs: the model runs them in bf16) are dequantized,
-``bf16(e2m1 * block scale * global decode scale)``. Their static activation scales go unused: w4a4 here scales
-activations per token.
+``bf16(e2m1 * block scale * global decode scale)``. The experts' static activation scales load as
+:attr:`~jax_nvfp4.NVFP4Experts.input_scales` (mode w4a4 quantizes on them); the other layers' go unused.
 
 Name mapping (``L`` layer, ``N`` expert; kernels are stored transposed, ``[in, out]``)::
 
