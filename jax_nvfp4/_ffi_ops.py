@@ -1186,12 +1186,15 @@ def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str =
     if experts.down_bias is None:
         return out
     # GEMM2's bias, sum_j w_j * b2[e_j] over the token's local experts, in fp32 after the finalize (one more bf16
-    # rounding than backend xla's): w * (s * acc + b2) = w * s * acc + w * b2.
+    # rounding than backend xla's): w * (s * acc + b2) = w * s * acc + w * b2. The finalize's bf16 rounding is
+    # kept by reduce_precision: under jit XLA would drop the twin's bf16 round trip (excess precision) and its
+    # outputs would differ from the kernels' in the last bit.
     local = shard_ids(topk_ids, offset)
     ok = (local >= 0) & (local < e)
     b2 = experts.down_bias.astype(jnp.float32)[jnp.clip(local, 0, e - 1)]  # [T, k, H]
     w = jnp.where(ok, jnp.asarray(topk_weights, jnp.float32), 0.0)
-    return (out.astype(jnp.float32) + jnp.sum(w[..., None] * b2, axis=1)).astype(jnp.bfloat16)
+    out = lax.reduce_precision(out.astype(jnp.float32), exponent_bits=8, mantissa_bits=7)
+    return (out + jnp.sum(w[..., None] * b2, axis=1)).astype(jnp.bfloat16)
 
 
 def _static_gemm2_rows(h1, sorted_ids, tile_expert, row_weights, input_scale, tile_m: int, chunk_out: bool):
