@@ -726,8 +726,8 @@ def moe_finalize(y, pair_to_row, *, impl: str = "ffi", kernel_flags: int = 0):
                             vmap_method="sequential")(y, pair_to_row, kernel_flags=np.int64(kernel_flags))
 
 
-def quant_dequant_rows(x, row_ids=None, *, row_weights=None, chunk_out: bool = False, impl: str = "ffi",
-                       kernel_flags: int = 0):
+def quant_dequant_rows(x, row_ids=None, *, row_weights=None, input_scale=None, chunk_out: bool = False,
+                       impl: str = "ffi", kernel_flags: int = 0):
     """Per-token NVFP4 quantization of each row, decoded back without its global scale.
 
     ``out = e2m1 * block_scale`` of ``quantize(x, per_token=True)``, which has at most 6
@@ -744,6 +744,10 @@ def quant_dequant_rows(x, row_ids=None, *, row_weights=None, chunk_out: bool = F
     row_weights : optional float32 ``[n]`` (with ``row_ids``)
         Each used row's scale is multiplied by ``row_weights[row_ids[r]]`` (0 where the id is
         ``>= n``): mode w4a4's GEMM2 row scale, routing weight times decode scale, in the same launch.
+    input_scale : optional float32 ``[R]``
+        A static decode scale per row (:attr:`~jax_nvfp4.NVFP4Experts.input_scales`) in place of the row's own:
+        :func:`~jax_nvfp4.quantize.quant_dequant_static`, the row's scale this one. Always in JAX (the kernel
+        computes its rows' scales).
     chunk_out : bool
         Write each output row in the wgmma chunk order (:func:`to_chunk_order`; K a multiple of
         128), which the sm_90a kernels read as it is. The scales are the same.
@@ -772,15 +776,22 @@ def quant_dequant_rows(x, row_ids=None, *, row_weights=None, chunk_out: bool = F
             raise ValueError(f"row_weights must be float32 [n], n >= 1, and come with row_ids; got "
                              f"{row_weights.dtype}{list(row_weights.shape)}"
                              f"{' without row_ids' if row_ids is None else ''}")
+    if input_scale is not None:
+        input_scale = jnp.asarray(input_scale)
+        if input_scale.shape != x.shape[:1] or input_scale.dtype != jnp.float32:
+            raise ValueError(f"input_scale must be float32 [R] = [{x.shape[0]}], got "
+                             f"{input_scale.dtype}{list(input_scale.shape)}")
     chunk_out = bool(chunk_out)
     if chunk_out and x.shape[1] % CHUNK_K:
         raise ValueError(f"chunk_out needs K = x.shape[1] to be a multiple of {CHUNK_K}, got {x.shape[1]}")
-    if impl == "jax":
+    if impl == "jax" or input_scale is not None:
         if row_ids is not None:
             x = jnp.where(row_ids[:, None] >= 0, x, jnp.zeros((), x.dtype))
-        q = quantize(x, per_token=True)
-        out = dequantize(q, jnp.bfloat16, apply_global_scale=False)
-        scale = q.global_scale
+        if input_scale is None:
+            q = quantize(x, per_token=True)
+            out, scale = dequantize(q, jnp.bfloat16, apply_global_scale=False), q.global_scale
+        else:
+            out, scale = quant_dequant_static(x, input_scale)
         if row_weights is not None:  # row_weights[id] * scale, as the kernels multiply (0 past the end), its
             # subnormal products kept as they keep them (XLA:CPU's multiply flushes them to zero)
             n = row_weights.shape[0]
@@ -1157,9 +1168,10 @@ def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str =
         gemm1 = dict(common)
         if static:  # x's row per pair, on its expert's scale (in JAX); GEMM1 gathers pair p's row (top_k 1)
             s_in = experts.input_scales
-            xq, x_scale = quant_dequant_static(jnp.repeat(x.astype(jnp.bfloat16), k, axis=0),
-                                               s_in[jnp.clip(topk_ids.reshape(t * k) - offset, 0, e - 1), 0])
-            xq, gemm1["top_k"] = to_chunk_order(xq) if ws else xq, 1
+            pair_scale = s_in[jnp.clip(topk_ids.reshape(t * k) - offset, 0, e - 1), 0]
+            xq, x_scale = quant_dequant_rows(jnp.repeat(x.astype(jnp.bfloat16), k, axis=0), input_scale=pair_scale,
+                                             chunk_out=ws)
+            gemm1["top_k"] = 1
         elif align_quant:
             sorted_ids, tile_expert, pair_to_row, xq, x_scale = moe_align_quant(
                 topk_ids, x.astype(jnp.bfloat16), e, tile_m=tile_m, expert_offset=offset, chunk_out=ws,
@@ -1175,11 +1187,12 @@ def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str =
                           **gemm1)
         # Rows of unused tiles are never written by the GPU: row_ids makes them zeros. The scales
         # come out times the rows' routing weights: GEMM2's row scales.
-        if static:
-            aq, rs = _static_gemm2_rows(h1, sorted_ids, tile_expert, w_flat, s_in[:, 1], tile_m, chunk)
-        else:
-            aq, rs = quant_dequant_rows(h1, sorted_ids, row_weights=w_flat, chunk_out=chunk, impl=q_impl,
-                                        kernel_flags=kernel_flags)
+        row_scale = None
+        if static:  # each row on its tile's expert's scale (rows of no pair, unused tiles' too, have negative ids)
+            te = jnp.repeat(tile_expert, tile_m, total_repeat_length=sorted_ids.shape[0])
+            row_scale = s_in[jnp.clip(te, 0, e - 1), 1]
+        aq, rs = quant_dequant_rows(h1, sorted_ids, row_weights=w_flat, input_scale=row_scale, chunk_out=chunk,
+                                    impl=q_impl, kernel_flags=kernel_flags)
         y = grouped_gemm(aq, experts.down, sorted_ids, tile_expert, activation=Activation.IDENTITY,
                          row_scale=rs, row_scale_mode=RowScale.ROW, k_split=ks2, pairing=p2, **common2)
     out = moe_finalize(y, pair_to_row, impl=impl, kernel_flags=kernel_flags)
@@ -1195,20 +1208,6 @@ def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str =
     w = jnp.where(ok, jnp.asarray(topk_weights, jnp.float32), 0.0)
     out = lax.reduce_precision(out.astype(jnp.float32), exponent_bits=8, mantissa_bits=7)
     return (out + jnp.sum(w[..., None] * b2, axis=1)).astype(jnp.bfloat16)
-
-
-def _static_gemm2_rows(h1, sorted_ids, tile_expert, row_weights, input_scale, tile_m: int, chunk_out: bool):
-    """:func:`quant_dequant_rows` of GEMM1's sorted rows on their experts' static scales (``input_scale [E]``): the
-    rows in bfloat16 and GEMM2's row scales, routing weight times the input scale (0 and zeros for rows of no
-    pair or of unused tiles)."""
-    e = input_scale.shape[0]
-    te = jnp.repeat(tile_expert, tile_m, total_repeat_length=sorted_ids.shape[0])
-    n = row_weights.shape[0]
-    used = (sorted_ids >= 0) & (sorted_ids < n) & (te >= 0) & (te < e)
-    aq, s = quant_dequant_static(jnp.where(used[:, None], h1, 0).astype(h1.dtype),
-                                 input_scale[jnp.clip(te, 0, e - 1)])
-    rs = jnp.where(used, _exact.mul_rn_differentiable(row_weights[jnp.clip(sorted_ids, 0, n - 1)], s), 0.0)
-    return (to_chunk_order(aq) if chunk_out else aq), rs
 
 
 @functools.lru_cache(maxsize=None)

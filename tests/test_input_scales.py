@@ -52,6 +52,17 @@ def test_static_rows_are_the_quantizer_with_the_reciprocal_encode_scale():
     q = nv.quantize(x, global_encode_scale=np.float32(1) / np.asarray(s))
     np.testing.assert_array_equal(f32(got), f32(nv.dequantize(q, jnp.float32, apply_global_scale=False)))
     np.testing.assert_array_equal(scale, s)  # the row decode scale is the input scale itself
+    # quant_dequant_rows' static form (any impl: in JAX): unused rows zero, scales times the row weights
+    ids = jnp.where(jnp.arange(40) % 5 == 0, -1, jnp.arange(40) // 2).astype(jnp.int32)
+    rw = jnp.asarray(np.random.default_rng(3).random(20), jnp.float32)
+    for impl in ("ffi", "jax"):
+        rows, rs = ops.quant_dequant_rows(x, ids, row_weights=rw, input_scale=s, impl=impl)
+        used = np.asarray(ids) >= 0
+        np.testing.assert_array_equal(f32(rows)[used], f32(got)[used])
+        assert not f32(rows)[~used].any() and not np.asarray(rs)[~used].any()
+        np.testing.assert_array_equal(np.asarray(rs)[used], (np.asarray(rw)[np.asarray(ids)] * np.asarray(s))[used])
+    with pytest.raises(ValueError, match=r"input_scale must be float32 \[R\] = \[40\]"):
+        ops.quant_dequant_rows(x, input_scale=s[:3])
     # rows of amax 2688 * 2^-m on s = 2^-m: the encode scale is the amax's, so the bytes are per-token quantization's
     m = np.arange(40) % 7 + 3
     y = np.asarray(x) / np.abs(np.asarray(x)).max(axis=1, keepdims=True) * (2688 * 2.0 ** -m)[:, None]
