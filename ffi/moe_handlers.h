@@ -105,9 +105,11 @@ auto QuantDequantRows(B b) {
       .template Arg<ffi::AnyBuffer>()  // x [R, K] bf16 or f32
       .template Arg<ffi::Buffer<ffi::S32>>()  // row_ids [R] (< 0: unused row) or [0]
       .template Arg<ffi::Buffer<ffi::F32>>()  // row_weights [n] (scale[r] *= row_weights[row_ids[r]], 0 past n) or [0]
-      .template Ret<ffi::Buffer<ffi::BF16>>()  // out [R, K] e2m1 * block scale
-      .template Ret<ffi::Buffer<ffi::F32>>()  // scale [R] per-row global decode scale
+      .template Arg<ffi::Buffer<ffi::F32>>()  // input_scale [R * repeat] (static decode scale per out row) or [0]
+      .template Ret<ffi::Buffer<ffi::BF16>>()  // out [R * repeat, K] e2m1 * block scale (row r: x's row r / repeat)
+      .template Ret<ffi::Buffer<ffi::F32>>()  // scale [R * repeat] per-row global decode scale
       .template Attr<bool>("chunk_out")  // out's K axis in the wgmma chunk order (ChunkPos)
+      .template Attr<int64_t>("repeat")  // out rows per row of x (>= 1)
       .template Attr<int64_t>("kernel_flags");  // KernelFlag bits (GPU launch variants; 0: default)
 }
 

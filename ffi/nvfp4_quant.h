@@ -126,6 +126,13 @@ NVFP4_HD RowScales RowScalesFromAmax(uint32_t amax_bits) {
   return {enc, dec, amax_bits == 0 ? 0.0f : dec};
 }
 
+// A static row's scales (mode w4a4 on NVFP4Experts.input_scales): its decode scale s is given; the encode
+// scale is min(fp32(1 / s), FLT_MAX) and the stored scale s itself (quantize.quant_dequant_static).
+NVFP4_HD RowScales RowScalesFromInputScale(float s) {
+  const float enc = MinKeepNan(DivRn(1.0f, s), kF32Max);
+  return {enc, DivRn(1.0f, enc), s};
+}
+
 // The scale written for used row r: its stored global scale, times row_weights[id] (id = row_ids[r])
 // when given, 0 past row_weights' end: mode w4a4's GEMM2 row scale (routing weight x decode scale).
 // The rule in two steps, so that a kernel can load the weight early (RowWeightOf) and apply it once the
@@ -167,13 +174,16 @@ NVFP4_HD float QuantDequant(float x, const BlockScale& bs) {
 }  // namespace quant
 
 // Shapes of quant_dequant_rows (and moe_align_quant's x), checked alike on both platforms:
-// x [R, K] (bf16 or f32, K % 16 == 0; K % kChunkK == 0 with chunk_out), out [R, K] bf16, scale [R] f32.
+// x [X, K] (bf16 or f32, K % 16 == 0; K % kChunkK == 0 with chunk_out), out [R, K] bf16 and scale [R] f32
+// with R = X * repeat (repeat >= 1: out rows per row of x).
 template <typename X, typename O, typename S>
-ffi::Error CheckQuantOut(const char* op, const X& x, const O& out, const S& scale, bool chunk_out, int64_t* R,
-                         int64_t* K) {
+ffi::Error CheckQuantOut(const char* op, const X& x, const O& out, const S& scale, bool chunk_out, int64_t repeat,
+                         int64_t* R, int64_t* K) {
   auto xd = x.dimensions();
   if (xd.size() != 2) return Invalid(op, "x must be 2-D [R, K], got " + ShapeStr(xd));
-  *R = xd[0];
+  if (repeat < 1 || repeat > (int64_t(1) << 31) || xd[0] > (int64_t(1) << 40) / repeat)
+    return Invalid(op, "repeat must be in [1, 2^31] with x.shape[0] * repeat < 2^40, got " + std::to_string(repeat));
+  *R = xd[0] * repeat;
   *K = xd[1];
   if (*K % 16 != 0) return Invalid(op, "K = " + std::to_string(*K) + " (x.shape[1]) must be a multiple of 16");
   if (chunk_out && *K % kChunkK != 0)
@@ -183,17 +193,22 @@ ffi::Error CheckQuantOut(const char* op, const X& x, const O& out, const S& scal
     return Invalid(op, "x must be bfloat16 or float32");
   auto od = out.dimensions(), sd = scale.dimensions();
   if (od.size() != 2 || od[0] != *R || od[1] != *K)
-    return Invalid(op, "output must be [R, K] = " + ShapeStr(xd) + ", got " + ShapeStr(od));
+    return Invalid(op, "output must be [R, K] = [" + std::to_string(*R) + ", " + std::to_string(*K) + "] (x.shape[0] * repeat, K), got " + ShapeStr(od));
   if (sd.size() != 1 || sd[0] != *R)
     return Invalid(op, "scale output must be [R] = [" + std::to_string(*R) + "], got " + ShapeStr(sd));
   return ffi::Error::Success();
 }
 
-// CheckQuantOut, and row_ids [R] or [0] (every row used), row_weights [n] (with row_ids) or [0].
-template <typename X, typename I, typename W, typename O, typename S>
-ffi::Error CheckQuantRows(const char* op, const X& x, const I& row_ids, const W& row_weights, const O& out,
-                          const S& scale, bool chunk_out, int64_t* R, int64_t* K) {
-  if (auto err = CheckQuantOut(op, x, out, scale, chunk_out, R, K); err.failure()) return err;
+// CheckQuantOut, and row_ids [R] or [0] (every row used), row_weights [n] (with row_ids) or [0],
+// input_scale [R] or [0] (each row's own scale).
+template <typename X, typename I, typename W, typename IS, typename O, typename S>
+ffi::Error CheckQuantRows(const char* op, const X& x, const I& row_ids, const W& row_weights, const IS& input_scale,
+                          const O& out, const S& scale, bool chunk_out, int64_t repeat, int64_t* R, int64_t* K) {
+  if (auto err = CheckQuantOut(op, x, out, scale, chunk_out, repeat, R, K); err.failure()) return err;
+  auto sd = input_scale.dimensions();
+  if (sd.size() != 1 || (sd[0] != 0 && sd[0] != *R))
+    return Invalid(op, "input_scale must be [R] = [" + std::to_string(*R) + "] (x.shape[0] * repeat) or [0], got " +
+                           ShapeStr(sd));
   auto id = row_ids.dimensions();
   if (id.size() != 1 || (id[0] != 0 && id[0] != *R))
     return Invalid(op, "row_ids must be [R] = [" + std::to_string(*R) + "] or [0] (every row used), got " +
@@ -221,7 +236,7 @@ ffi::Error CheckAlignQuant(const char* op, const I& topk_ids, const X& x, int64_
     return Invalid(op, "x must have a row per token: [T, K] with T = " + std::to_string(topk_ids.dimensions()[0]) +
                            ", got " + ShapeStr(x.dimensions()));
   int64_t R;
-  return CheckQuantOut(op, x, xq, x_scale, chunk_out, &R, K);
+  return CheckQuantOut(op, x, xq, x_scale, chunk_out, 1, &R, K);
 }
 
 }  // namespace jax_nvfp4

@@ -2,7 +2,8 @@
 // (per token) and decoded back without that scale (e2m1 * E4M3 block scale, exact in bf16),
 // which is what the W4A16 GEMMs consume in mode w4a4; with chunk_out, each row's values are written in
 // the wgmma chunk order (ChunkPos), where the sm_90a kernels read it; with row_weights, each used row's
-// scale is times its weight (quant::WeightedScale). Arithmetic in nvfp4_quant.h.
+// scale is times its weight (quant::WeightedScale); with input_scale, each row on its given static decode scale
+// (quant::RowScalesFromInputScale); with repeat, each row of x gives that many rows. Arithmetic in nvfp4_quant.h.
 #include <algorithm>
 
 #if defined(__SSE__) || defined(__x86_64__)
@@ -58,10 +59,11 @@ float Load<float>(const float* p, int64_t i) {
 }
 
 template <typename T>
-void QuantRows(const T* x, const int32_t* row_ids, const float* row_weights, int64_t n_weights, int64_t R,
-               int64_t K, bool chunk_out, uint16_t* out, float* scale) {
+void QuantRows(const T* x, const int32_t* row_ids, const float* row_weights, int64_t n_weights,
+               const float* input_scale, int64_t repeat, int64_t R, int64_t K, bool chunk_out, uint16_t* out,
+               float* scale) {
   for (int64_t r = 0; r < R; ++r) {
-    const T* xr = x + r * K;
+    const T* xr = x + r / repeat * K;
     uint16_t* orow = out + r * K;
     if (row_ids && row_ids[r] < 0) {  // unused row: zeros, scale 0 (as an all-zero row)
       std::fill(orow, orow + K, uint16_t(0));
@@ -69,8 +71,10 @@ void QuantRows(const T* x, const int32_t* row_ids, const float* row_weights, int
       continue;
     }
     uint32_t amax = 0;
-    for (int64_t i = 0; i < K; ++i) amax = std::max(amax, quant::AbsBits(Load(xr, i)));
-    const quant::RowScales rs = quant::RowScalesFromAmax(amax);
+    if (!input_scale)
+      for (int64_t i = 0; i < K; ++i) amax = std::max(amax, quant::AbsBits(Load(xr, i)));
+    const quant::RowScales rs =
+        input_scale ? quant::RowScalesFromInputScale(input_scale[r]) : quant::RowScalesFromAmax(amax);
     scale[r] = quant::WeightedScale(rs.stored, row_weights, n_weights, row_ids ? row_ids[r] : 0);
     for (int64_t b = 0; b < K; b += 16) {
       uint32_t vmax = 0;
@@ -83,23 +87,26 @@ void QuantRows(const T* x, const int32_t* row_ids, const float* row_weights, int
 }
 
 ffi::Error QuantDequantRowsCpuImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> row_ids,
-                                   ffi::Buffer<ffi::F32> row_weights, ffi::Result<ffi::Buffer<ffi::BF16>> out, ffi::Result<ffi::Buffer<ffi::F32>> scale,
-                                   bool chunk_out, int64_t kernel_flags) {
+                                   ffi::Buffer<ffi::F32> row_weights, ffi::Buffer<ffi::F32> input_scale,
+                                   ffi::Result<ffi::Buffer<ffi::BF16>> out, ffi::Result<ffi::Buffer<ffi::F32>> scale,
+                                   bool chunk_out, int64_t repeat, int64_t kernel_flags) {
   int64_t R, K;
   if (auto err = CheckKernelFlags("quant_dequant_rows", kernel_flags); err.failure()) return err;
-  if (auto err = CheckQuantRows("quant_dequant_rows", x, row_ids, row_weights, *out, *scale, chunk_out, &R, &K);
+  if (auto err = CheckQuantRows("quant_dequant_rows", x, row_ids, row_weights, input_scale, *out, *scale, chunk_out,
+                                repeat, &R, &K);
       err.failure())
     return err;
   const int32_t* ids = row_ids.dimensions()[0] ? row_ids.typed_data() : nullptr;
   const int64_t n_weights = row_weights.dimensions()[0];
   const float* weights = n_weights ? row_weights.typed_data() : nullptr;
+  const float* s_in = input_scale.dimensions()[0] ? input_scale.typed_data() : nullptr;
   IeeeSubnormals ieee;
   if (x.element_type() == ffi::DataType::BF16) {
-    QuantRows(reinterpret_cast<const uint16_t*>(x.untyped_data()), ids, weights, n_weights, R, K, chunk_out,
-              out->typed_data(), scale->typed_data());
+    QuantRows(reinterpret_cast<const uint16_t*>(x.untyped_data()), ids, weights, n_weights, s_in, repeat, R, K,
+              chunk_out, out->typed_data(), scale->typed_data());
   } else {
-    QuantRows(reinterpret_cast<const float*>(x.untyped_data()), ids, weights, n_weights, R, K, chunk_out,
-              out->typed_data(), scale->typed_data());
+    QuantRows(reinterpret_cast<const float*>(x.untyped_data()), ids, weights, n_weights, s_in, repeat, R, K,
+              chunk_out, out->typed_data(), scale->typed_data());
   }
   return ffi::Error::Success();
 }
@@ -118,8 +125,8 @@ ffi::Error MoeAlignQuantCpuImpl(ffi::Buffer<ffi::S32> topk_ids, ffi::Buffer<ffi:
   AlignPairsCpu(topk_ids.typed_data(), n, num_experts, expert_offset, tile_m, P, sorted_ids->typed_data(),
                 tile_expert->typed_data(), pair_to_row->typed_data());
   IeeeSubnormals ieee;
-  QuantRows(reinterpret_cast<const uint16_t*>(x.untyped_data()), nullptr, nullptr, 0, topk_ids.dimensions()[0], K,
-            chunk_out, xq->typed_data(), x_scale->typed_data());
+  QuantRows(reinterpret_cast<const uint16_t*>(x.untyped_data()), nullptr, nullptr, 0, nullptr, 1,
+            topk_ids.dimensions()[0], K, chunk_out, xq->typed_data(), x_scale->typed_data());
   return ffi::Error::Success();
 }
 

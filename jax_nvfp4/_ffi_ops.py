@@ -726,8 +726,8 @@ def moe_finalize(y, pair_to_row, *, impl: str = "ffi", kernel_flags: int = 0):
                             vmap_method="sequential")(y, pair_to_row, kernel_flags=np.int64(kernel_flags))
 
 
-def quant_dequant_rows(x, row_ids=None, *, row_weights=None, input_scale=None, chunk_out: bool = False,
-                       impl: str = "ffi", kernel_flags: int = 0):
+def quant_dequant_rows(x, row_ids=None, *, row_weights=None, input_scale=None, repeat: int = 1,
+                       chunk_out: bool = False, impl: str = "ffi", kernel_flags: int = 0):
     """Per-token NVFP4 quantization of each row, decoded back without its global scale.
 
     ``out = e2m1 * block_scale`` of ``quantize(x, per_token=True)``, which has at most 6
@@ -737,7 +737,7 @@ def quant_dequant_rows(x, row_ids=None, *, row_weights=None, input_scale=None, c
 
     Parameters
     ----------
-    x : bfloat16 or float32 ``[R, K]``, K a multiple of 16
+    x : bfloat16 or float32 ``[X, K]``, K a multiple of 16; ``R = X * repeat`` rows come out
     row_ids : optional int32 ``[R]``
         Rows with a negative id are unused (e.g. the padding rows of the sorted layout): their
         output is zero and their scale 0, whatever ``x`` holds there.
@@ -746,8 +746,10 @@ def quant_dequant_rows(x, row_ids=None, *, row_weights=None, input_scale=None, c
         ``>= n``): mode w4a4's GEMM2 row scale, routing weight times decode scale, in the same launch.
     input_scale : optional float32 ``[R]``
         A static decode scale per row (:attr:`~jax_nvfp4.NVFP4Experts.input_scales`) in place of the row's own:
-        :func:`~jax_nvfp4.quantize.quant_dequant_static`, the row's scale this one. Always in JAX (the kernel
-        computes its rows' scales).
+        :func:`~jax_nvfp4.quantize.quant_dequant_static`, the row's scale this one (no abs-max pass).
+    repeat : int >= 1
+        Output rows per row of x: row ``r`` quantizes x's row ``r // repeat`` (``jnp.repeat(x, repeat, 0)``, not
+        materialized), e.g. a token's row once per routed pair, each on its expert's ``input_scale``.
     chunk_out : bool
         Write each output row in the wgmma chunk order (:func:`to_chunk_order`; K a multiple of
         128), which the sm_90a kernels read as it is. The scales are the same.
@@ -765,10 +767,14 @@ def quant_dequant_rows(x, row_ids=None, *, row_weights=None, input_scale=None, c
         raise ValueError(f"x must be [R, K] with K a multiple of 16, got shape {x.shape}")
     if x.dtype not in (jnp.bfloat16, jnp.float32):
         raise TypeError(f"x must be bfloat16 or float32, got {x.dtype}")
+    if not isinstance(repeat, (int, np.integer)) or isinstance(repeat, bool) or not 1 <= repeat <= 2 ** 31:
+        raise ValueError(f"repeat must be a Python int in [1, 2^31], got {repeat!r}")
+    repeat = int(repeat)
+    r = x.shape[0] * repeat
     if row_ids is not None:
         row_ids = jnp.asarray(row_ids)
-        if row_ids.shape != x.shape[:1] or not jnp.issubdtype(row_ids.dtype, jnp.integer):
-            raise ValueError(f"row_ids must be integer [R] = [{x.shape[0]}], got {row_ids.dtype}{list(row_ids.shape)}")
+        if row_ids.shape != (r,) or not jnp.issubdtype(row_ids.dtype, jnp.integer):
+            raise ValueError(f"row_ids must be integer [R] = [{r}], got {row_ids.dtype}{list(row_ids.shape)}")
         row_ids = row_ids.astype(jnp.int32)
     if row_weights is not None:
         row_weights = jnp.asarray(row_weights)
@@ -778,13 +784,14 @@ def quant_dequant_rows(x, row_ids=None, *, row_weights=None, input_scale=None, c
                              f"{' without row_ids' if row_ids is None else ''}")
     if input_scale is not None:
         input_scale = jnp.asarray(input_scale)
-        if input_scale.shape != x.shape[:1] or input_scale.dtype != jnp.float32:
-            raise ValueError(f"input_scale must be float32 [R] = [{x.shape[0]}], got "
+        if input_scale.shape != (r,) or input_scale.dtype != jnp.float32:
+            raise ValueError(f"input_scale must be float32 [R] = [{r}], got "
                              f"{input_scale.dtype}{list(input_scale.shape)}")
     chunk_out = bool(chunk_out)
     if chunk_out and x.shape[1] % CHUNK_K:
         raise ValueError(f"chunk_out needs K = x.shape[1] to be a multiple of {CHUNK_K}, got {x.shape[1]}")
-    if impl == "jax" or input_scale is not None:
+    if impl == "jax":
+        x = jnp.repeat(x, repeat, axis=0) if repeat > 1 else x
         if row_ids is not None:
             x = jnp.where(row_ids[:, None] >= 0, x, jnp.zeros((), x.dtype))
         if input_scale is None:
@@ -792,6 +799,8 @@ def quant_dequant_rows(x, row_ids=None, *, row_weights=None, input_scale=None, c
             out, scale = dequantize(q, jnp.bfloat16, apply_global_scale=False), q.global_scale
         else:
             out, scale = quant_dequant_static(x, input_scale)
+            if row_ids is not None:  # unused rows: scale 0, as an all-zero row's per token
+                scale = jnp.where(row_ids >= 0, scale, 0.0)
         if row_weights is not None:  # row_weights[id] * scale, as the kernels multiply (0 past the end), its
             # subnormal products kept as they keep them (XLA:CPU's multiply flushes them to zero)
             n = row_weights.shape[0]
@@ -801,11 +810,11 @@ def quant_dequant_rows(x, row_ids=None, *, row_weights=None, input_scale=None, c
     ensure_registered()
     ids = jnp.zeros((0,), jnp.int32) if row_ids is None else row_ids
     weights = jnp.zeros((0,), jnp.float32) if row_weights is None else row_weights
-    r, kk = x.shape
-    return jax.ffi.ffi_call(TARGET_QUANT, (jax.ShapeDtypeStruct((r, kk), jnp.bfloat16),
+    s_in = jnp.zeros((0,), jnp.float32) if input_scale is None else input_scale
+    return jax.ffi.ffi_call(TARGET_QUANT, (jax.ShapeDtypeStruct((r, x.shape[1]), jnp.bfloat16),
                                            jax.ShapeDtypeStruct((r,), jnp.float32)),
-                            vmap_method="sequential")(x, ids, weights, chunk_out=chunk_out,
-                                                      kernel_flags=np.int64(kernel_flags))
+                            vmap_method="sequential")(x, ids, weights, s_in, chunk_out=chunk_out,
+                                                      repeat=np.int64(repeat), kernel_flags=np.int64(kernel_flags))
 
 
 def moe_align_quant(topk_ids, x, num_experts: int, *, tile_m: int, expert_offset: int = 0, chunk_out: bool = False,
@@ -1166,11 +1175,11 @@ def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str =
         # the TMA-fed GEMM2).
         q_impl = "jax" if kernel_flags & KernelFlag.JAX_QUANT else impl
         gemm1 = dict(common)
-        if static:  # x's row per pair, on its expert's scale (in JAX); GEMM1 gathers pair p's row (top_k 1)
+        if static:  # x's row once per pair, on its expert's scale; GEMM1 gathers pair p's row (top_k 1)
             s_in = experts.input_scales
             pair_scale = s_in[jnp.clip(topk_ids.reshape(t * k) - offset, 0, e - 1), 0]
-            xq, x_scale = quant_dequant_rows(jnp.repeat(x.astype(jnp.bfloat16), k, axis=0), input_scale=pair_scale,
-                                             chunk_out=ws)
+            xq, x_scale = quant_dequant_rows(x.astype(jnp.bfloat16), input_scale=pair_scale, repeat=k, chunk_out=ws,
+                                             impl=q_impl, kernel_flags=kernel_flags)
             gemm1["top_k"] = 1
         elif align_quant:
             sorted_ids, tile_expert, pair_to_row, xq, x_scale = moe_align_quant(

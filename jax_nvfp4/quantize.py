@@ -228,8 +228,8 @@ def quantize(x, *, per_token: bool = False, recipe: str = "nvfp4", global_amax=N
 
 def quant_dequant_static(x, input_scale):
     """Mode w4a4's rows on a static activation scale: ``x [R, K]`` quantized per row with the global encode scale
-    ``fp32(1 / input_scale[r])`` (:func:`quantize`'s ``global_encode_scale``; the serving stacks' ``1 / input_scale``)
-    and decoded back without it, exactly in bfloat16 (at most 6 significant bits), as
+    ``min(fp32(1 / input_scale[r]), FLT_MAX)`` (:func:`quantize`'s ``global_encode_scale``; the serving stacks'
+    ``1 / input_scale``, kept finite as the per-token one is, for scales under 2^-128) and decoded back without it, exactly in bfloat16 (at most 6 significant bits), as
     :func:`~jax_nvfp4._ffi_ops.quant_dequant_rows` does per token.
 
     Returns (bfloat16 ``[R, K]``, ``input_scale`` float32 ``[R]``): the GEMMs' row decode scale is the input scale
@@ -238,6 +238,8 @@ def quant_dequant_static(x, input_scale):
     s = jnp.asarray(input_scale, jnp.float32)
     # The scales' derivative flows through the row scale only (the rounding onto the grid is piecewise constant).
     enc = jax.lax.stop_gradient(ex.div_rn(np.float32(1.0), s))
+    # (on the bits: XLA:CPU's minimum flushes a subnormal encode scale, that of s over about 8.5e37, to 0)
+    enc = jnp.where(ex.bits(enc) == ex.bits(jnp.float32(jnp.inf)), jnp.float32(ex.F32_MAX), enc)
     q = _quantize(x, None, recipe="nvfp4", per_token=False, enc=enc)[0]
     return dequantize(q, jnp.bfloat16, apply_global_scale=False), s
 

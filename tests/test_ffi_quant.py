@@ -161,6 +161,17 @@ def test_property_f32_rows(x, log2_scale):
     assert_same_bytes(ops.quant_dequant_rows(x), ops.quant_dequant_rows(x, impl="jax"))
 
 
+@settings(max_examples=150, deadline=None)
+@given(hnp.arrays(np.float32, (2, 32), elements=finite_f32),
+       hnp.arrays(np.float32, (4,), elements=st.floats(width=32, min_value=float(np.float32(1e-45)), max_value=float(np.float32(3.4e38)))))
+def test_property_static_scales(x, s):
+    """Static decode scales (quant_dequant_static's rows), any positive finite fp32 (subnormal ones included: the
+    encode scale 1 / s is then infinite), on any finite rows, each quantized twice (repeat) on two scales."""
+    x, s = jnp.asarray(x), jnp.asarray(s)
+    assert_same_bytes(ops.quant_dequant_rows(x, input_scale=s, repeat=2),
+                      ops.quant_dequant_rows(x, input_scale=s, repeat=2, impl="jax"))
+
+
 @settings(max_examples=60, deadline=None)
 @given(hnp.arrays(np.uint16, (2, 64), elements=st.integers(0, 0xFFFF)))
 def test_property_every_bf16_bit_pattern(u):
@@ -226,12 +237,14 @@ def test_bad_arguments_are_named():
 
 def test_handler_rejects_bad_shapes_with_named_arguments():
     """The C++ checks behind the Python ones (shared by the CPU and CUDA handlers)."""
-    def call(x, ids, out_shape=None, scale_shape=None, chunk_out=False, weights=jnp.zeros((0,), jnp.float32)):
+    def call(x, ids, out_shape=None, scale_shape=None, chunk_out=False, weights=jnp.zeros((0,), jnp.float32),
+             s_in=jnp.zeros((0,), jnp.float32), repeat=1):
         r, k = x.shape
+        r *= max(repeat, 1)
         return jax.ffi.ffi_call(ops.TARGET_QUANT, (jax.ShapeDtypeStruct(out_shape or (r, k), jnp.bfloat16),
                                                    jax.ShapeDtypeStruct(scale_shape or (r,), jnp.float32)),
-                                vmap_method="sequential")(x, ids, weights, chunk_out=chunk_out,
-                                                          kernel_flags=np.int64(0))
+                                vmap_method="sequential")(x, ids, weights, s_in, chunk_out=chunk_out,
+                                                          repeat=np.int64(repeat), kernel_flags=np.int64(0))
     ops.ensure_registered()
     x = jnp.zeros((3, 32), jnp.bfloat16)
     with pytest.raises(Exception, match=r"row_ids must be \[R\] = \[3\] or \[0\]"):
@@ -250,6 +263,12 @@ def test_handler_rejects_bad_shapes_with_named_arguments():
         call(x, jnp.zeros((0,), jnp.int32), weights=jnp.ones((3,), jnp.float32))
     with pytest.raises(Exception, match="row_weights must be 1-D"):
         call(x, jnp.zeros((3,), jnp.int32), weights=jnp.ones((3, 1), jnp.float32))
+    with pytest.raises(Exception, match=r"input_scale must be \[R\] = \[6\] \(x.shape\[0\] \* repeat\) or \[0\]"):
+        call(x, jnp.zeros((0,), jnp.int32), s_in=jnp.ones((3,), jnp.float32), repeat=2)
+    with pytest.raises(Exception, match=r"output must be \[R, K\] = \[6, 32\]"):
+        call(x, jnp.zeros((0,), jnp.int32), out_shape=(3, 32), repeat=2)
+    with pytest.raises(Exception, match="repeat must be in"):
+        call(x, jnp.zeros((0,), jnp.int32), out_shape=(3, 32), scale_shape=(3,), repeat=0)
     with pytest.raises(ValueError, match="kernel_flags must combine"):
         ops.quant_dequant_rows(x, kernel_flags=UNKNOWN_FLAG)
 
@@ -286,14 +305,26 @@ def test_gpu_matches_pure_jax_quantizer(dtype, r, k):
     _check_row_variants(rng, rows_with_wide_range(rng, r, k, dtype))
 
 
+def static_scales(rng, x, repeat=1):
+    """float32 [R * repeat]: a static decode scale per output row, its x row's amax / 2688 times 2^[-3, 3) (rows
+    that saturate and rows that use few codes), kept finite and > 0 (zero and infinite rows included)."""
+    amax = np.abs(np.asarray(x, np.float32)).max(axis=1) if x.shape[1] else np.zeros(x.shape[0], np.float32)
+    s = np.repeat(amax, repeat).astype(np.float64) / 2688 * np.exp2(rng.uniform(-3, 3, x.shape[0] * repeat))
+    return jnp.asarray(np.clip(np.nan_to_num(s, posinf=1e30), 1e-38, 1e30).astype(np.float32))
+
+
 def _check_row_variants(rng, x, kernel_flags=0):
     """quant_dequant_rows of x against its twin: every row used, unused rows (ids), the chunk-ordered
-    stores (K a multiple of 128) and GEMM2's row scales (routing weights; ids past their end: 0)."""
+    stores (K a multiple of 128), GEMM2's row scales (routing weights; ids past their end: 0) and static
+    scales, with each row of x repeated 3 times (unused rows, weights and the chunk order too)."""
     r, k = x.shape
     ids = jnp.asarray(np.where(rng.random(r) < 0.3, -1, np.arange(r)), jnp.int32)
+    ids3 = jnp.asarray(np.where(rng.random(3 * r) < 0.3, -1, np.arange(3 * r)), jnp.int32)
     wts = jnp.asarray(rng.uniform(0.5, 1.5, r // 2 + 1), jnp.float32)
-    cases = [dict(), dict(row_ids=ids), dict(row_ids=ids, row_weights=wts)]
+    cases = [dict(), dict(row_ids=ids), dict(row_ids=ids, row_weights=wts), dict(input_scale=static_scales(rng, x)),
+             dict(row_ids=ids3, row_weights=wts, input_scale=static_scales(rng, x, 3), repeat=3)]
     cases += [dict(row_ids=ids, chunk_out=True)] if k % ops.CHUNK_K == 0 else []
+    cases += [dict(input_scale=static_scales(rng, x, 2), repeat=2, chunk_out=True)] if k % ops.CHUNK_K == 0 else []
     for kw in cases:
         assert_same_bytes(ops.quant_dequant_rows(x, **kw, kernel_flags=kernel_flags),
                           ops.quant_dequant_rows(x, **kw, impl="jax"))
@@ -328,6 +359,9 @@ def test_gpu_subnormals_and_extremes():
     x[3] = np.float32(1e-38) * np.linspace(-1, 1, 64, dtype=np.float32)
     x = jnp.asarray(x)
     assert_same_bytes(ops.quant_dequant_rows(x), ops.quant_dequant_rows(x, impl="jax"))
+    s = jnp.asarray([1e-45, 1e-40, 3e38, 2.0 ** -126, 1.0, 3e-3, 1e30, 7e-39], jnp.float32)  # static: 1/s inf to tiny
+    assert_same_bytes(ops.quant_dequant_rows(x, input_scale=s, repeat=2),
+                      ops.quant_dequant_rows(x, input_scale=s, repeat=2, impl="jax"))
 
 
 @pytest.mark.gpu

@@ -3,7 +3,7 @@
 // registers (rows over 4 blocks a thread are read twice): pass 1 reduces the row's abs-max, pass 2
 // quantizes each 16-element block and writes its 16 decoded bf16 values with two 16-byte stores, or,
 // in the chunk order (CHUNK), as eight pairs of values that sit side by side there. One launch, no
-// atomics, no workspace.
+// atomics, no workspace. With input_scale (static scales) pass 1 is skipped; with repeat, x's row r / repeat.
 #include <type_traits>
 
 #include "cuda/align_one_warp.cuh"
@@ -80,8 +80,10 @@ __device__ __forceinline__ void QuantStoreBlock(uint16_t* orow, int64_t b, const
 
 // Everything of a call but x (whose type is a template parameter).
 struct QuantRowsArgs {
-  const int32_t* row_ids;    // [R] or nullptr (every row used)
-  const float* row_weights;  // [n_weights] or nullptr (see quant::WeightedScale)
+  const int32_t* row_ids;      // [R] or nullptr (every row used)
+  const float* row_weights;    // [n_weights] or nullptr (see quant::WeightedScale)
+  const float* input_scale;    // [R] (each row's static decode scale) or nullptr (each row's own amax)
+  int64_t repeat = 1;          // out rows per row of x: row r quantizes x's row r / repeat
   int64_t n_weights, R, K;
   uint16_t* out;
   float* scale;
@@ -103,7 +105,7 @@ __device__ __forceinline__ void QuantRowsOfBlock(const T* __restrict__ x, const 
   if (r >= a.R) return;  // uniform over the row's threads (a CTA-wide row always has r < R)
   const int64_t nb = a.K / 16;
   uint16_t* orow = a.out + r * a.K;
-  const T* xr = x + r * a.K;
+  const T* xr = x + r / a.repeat * a.K;
   // The row's loads, its id and its routing weight are issued together (x is read for unused rows
   // too, in bounds): behind the id's branch, the loads had waited on it, a second global latency.
   float held[HELD > 0 ? HELD : 1][16];
@@ -127,8 +129,11 @@ __device__ __forceinline__ void QuantRowsOfBlock(const T* __restrict__ x, const 
     return;
   }
   const quant::RowWeight rw = quant::RowWeightOf(a.row_weights, a.n_weights, id);  // in flight with the row
+  const float s_in = a.input_scale != nullptr ? a.input_scale[r] : 0.0f;
   uint32_t amax = 0;
-  if constexpr (HELD > 0) {
+  if (a.input_scale != nullptr) {
+    // a static scale: no abs-max (the branch is the launch's, uniform over every CTA)
+  } else if constexpr (HELD > 0) {
 #pragma unroll
     for (int i = 0; i < HELD; ++i)
 #pragma unroll
@@ -140,14 +145,17 @@ __device__ __forceinline__ void QuantRowsOfBlock(const T* __restrict__ x, const 
       for (int j = 0; j < 16; ++j) amax = max(amax, quant::AbsBits(held[0][j]));
     }
   }
-  amax = __reduce_max_sync(0xFFFFFFFFu, amax);
-  if constexpr (kWarpsPerRow > 1) {
-    if (threadIdx.x % 32 == 0) warp_amax[threadIdx.x / 32] = amax;
-    __syncthreads();
+  if (a.input_scale == nullptr) {
+    amax = __reduce_max_sync(0xFFFFFFFFu, amax);
+    if constexpr (kWarpsPerRow > 1) {
+      if (threadIdx.x % 32 == 0) warp_amax[threadIdx.x / 32] = amax;
+      __syncthreads();
 #pragma unroll
-    for (int w = 0; w < kWarpsPerRow; ++w) amax = max(amax, warp_amax[w]);
+      for (int w = 0; w < kWarpsPerRow; ++w) amax = max(amax, warp_amax[w]);
+    }
   }
-  const quant::RowScales rs = quant::RowScalesFromAmax(amax);
+  const quant::RowScales rs =
+      a.input_scale != nullptr ? quant::RowScalesFromInputScale(s_in) : quant::RowScalesFromAmax(amax);
   if (lane == 0) a.scale[r] = quant::Weighted(rs.stored, rw);
   if constexpr (HELD > 0) {
 #pragma unroll
@@ -238,15 +246,19 @@ void Launch(const T* x, const QuantRowsArgs& a, bool chunk_out, bool narrow, boo
 }
 
 ffi::Error QuantDequantRowsCudaImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> row_ids,
-                                    ffi::Buffer<ffi::F32> row_weights, ffi::Result<ffi::Buffer<ffi::BF16>> out,
-                                    ffi::Result<ffi::Buffer<ffi::F32>> scale, bool chunk_out, int64_t kernel_flags) {
+                                    ffi::Buffer<ffi::F32> row_weights, ffi::Buffer<ffi::F32> input_scale,
+                                    ffi::Result<ffi::Buffer<ffi::BF16>> out, ffi::Result<ffi::Buffer<ffi::F32>> scale,
+                                    bool chunk_out, int64_t repeat, int64_t kernel_flags) {
   QuantRowsArgs a{};
   if (auto err = CheckKernelFlags("quant_dequant_rows", kernel_flags); err.failure()) return err;
-  if (auto err = CheckQuantRows("quant_dequant_rows", x, row_ids, row_weights, *out, *scale, chunk_out, &a.R, &a.K);
+  if (auto err = CheckQuantRows("quant_dequant_rows", x, row_ids, row_weights, input_scale, *out, *scale, chunk_out,
+                                repeat, &a.R, &a.K);
       err.failure())
     return err;
   if (a.R == 0) return ffi::Error::Success();
-  if (a.R > 0x7FFFFFFF) return Invalid("quant_dequant_rows", "R = x.shape[0] must be < 2^31");
+  if (a.R > 0x7FFFFFFF) return Invalid("quant_dequant_rows", "R = x.shape[0] * repeat must be < 2^31");
+  a.repeat = repeat;
+  a.input_scale = input_scale.dimensions()[0] ? input_scale.typed_data() : nullptr;
   a.row_ids = row_ids.dimensions()[0] ? row_ids.typed_data() : nullptr;
   a.n_weights = row_weights.dimensions()[0];
   a.row_weights = a.n_weights ? row_weights.typed_data() : nullptr;

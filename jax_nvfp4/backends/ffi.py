@@ -1,7 +1,8 @@
 """The ``ffi`` MoE backend: the XLA FFI kernels of ``ffi/`` (CUDA on sm_90a/sm_100a, C++ on the CPU).
 
-Runs modes ``w4a16`` and ``w4a4`` (w4a4 quantizes the activations per token in JAX and feeds
-their exact bf16 decode to the same W4A16 kernels, with the token scales in the epilogues).
+Runs modes ``w4a16`` and ``w4a4`` (w4a4 quantizes the activations, per token or on the experts' static
+``input_scales``, with the ``quant_dequant_rows`` kernel and feeds their exact bf16 decode to the same W4A16
+kernels, with the row scales in the epilogues).
 Mode ``bf16`` has no kernel here: ``backend="auto"`` falls back to ``xla`` for it.
 """
 
