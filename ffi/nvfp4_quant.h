@@ -193,7 +193,8 @@ ffi::Error CheckQuantOut(const char* op, const X& x, const O& out, const S& scal
     return Invalid(op, "x must be bfloat16 or float32");
   auto od = out.dimensions(), sd = scale.dimensions();
   if (od.size() != 2 || od[0] != *R || od[1] != *K)
-    return Invalid(op, "output must be [R, K] = [" + std::to_string(*R) + ", " + std::to_string(*K) + "] (x.shape[0] * repeat, K), got " + ShapeStr(od));
+    return Invalid(op, "output must be [R, K] = [" + std::to_string(*R) + ", " + std::to_string(*K) +
+                           "] (x.shape[0] * repeat, K), got " + ShapeStr(od));
   if (sd.size() != 1 || sd[0] != *R)
     return Invalid(op, "scale output must be [R] = [" + std::to_string(*R) + "], got " + ShapeStr(sd));
   return ffi::Error::Success();

@@ -130,22 +130,23 @@ __device__ __forceinline__ void QuantRowsOfBlock(const T* __restrict__ x, const 
   }
   const quant::RowWeight rw = quant::RowWeightOf(a.row_weights, a.n_weights, id);  // in flight with the row
   const float s_in = a.input_scale != nullptr ? a.input_scale[r] : 0.0f;
-  uint32_t amax = 0;
-  if (a.input_scale != nullptr) {
-    // a static scale: no abs-max (the branch is the launch's, uniform over every CTA)
-  } else if constexpr (HELD > 0) {
-#pragma unroll
-    for (int i = 0; i < HELD; ++i)
-#pragma unroll
-      for (int j = 0; j < 16; ++j) amax = max(amax, quant::AbsBits(held[i][j]));
+  quant::RowScales rs;
+  if (a.input_scale != nullptr) {  // a static scale: no abs-max pass (the launch's branch, uniform over every CTA)
+    rs = quant::RowScalesFromInputScale(s_in);
   } else {
-    for (int64_t b = lane; b < nb; b += ROW_THREADS) {
-      LoadBlock(xr + 16 * b, held[0]);
+    uint32_t amax = 0;
+    if constexpr (HELD > 0) {
 #pragma unroll
-      for (int j = 0; j < 16; ++j) amax = max(amax, quant::AbsBits(held[0][j]));
+      for (int i = 0; i < HELD; ++i)
+#pragma unroll
+        for (int j = 0; j < 16; ++j) amax = max(amax, quant::AbsBits(held[i][j]));
+    } else {
+      for (int64_t b = lane; b < nb; b += ROW_THREADS) {
+        LoadBlock(xr + 16 * b, held[0]);
+#pragma unroll
+        for (int j = 0; j < 16; ++j) amax = max(amax, quant::AbsBits(held[0][j]));
+      }
     }
-  }
-  if (a.input_scale == nullptr) {
     amax = __reduce_max_sync(0xFFFFFFFFu, amax);
     if constexpr (kWarpsPerRow > 1) {
       if (threadIdx.x % 32 == 0) warp_amax[threadIdx.x / 32] = amax;
@@ -153,9 +154,8 @@ __device__ __forceinline__ void QuantRowsOfBlock(const T* __restrict__ x, const 
 #pragma unroll
       for (int w = 0; w < kWarpsPerRow; ++w) amax = max(amax, warp_amax[w]);
     }
+    rs = quant::RowScalesFromAmax(amax);
   }
-  const quant::RowScales rs =
-      a.input_scale != nullptr ? quant::RowScalesFromInputScale(s_in) : quant::RowScalesFromAmax(amax);
   if (lane == 0) a.scale[r] = quant::Weighted(rs.stored, rw);
   if constexpr (HELD > 0) {
 #pragma unroll
