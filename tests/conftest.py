@@ -23,6 +23,13 @@ def has_gpu() -> bool:
         return False
 
 
+def ffi_call_now(target, result_shape_dtypes, **kwargs):
+    """jax.ffi.ffi_call whose calls block on their results: a GPU handler's error comes with the results, not
+    with the dispatch, so a pytest.raises around the call sees it on every platform."""
+    call = jax.ffi.ffi_call(target, result_shape_dtypes, **kwargs)
+    return lambda *args, **attrs: jax.block_until_ready(call(*args, **attrs))
+
+
 # Defined for every run_on_cpu_devices script: what the sharding tests look for in compiled HLO text.
 _SCRIPT_PRELUDE = r"""
 import re as _re

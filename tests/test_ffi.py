@@ -21,7 +21,7 @@ import jax_nvfp4 as nv
 from jax_nvfp4 import _ffi_ops as ops
 from jax_nvfp4.backends import base
 from jax_nvfp4.backends import ffi as ffi_backend
-from conftest import golden_moe, golden_names, has_gpu, run_on_cpu_devices
+from conftest import ffi_call_now, golden_moe, golden_names, has_gpu, run_on_cpu_devices
 
 pytestmark = pytest.mark.skipif(ops.extension_error() is not None,
                                 reason=f"FFI extension not built: {ops.extension_error()}")
@@ -274,8 +274,8 @@ def test_gemm_matches_twin(act, gather, mode, out_dtype):
 
 def test_gemm_rejects_bad_shapes_with_named_arguments():
     a, w, sid, te, rs = _gemm_problem(ops.Activation.SWIGLU, True, ops.RowScale.NONE)
-    call = lambda **kw: jax.ffi.ffi_call(ops.TARGET_GEMM, jax.ShapeDtypeStruct((sid.shape[0], 48), BF16),  # noqa
-                                         vmap_method="sequential")(
+    call = lambda **kw: ffi_call_now(ops.TARGET_GEMM, jax.ShapeDtypeStruct((sid.shape[0], 48), BF16),  # noqa
+                                     vmap_method="sequential")(
         kw.get("a", a), w.data, kw.get("scales", w.scales), kw.get("alpha", w.global_scale),
         kw.get("bias", jnp.zeros((0,), jnp.float32)), kw.get("sid", sid), te, rs,
         activation=np.int64(kw.get("act", 1)), row_scale_mode=np.int64(0),
@@ -332,12 +332,12 @@ def test_align_takes_kernel_flags_and_checks_them():
     ops.ensure_registered()
     out = (jax.ShapeDtypeStruct((32,), jnp.int32), jax.ShapeDtypeStruct((4,), jnp.int32),
            jax.ShapeDtypeStruct((2, 2), jnp.int32), jax.ShapeDtypeStruct((0,), jnp.int32))
-    call = jax.ffi.ffi_call(ops.TARGET_ALIGN, out)
+    call = ffi_call_now(ops.TARGET_ALIGN, out)
     with pytest.raises(Exception, match="kernel_flags must be a combination"):
         call(ids, num_experts=np.int64(4), expert_offset=np.int64(0), tile_m=np.int64(8),
              kernel_flags=np.int64(UNKNOWN_FLAG))
     # The workspace (the GPU grid align's counts) is sized by the pairs, on both platforms.
-    wrong = jax.ffi.ffi_call(ops.TARGET_ALIGN, out[:3] + (jax.ShapeDtypeStruct((16,), jnp.int32),))
+    wrong = ffi_call_now(ops.TARGET_ALIGN, out[:3] + (jax.ShapeDtypeStruct((16,), jnp.int32),))
     with pytest.raises(Exception, match=r"workspace must be int32 \[0\] for 4 pairs, got \[16\]"):
         wrong(ids, num_experts=np.int64(4), expert_offset=np.int64(0), tile_m=np.int64(8), kernel_flags=np.int64(0))
     big = jnp.zeros((ops.ALIGN_GRID_MIN_PAIRS, 1), jnp.int32)
@@ -345,8 +345,8 @@ def test_align_takes_kernel_flags_and_checks_them():
                 jax.ShapeDtypeStruct((ops.padded_rows(ops.ALIGN_GRID_MIN_PAIRS, 4, 8) // 8,), jnp.int32),
                 jax.ShapeDtypeStruct(big.shape, jnp.int32), jax.ShapeDtypeStruct((0,), jnp.int32))
     with pytest.raises(Exception, match=rf"workspace must be int32 \[{ops.ALIGN_GRID_MAX_SLOTS}\] for 2048 pairs"):
-        jax.ffi.ffi_call(ops.TARGET_ALIGN, grid_out)(big, num_experts=np.int64(4), expert_offset=np.int64(0),
-                                                     tile_m=np.int64(8), kernel_flags=np.int64(0))
+        ffi_call_now(ops.TARGET_ALIGN, grid_out)(big, num_experts=np.int64(4), expert_offset=np.int64(0),
+                                                 tile_m=np.int64(8), kernel_flags=np.int64(0))
 
 
 @pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
@@ -1125,15 +1125,14 @@ def test_gemm_pairing_checks():
         ops.grouped_gemm(a, w12, sid, te, tile_m=8, activation=act, top_k=3, gather=True, pairing=ops.Pairing.OUT)
     ops.ensure_registered()  # the handler checks it too (a direct call must not write out of bounds)
     with pytest.raises(Exception, match="pairing needs K and the output features to be multiples of 8"):
-        jax.ffi.ffi_call(ops.TARGET_GEMM, jax.ShapeDtypeStruct((sid.shape[0], 12), BF16), vmap_method="sequential")(
+        ffi_call_now(ops.TARGET_GEMM, jax.ShapeDtypeStruct((sid.shape[0], 12), BF16), vmap_method="sequential")(
             a, w12.data, w12.scales, w12.global_scale, jnp.zeros((0,), jnp.float32), sid, te,
             jnp.zeros((1,), jnp.float32),
             activation=np.int64(act), row_scale_mode=np.int64(0), top_k=np.int64(3), gather=np.int64(1),
             tile_m=np.int64(8), k_split=np.int64(1), pairing=np.int64(2), kernel_flags=np.int64(0))
     for pairing, msg in [(4, "blocked weights"), (8, "chunk order"), (9, "not both")]:  # K = 64
         with pytest.raises(Exception, match=msg):
-            jax.ffi.ffi_call(ops.TARGET_GEMM, jax.ShapeDtypeStruct((sid.shape[0], 48), BF16),
-                             vmap_method="sequential")(
+            ffi_call_now(ops.TARGET_GEMM, jax.ShapeDtypeStruct((sid.shape[0], 48), BF16), vmap_method="sequential")(
                 a, w.data, w.scales, w.global_scale, jnp.zeros((0,), jnp.float32), sid, te,
                 jnp.zeros((1,), jnp.float32),
                 activation=np.int64(act), row_scale_mode=np.int64(0), top_k=np.int64(3), gather=np.int64(1),

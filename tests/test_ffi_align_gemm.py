@@ -12,7 +12,7 @@ from hypothesis import given, settings, strategies as st
 
 import jax_nvfp4 as nv
 from jax_nvfp4 import _ffi_ops as ops
-from conftest import has_gpu
+from conftest import ffi_call_now, has_gpu
 from test_ffi import f32, make_experts, make_x, used_rows
 
 ACT = ops.Activation
@@ -141,11 +141,10 @@ def test_align_gemm_rejects_what_it_is_not_for():
     def call(t, p, tile_m):
         out = (jax.ShapeDtypeStruct((p, 32), jnp.bfloat16), jax.ShapeDtypeStruct((p,), jnp.int32),
                jax.ShapeDtypeStruct((p // tile_m,), jnp.int32), jax.ShapeDtypeStruct((t, 8), jnp.int32))
-        return jax.block_until_ready(jax.ffi.ffi_call(ops.TARGET_ALIGN_GEMM, out)(  # (a GPU handler's error
+        return ffi_call_now(ops.TARGET_ALIGN_GEMM, out)(
             ids[:t], x[:t], w.data, w.scales, alpha, jnp.zeros((0,), jnp.float32), jnp.zeros((1,), jnp.float32),
-            expert_offset=np.int64(0),                                              # comes with the result)
-            activation=np.int64(ACT.SWIGLU), row_scale_mode=np.int64(0), tile_m=np.int64(tile_m),
-            k_split=np.int64(1), pairing=np.int64(0), kernel_flags=np.int64(0)))
+            expert_offset=np.int64(0), activation=np.int64(ACT.SWIGLU), row_scale_mode=np.int64(0),
+            tile_m=np.int64(tile_m), k_split=np.int64(1), pairing=np.int64(0), kernel_flags=np.int64(0))
 
     with pytest.raises(Exception, match="at most 32 token-expert pairs"):
         call(5, 320, 8)

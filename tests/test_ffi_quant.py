@@ -15,6 +15,7 @@ from hypothesis import given, settings, strategies as st
 
 import jax_nvfp4 as nv
 from jax_nvfp4 import _ffi_ops as ops
+from conftest import ffi_call_now
 from test_ffi import UNKNOWN_FLAG, make_experts, make_routing, make_x
 
 pytestmark = pytest.mark.skipif(ops.extension_error() is not None,
@@ -127,15 +128,14 @@ def test_align_quant_rejects_what_it_is_not_for():
     with pytest.raises(ValueError, match="multiple of 16"):
         ops.moe_align_quant(ids[:2], jnp.zeros((2, 40), jnp.bfloat16), 8, tile_m=8)
     ops.ensure_registered()  # the handler checks them too
+    call = ffi_call_now(ops.TARGET_ALIGN_QUANT, (jax.ShapeDtypeStruct((8 * 40,), jnp.int32),
+                                                 jax.ShapeDtypeStruct((40,), jnp.int32),
+                                                 jax.ShapeDtypeStruct((5, 8), jnp.int32),
+                                                 jax.ShapeDtypeStruct((5, 64), jnp.bfloat16),
+                                                 jax.ShapeDtypeStruct((5,), jnp.float32)), vmap_method="sequential")
     with pytest.raises(Exception, match="at most 32 token-expert pairs"):
-        jax.ffi.ffi_call(ops.TARGET_ALIGN_QUANT, (jax.ShapeDtypeStruct((8 * 40,), jnp.int32),
-                                                  jax.ShapeDtypeStruct((40,), jnp.int32),
-                                                  jax.ShapeDtypeStruct((5, 8), jnp.int32),
-                                                  jax.ShapeDtypeStruct((5, 64), jnp.bfloat16),
-                                                  jax.ShapeDtypeStruct((5,), jnp.float32)),
-                         vmap_method="sequential")(ids, jnp.zeros((5, 64), jnp.bfloat16), num_experts=np.int64(8),
-                                                   expert_offset=np.int64(0), tile_m=np.int64(8), chunk_out=False,
-                                                   kernel_flags=np.int64(0))
+        call(ids, jnp.zeros((5, 64), jnp.bfloat16), num_experts=np.int64(8), expert_offset=np.int64(0),
+             tile_m=np.int64(8), chunk_out=False, kernel_flags=np.int64(0))
 
 
 def test_twin_is_quantize_then_decode():
@@ -241,10 +241,10 @@ def test_handler_rejects_bad_shapes_with_named_arguments():
              s_in=jnp.zeros((0,), jnp.float32), repeat=1):
         r, k = x.shape
         r *= max(repeat, 1)
-        return jax.ffi.ffi_call(ops.TARGET_QUANT, (jax.ShapeDtypeStruct(out_shape or (r, k), jnp.bfloat16),
-                                                   jax.ShapeDtypeStruct(scale_shape or (r,), jnp.float32)),
-                                vmap_method="sequential")(x, ids, weights, s_in, chunk_out=chunk_out,
-                                                          repeat=np.int64(repeat), kernel_flags=np.int64(0))
+        return ffi_call_now(ops.TARGET_QUANT, (jax.ShapeDtypeStruct(out_shape or (r, k), jnp.bfloat16),
+                                               jax.ShapeDtypeStruct(scale_shape or (r,), jnp.float32)),
+                            vmap_method="sequential")(x, ids, weights, s_in, chunk_out=chunk_out,
+                                                      repeat=np.int64(repeat), kernel_flags=np.int64(0))
     ops.ensure_registered()
     x = jnp.zeros((3, 32), jnp.bfloat16)
     with pytest.raises(Exception, match=r"row_ids must be \[R\] = \[3\] or \[0\]"):
@@ -285,7 +285,7 @@ def _moe_case(seed, t, e, k, h=64, i=32, gated=True):
 
 @pytest.mark.parametrize("act", ["swiglu", "relu2"])
 def test_moe_w4a4_kernel_quant_is_the_jax_quantizer(act):
-    x, experts, ids, w = _moe_case(4, 13, 8, 3, gated=act != "relu2")
+    x, experts, ids, w = _moe_case(4, 13, 8, 3, i=64, gated=act != "relu2")  # (the GPU GEMMs: K % 64 == 0)
     run = lambda flags: ops.moe(x, experts, ids, w, mode="w4a4", activation=act, kernel_flags=flags)  # noqa: E731
     np.testing.assert_array_equal(bits(run(0)), bits(run(JAX_QUANT)))
 

@@ -18,7 +18,7 @@ import pytest
 
 import jax_nvfp4 as nv
 from jax_nvfp4 import _ffi_ops as ops
-from conftest import has_gpu, run_on_cpu_devices
+from conftest import ffi_call_now, has_gpu, run_on_cpu_devices
 from test_ffi import BF16, f32, make_experts, make_routing, make_x, random_nvfp4, relerr, used_rows
 
 GATED = ("swiglu", "geglu", "swiglu_oai")
@@ -184,12 +184,12 @@ def test_bad_up_scales_are_named():
     ops.ensure_registered()
     with pytest.raises(Exception, match=r"alpha must be \[E\] = \[4\] \(\[2, E\] only with a gated activation\), "
                                         r"got \[2, 4\]"):
-        jax.block_until_ready(jax.ffi.ffi_call(ops.TARGET_GEMM, jax.ShapeDtypeStruct((sid.shape[0], 64), BF16))(
+        ffi_call_now(ops.TARGET_GEMM, jax.ShapeDtypeStruct((sid.shape[0], 64), BF16))(
             a, ex.gate_up.data, ex.gate_up.scales, jnp.ones((2, 4), jnp.float32),
             jnp.zeros((0,), jnp.float32), sid, te, jnp.zeros((1,), jnp.float32),
             activation=np.int64(ops.Activation.IDENTITY), row_scale_mode=np.int64(0), top_k=np.int64(1),
             gather=np.int64(1), tile_m=np.int64(8), k_split=np.int64(1), pairing=np.int64(0),
-            kernel_flags=np.int64(0)))  # (a GPU handler's error comes with the result)
+            kernel_flags=np.int64(0))
 
 
 def test_flashinfer_declines_up_scales():
