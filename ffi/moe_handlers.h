@@ -78,11 +78,12 @@ auto MoeAlignQuant(B b) {
   return std::move(b)
       .template Arg<ffi::Buffer<ffi::S32>>()  // topk_ids [T, k] global ids
       .template Arg<ffi::Buffer<ffi::BF16>>()  // x [T, K]
+      .template Arg<ffi::Buffer<ffi::F32>>()  // input_scale [E, c] static scales (column 0) or [0] (per token)
       .template Ret<ffi::Buffer<ffi::S32>>()  // sorted_ids [P]
       .template Ret<ffi::Buffer<ffi::S32>>()  // tile_expert [P / tile_m]
       .template Ret<ffi::Buffer<ffi::S32>>()  // pair_to_row [T, k]
-      .template Ret<ffi::Buffer<ffi::BF16>>()  // xq [T, K] decoded values without the row scale
-      .template Ret<ffi::Buffer<ffi::F32>>()  // x_scale [T] per-row global decode scale
+      .template Ret<ffi::Buffer<ffi::BF16>>()  // xq [T, K] ([T * k, K] static) decoded values without the row scale
+      .template Ret<ffi::Buffer<ffi::F32>>()  // x_scale [T] ([T * k] static) per-row global decode scale
       .template Attr<int64_t>("num_experts")  // local experts E
       .template Attr<int64_t>("expert_offset")  // first local global id
       .template Attr<int64_t>("tile_m")  // group padding
@@ -105,11 +106,16 @@ auto QuantDequantRows(B b) {
       .template Arg<ffi::AnyBuffer>()  // x [R, K] bf16 or f32
       .template Arg<ffi::Buffer<ffi::S32>>()  // row_ids [R] (< 0: unused row) or [0]
       .template Arg<ffi::Buffer<ffi::F32>>()  // row_weights [n] (scale[r] *= row_weights[row_ids[r]], 0 past n) or [0]
-      .template Arg<ffi::Buffer<ffi::F32>>()  // input_scale [R * repeat] (static decode scale per out row) or [0]
+      .template Arg<ffi::Buffer<ffi::F32>>()  // input_scale [R * repeat] (static decode scale per out row), a table
+                                               // [n, c] (with scale_ids) or [0] (per token)
+      .template Arg<ffi::Buffer<ffi::S32>>()  // scale_ids [R * repeat / scale_group] or [0] (quant::StaticScales)
       .template Ret<ffi::Buffer<ffi::BF16>>()  // out [R * repeat, K] e2m1 * block scale (row r: x's row r / repeat)
       .template Ret<ffi::Buffer<ffi::F32>>()  // scale [R * repeat] per-row global decode scale
       .template Attr<bool>("chunk_out")  // out's K axis in the wgmma chunk order (ChunkPos)
       .template Attr<int64_t>("repeat")  // out rows per row of x (>= 1)
+      .template Attr<int64_t>("scale_group")  // out rows per scale id
+      .template Attr<int64_t>("scale_offset")  // subtracted from each scale id (the first local expert)
+      .template Attr<int64_t>("scale_column")  // the table's column
       .template Attr<int64_t>("kernel_flags");  // KernelFlag bits (GPU launch variants; 0: default)
 }
 

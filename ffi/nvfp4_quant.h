@@ -133,6 +133,21 @@ NVFP4_HD RowScales RowScalesFromInputScale(float s) {
   return {enc, DivRn(1.0f, enc), s};
 }
 
+// Where static rows' decode scales come from: one per row (ids == nullptr: table[r]), or a table [n, stride]
+// looked up by an id per group of rows, table[clamp(ids[r / group] - offset, 0, n - 1) * stride + column]
+// (a pair's expert, a tile's expert), so that the lookup is not an XLA gather launch of its own.
+struct StaticScales {
+  const float* table = nullptr;  // nullptr: each row's own abs-max (per token)
+  const int32_t* ids = nullptr;
+  int64_t n = 0, stride = 1, column = 0, group = 1, offset = 0;
+};
+NVFP4_HD float StaticScaleOf(const StaticScales& s, int64_t r) {
+  if (s.ids == nullptr) return s.table[r];
+  int64_t e = int64_t(s.ids[r / s.group]) - s.offset;
+  e = e < 0 ? 0 : e >= s.n ? s.n - 1 : e;
+  return s.table[e * s.stride + s.column];
+}
+
 // The scale written for used row r: its stored global scale, times row_weights[id] (id = row_ids[r])
 // when given, 0 past row_weights' end: mode w4a4's GEMM2 row scale (routing weight x decode scale).
 // The rule in two steps, so that a kernel can load the weight early (RowWeightOf) and apply it once the
@@ -200,16 +215,43 @@ ffi::Error CheckQuantOut(const char* op, const X& x, const O& out, const S& scal
   return ffi::Error::Success();
 }
 
+// The static scales of R rows: input_scale [R] (a scale a row) or [0] (none: per token) without scale_ids,
+// or a table [n >= 1, c] with scale_ids [R / scale_group] (an id a group of scale_group rows) and
+// 0 <= scale_column < c; *s gets the pointers (see quant::StaticScales).
+template <typename IS, typename SI>
+ffi::Error CheckStaticScales(const char* op, const IS& input_scale, const SI& scale_ids, int64_t R, int64_t scale_group,
+                             int64_t scale_offset, int64_t scale_column, quant::StaticScales* s) {
+  auto sd = input_scale.dimensions(), id = scale_ids.dimensions();
+  if (id.size() != 1) return Invalid(op, "scale_ids must be 1-D, got " + ShapeStr(id));
+  *s = quant::StaticScales{};
+  if (id[0] == 0) {
+    if (sd.size() != 1 || (sd[0] != 0 && sd[0] != R))
+      return Invalid(op, "input_scale must be [R] = [" + std::to_string(R) + "] (x.shape[0] * repeat) or [0], got " +
+                             ShapeStr(sd) + " (a table [n, c] comes with scale_ids)");
+    if (sd[0]) s->table = input_scale.typed_data();
+    return ffi::Error::Success();
+  }
+  if (sd.size() != 2 || sd[0] < 1 || scale_column < 0 || scale_column >= sd[1])
+    return Invalid(op, "with scale_ids, input_scale must be a table [n >= 1, c] and scale_column in [0, c), got " +
+                           ShapeStr(sd) + " and column " + std::to_string(scale_column));
+  if (scale_group < 1 || id[0] > R / scale_group || id[0] * scale_group != R)
+    return Invalid(op, "scale_ids must be [R / scale_group] = [" + std::to_string(R) + " / " +
+                           std::to_string(scale_group) + "], got " + ShapeStr(id));
+  *s = {input_scale.typed_data(), scale_ids.typed_data(), sd[0], sd[1], scale_column, scale_group, scale_offset};
+  return ffi::Error::Success();
+}
+
 // CheckQuantOut, and row_ids [R] or [0] (every row used), row_weights [n] (with row_ids) or [0],
-// input_scale [R] or [0] (each row's own scale).
-template <typename X, typename I, typename W, typename IS, typename O, typename S>
+// the static scales (CheckStaticScales).
+template <typename X, typename I, typename W, typename IS, typename SI, typename O, typename S>
 ffi::Error CheckQuantRows(const char* op, const X& x, const I& row_ids, const W& row_weights, const IS& input_scale,
-                          const O& out, const S& scale, bool chunk_out, int64_t repeat, int64_t* R, int64_t* K) {
+                          const SI& scale_ids, const O& out, const S& scale, bool chunk_out, int64_t repeat,
+                          int64_t scale_group, int64_t scale_offset, int64_t scale_column, int64_t* R, int64_t* K,
+                          quant::StaticScales* s) {
   if (auto err = CheckQuantOut(op, x, out, scale, chunk_out, repeat, R, K); err.failure()) return err;
-  auto sd = input_scale.dimensions();
-  if (sd.size() != 1 || (sd[0] != 0 && sd[0] != *R))
-    return Invalid(op, "input_scale must be [R] = [" + std::to_string(*R) + "] (x.shape[0] * repeat) or [0], got " +
-                           ShapeStr(sd));
+  if (auto err = CheckStaticScales(op, input_scale, scale_ids, *R, scale_group, scale_offset, scale_column, s);
+      err.failure())
+    return err;
   auto id = row_ids.dimensions();
   if (id.size() != 1 || (id[0] != 0 && id[0] != *R))
     return Invalid(op, "row_ids must be [R] = [" + std::to_string(*R) + "] or [0] (every row used), got " +
@@ -220,12 +262,14 @@ ffi::Error CheckQuantRows(const char* op, const X& x, const I& row_ids, const W&
   return ffi::Error::Success();
 }
 // moe_align_quant: CheckAlign (at most kAlignOneWarpPairs pairs, the decode sizes it is for) and
-// CheckQuantOut of x [T, K] (a row per token of topk_ids [T, k]).
-template <typename I, typename X, typename SI, typename TE, typename PR, typename O, typename S>
-ffi::Error CheckAlignQuant(const char* op, const I& topk_ids, const X& x, int64_t num_experts, int64_t tile_m,
-                           const SI& sorted_ids, const TE& tile_expert, const PR& pair_to_row, const O& xq,
-                           const S& x_scale, bool chunk_out, int64_t max_experts, int64_t kernel_flags, int64_t* n,
-                           int64_t* P, int64_t* K) {
+// CheckQuantOut of x [T, K] (a row per token of topk_ids [T, k]); with static scales (input_scale a table
+// [E, c] or [0]), x's row once per pair (xq [T * k, K]) on its expert's scale, column 0 (*s).
+template <typename I, typename X, typename IS, typename SI, typename TE, typename PR, typename O, typename S>
+ffi::Error CheckAlignQuant(const char* op, const I& topk_ids, const X& x, const IS& input_scale, int64_t num_experts,
+                           int64_t expert_offset, int64_t tile_m, const SI& sorted_ids, const TE& tile_expert,
+                           const PR& pair_to_row, const O& xq, const S& x_scale, bool chunk_out, int64_t max_experts,
+                           int64_t kernel_flags, int64_t* n, int64_t* P, int64_t* K, int64_t* repeat,
+                           quant::StaticScales* s) {
   if (auto err = CheckAlign(op, topk_ids, num_experts, tile_m, sorted_ids, tile_expert, pair_to_row, max_experts,
                             kernel_flags, n, P);
       err.failure())
@@ -236,8 +280,16 @@ ffi::Error CheckAlignQuant(const char* op, const I& topk_ids, const X& x, int64_
   if (x.dimensions().size() != 2 || x.dimensions()[0] != topk_ids.dimensions()[0])
     return Invalid(op, "x must have a row per token: [T, K] with T = " + std::to_string(topk_ids.dimensions()[0]) +
                            ", got " + ShapeStr(x.dimensions()));
+  auto sd = input_scale.dimensions();
+  const bool table = sd.size() == 2;
+  if (!(table && sd[0] >= 1 && sd[1] >= 1) && !(sd.size() == 1 && sd[0] == 0))
+    return Invalid(op, "input_scale must be a table [E >= 1, c >= 1] (static scales) or [0], got " + ShapeStr(sd));
+  if (table && topk_ids.dimensions()[1] < 1) return Invalid(op, "static scales need k >= 1 (topk_ids [T, k])");
+  *repeat = table ? topk_ids.dimensions()[1] : 1;
+  *s = table ? quant::StaticScales{input_scale.typed_data(), topk_ids.typed_data(), sd[0], sd[1], 0, 1, expert_offset}
+             : quant::StaticScales{};
   int64_t R;
-  return CheckQuantOut(op, x, xq, x_scale, chunk_out, 1, &R, K);
+  return CheckQuantOut(op, x, xq, x_scale, chunk_out, *repeat, &R, K);
 }
 
 }  // namespace jax_nvfp4

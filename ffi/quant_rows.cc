@@ -2,8 +2,8 @@
 // (per token) and decoded back without that scale (e2m1 * E4M3 block scale, exact in bf16),
 // which is what the W4A16 GEMMs consume in mode w4a4; with chunk_out, each row's values are written in
 // the wgmma chunk order (ChunkPos), where the sm_90a kernels read it; with row_weights, each used row's
-// scale is times its weight (quant::WeightedScale); with input_scale, each row on its given static decode scale
-// (quant::RowScalesFromInputScale); with repeat, each row of x gives that many rows. Arithmetic in nvfp4_quant.h.
+// scale is times its weight (quant::WeightedScale); with input_scale, each row on a given static decode scale
+// (quant::RowScalesFromInputScale; one a row, or looked up by scale_ids in a table: quant::StaticScales); with repeat, each row of x gives that many rows. Arithmetic in nvfp4_quant.h.
 #include <algorithm>
 
 #if defined(__SSE__) || defined(__x86_64__)
@@ -60,7 +60,7 @@ float Load<float>(const float* p, int64_t i) {
 
 template <typename T>
 void QuantRows(const T* x, const int32_t* row_ids, const float* row_weights, int64_t n_weights,
-               const float* input_scale, int64_t repeat, int64_t R, int64_t K, bool chunk_out, uint16_t* out,
+               const quant::StaticScales& s_in, int64_t repeat, int64_t R, int64_t K, bool chunk_out, uint16_t* out,
                float* scale) {
   for (int64_t r = 0; r < R; ++r) {
     const T* xr = x + r / repeat * K;
@@ -71,10 +71,10 @@ void QuantRows(const T* x, const int32_t* row_ids, const float* row_weights, int
       continue;
     }
     uint32_t amax = 0;
-    if (!input_scale)
+    if (!s_in.table)
       for (int64_t i = 0; i < K; ++i) amax = std::max(amax, quant::AbsBits(Load(xr, i)));
-    const quant::RowScales rs =
-        input_scale ? quant::RowScalesFromInputScale(input_scale[r]) : quant::RowScalesFromAmax(amax);
+    const quant::RowScales rs = s_in.table ? quant::RowScalesFromInputScale(quant::StaticScaleOf(s_in, r))
+                                           : quant::RowScalesFromAmax(amax);
     scale[r] = quant::WeightedScale(rs.stored, row_weights, n_weights, row_ids ? row_ids[r] : 0);
     for (int64_t b = 0; b < K; b += 16) {
       uint32_t vmax = 0;
@@ -88,18 +88,20 @@ void QuantRows(const T* x, const int32_t* row_ids, const float* row_weights, int
 
 ffi::Error QuantDequantRowsCpuImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> row_ids,
                                    ffi::Buffer<ffi::F32> row_weights, ffi::Buffer<ffi::F32> input_scale,
-                                   ffi::Result<ffi::Buffer<ffi::BF16>> out, ffi::Result<ffi::Buffer<ffi::F32>> scale,
-                                   bool chunk_out, int64_t repeat, int64_t kernel_flags) {
+                                   ffi::Buffer<ffi::S32> scale_ids, ffi::Result<ffi::Buffer<ffi::BF16>> out,
+                                   ffi::Result<ffi::Buffer<ffi::F32>> scale, bool chunk_out, int64_t repeat,
+                                   int64_t scale_group, int64_t scale_offset, int64_t scale_column,
+                                   int64_t kernel_flags) {
   int64_t R, K;
+  quant::StaticScales s_in;
   if (auto err = CheckKernelFlags("quant_dequant_rows", kernel_flags); err.failure()) return err;
-  if (auto err = CheckQuantRows("quant_dequant_rows", x, row_ids, row_weights, input_scale, *out, *scale, chunk_out,
-                                repeat, &R, &K);
+  if (auto err = CheckQuantRows("quant_dequant_rows", x, row_ids, row_weights, input_scale, scale_ids, *out, *scale,
+                                chunk_out, repeat, scale_group, scale_offset, scale_column, &R, &K, &s_in);
       err.failure())
     return err;
   const int32_t* ids = row_ids.dimensions()[0] ? row_ids.typed_data() : nullptr;
   const int64_t n_weights = row_weights.dimensions()[0];
   const float* weights = n_weights ? row_weights.typed_data() : nullptr;
-  const float* s_in = input_scale.dimensions()[0] ? input_scale.typed_data() : nullptr;
   IeeeSubnormals ieee;
   if (x.element_type() == ffi::DataType::BF16) {
     QuantRows(reinterpret_cast<const uint16_t*>(x.untyped_data()), ids, weights, n_weights, s_in, repeat, R, K,
@@ -112,21 +114,23 @@ ffi::Error QuantDequantRowsCpuImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> row_i
 }
 
 ffi::Error MoeAlignQuantCpuImpl(ffi::Buffer<ffi::S32> topk_ids, ffi::Buffer<ffi::BF16> x,
-                                ffi::Result<ffi::Buffer<ffi::S32>> sorted_ids,
+                                ffi::Buffer<ffi::F32> input_scale, ffi::Result<ffi::Buffer<ffi::S32>> sorted_ids,
                                 ffi::Result<ffi::Buffer<ffi::S32>> tile_expert,
                                 ffi::Result<ffi::Buffer<ffi::S32>> pair_to_row, ffi::Result<ffi::Buffer<ffi::BF16>> xq,
                                 ffi::Result<ffi::Buffer<ffi::F32>> x_scale, int64_t num_experts, int64_t expert_offset,
                                 int64_t tile_m, bool chunk_out, int64_t kernel_flags) {
-  int64_t n, P, K;
-  if (auto err = CheckAlignQuant("moe_align_quant", topk_ids, x, num_experts, tile_m, *sorted_ids, *tile_expert,
-                                 *pair_to_row, *xq, *x_scale, chunk_out, int64_t(1) << 30, kernel_flags, &n, &P, &K);
+  int64_t n, P, K, repeat;
+  quant::StaticScales s_in;
+  if (auto err = CheckAlignQuant("moe_align_quant", topk_ids, x, input_scale, num_experts, expert_offset, tile_m,
+                                 *sorted_ids, *tile_expert, *pair_to_row, *xq, *x_scale, chunk_out, int64_t(1) << 30,
+                                 kernel_flags, &n, &P, &K, &repeat, &s_in);
       err.failure())
     return err;
   AlignPairsCpu(topk_ids.typed_data(), n, num_experts, expert_offset, tile_m, P, sorted_ids->typed_data(),
                 tile_expert->typed_data(), pair_to_row->typed_data());
   IeeeSubnormals ieee;
-  QuantRows(reinterpret_cast<const uint16_t*>(x.untyped_data()), nullptr, nullptr, 0, nullptr, 1,
-            topk_ids.dimensions()[0], K, chunk_out, xq->typed_data(), x_scale->typed_data());
+  QuantRows(reinterpret_cast<const uint16_t*>(x.untyped_data()), nullptr, nullptr, 0, s_in, repeat,
+            topk_ids.dimensions()[0] * repeat, K, chunk_out, xq->typed_data(), x_scale->typed_data());
   return ffi::Error::Success();
 }
 

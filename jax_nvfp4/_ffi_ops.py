@@ -32,6 +32,7 @@ import enum
 import functools
 import math
 import threading
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -726,6 +727,44 @@ def moe_finalize(y, pair_to_row, *, impl: str = "ffi", kernel_flags: int = 0):
                             vmap_method="sequential")(y, pair_to_row, kernel_flags=np.int64(kernel_flags))
 
 
+class ScaleLookup(NamedTuple):
+    """Static decode scales looked up per row inside :func:`quant_dequant_rows`' call (no gather of its own):
+    out row ``r`` takes ``table[clip(ids[r // group] - offset, 0, n - 1), column]``, e.g. each pair's expert's
+    scale (``ids`` the pairs' global expert ids, ``offset`` the first local one) or each row tile's
+    (``ids = tile_expert``, ``group = tile_m``).
+
+    table : float32 ``[n >= 1, c]``, e.g. :attr:`~jax_nvfp4.NVFP4Experts.input_scales` ``[E, 2]``
+    ids : int ``[R // group]``
+    """
+    table: jax.Array
+    ids: jax.Array
+    group: int = 1
+    offset: int = 0
+    column: int = 0
+
+    def checked(self, r: int) -> ScaleLookup:
+        """This lookup with int32 ids, for ``r`` rows; a ValueError names what is wrong."""
+        table, ids = jnp.asarray(self.table), jnp.asarray(self.ids)
+        if table.ndim != 2 or table.shape[0] < 1 or table.dtype != jnp.float32:
+            raise ValueError(f"ScaleLookup.table must be float32 [n >= 1, c], got {table.dtype}{list(table.shape)}")
+        for name in ("group", "offset", "column"):
+            if not isinstance(getattr(self, name), (int, np.integer)) or isinstance(getattr(self, name), bool):
+                raise ValueError(f"ScaleLookup.{name} must be a Python int, got {getattr(self, name)!r}")
+        if not 0 <= self.column < table.shape[1]:
+            raise ValueError(f"ScaleLookup.column must be in [0, {table.shape[1]}), got {self.column}")
+        if (self.group < 1 or ids.ndim != 1 or ids.shape[0] * self.group != r
+                or not jnp.issubdtype(ids.dtype, jnp.integer)):
+            raise ValueError(f"ScaleLookup.ids must be integer [R / group] = [{r} / {self.group}] with group >= 1, got "
+                             f"{ids.dtype}{list(ids.shape)}")
+        return self._replace(table=table, ids=ids.astype(jnp.int32), group=int(self.group), offset=int(self.offset),
+                             column=int(self.column))
+
+    def per_row(self) -> jax.Array:
+        """float32 ``[R]``: each row's scale (the pure-JAX lookup)."""
+        e = jnp.clip(jnp.repeat(self.ids, self.group) - self.offset, 0, self.table.shape[0] - 1)
+        return self.table[e, self.column]
+
+
 def quant_dequant_rows(x, row_ids=None, *, row_weights=None, input_scale=None, repeat: int = 1,
                        chunk_out: bool = False, impl: str = "ffi", kernel_flags: int = 0):
     """Per-token NVFP4 quantization of each row, decoded back without its global scale.
@@ -744,9 +783,10 @@ def quant_dequant_rows(x, row_ids=None, *, row_weights=None, input_scale=None, r
     row_weights : optional float32 ``[n]`` (with ``row_ids``)
         Each used row's scale is multiplied by ``row_weights[row_ids[r]]`` (0 where the id is
         ``>= n``): mode w4a4's GEMM2 row scale, routing weight times decode scale, in the same launch.
-    input_scale : optional float32 ``[R]``
+    input_scale : optional float32 ``[R]``, or a :class:`ScaleLookup`
         A static decode scale per row (:attr:`~jax_nvfp4.NVFP4Experts.input_scales`) in place of the row's own:
-        :func:`~jax_nvfp4.quantize.quant_dequant_static`, the row's scale this one (no abs-max pass).
+        :func:`~jax_nvfp4.quantize.quant_dequant_static`, the row's scale this one (no abs-max pass). A
+        :class:`ScaleLookup` gives each row's from a table, looked up in the same launch.
     repeat : int >= 1
         Output rows per row of x: row ``r`` quantizes x's row ``r // repeat`` (``jnp.repeat(x, repeat, 0)``, not
         materialized), e.g. a token's row once per routed pair, each on its expert's ``input_scale``.
@@ -782,7 +822,11 @@ def quant_dequant_rows(x, row_ids=None, *, row_weights=None, input_scale=None, r
             raise ValueError(f"row_weights must be float32 [n], n >= 1, and come with row_ids; got "
                              f"{row_weights.dtype}{list(row_weights.shape)}"
                              f"{' without row_ids' if row_ids is None else ''}")
-    if input_scale is not None:
+    lookup = None
+    if isinstance(input_scale, ScaleLookup):
+        lookup = input_scale.checked(r)
+        input_scale = lookup.per_row() if impl == "jax" else None
+    elif input_scale is not None:
         input_scale = jnp.asarray(input_scale)
         if input_scale.shape != (r,) or input_scale.dtype != jnp.float32:
             raise ValueError(f"input_scale must be float32 [R] = [{r}], got "
@@ -810,15 +854,18 @@ def quant_dequant_rows(x, row_ids=None, *, row_weights=None, input_scale=None, r
     ensure_registered()
     ids = jnp.zeros((0,), jnp.int32) if row_ids is None else row_ids
     weights = jnp.zeros((0,), jnp.float32) if row_weights is None else row_weights
-    s_in = jnp.zeros((0,), jnp.float32) if input_scale is None else input_scale
+    if lookup is None:  # a scale a row ([R]) or none ([0]), no ids
+        lookup = ScaleLookup(jnp.zeros((0,), jnp.float32) if input_scale is None else input_scale,
+                             jnp.zeros((0,), jnp.int32))
     return jax.ffi.ffi_call(TARGET_QUANT, (jax.ShapeDtypeStruct((r, x.shape[1]), jnp.bfloat16),
-                                           jax.ShapeDtypeStruct((r,), jnp.float32)),
-                            vmap_method="sequential")(x, ids, weights, s_in, chunk_out=chunk_out,
-                                                      repeat=np.int64(repeat), kernel_flags=np.int64(kernel_flags))
+                                           jax.ShapeDtypeStruct((r,), jnp.float32)), vmap_method="sequential")(
+        x, ids, weights, lookup.table, lookup.ids, chunk_out=chunk_out, repeat=np.int64(repeat),
+        scale_group=np.int64(lookup.group), scale_offset=np.int64(lookup.offset), scale_column=np.int64(lookup.column),
+        kernel_flags=np.int64(kernel_flags))
 
 
 def moe_align_quant(topk_ids, x, num_experts: int, *, tile_m: int, expert_offset: int = 0, chunk_out: bool = False,
-                    impl: str = "ffi", kernel_flags: int = 0):
+                    input_scale=None, impl: str = "ffi", kernel_flags: int = 0):
     """:func:`moe_align` and :func:`quant_dequant_rows` of ``x`` in one call, for decode batches of at
     most ``ALIGN_ONE_WARP_PAIRS`` token-expert pairs: on the GPU one launch, whose first CTA aligns
     (one warp) while the others quantize the rows of x (mode w4a4's first two kernels, which do not
@@ -830,13 +877,16 @@ def moe_align_quant(topk_ids, x, num_experts: int, *, tile_m: int, expert_offset
     x : bfloat16 ``[T, K]``, K a multiple of 16
     num_experts, tile_m, expert_offset : as :func:`moe_align`
     chunk_out : as :func:`quant_dequant_rows`
+    input_scale : optional float32 ``[E, c]`` (:attr:`~jax_nvfp4.NVFP4Experts.input_scales`)
+        Static scales: x's row once per pair, on its expert's scale in column 0 (``quant_dequant_rows(x,
+        input_scale=ScaleLookup(input_scale, topk_ids.reshape(-1), offset=expert_offset), repeat=k)``).
     impl : ``"ffi"`` or ``"jax"``
     kernel_flags : :class:`KernelFlag` bits (``PDL``, ``QUANT_NARROW_ROWS``; the result is the same)
 
     Returns
     -------
     ``(sorted_ids, tile_expert, pair_to_row)`` of :func:`moe_align`, then ``(xq, x_scale)`` of
-    :func:`quant_dequant_rows`: bfloat16 ``[T, K]``, float32 ``[T]``.
+    :func:`quant_dequant_rows`: bfloat16 ``[T, K]``, float32 ``[T]`` (static scales: ``[T * k, K]``, ``[T * k]``).
     """
     _check_impl(impl)
     kernel_flags = _check_kernel_flags(kernel_flags)
@@ -848,9 +898,14 @@ def moe_align_quant(topk_ids, x, num_experts: int, *, tile_m: int, expert_offset
                          f"{t} x {k}: call moe_align and quant_dequant_rows")
     if x.dtype != jnp.bfloat16 or x.ndim != 2 or x.shape[0] != t:
         raise ValueError(f"moe_align_quant: x must be bfloat16 [T={t}, K], got {x.dtype}{list(x.shape)}")
+    lookup, repeat = None, 1
+    if input_scale is not None:
+        if k < 1:
+            raise ValueError("moe_align_quant: static scales (input_scale) need k >= 1 (topk_ids [T, k])")
+        lookup, repeat = ScaleLookup(input_scale, topk_ids.reshape(t * k), offset=expert_offset).checked(t * k), k
     if impl == "jax":
         return (*moe_align(topk_ids, num_experts, tile_m=tile_m, expert_offset=expert_offset, impl="jax"),
-                *quant_dequant_rows(x, chunk_out=chunk_out, impl="jax"))
+                *quant_dequant_rows(x, input_scale=lookup, repeat=repeat, chunk_out=chunk_out, impl="jax"))
     if tile_m not in TILE_MS:
         raise ValueError(f"tile_m must be one of {TILE_MS}, got {tile_m}")
     if x.shape[1] % 16 or (chunk_out and x.shape[1] % CHUNK_K):
@@ -859,10 +914,11 @@ def moe_align_quant(topk_ids, x, num_experts: int, *, tile_m: int, expert_offset
     ensure_registered()
     p = padded_rows(t * k, num_experts, tile_m)
     out = (jax.ShapeDtypeStruct((p,), jnp.int32), jax.ShapeDtypeStruct((p // tile_m,), jnp.int32),
-           jax.ShapeDtypeStruct((t, k), jnp.int32), jax.ShapeDtypeStruct(x.shape, jnp.bfloat16),
-           jax.ShapeDtypeStruct((t,), jnp.float32))
+           jax.ShapeDtypeStruct((t, k), jnp.int32), jax.ShapeDtypeStruct((t * repeat, x.shape[1]), jnp.bfloat16),
+           jax.ShapeDtypeStruct((t * repeat,), jnp.float32))
+    s_in = jnp.zeros((0,), jnp.float32) if lookup is None else lookup.table
     return jax.ffi.ffi_call(TARGET_ALIGN_QUANT, out, vmap_method="sequential")(
-        topk_ids, x, num_experts=np.int64(num_experts), expert_offset=np.int64(expert_offset),
+        topk_ids, x, s_in, num_experts=np.int64(num_experts), expert_offset=np.int64(expert_offset),
         tile_m=np.int64(tile_m), chunk_out=bool(chunk_out), kernel_flags=np.int64(kernel_flags))
 
 
@@ -1111,7 +1167,7 @@ def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str =
     static = w4a4 and experts.input_scales is not None  # static activation scales: each pair's own rows
     # w4a4 decode: the align and the quantize of x in one launch (moe_align_quant), where the align is
     # the one-warp kernel and x is quantized by the kernel.
-    align_quant = (w4a4 and not static and impl == "ffi" and t * k <= ALIGN_ONE_WARP_PAIRS and not kernel_flags & (
+    align_quant = (w4a4 and impl == "ffi" and t * k <= ALIGN_ONE_WARP_PAIRS and not kernel_flags & (
         KernelFlag.SEPARATE_X_QUANT | KernelFlag.ALIGN_ONE_CTA | KernelFlag.JAX_QUANT))
     w_flat = jnp.asarray(topk_weights, jnp.float32).reshape(t * k)
     common = dict(tile_m=tile_m, top_k=k, impl=impl, kernel_flags=kernel_flags)
@@ -1175,16 +1231,18 @@ def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str =
         # the TMA-fed GEMM2).
         q_impl = "jax" if kernel_flags & KernelFlag.JAX_QUANT else impl
         gemm1 = dict(common)
-        if static:  # x's row once per pair, on its expert's scale; GEMM1 gathers pair p's row (top_k 1)
-            s_in = experts.input_scales
-            pair_scale = s_in[jnp.clip(topk_ids.reshape(t * k) - offset, 0, e - 1), 0]
-            xq, x_scale = quant_dequant_rows(x.astype(jnp.bfloat16), input_scale=pair_scale, repeat=k, chunk_out=ws,
-                                             impl=q_impl, kernel_flags=kernel_flags)
-            gemm1["top_k"] = 1
-        elif align_quant:
+        # Static scales: x's row once per pair, on its expert's scale (looked up in the quantize launch); GEMM1
+        # gathers pair p's row (top_k 1).
+        s_in = experts.input_scales if static else None
+        gemm1["top_k"] = 1 if static else k
+        if align_quant:
             sorted_ids, tile_expert, pair_to_row, xq, x_scale = moe_align_quant(
                 topk_ids, x.astype(jnp.bfloat16), e, tile_m=tile_m, expert_offset=offset, chunk_out=ws,
-                kernel_flags=kernel_flags)
+                input_scale=s_in, kernel_flags=kernel_flags)
+        elif static:
+            xq, x_scale = quant_dequant_rows(
+                x.astype(jnp.bfloat16), input_scale=ScaleLookup(s_in, topk_ids.reshape(t * k), offset=offset),
+                repeat=k, chunk_out=ws, impl=q_impl, kernel_flags=kernel_flags)
         else:
             xq, x_scale = quant_dequant_rows(x.astype(jnp.bfloat16), chunk_out=ws, impl=q_impl,
                                              kernel_flags=kernel_flags)
@@ -1196,10 +1254,8 @@ def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str =
                           **gemm1)
         # Rows of unused tiles are never written by the GPU: row_ids makes them zeros. The scales
         # come out times the rows' routing weights: GEMM2's row scales.
-        row_scale = None
-        if static:  # each row on its tile's expert's scale (rows of no pair, unused tiles' too, have negative ids)
-            te = jnp.repeat(tile_expert, tile_m, total_repeat_length=sorted_ids.shape[0])
-            row_scale = s_in[jnp.clip(te, 0, e - 1), 1]
+        # Static scales: each row on its tile's expert's (rows of no pair, unused tiles' too, have negative ids).
+        row_scale = ScaleLookup(s_in, tile_expert, group=tile_m, column=1) if static else None
         aq, rs = quant_dequant_rows(h1, sorted_ids, row_weights=w_flat, input_scale=row_scale, chunk_out=chunk,
                                     impl=q_impl, kernel_flags=kernel_flags)
         y = grouped_gemm(aq, experts.down, sorted_ids, tile_expert, activation=Activation.IDENTITY,

@@ -6,6 +6,8 @@ quantizer) against the default.
 
 from __future__ import annotations
 
+import dataclasses
+
 import hypothesis.extra.numpy as hnp
 import jax
 import jax.numpy as jnp
@@ -100,15 +102,22 @@ ALIGN_QUANT_CASES = [(1, 8, 128, 0, 2048, 8), (4, 8, 32, 0, 7168, 16), (3, 2, 5,
 
 
 def _align_quant_check(t, k, e, offset, kk, tile_m, impls=("ffi", "jax"), kernel_flags=0):
+    """moe_align_quant against moe_align and quant_dequant_rows (twins), per token and, k >= 1, on static scales
+    (a table [e, 2]; x's row once per pair on its expert's scale in column 0, ids outside the slice clamped)."""
     rng = np.random.default_rng(t * 7 + kk)
     ids = jnp.asarray(rng.integers(-1, e + offset + 3, (t, k)), jnp.int32)  # some dropped, some past the slice
     x = rows_with_wide_range(rng, t, kk, jnp.bfloat16, -30, 30)
-    for chunk in (False, True) if kk % ops.CHUNK_K == 0 else (False,):
+    table = scale_table(rng, x, e)
+    for chunk, static in [(c, s) for c in ((False, True) if kk % ops.CHUNK_K == 0 else (False,))
+                          for s in ((False, True) if k else (False,))]:
+        s_in = table if static else None
+        quant = (dict(input_scale=ops.ScaleLookup(table, ids.reshape(-1), offset=offset), repeat=k) if static
+                 else {})
         want = (*ops.moe_align(ids, e, tile_m=tile_m, expert_offset=offset, impl="jax"),
-                *ops.quant_dequant_rows(x, chunk_out=chunk, impl="jax"))
+                *ops.quant_dequant_rows(x, chunk_out=chunk, impl="jax", **quant))
         for impl in impls:
-            got = ops.moe_align_quant(ids, x, e, tile_m=tile_m, expert_offset=offset, chunk_out=chunk, impl=impl,
-                                      kernel_flags=kernel_flags)
+            got = ops.moe_align_quant(ids, x, e, tile_m=tile_m, expert_offset=offset, chunk_out=chunk, input_scale=s_in,
+                                      impl=impl, kernel_flags=kernel_flags)
             assert_same_bytes(got, want)
 
 
@@ -128,14 +137,29 @@ def test_align_quant_rejects_what_it_is_not_for():
     with pytest.raises(ValueError, match="multiple of 16"):
         ops.moe_align_quant(ids[:2], jnp.zeros((2, 40), jnp.bfloat16), 8, tile_m=8)
     ops.ensure_registered()  # the handler checks them too
-    call = ffi_call_now(ops.TARGET_ALIGN_QUANT, (jax.ShapeDtypeStruct((8 * 40,), jnp.int32),
-                                                 jax.ShapeDtypeStruct((40,), jnp.int32),
-                                                 jax.ShapeDtypeStruct((5, 8), jnp.int32),
-                                                 jax.ShapeDtypeStruct((5, 64), jnp.bfloat16),
-                                                 jax.ShapeDtypeStruct((5,), jnp.float32)), vmap_method="sequential")
+    with pytest.raises(ValueError, match=r"static scales \(input_scale\) need k >= 1"):
+        ops.moe_align_quant(ids[:, :0], jnp.zeros((5, 64), jnp.bfloat16), 8, tile_m=8,
+                            input_scale=jnp.ones((8, 2), jnp.float32))
+    with pytest.raises(ValueError, match=r"ScaleLookup.table must be float32 \[n >= 1, c\], got float32\[8\]"):
+        ops.moe_align_quant(ids[:2], jnp.zeros((2, 64), jnp.bfloat16), 8, tile_m=8, input_scale=jnp.ones((8,)))
+
+    def call(ids, t, s_in=jnp.zeros((0,), jnp.float32)):
+        r = ids.size if s_in.ndim == 2 else t
+        return ffi_call_now(ops.TARGET_ALIGN_QUANT, (jax.ShapeDtypeStruct((8 * 40,), jnp.int32),
+                                                     jax.ShapeDtypeStruct((40,), jnp.int32),
+                                                     jax.ShapeDtypeStruct(ids.shape, jnp.int32),
+                                                     jax.ShapeDtypeStruct((r, 64), jnp.bfloat16),
+                                                     jax.ShapeDtypeStruct((r,), jnp.float32)),
+                            vmap_method="sequential")(ids, jnp.zeros((t, 64), jnp.bfloat16), s_in,
+                                                      num_experts=np.int64(8), expert_offset=np.int64(0),
+                                                      tile_m=np.int64(8), chunk_out=False, kernel_flags=np.int64(0))
     with pytest.raises(Exception, match="at most 32 token-expert pairs"):
-        call(ids, jnp.zeros((5, 64), jnp.bfloat16), num_experts=np.int64(8), expert_offset=np.int64(0),
-             tile_m=np.int64(8), chunk_out=False, kernel_flags=np.int64(0))
+        call(ids, 5)
+    with pytest.raises(Exception, match=r"input_scale must be a table \[E >= 1, c >= 1\] \(static scales\) or "
+                                        r"\[0\], got \[8\]"):
+        call(ids[:2], 2, jnp.ones((8,), jnp.float32))
+    with pytest.raises(Exception, match=r"static scales need k >= 1"):
+        call(ids[:2, :0], 2, jnp.ones((8, 2), jnp.float32))
 
 
 def test_twin_is_quantize_then_decode():
@@ -233,18 +257,34 @@ def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match=r"row_weights must be float32 .*got float32\[0\]"):
         ops.quant_dequant_rows(jnp.zeros((2, 32), jnp.bfloat16), jnp.zeros((2,), jnp.int32),
                                row_weights=jnp.ones((0,), jnp.float32))
+    x4, table = jnp.zeros((4, 32), jnp.bfloat16), jnp.ones((3, 2), jnp.float32)
+    for lookup, msg in [(ops.ScaleLookup(table, jnp.zeros((4,), jnp.int32), column=2), r"column must be in \[0, 2\)"),
+                        (ops.ScaleLookup(table, jnp.zeros((3,), jnp.int32)), r"ids must be integer \[R / group\] = "
+                                                                              r"\[4 / 1\] .*got int32\[3\]"),
+                        (ops.ScaleLookup(table, jnp.zeros((2,), jnp.float32), group=2), "ids must be integer"),
+                        (ops.ScaleLookup(table, jnp.zeros((4,), jnp.int32), offset=1.0), "offset must be a Python int"),
+                        (ops.ScaleLookup(table[0], jnp.zeros((4,), jnp.int32)), "table must be float32 .n >= 1, c.")]:
+        for impl in ("ffi", "jax"):
+            with pytest.raises(ValueError, match=msg):
+                ops.quant_dequant_rows(x4, input_scale=lookup, impl=impl)
+    # the lookup's rule: table[clip(ids[r // group] - offset, 0, n - 1), column]
+    lookup = ops.ScaleLookup(jnp.arange(6, dtype=jnp.float32).reshape(3, 2), jnp.asarray([0, 3, 9], jnp.int32),
+                             group=2, offset=3, column=1)
+    np.testing.assert_array_equal(lookup.per_row(), [1, 1, 1, 1, 5, 5])
 
 
 def test_handler_rejects_bad_shapes_with_named_arguments():
     """The C++ checks behind the Python ones (shared by the CPU and CUDA handlers)."""
     def call(x, ids, out_shape=None, scale_shape=None, chunk_out=False, weights=jnp.zeros((0,), jnp.float32),
-             s_in=jnp.zeros((0,), jnp.float32), repeat=1):
+             s_in=jnp.zeros((0,), jnp.float32), repeat=1, s_ids=jnp.zeros((0,), jnp.int32), group=1, column=0):
         r, k = x.shape
         r *= max(repeat, 1)
         return ffi_call_now(ops.TARGET_QUANT, (jax.ShapeDtypeStruct(out_shape or (r, k), jnp.bfloat16),
                                                jax.ShapeDtypeStruct(scale_shape or (r,), jnp.float32)),
-                            vmap_method="sequential")(x, ids, weights, s_in, chunk_out=chunk_out,
-                                                      repeat=np.int64(repeat), kernel_flags=np.int64(0))
+                            vmap_method="sequential")(x, ids, weights, s_in, s_ids, chunk_out=chunk_out,
+                                                      repeat=np.int64(repeat), scale_group=np.int64(group),
+                                                      scale_offset=np.int64(0), scale_column=np.int64(column),
+                                                      kernel_flags=np.int64(0))
     ops.ensure_registered()
     x = jnp.zeros((3, 32), jnp.bfloat16)
     with pytest.raises(Exception, match=r"row_ids must be \[R\] = \[3\] or \[0\]"):
@@ -269,6 +309,18 @@ def test_handler_rejects_bad_shapes_with_named_arguments():
         call(x, jnp.zeros((0,), jnp.int32), out_shape=(3, 32), repeat=2)
     with pytest.raises(Exception, match="repeat must be in"):
         call(x, jnp.zeros((0,), jnp.int32), out_shape=(3, 32), scale_shape=(3,), repeat=0)
+    none, table = jnp.zeros((0,), jnp.int32), jnp.ones((4, 2), jnp.float32)
+    with pytest.raises(Exception, match=r"input_scale must be \[R\] = \[3\] .* \(a table \[n, c\] comes with scale_ids\)"):
+        call(x, none, s_in=table)
+    with pytest.raises(Exception, match=r"with scale_ids, input_scale must be a table \[n >= 1, c\] and scale_column "
+                                        r"in \[0, c\), got \[3\] and column 0"):
+        call(x, none, s_in=jnp.ones((3,), jnp.float32), s_ids=jnp.zeros((3,), jnp.int32))
+    with pytest.raises(Exception, match=r"got \[4, 2\] and column 2"):
+        call(x, none, s_in=table, s_ids=jnp.zeros((3,), jnp.int32), column=2)
+    with pytest.raises(Exception, match=r"scale_ids must be \[R / scale_group\] = \[6 / 4\], got \[1\]"):
+        call(x, none, s_in=table, s_ids=jnp.zeros((1,), jnp.int32), group=4, repeat=2)
+    with pytest.raises(Exception, match=r"scale_ids must be 1-D"):
+        call(x, none, s_in=table, s_ids=jnp.zeros((3, 1), jnp.int32))
     with pytest.raises(ValueError, match="kernel_flags must combine"):
         ops.quant_dequant_rows(x, kernel_flags=UNKNOWN_FLAG)
 
@@ -284,8 +336,13 @@ def _moe_case(seed, t, e, k, h=64, i=32, gated=True):
 
 
 @pytest.mark.parametrize("act", ["swiglu", "relu2"])
-def test_moe_w4a4_kernel_quant_is_the_jax_quantizer(act):
-    x, experts, ids, w = _moe_case(4, 13, 8, 3, i=64, gated=act != "relu2")  # (the GPU GEMMs: K % 64 == 0)
+@pytest.mark.parametrize("t", [13, 4])  # 39 pairs: the align and quantize launches; 12: moe_align_quant's one
+@pytest.mark.parametrize("static", [False, True])  # per token; NVFP4Experts.input_scales (looked up in the launches)
+def test_moe_w4a4_kernel_quant_is_the_jax_quantizer(act, t, static):
+    x, experts, ids, w = _moe_case(4, t, 8, 3, i=64, gated=act != "relu2")  # (the GPU GEMMs: K % 64 == 0)
+    if static:
+        rng = np.random.default_rng(t)
+        experts = dataclasses.replace(experts, input_scales=scale_table(rng, x, 8))
     run = lambda flags: ops.moe(x, experts, ids, w, mode="w4a4", activation=act, kernel_flags=flags)  # noqa: E731
     np.testing.assert_array_equal(bits(run(0)), bits(run(JAX_QUANT)))
 
@@ -313,6 +370,14 @@ def static_scales(rng, x, repeat=1):
     return jnp.asarray(np.clip(np.nan_to_num(s, posinf=1e30), 1e-38, 1e30).astype(np.float32))
 
 
+def scale_table(rng, x, n, c=2):
+    """float32 [n, c]: static scales of x's rows (static_scales) picked at random (ones if x has no rows)."""
+    if not x.shape[0]:
+        return jnp.ones((n, c), jnp.float32)
+    s = static_scales(rng, x, n * c)
+    return s[rng.permutation(s.shape[0])[:n * c]].reshape(n, c)
+
+
 def _check_row_variants(rng, x, kernel_flags=0):
     """quant_dequant_rows of x against its twin: every row used, unused rows (ids), the chunk-ordered
     stores (K a multiple of 128), GEMM2's row scales (routing weights; ids past their end: 0) and static
@@ -325,6 +390,16 @@ def _check_row_variants(rng, x, kernel_flags=0):
              dict(row_ids=ids3, row_weights=wts, input_scale=static_scales(rng, x, 3), repeat=3)]
     cases += [dict(row_ids=ids, chunk_out=True)] if k % ops.CHUNK_K == 0 else []
     cases += [dict(input_scale=static_scales(rng, x, 2), repeat=2, chunk_out=True)] if k % ops.CHUNK_K == 0 else []
+    # ScaleLookup: a table [5, 2] of scales, by an id a row (global ids, offset 2: some clamped below and above) or
+    # an id per group of 4 or 2 rows (as a tile's expert)
+    if r:
+        table = scale_table(rng, x, 5)
+        cases += [dict(input_scale=ops.ScaleLookup(table, jnp.asarray(rng.integers(-2, 10, 3 * r), jnp.int32),
+                                                   offset=2, column=1), repeat=3, row_ids=ids3)]
+        g = 4 if r % 4 == 0 else 2 if r % 2 == 0 else 1
+        cases += [dict(input_scale=ops.ScaleLookup(table, jnp.asarray(rng.integers(-1, 5, r // g), jnp.int32),
+                                                   group=g), row_ids=ids, row_weights=wts,
+                       chunk_out=k % ops.CHUNK_K == 0)]
     for kw in cases:
         assert_same_bytes(ops.quant_dequant_rows(x, **kw, kernel_flags=kernel_flags),
                           ops.quant_dequant_rows(x, **kw, impl="jax"))

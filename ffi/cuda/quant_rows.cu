@@ -82,7 +82,7 @@ __device__ __forceinline__ void QuantStoreBlock(uint16_t* orow, int64_t b, const
 struct QuantRowsArgs {
   const int32_t* row_ids;      // [R] or nullptr (every row used)
   const float* row_weights;    // [n_weights] or nullptr (see quant::WeightedScale)
-  const float* input_scale;    // [R] (each row's static decode scale) or nullptr (each row's own amax)
+  quant::StaticScales s_in;    // each row's static decode scale, or none (table nullptr: each row's own amax)
   int64_t repeat = 1;          // out rows per row of x: row r quantizes x's row r / repeat
   int64_t n_weights, R, K;
   uint16_t* out;
@@ -129,9 +129,9 @@ __device__ __forceinline__ void QuantRowsOfBlock(const T* __restrict__ x, const 
     return;
   }
   const quant::RowWeight rw = quant::RowWeightOf(a.row_weights, a.n_weights, id);  // in flight with the row
-  const float s_in = a.input_scale != nullptr ? a.input_scale[r] : 0.0f;
+  const float s_in = a.s_in.table != nullptr ? quant::StaticScaleOf(a.s_in, r) : 0.0f;
   quant::RowScales rs;
-  if (a.input_scale != nullptr) {  // a static scale: no abs-max pass (the launch's branch, uniform over every CTA)
+  if (a.s_in.table != nullptr) {  // a static scale: no abs-max pass (the launch's branch, uniform over every CTA)
     rs = quant::RowScalesFromInputScale(s_in);
   } else {
     uint32_t amax = 0;
@@ -247,18 +247,19 @@ void Launch(const T* x, const QuantRowsArgs& a, bool chunk_out, bool narrow, boo
 
 ffi::Error QuantDequantRowsCudaImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> row_ids,
                                     ffi::Buffer<ffi::F32> row_weights, ffi::Buffer<ffi::F32> input_scale,
-                                    ffi::Result<ffi::Buffer<ffi::BF16>> out, ffi::Result<ffi::Buffer<ffi::F32>> scale,
-                                    bool chunk_out, int64_t repeat, int64_t kernel_flags) {
+                                    ffi::Buffer<ffi::S32> scale_ids, ffi::Result<ffi::Buffer<ffi::BF16>> out,
+                                    ffi::Result<ffi::Buffer<ffi::F32>> scale, bool chunk_out, int64_t repeat,
+                                    int64_t scale_group, int64_t scale_offset, int64_t scale_column,
+                                    int64_t kernel_flags) {
   QuantRowsArgs a{};
   if (auto err = CheckKernelFlags("quant_dequant_rows", kernel_flags); err.failure()) return err;
-  if (auto err = CheckQuantRows("quant_dequant_rows", x, row_ids, row_weights, input_scale, *out, *scale, chunk_out,
-                                repeat, &a.R, &a.K);
+  if (auto err = CheckQuantRows("quant_dequant_rows", x, row_ids, row_weights, input_scale, scale_ids, *out, *scale,
+                                chunk_out, repeat, scale_group, scale_offset, scale_column, &a.R, &a.K, &a.s_in);
       err.failure())
     return err;
   if (a.R == 0) return ffi::Error::Success();
   if (a.R > 0x7FFFFFFF) return Invalid("quant_dequant_rows", "R = x.shape[0] * repeat must be < 2^31");
   a.repeat = repeat;
-  a.input_scale = input_scale.dimensions()[0] ? input_scale.typed_data() : nullptr;
   a.row_ids = row_ids.dimensions()[0] ? row_ids.typed_data() : nullptr;
   a.n_weights = row_weights.dimensions()[0];
   a.row_weights = a.n_weights ? row_weights.typed_data() : nullptr;
@@ -275,23 +276,25 @@ ffi::Error QuantDequantRowsCudaImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::
 }
 
 ffi::Error MoeAlignQuantCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> topk_ids, ffi::Buffer<ffi::BF16> x,
+                                 ffi::Buffer<ffi::F32> input_scale,
                                  ffi::Result<ffi::Buffer<ffi::S32>> sorted_ids,
                                  ffi::Result<ffi::Buffer<ffi::S32>> tile_expert,
                                  ffi::Result<ffi::Buffer<ffi::S32>> pair_to_row,
                                  ffi::Result<ffi::Buffer<ffi::BF16>> xq, ffi::Result<ffi::Buffer<ffi::F32>> x_scale,
                                  int64_t num_experts, int64_t expert_offset, int64_t tile_m, bool chunk_out,
                                  int64_t kernel_flags) {
-  int64_t n, P, K;
-  if (auto err = CheckAlignQuant("moe_align_quant", topk_ids, x, num_experts, tile_m, *sorted_ids, *tile_expert,
-                                 *pair_to_row, *xq, *x_scale, chunk_out, kMaxAlignExperts, kernel_flags, &n, &P,
-                                 &K);
+  int64_t n, P, K, repeat;
+  QuantRowsArgs a{};
+  if (auto err = CheckAlignQuant("moe_align_quant", topk_ids, x, input_scale, num_experts, expert_offset, tile_m,
+                                 *sorted_ids, *tile_expert, *pair_to_row, *xq, *x_scale, chunk_out, kMaxAlignExperts,
+                                 kernel_flags, &n, &P, &K, &repeat, &a.s_in);
       err.failure())
     return err;
   if (P == 0 && topk_ids.dimensions()[0] == 0) return ffi::Error::Success();  // no pair and no row
   const AlignArgs al{topk_ids.typed_data(), int32_t(n), int32_t(tile_m), num_experts, expert_offset, P,
                      sorted_ids->typed_data(), tile_expert->typed_data(), pair_to_row->typed_data()};
-  QuantRowsArgs a{};
-  a.R = topk_ids.dimensions()[0];
+  a.R = topk_ids.dimensions()[0] * repeat;  // (static scales: x's row once per pair)
+  a.repeat = repeat;
   a.K = K;
   a.out = xq->typed_data();
   a.scale = x_scale->typed_data();
