@@ -135,7 +135,9 @@ NVFP4_HD RowScales RowScalesFromInputScale(float s) {
 
 // Where static rows' decode scales come from: one per row (ids == nullptr: table[r]), or a table [n, stride]
 // looked up by an id per group of rows, table[clamp(ids[r / group] - offset, 0, n - 1) * stride + column]
-// (a pair's expert, a tile's expert), so that the lookup is not an XLA gather launch of its own.
+// (a pair's expert, a tile's expert), so that the lookup is not an XLA gather launch of its own. The id is
+// clamped to [offset, offset + n - 1] before the subtraction (0 <= offset <= 2^31 - n: no overflow anywhere,
+// and the pure-JAX twin's int32 arithmetic gives the same).
 struct StaticScales {
   const float* table = nullptr;  // nullptr: each row's own abs-max (per token)
   const int32_t* ids = nullptr;
@@ -143,8 +145,8 @@ struct StaticScales {
 };
 NVFP4_HD float StaticScaleOf(const StaticScales& s, int64_t r) {
   if (s.ids == nullptr) return s.table[r];
-  int64_t e = int64_t(s.ids[r / s.group]) - s.offset;
-  e = e < 0 ? 0 : e >= s.n ? s.n - 1 : e;
+  const int64_t id = s.ids[r / s.group];
+  const int64_t e = (id < s.offset ? s.offset : id > s.offset + s.n - 1 ? s.offset + s.n - 1 : id) - s.offset;
   return s.table[e * s.stride + s.column];
 }
 
@@ -224,7 +226,7 @@ ffi::Error CheckStaticScales(const char* op, const IS& input_scale, const SI& sc
   auto sd = input_scale.dimensions(), id = scale_ids.dimensions();
   if (id.size() != 1) return Invalid(op, "scale_ids must be 1-D, got " + ShapeStr(id));
   *s = quant::StaticScales{};
-  if (id[0] == 0) {
+  if (id[0] == 0 && (sd.size() != 2 || R != 0)) {  // (no rows: a table with no ids, nothing looked up)
     if (sd.size() != 1 || (sd[0] != 0 && sd[0] != R))
       return Invalid(op, "input_scale must be [R] = [" + std::to_string(R) + "] (x.shape[0] * repeat) or [0], got " +
                              ShapeStr(sd) + " (a table [n, c] comes with scale_ids)");
@@ -237,6 +239,9 @@ ffi::Error CheckStaticScales(const char* op, const IS& input_scale, const SI& sc
   if (scale_group < 1 || id[0] > R / scale_group || id[0] * scale_group != R)
     return Invalid(op, "scale_ids must be [R / scale_group] = [" + std::to_string(R) + " / " +
                            std::to_string(scale_group) + "], got " + ShapeStr(id));
+  if (scale_offset < 0 || scale_offset > (int64_t(1) << 31) - sd[0])
+    return Invalid(op, "scale_offset must be in [0, 2^31 - n] (n = " + std::to_string(sd[0]) + " table rows), got " +
+                           std::to_string(scale_offset));
   *s = {input_scale.typed_data(), scale_ids.typed_data(), sd[0], sd[1], scale_column, scale_group, scale_offset};
   return ffi::Error::Success();
 }
@@ -282,8 +287,11 @@ ffi::Error CheckAlignQuant(const char* op, const I& topk_ids, const X& x, const 
                            ", got " + ShapeStr(x.dimensions()));
   auto sd = input_scale.dimensions();
   const bool table = sd.size() == 2;
-  if (!(table && sd[0] >= 1 && sd[1] >= 1) && !(sd.size() == 1 && sd[0] == 0))
-    return Invalid(op, "input_scale must be a table [E >= 1, c >= 1] (static scales) or [0], got " + ShapeStr(sd));
+  if (!(table && sd[0] == num_experts && sd[1] >= 1) && !(sd.size() == 1 && sd[0] == 0))
+    return Invalid(op, "input_scale must be a table [E, c >= 1] = [" + std::to_string(num_experts) +
+                           ", c] (static scales) or [0], got " + ShapeStr(sd));
+  if (table && (expert_offset < 0 || expert_offset > (int64_t(1) << 31) - num_experts))
+    return Invalid(op, "static scales need expert_offset in [0, 2^31 - E], got " + std::to_string(expert_offset));
   if (table && topk_ids.dimensions()[1] < 1) return Invalid(op, "static scales need k >= 1 (topk_ids [T, k])");
   *repeat = table ? topk_ids.dimensions()[1] : 1;
   *s = table ? quant::StaticScales{input_scale.typed_data(), topk_ids.typed_data(), sd[0], sd[1], 0, 1, expert_offset}

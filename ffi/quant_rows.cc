@@ -3,7 +3,8 @@
 // which is what the W4A16 GEMMs consume in mode w4a4; with chunk_out, each row's values are written in
 // the wgmma chunk order (ChunkPos), where the sm_90a kernels read it; with row_weights, each used row's
 // scale is times its weight (quant::WeightedScale); with input_scale, each row on a given static decode scale
-// (quant::RowScalesFromInputScale; one a row, or looked up by scale_ids in a table: quant::StaticScales); with repeat, each row of x gives that many rows. Arithmetic in nvfp4_quant.h.
+// (quant::RowScalesFromInputScale; one a row, or looked up by scale_ids in a table: quant::StaticScales); with
+// repeat, each row of x gives that many rows. Arithmetic in nvfp4_quant.h.
 #include <algorithm>
 
 #if defined(__SSE__) || defined(__x86_64__)

@@ -28,11 +28,11 @@ backends (``xla_ffi.md`` section 8).
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 import math
 import threading
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -727,14 +727,18 @@ def moe_finalize(y, pair_to_row, *, impl: str = "ffi", kernel_flags: int = 0):
                             vmap_method="sequential")(y, pair_to_row, kernel_flags=np.int64(kernel_flags))
 
 
-class ScaleLookup(NamedTuple):
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["table", "ids"],
+                   meta_fields=["group", "offset", "column"])
+@dataclasses.dataclass(frozen=True)
+class ScaleLookup:
     """Static decode scales looked up per row inside :func:`quant_dequant_rows`' call (no gather of its own):
-    out row ``r`` takes ``table[clip(ids[r // group] - offset, 0, n - 1), column]``, e.g. each pair's expert's
-    scale (``ids`` the pairs' global expert ids, ``offset`` the first local one) or each row tile's
-    (``ids = tile_expert``, ``group = tile_m``).
+    out row ``r`` takes ``table[clip(ids[r // group], offset, offset + n - 1) - offset, column]``, e.g. each pair's
+    expert's scale (``ids`` the pairs' global expert ids, ``offset`` the first local one) or each row tile's
+    (``ids = tile_expert``, ``group = tile_m``). A pytree whose ints are static (it may cross a ``jit``).
 
     table : float32 ``[n >= 1, c]``, e.g. :attr:`~jax_nvfp4.NVFP4Experts.input_scales` ``[E, 2]``
     ids : int ``[R // group]``
+    group : int >= 1; offset : int in ``[0, 2^31 - n]``; column : int in ``[0, c)``
     """
     table: jax.Array
     ids: jax.Array
@@ -752,17 +756,18 @@ class ScaleLookup(NamedTuple):
                 raise ValueError(f"ScaleLookup.{name} must be a Python int, got {getattr(self, name)!r}")
         if not 0 <= self.column < table.shape[1]:
             raise ValueError(f"ScaleLookup.column must be in [0, {table.shape[1]}), got {self.column}")
+        if not 0 <= self.offset <= 2 ** 31 - table.shape[0]:  # (offset + n - 1 fits int32: the twin's arithmetic)
+            raise ValueError(f"ScaleLookup.offset must be in [0, 2^31 - n] (n = {table.shape[0]}), got {self.offset}")
         if (self.group < 1 or ids.ndim != 1 or ids.shape[0] * self.group != r
                 or not jnp.issubdtype(ids.dtype, jnp.integer)):
             raise ValueError(f"ScaleLookup.ids must be integer [R / group] = [{r} / {self.group}] with group >= 1, got "
                              f"{ids.dtype}{list(ids.shape)}")
-        return self._replace(table=table, ids=ids.astype(jnp.int32), group=int(self.group), offset=int(self.offset),
-                             column=int(self.column))
+        return ScaleLookup(table, ids.astype(jnp.int32), int(self.group), int(self.offset), int(self.column))
 
     def per_row(self) -> jax.Array:
         """float32 ``[R]``: each row's scale (the pure-JAX lookup)."""
-        e = jnp.clip(jnp.repeat(self.ids, self.group) - self.offset, 0, self.table.shape[0] - 1)
-        return self.table[e, self.column]
+        ids = jnp.clip(jnp.repeat(self.ids, self.group), self.offset, self.offset + self.table.shape[0] - 1)
+        return self.table[ids - self.offset, self.column]
 
 
 def quant_dequant_rows(x, row_ids=None, *, row_weights=None, input_scale=None, repeat: int = 1,
@@ -900,8 +905,15 @@ def moe_align_quant(topk_ids, x, num_experts: int, *, tile_m: int, expert_offset
         raise ValueError(f"moe_align_quant: x must be bfloat16 [T={t}, K], got {x.dtype}{list(x.shape)}")
     lookup, repeat = None, 1
     if input_scale is not None:
+        input_scale = jnp.asarray(input_scale)
+        if input_scale.dtype != jnp.float32 or input_scale.ndim != 2 or input_scale.shape[0] != num_experts or \
+                not input_scale.shape[1]:
+            raise ValueError(f"moe_align_quant: input_scale must be float32 [E, c >= 1] = [{num_experts}, c], got "
+                             f"{input_scale.dtype}{list(input_scale.shape)}")
         if k < 1:
             raise ValueError("moe_align_quant: static scales (input_scale) need k >= 1 (topk_ids [T, k])")
+        if not 0 <= expert_offset <= 2 ** 31 - num_experts:
+            raise ValueError(f"moe_align_quant: static scales need expert_offset in [0, 2^31 - E], got {expert_offset}")
         lookup, repeat = ScaleLookup(input_scale, topk_ids.reshape(t * k), offset=expert_offset).checked(t * k), k
     if impl == "jax":
         return (*moe_align(topk_ids, num_experts, tile_m=tile_m, expert_offset=expert_offset, impl="jax"),

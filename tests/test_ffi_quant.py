@@ -140,10 +140,14 @@ def test_align_quant_rejects_what_it_is_not_for():
     with pytest.raises(ValueError, match=r"static scales \(input_scale\) need k >= 1"):
         ops.moe_align_quant(ids[:, :0], jnp.zeros((5, 64), jnp.bfloat16), 8, tile_m=8,
                             input_scale=jnp.ones((8, 2), jnp.float32))
-    with pytest.raises(ValueError, match=r"ScaleLookup.table must be float32 \[n >= 1, c\], got float32\[8\]"):
-        ops.moe_align_quant(ids[:2], jnp.zeros((2, 64), jnp.bfloat16), 8, tile_m=8, input_scale=jnp.ones((8,)))
+    for s_in in (jnp.ones((8,)), jnp.ones((7, 2)), jnp.ones((8, 2), jnp.int32)):
+        with pytest.raises(ValueError, match=r"moe_align_quant: input_scale must be float32 \[E, c >= 1\] = \[8, c\]"):
+            ops.moe_align_quant(ids[:2], jnp.zeros((2, 64), jnp.bfloat16), 8, tile_m=8, input_scale=s_in)
+    with pytest.raises(ValueError, match=r"static scales need expert_offset in \[0, 2\^31 - E\], got -1"):
+        ops.moe_align_quant(ids[:2], jnp.zeros((2, 64), jnp.bfloat16), 8, tile_m=8, expert_offset=-1,
+                            input_scale=jnp.ones((8, 2)))
 
-    def call(ids, t, s_in=jnp.zeros((0,), jnp.float32)):
+    def call(ids, t, s_in=jnp.zeros((0,), jnp.float32), offset=0):
         r = ids.size if s_in.ndim == 2 else t
         return ffi_call_now(ops.TARGET_ALIGN_QUANT, (jax.ShapeDtypeStruct((8 * 40,), jnp.int32),
                                                      jax.ShapeDtypeStruct((40,), jnp.int32),
@@ -151,13 +155,16 @@ def test_align_quant_rejects_what_it_is_not_for():
                                                      jax.ShapeDtypeStruct((r, 64), jnp.bfloat16),
                                                      jax.ShapeDtypeStruct((r,), jnp.float32)),
                             vmap_method="sequential")(ids, jnp.zeros((t, 64), jnp.bfloat16), s_in,
-                                                      num_experts=np.int64(8), expert_offset=np.int64(0),
+                                                      num_experts=np.int64(8), expert_offset=np.int64(offset),
                                                       tile_m=np.int64(8), chunk_out=False, kernel_flags=np.int64(0))
     with pytest.raises(Exception, match="at most 32 token-expert pairs"):
         call(ids, 5)
-    with pytest.raises(Exception, match=r"input_scale must be a table \[E >= 1, c >= 1\] \(static scales\) or "
-                                        r"\[0\], got \[8\]"):
-        call(ids[:2], 2, jnp.ones((8,), jnp.float32))
+    for s_in in (jnp.ones((8,), jnp.float32), jnp.ones((7, 2), jnp.float32)):
+        with pytest.raises(Exception, match=r"input_scale must be a table \[E, c >= 1\] = \[8, c\] \(static scales\) "
+                                            r"or \[0\], got \[[78]"):
+            call(ids[:2], 2, s_in)
+    with pytest.raises(Exception, match=r"static scales need expert_offset in \[0, 2\^31 - E\], got 2147483641"):
+        call(ids[:2], 2, jnp.ones((8, 2), jnp.float32), offset=2 ** 31 - 7)
     with pytest.raises(Exception, match=r"static scales need k >= 1"):
         call(ids[:2, :0], 2, jnp.ones((8, 2), jnp.float32))
 
@@ -187,7 +194,8 @@ def test_property_f32_rows(x, log2_scale):
 
 @settings(max_examples=150, deadline=None)
 @given(hnp.arrays(np.float32, (2, 32), elements=finite_f32),
-       hnp.arrays(np.float32, (4,), elements=st.floats(width=32, min_value=float(np.float32(1e-45)), max_value=float(np.float32(3.4e38)))))
+       hnp.arrays(np.float32, (4,), elements=st.floats(width=32, min_value=float(np.float32(1e-45)),
+                                                       max_value=float(np.float32(3.4e38)))))
 def test_property_static_scales(x, s):
     """Static decode scales (quant_dequant_static's rows), any positive finite fp32 (subnormal ones included: the
     encode scale 1 / s is then infinite), on any finite rows, each quantized twice (repeat) on two scales."""
@@ -267,23 +275,39 @@ def test_bad_arguments_are_named():
         for impl in ("ffi", "jax"):
             with pytest.raises(ValueError, match=msg):
                 ops.quant_dequant_rows(x4, input_scale=lookup, impl=impl)
-    # the lookup's rule: table[clip(ids[r // group] - offset, 0, n - 1), column]
+    for offset in (-1, 2 ** 31 - 2):
+        with pytest.raises(ValueError, match=r"offset must be in \[0, 2\^31 - n\] \(n = 3\)"):
+            ops.quant_dequant_rows(x4, input_scale=ops.ScaleLookup(table, jnp.zeros((4,), jnp.int32), offset=offset))
+    # the lookup's rule: table[clip(ids[r // group], offset, offset + n - 1) - offset, column], the kernels' too
+    # (int32 extremes: no wrap-around), and for no rows
     lookup = ops.ScaleLookup(jnp.arange(6, dtype=jnp.float32).reshape(3, 2), jnp.asarray([0, 3, 9], jnp.int32),
                              group=2, offset=3, column=1)
     np.testing.assert_array_equal(lookup.per_row(), [1, 1, 1, 1, 5, 5])
+    extremes = ops.ScaleLookup(jnp.asarray([[1.0], [2.0], [4.0]]), jnp.asarray([-2 ** 31, 2 ** 31 - 1, 6], jnp.int32),
+                               offset=5)
+    for x_, lk in [(jnp.ones((3, 32), jnp.bfloat16), extremes),
+                   (jnp.ones((0, 32), jnp.bfloat16), ops.ScaleLookup(table, jnp.zeros((0,), jnp.int32)))]:
+        want = ops.quant_dequant_rows(x_, input_scale=lk, impl="jax")
+        assert_same_bytes(ops.quant_dequant_rows(x_, input_scale=lk), want)
+    np.testing.assert_array_equal(want[1].shape, (0,))
+    np.testing.assert_array_equal(ops.quant_dequant_rows(jnp.ones((3, 32), jnp.bfloat16), input_scale=extremes,
+                                                         impl="jax")[1], [1, 4, 2])
+    # a pytree whose ints are static: it crosses a jit
+    np.testing.assert_array_equal(jax.jit(lambda lk: lk.per_row())(lookup), lookup.per_row())
 
 
 def test_handler_rejects_bad_shapes_with_named_arguments():
     """The C++ checks behind the Python ones (shared by the CPU and CUDA handlers)."""
     def call(x, ids, out_shape=None, scale_shape=None, chunk_out=False, weights=jnp.zeros((0,), jnp.float32),
-             s_in=jnp.zeros((0,), jnp.float32), repeat=1, s_ids=jnp.zeros((0,), jnp.int32), group=1, column=0):
+             s_in=jnp.zeros((0,), jnp.float32), repeat=1, s_ids=jnp.zeros((0,), jnp.int32), group=1, column=0,
+             offset=0):
         r, k = x.shape
         r *= max(repeat, 1)
         return ffi_call_now(ops.TARGET_QUANT, (jax.ShapeDtypeStruct(out_shape or (r, k), jnp.bfloat16),
                                                jax.ShapeDtypeStruct(scale_shape or (r,), jnp.float32)),
                             vmap_method="sequential")(x, ids, weights, s_in, s_ids, chunk_out=chunk_out,
                                                       repeat=np.int64(repeat), scale_group=np.int64(group),
-                                                      scale_offset=np.int64(0), scale_column=np.int64(column),
+                                                      scale_offset=np.int64(offset), scale_column=np.int64(column),
                                                       kernel_flags=np.int64(0))
     ops.ensure_registered()
     x = jnp.zeros((3, 32), jnp.bfloat16)
@@ -310,8 +334,11 @@ def test_handler_rejects_bad_shapes_with_named_arguments():
     with pytest.raises(Exception, match="repeat must be in"):
         call(x, jnp.zeros((0,), jnp.int32), out_shape=(3, 32), scale_shape=(3,), repeat=0)
     none, table = jnp.zeros((0,), jnp.int32), jnp.ones((4, 2), jnp.float32)
-    with pytest.raises(Exception, match=r"input_scale must be \[R\] = \[3\] .* \(a table \[n, c\] comes with scale_ids\)"):
+    with pytest.raises(Exception, match=r"input_scale must be \[R\] = \[3\] .* \(a table \[n, c\] comes with "
+                                        r"scale_ids\)"):
         call(x, none, s_in=table)
+    with pytest.raises(Exception, match=r"scale_offset must be in \[0, 2\^31 - n\] \(n = 4 table rows\), got -1"):
+        call(x, none, s_in=table, s_ids=jnp.zeros((3,), jnp.int32), offset=-1)
     with pytest.raises(Exception, match=r"with scale_ids, input_scale must be a table \[n >= 1, c\] and scale_column "
                                         r"in \[0, c\), got \[3\] and column 0"):
         call(x, none, s_in=jnp.ones((3,), jnp.float32), s_ids=jnp.zeros((3,), jnp.int32))
