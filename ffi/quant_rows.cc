@@ -59,6 +59,14 @@ float Load<float>(const float* p, int64_t i) {
   return p[i];
 }
 
+// The largest |x| of a row, as bits (per-token scales).
+template <typename T>
+uint32_t RowAmax(const T* xr, int64_t K) {
+  uint32_t amax = 0;
+  for (int64_t i = 0; i < K; ++i) amax = std::max(amax, quant::AbsBits(Load(xr, i)));
+  return amax;
+}
+
 template <typename T>
 void QuantRows(const T* x, const int32_t* row_ids, const float* row_weights, int64_t n_weights,
                const quant::StaticScales& s_in, int64_t repeat, int64_t R, int64_t K, bool chunk_out, uint16_t* out,
@@ -71,11 +79,8 @@ void QuantRows(const T* x, const int32_t* row_ids, const float* row_weights, int
       scale[r] = 0.0f;
       continue;
     }
-    uint32_t amax = 0;
-    if (!s_in.table)
-      for (int64_t i = 0; i < K; ++i) amax = std::max(amax, quant::AbsBits(Load(xr, i)));
     const quant::RowScales rs = s_in.table ? quant::RowScalesFromInputScale(quant::StaticScaleOf(s_in, r))
-                                           : quant::RowScalesFromAmax(amax);
+                                           : quant::RowScalesFromAmax(RowAmax(xr, K));
     scale[r] = quant::WeightedScale(rs.stored, row_weights, n_weights, row_ids ? row_ids[r] : 0);
     for (int64_t b = 0; b < K; b += 16) {
       uint32_t vmax = 0;

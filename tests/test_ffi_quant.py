@@ -7,6 +7,7 @@ quantizer) against the default.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import hypothesis.extra.numpy as hnp
 import jax
@@ -108,8 +109,8 @@ def _align_quant_check(t, k, e, offset, kk, tile_m, impls=("ffi", "jax"), kernel
     ids = jnp.asarray(rng.integers(-1, e + offset + 3, (t, k)), jnp.int32)  # some dropped, some past the slice
     x = rows_with_wide_range(rng, t, kk, jnp.bfloat16, -30, 30)
     table = scale_table(rng, x, e)
-    for chunk, static in [(c, s) for c in ((False, True) if kk % ops.CHUNK_K == 0 else (False,))
-                          for s in ((False, True) if k else (False,))]:
+    for chunk, static in itertools.product((False, True) if kk % ops.CHUNK_K == 0 else (False,),
+                                           (False, True) if k else (False,)):
         s_in = table if static else None
         quant = (dict(input_scale=ops.ScaleLookup(table, ids.reshape(-1), offset=offset), repeat=k) if static
                  else {})
