@@ -34,8 +34,8 @@ def device_name() -> str:
 
 def device_clock_available() -> bool:
     """Whether :func:`chained_time` can use ``clock="device"`` (the ffi extension is built)."""
-    from jax_nvfp4 import _ffi_ops
-    return _ffi_ops.extension_error() is None
+    from jax_nvfp4 import ops
+    return ops.extension_error() is None
 
 
 def _layers(fn, m, s, x, routing, rest):
@@ -46,17 +46,17 @@ def _layers(fn, m, s, x, routing, rest):
 
 def clocked_chain(fn, n: int, s: int):
     """jit of ``(x, routing_sets, *rest) -> (x', t0, t1)``: n chained layers between two
-    :func:`jax_nvfp4._ffi_ops.device_clock` readings (see :func:`chained_time`)."""
-    from jax_nvfp4 import _ffi_ops
+    :func:`jax_nvfp4.ops.device_clock` readings (see :func:`chained_time`)."""
+    from jax_nvfp4 import ops
 
     @jax.jit
     def timed(x, routing, *rest):
-        x, t0 = _ffi_ops.device_clock(x)
+        x, t0 = ops.device_clock(x)
         # Work that does not depend on x (e.g. every layer's align, which reads only the
         # routing) could otherwise be scheduled before the first reading: all inputs pass a
         # barrier that comes after it.
         x, routing, rest = jax.lax.optimization_barrier((x, routing, rest))
-        x, t1 = _ffi_ops.device_clock(_layers(fn, n, s, x, routing, rest))
+        x, t1 = ops.device_clock(_layers(fn, n, s, x, routing, rest))
         return x, t0, t1
 
     return timed
@@ -72,7 +72,7 @@ def chained_time(fn, x, routing_sets, rest, *, n: int = 20, repeats: int = 3, cl
     the MoE's align custom call: 3 aligns for 20 layers with 3 sets, before 2026-12-02). Hence
     ``len(routing_sets) >= n`` (n + 1 with the host clock, which also times n + 1 layers).
 
-    ``clock="device"``: two :func:`jax_nvfp4._ffi_ops.device_clock` readings around the n layers
+    ``clock="device"``: two :func:`jax_nvfp4.ops.device_clock` readings around the n layers
     (on the GPU its ``%globaltimer``), the best of ``repeats`` runs of (t_end - t_start) / n; no host
     time enters. ``clock="host"``: wall time of 1 and n+1 chained layers, (t(n+1) - t(1)) / n, each
     the best of ``repeats`` (host jitter of the short runs enters; retried longer if it swamps them).
@@ -84,12 +84,12 @@ def chained_time(fn, x, routing_sets, rest, *, n: int = 20, repeats: int = 3, cl
         raise ValueError(f"routing_sets must hold a routing per layer (n = {n}, clock {clock!r}), got {s}: "
                          "layers sharing a routing would share their align (XLA merges equal custom calls)")
     if clock == "device":
-        from jax_nvfp4 import _ffi_ops
+        from jax_nvfp4 import ops
         timed = clocked_chain(fn, n, s)
 
         def span_ns():
             _, t0, t1 = jax.block_until_ready(timed(x, routing_sets, *rest))
-            return _ffi_ops.clock_ns(t1) - _ffi_ops.clock_ns(t0)
+            return ops.clock_ns(t1) - ops.clock_ns(t0)
 
         span_ns()  # compile, warm up
         return min(span_ns() for _ in range(repeats)) * 1e-9 / n

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_nvfp4 as nv
-from jax_nvfp4 import _ffi_ops as ops
+from jax_nvfp4 import ops
 from jax_nvfp4 import arg_specs as specs
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -39,7 +39,7 @@ def _parse_variants(text):
         split = None if split in ("", "auto") else int(split)
         if split is not None and split not in ops.K_SPLITS:
             raise ValueError(f"k_split must be one of {ops.K_SPLITS} or auto, got {split}")
-        out.append((ops._check_kernel_flags(int(flags)), split))
+        out.append((ops.check_kernel_flags(int(flags)), split))
     return out
 
 

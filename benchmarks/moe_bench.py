@@ -37,7 +37,7 @@ from _timing import chained_time, device_clock_available, device_name, median_ti
 import jax_nvfp4 as nv  # noqa: E402
 from jax_nvfp4 import arg_specs as specs  # noqa: E402
 from jax_nvfp4.backends import base  # noqa: E402
-from jax_nvfp4 import _ffi_ops  # noqa: E402
+from jax_nvfp4 import ops  # noqa: E402
 from jax_nvfp4.backends.ffi import FFIBackend  # noqa: E402
 from jax_nvfp4.backends.xla import XLABackend  # noqa: E402
 
@@ -307,14 +307,14 @@ def main(argv=None):
 
     def config(c):  # FLAGS:KSPLIT
         f, k = c.split(":")
-        return _ffi_ops._check_kernel_flags(int(f)), k_split(k)
+        return ops.check_kernel_flags(int(f)), k_split(k)
 
-    args.ffi_flags = values("--ffi-flags", args.ffi_flags, lambda f: _ffi_ops._check_kernel_flags(int(f)))
+    args.ffi_flags = values("--ffi-flags", args.ffi_flags, lambda f: ops.check_kernel_flags(int(f)))
     args.ffi_k_splits = values("--ffi-k-splits", args.ffi_k_splits, k_split)
     args.ffi_configs = values("--ffi-configs", args.ffi_configs, config, " (expected FLAGS:KSPLIT pairs)")
     def tile_config(c):  # TILE_M or TILE_M:FLAGS
         m, _, f = c.partition(":")
-        backend = FFIBackend(_ffi_ops._check_kernel_flags(int(f or 0)), tile_m=int(m))
+        backend = FFIBackend(ops.check_kernel_flags(int(f or 0)), tile_m=int(m))
         return backend.tile_m, backend.kernel_flags
 
     args.ffi_tile_ms = values("--ffi-tile-ms", args.ffi_tile_ms, tile_config)

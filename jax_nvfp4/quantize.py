@@ -230,7 +230,7 @@ def quant_dequant_static(x, input_scale):
     """Mode w4a4's rows on a static activation scale: ``x [R, K]`` quantized per row with the global encode scale
     ``min(fp32(1 / input_scale[r]), FLT_MAX)`` (:func:`quantize`'s ``global_encode_scale``; the serving stacks'
     ``1 / input_scale``, kept finite as the per-token one is, for scales under 2^-128) and decoded back without
-    it, exactly in bfloat16 (at most 6 significant bits), as :func:`~jax_nvfp4._ffi_ops.quant_dequant_rows` does
+    it, exactly in bfloat16 (at most 6 significant bits), as :func:`~jax_nvfp4.ops.quant_dequant_rows` does
     per token.
 
     Returns (bfloat16 ``[R, K]``, ``input_scale`` float32 ``[R]``): the GEMMs' row decode scale is the input scale

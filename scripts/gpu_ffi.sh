@@ -409,7 +409,7 @@ import sys, numpy as np, jax, jax.numpy as jnp
 import jax_nvfp4 as nv
 sys.path.insert(0, "tests")
 from test_ffi import make_experts, make_routing, make_x
-from jax_nvfp4 import _ffi_ops as ops
+from jax_nvfp4 import ops
 ex = make_experts(1, 32, 512, 256)
 exb = nv.to_blocked_experts(ex)  # 64-row w4a16 tiles: GEMM1 on the warp-specialized kernel
 # Every opt-in variant but the alternatives of the defaults it would replace (JAX_QUANT: the w4a4

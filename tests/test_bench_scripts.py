@@ -27,7 +27,7 @@ import ncu_summary  # noqa: E402
 import sass_loops  # noqa: E402
 import targets  # noqa: E402
 
-from jax_nvfp4 import _ffi_ops  # noqa: E402
+from jax_nvfp4 import ops  # noqa: E402
 
 
 @pytest.mark.parametrize("clock", ["device", "host"])
@@ -146,7 +146,7 @@ def test_routing_bench_rows(tmp_path, capsys):
 
 def test_moe_bench_rejects_bad_kernel_flags(capsys):
     with pytest.raises(SystemExit) as e:
-        moe_bench.main(["--quick", "--ffi-flags", str(2 * max(_ffi_ops.KernelFlag))])
+        moe_bench.main(["--quick", "--ffi-flags", str(2 * max(ops.KernelFlag))])
     assert e.value.code == 2 and "--ffi-flags" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         moe_bench.main(["--quick", "--ffi-k-splits", "3"])

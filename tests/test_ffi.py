@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import jax_nvfp4 as nv
-from jax_nvfp4 import _ffi_ops as ops
+from jax_nvfp4 import ops
 from jax_nvfp4.backends import base
 from jax_nvfp4.backends import ffi as ffi_backend
 from conftest import ffi_call_now, golden_moe, golden_names, has_gpu, run_on_cpu_devices
@@ -98,8 +98,8 @@ def used_rows(sorted_ids, tile_expert, tile_m):
 
 def test_constants_and_decode_selftest():
     ops.check_constants()
-    assert ops._ffi._selftest_decode() == 0  # the GPU kernels' E2M1 -> bf16 bit decode, on the host
-    regs = ops._ffi.registrations()
+    assert ops.extension._ffi._selftest_decode() == 0  # the GPU kernels' E2M1 -> bf16 bit decode, on the host
+    regs = ops.extension._ffi.registrations()
     assert set(regs) == {ops.TARGET_ALIGN, ops.TARGET_GEMM, ops.TARGET_FINALIZE, ops.TARGET_QUANT,
                          ops.TARGET_ALIGN_QUANT, ops.TARGET_ALIGN_GEMM, ops.TARGET_CLOCK}
     assert all("cpu" in p for p in regs.values())
@@ -501,7 +501,7 @@ def test_moe_splits_each_gemm_from_the_expected_tiles(monkeypatch):
         calls.append((tiles, n_out, k, tile_m))
         return 2 if n_out == 64 else 4
 
-    monkeypatch.setattr(ops, "choose_k_split", fake)
+    monkeypatch.setattr(ops.pipeline, "choose_k_split", fake)
     ex = make_experts(5, 16, 512, 64)
     x = make_x(1, 3, 512)
     ids, w = make_routing(2, 3, 4, 16)
@@ -663,7 +663,7 @@ _EP_SETUP = textwrap.dedent("""
     import re, jax, jax.numpy as jnp, numpy as np
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
     import jax_nvfp4 as nv
-    from jax_nvfp4 import _ffi_ops as ops
+    from jax_nvfp4 import ops
     k = jax.random.split(jax.random.key(0), 4)
     ex = nv.quantize_experts(jax.random.normal(k[0], (8, 128, 128), jnp.bfloat16),
                              jax.random.normal(k[1], (8, 128, 64), jnp.bfloat16))
@@ -809,8 +809,8 @@ def test_moe_under_jit_with_sharded_experts_and_tokens():
 def test_moe_traces_without_constants_for_the_partitioning(monkeypatch, mode):
     """The ffi forward's trace holds no constants (a custom partitioning refuses them: expert_sharding would run
     it unsplit) at decode and prefill sizes, including the sm_90a branches, traced here as on an H200."""
-    monkeypatch.setattr(ops, "_cuda_devices", lambda: [types.SimpleNamespace(compute_capability="9.0")])
-    monkeypatch.setattr(ops, "build_info", lambda: {"cuda_archs": ["sm_90a"]})
+    monkeypatch.setattr(ops.tiling, "_cuda_devices", lambda: [types.SimpleNamespace(compute_capability="9.0")])
+    monkeypatch.setattr(ops.tiling, "build_info", lambda: {"cuda_archs": ["sm_90a"]})
     ex = nv.to_blocked_experts(make_experts(5, 8, 256, 256))
     leaves, treedef = jax.tree_util.tree_flatten(ex)
     assert ops.wgmma_tiles(ex)
@@ -1538,7 +1538,7 @@ def test_moe_chunk_intermediate_is_the_same_layer_on_cpu(monkeypatch, mode):
     """On the CPU handler too, moe's chunk-ordered intermediate (64-row tiles, I % 128 == 0; in w4a4
     written so by quant_dequant_rows) gives the natural-order layer's bytes (forced on: a GPU of
     another generation turns it off)."""
-    monkeypatch.setattr(ops, "chunk_intermediate_supported", lambda: True)
+    monkeypatch.setattr(ops.pipeline, "chunk_intermediate_supported", lambda: True)
     ex = make_experts(21, 8, 256, 128)
     x, (ids, w) = make_x(22, 100, 256), make_routing(23, 100, 4, 8)
     with jax.default_device(jax.devices("cpu")[0]):

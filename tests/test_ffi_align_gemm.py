@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import jax_nvfp4 as nv
-from jax_nvfp4 import _ffi_ops as ops
+from jax_nvfp4 import ops
 from conftest import ffi_call_now, has_gpu
 from test_ffi import f32, make_experts, make_x, used_rows
 
@@ -117,7 +117,7 @@ def test_moe_decode_aligns_inside_gemm1(mode, monkeypatch):
     np.testing.assert_array_equal(f32(f(x, ids, w, 0)), f32(f(x, ids, w, int(ops.KernelFlag.SEPARATE_ALIGN))))
     big = make_x(2, 5, 256), _ids(3, 5, 8, 16, 0)  # 40 pairs: the separate align
     assert ops.TARGET_ALIGN_GEMM not in f.lower(big[0], big[1], jnp.ones((5, 8), jnp.float32), 0).as_text()
-    monkeypatch.setattr(ops, "ALIGN_GEMM_MAX_CTAS", 16)  # (GEMM1: 17 row tiles x 2 slabs or more): separate
+    monkeypatch.setattr(ops.pipeline, "ALIGN_GEMM_MAX_CTAS", 16)  # (GEMM1: 17 row tiles x 2 slabs or more): separate
     assert ops.TARGET_ALIGN_GEMM not in f.lower(x[:3], ids[:3], w[:3], 0).as_text()  # (new shapes: a new trace)
 
 

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import jax_nvfp4 as nv
-from jax_nvfp4 import _ffi_ops as ops
+from jax_nvfp4 import ops
 from conftest import ffi_call_now
 from test_ffi import UNKNOWN_FLAG, make_experts, make_routing, make_x
 
@@ -355,7 +355,7 @@ def test_handler_rejects_bad_shapes_with_named_arguments():
 
 def test_kernel_flag_mirrors_cpp():
     ops.check_constants()
-    assert ops._ffi.constants()["KernelFlag"]["jax_quant"] == JAX_QUANT
+    assert ops.extension._ffi.constants()["KernelFlag"]["jax_quant"] == JAX_QUANT
 
 
 def _moe_case(seed, t, e, k, h=64, i=32, gated=True):

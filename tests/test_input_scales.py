@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import jax_nvfp4 as nv
-from jax_nvfp4 import _ffi_ops as ops
+from jax_nvfp4 import ops
 from jax_nvfp4.quantize import quant_dequant_static
 from conftest import run_on_cpu_devices
 from nvfp4_numpy_ref import quantize_ref

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import jax_nvfp4 as nv
-from jax_nvfp4 import _ffi_ops as ffi_ops, activations, arg_specs
+from jax_nvfp4 import ops as ffi_ops, activations, arg_specs
 from jax_nvfp4.backends import base
 from jax_nvfp4.backends.xla import XLABackend, choose_dispatch, choose_gmm, gmm_ragged, gmm_tiled, moe_experts
 from conftest import golden_moe, golden_names, run_on_cpu_devices

@@ -405,7 +405,7 @@ _EXPERT_PARALLEL = textwrap.dedent("""
 import jax, jax.numpy as jnp, numpy as np
 from flax import nnx
 import jax_nvfp4 as nv
-from jax_nvfp4 import nn as nvnn, _ffi_ops as ops
+from jax_nvfp4 import nn as nvnn, ops
 assert jax.device_count() == 2
 mesh = jax.make_mesh((2,), ("ep",))
 H, I, E, K = 128, 64, 8, 2

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import jax_nvfp4 as nv
-from jax_nvfp4 import _ffi_ops as ops
+from jax_nvfp4 import ops
 from conftest import ffi_call_now, has_gpu, run_on_cpu_devices
 from test_ffi import BF16, f32, make_experts, make_routing, make_x, random_nvfp4, relerr, used_rows
 

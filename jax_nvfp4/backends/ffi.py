@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import jax
 
-from .. import _ffi_ops as ops
+from .. import ops
 from ..formats import padded_sizes
 from . import base
 
@@ -46,21 +46,21 @@ def _gpu_arch(dev) -> str | None:
 
 
 class FFIBackend:
-    """MoE expert backend on the jax_nvfp4 XLA FFI kernels (see :mod:`jax_nvfp4._ffi_ops`).
+    """MoE expert backend on the jax_nvfp4 XLA FFI kernels (see :mod:`jax_nvfp4.ops`).
 
-    ``kernel_flags`` (:class:`jax_nvfp4._ffi_ops.KernelFlag` bits) picks CUDA kernel variants,
+    ``kernel_flags`` (:class:`jax_nvfp4.ops.KernelFlag` bits) picks CUDA kernel variants,
     ``k_split`` (1, 2 or 4, or a pair of them: GEMM1's, GEMM2's) fixes the warps that split K in
     decode tiles (tiles of at most ``MAX_SPLIT_TILE_M`` rows; larger tiles never split) and
     ``tile_m`` (one of ``TILE_MS``) fixes the rows per GEMM tile, for benchmarks that compare them;
-    the registered instance uses the defaults (0, :func:`jax_nvfp4._ffi_ops.choose_k_split` and
-    :func:`jax_nvfp4._ffi_ops.choose_tile_m`).
+    the registered instance uses the defaults (0, :func:`jax_nvfp4.ops.choose_k_split` and
+    :func:`jax_nvfp4.ops.choose_tile_m`).
     """
 
     name = "ffi"
 
     def __init__(self, kernel_flags: int = 0, k_split: int | tuple[int, int] | None = None,
                  tile_m: int | None = None):
-        self.kernel_flags = ops._check_kernel_flags(kernel_flags)
+        self.kernel_flags = ops.check_kernel_flags(kernel_flags)
         if k_split is not None:
             k_split = ops.check_k_split(k_split)
         if tile_m is not None and tile_m not in ops.TILE_MS:
