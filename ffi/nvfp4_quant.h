@@ -217,6 +217,14 @@ ffi::Error CheckQuantOut(const char* op, const X& x, const O& out, const S& scal
   return ffi::Error::Success();
 }
 
+// A lookup's offset into a table of n rows: ids clamp to [offset, offset + n - 1], which must fit int32.
+inline ffi::Error CheckScaleOffset(const char* op, const char* name, int64_t offset, int64_t n) {
+  if (offset < 0 || offset > (int64_t(1) << 31) - n)
+    return Invalid(op, std::string(name) + " must be in [0, 2^31 - n] (n = " + std::to_string(n) +
+                           " table rows), got " + std::to_string(offset));
+  return ffi::Error::Success();
+}
+
 // The static scales of R rows: input_scale [R] (a scale a row) or [0] (none: per token) without scale_ids,
 // or a table [n >= 1, c] with scale_ids [R / scale_group] (an id a group of scale_group rows) and
 // 0 <= scale_column < c; *s gets the pointers (see quant::StaticScales).
@@ -239,9 +247,7 @@ ffi::Error CheckStaticScales(const char* op, const IS& input_scale, const SI& sc
   if (scale_group < 1 || id[0] > R / scale_group || id[0] * scale_group != R)
     return Invalid(op, "scale_ids must be [R / scale_group] = [" + std::to_string(R) + " / " +
                            std::to_string(scale_group) + "], got " + ShapeStr(id));
-  if (scale_offset < 0 || scale_offset > (int64_t(1) << 31) - sd[0])
-    return Invalid(op, "scale_offset must be in [0, 2^31 - n] (n = " + std::to_string(sd[0]) + " table rows), got " +
-                           std::to_string(scale_offset));
+  if (auto err = CheckScaleOffset(op, "scale_offset", scale_offset, sd[0]); err.failure()) return err;
   *s = {input_scale.typed_data(), scale_ids.typed_data(), sd[0], sd[1], scale_column, scale_group, scale_offset};
   return ffi::Error::Success();
 }
@@ -290,8 +296,9 @@ ffi::Error CheckAlignQuant(const char* op, const I& topk_ids, const X& x, const 
   if (!(table && sd[0] == num_experts && sd[1] >= 1) && !(sd.size() == 1 && sd[0] == 0))
     return Invalid(op, "input_scale must be a table [E, c >= 1] = [" + std::to_string(num_experts) +
                            ", c] (static scales) or [0], got " + ShapeStr(sd));
-  if (table && (expert_offset < 0 || expert_offset > (int64_t(1) << 31) - num_experts))
-    return Invalid(op, "static scales need expert_offset in [0, 2^31 - E], got " + std::to_string(expert_offset));
+  if (table)
+    if (auto err = CheckScaleOffset(op, "with static scales, expert_offset", expert_offset, num_experts); err.failure())
+      return err;
   if (table && topk_ids.dimensions()[1] < 1) return Invalid(op, "static scales need k >= 1 (topk_ids [T, k])");
   *repeat = table ? topk_ids.dimensions()[1] : 1;
   *s = table ? quant::StaticScales{input_scale.typed_data(), topk_ids.typed_data(), sd[0], sd[1], 0, 1, expert_offset}

@@ -164,7 +164,8 @@ def test_align_quant_rejects_what_it_is_not_for():
         with pytest.raises(Exception, match=r"input_scale must be a table \[E, c >= 1\] = \[8, c\] \(static scales\) "
                                             r"or \[0\], got \[[78]"):
             call(ids[:2], 2, s_in)
-    with pytest.raises(Exception, match=r"static scales need expert_offset in \[0, 2\^31 - E\], got 2147483641"):
+    with pytest.raises(Exception, match=r"with static scales, expert_offset must be in \[0, 2\^31 - n\] "
+                                        r"\(n = 8 table rows\), got 2147483641"):
         call(ids[:2], 2, jnp.ones((8, 2), jnp.float32), offset=2 ** 31 - 7)
     with pytest.raises(Exception, match=r"static scales need k >= 1"):
         call(ids[:2, :0], 2, jnp.ones((8, 2), jnp.float32))

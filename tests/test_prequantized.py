@@ -243,7 +243,6 @@ def test_mismatched_gate_up_global_scales_are_both_kept(ckpts, tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing rescaled, nothing to warn about
         experts = nv.load_nvfp4_experts(root)
-    i = HF_CONFIG["moe_intermediate_size"]
     differ = 0
     for L in range(HF_CONFIG["num_hidden_layers"]):
         ex = experts[f"model.layers.{L}.mlp"]
