@@ -86,6 +86,7 @@ def ensure_registered() -> None:
 
 
 def check_kernel_flags(flags) -> int:
+    """``flags`` as an int, if it combines :class:`KernelFlag` bits only; else a ValueError naming them."""
     flags = int(flags)
     if flags < 0 or flags & ~int(sum(KernelFlag)):
         raise ValueError(f"kernel_flags must combine KernelFlag bits {[f.name for f in KernelFlag]} "
