@@ -144,7 +144,8 @@ def test_align_quant_rejects_what_it_is_not_for():
     for s_in in (jnp.ones((8,)), jnp.ones((7, 2)), jnp.ones((8, 2), jnp.int32)):
         with pytest.raises(ValueError, match=r"moe_align_quant: input_scale must be float32 \[E, c >= 1\] = \[8, c\]"):
             ops.moe_align_quant(ids[:2], jnp.zeros((2, 64), jnp.bfloat16), 8, tile_m=8, input_scale=s_in)
-    with pytest.raises(ValueError, match=r"static scales need expert_offset in \[0, 2\^31 - E\], got -1"):
+    with pytest.raises(ValueError, match=r"with static scales, expert_offset must be in \[0, 2\^31 - n\] "
+                                         r"\(n = 8 table rows\), got -1"):
         ops.moe_align_quant(ids[:2], jnp.zeros((2, 64), jnp.bfloat16), 8, tile_m=8, expert_offset=-1,
                             input_scale=jnp.ones((8, 2)))
 

@@ -206,7 +206,8 @@ def moe_align_quant(topk_ids, x, num_experts: int, *, tile_m: int, expert_offset
         if k < 1:
             raise ValueError("moe_align_quant: static scales (input_scale) need k >= 1 (topk_ids [T, k])")
         if not 0 <= expert_offset <= 2 ** 31 - num_experts:
-            raise ValueError(f"moe_align_quant: static scales need expert_offset in [0, 2^31 - E], got {expert_offset}")
+            raise ValueError(f"moe_align_quant: with static scales, expert_offset must be in [0, 2^31 - n] "
+                             f"(n = {num_experts} table rows), got {expert_offset}")
         lookup, repeat = ScaleLookup(input_scale, topk_ids.reshape(t * k), offset=expert_offset).checked(t * k), k
     if impl == "jax":
         return (*moe_align(topk_ids, num_experts, tile_m=tile_m, expert_offset=expert_offset, impl="jax"),
