@@ -103,7 +103,7 @@ def step_environment(args):
            f"{kind}, platform {platform}, compute capability {cc}")
     for dist in ("flashinfer-python", "jax-tvm-ffi", "apache-tvm-ffi", "torch", "nvidia-cutlass-dsl",
                  "flashinfer-cubin", "flashinfer-jit-cache", "jax", "jaxlib"):
-        v = fb._dist_version(dist)
+        v = fb.gating._dist_version(dist)
         pinned = {"flashinfer-python": fb.FLASHINFER_VERSION, "jax-tvm-ffi": fb.JAX_TVM_FFI_VERSION}.get(dist)
         status = "INFO" if pinned is None else "PASS" if v == pinned else ("SKIP" if args.dry_run else "FAIL")
         report("1 env", f"{dist} version", status, f"{v}" + (f" (pinned {pinned})" if pinned else ""))
@@ -442,10 +442,10 @@ def install_dry_run():
     import flashinfer_fake as fake
 
     fb.set_runtime(fake.FakeRuntime())
-    fb.device_info = lambda: ("cuda", "10.0", "fake B200 (dry run)")
-    fb.software_unavailable_reason = lambda: None
-    if not fb._find_spec("jax_tvm_ffi"):
-        fb._launch = fake.host_launch
+    fb.gating.device_info = lambda: ("cuda", "10.0", "fake B200 (dry run)")
+    fb.gating.software_unavailable_reason = lambda: None
+    if not fb.gating._find_spec("jax_tvm_ffi"):
+        fb.bridge._launch = fake.host_launch
 
 
 def main(argv=None):

@@ -373,7 +373,7 @@ def emulate_trtllm(kw):
 # --- the host bridge: the same callbacks, called through jax.pure_callback ------------------------
 
 def host_launch(cfg, operands, env):
-    """Stand-in for ``fb._launch`` without jax-tvm-ffi: checks the operands the same way, then
+    """Stand-in for ``fb.bridge._launch`` without jax-tvm-ffi: checks the operands the same way, then
     runs the backend's own callback object on numpy buffers."""
     fb.check_operands(cfg.operand_spec, operands, env)
     specs = [(name, np.dtype(_DTYPES.get(d, d)), fb.spec_shape(s, env)) for name, d, s in cfg.result_spec]

@@ -357,10 +357,10 @@ def _install_fake(monkeypatch, bridge):
     "jax-tvm-ffi" (the backend's own registration path, on the CPU)."""
     rt = fake.FakeRuntime()
     prev = fb.set_runtime(rt)
-    monkeypatch.setattr(fb, "device_info", lambda: ("cuda", "10.0", "NVIDIA B200 (fake)"))
-    monkeypatch.setattr(fb, "software_unavailable_reason", lambda: None)
+    monkeypatch.setattr(fb.gating, "device_info", lambda: ("cuda", "10.0", "NVIDIA B200 (fake)"))
+    monkeypatch.setattr(fb.gating, "software_unavailable_reason", lambda: None)
     if bridge == "host":
-        monkeypatch.setattr(fb, "_launch", fake.host_launch)
+        monkeypatch.setattr(fb.bridge, "_launch", fake.host_launch)
     warnings.simplefilter("ignore")  # the per-call preparation warnings
     return rt, prev
 
@@ -520,9 +520,9 @@ from jax_nvfp4.backends import flashinfer as fb
 import flashinfer_fake as fake
 from test_flashinfer import make_experts
 fb.set_runtime(fake.FakeRuntime())
-fb.device_info = lambda: ("cuda", "10.0", "NVIDIA B200 (fake)")
-fb.software_unavailable_reason = lambda: None
-fb._launch = fake.host_launch
+fb.gating.device_info = lambda: ("cuda", "10.0", "NVIDIA B200 (fake)")
+fb.gating.software_unavailable_reason = lambda: None
+fb.bridge._launch = fake.host_launch
 warnings.simplefilter("ignore")
 assert jax.device_count() == 4
 ex = make_experts(30, e=8, h=128, inter=64)
@@ -560,7 +560,7 @@ def test_a_device_of_the_split_computes_its_shard(fake_flashinfer, kernel):
         sub = nv.prepare_flashinfer_weights(jax.tree_util.tree_map(lambda a: a[lo:lo + 4], ex), kernel)
         alone = nv.moe(x, sub, topk_ids=ids, topk_weights=w, mode=mode, local_expert_offset=lo)
         leaves, treedef = jax.tree_util.tree_flatten(sub)
-        device = fb._over_devices(treedef, mode, "swiglu", lo, ())(x, ids, w, tuple(leaves))
+        device = fb.backend._over_devices(treedef, mode, "swiglu", lo, ())(x, ids, w, tuple(leaves))
         np.testing.assert_array_equal(np.asarray(device, np.float32), np.asarray(alone, np.float32))
         kw = fake_flashinfer.calls[-1][1]
         assert kw.get("local_expert_offset") == 0
@@ -578,10 +578,10 @@ def test_golden_moe_through_cutedsl(fake_host, name):
 def test_unprepared_experts_are_prepared_once(fake_host):
     ex = make_experts(15, e=8, h=128, inter=64)
     x, logits = _inputs(15)
-    fb._PREPARED.clear()
+    fb.calls._PREPARED.clear()
     a = nv.moe(x, ex, router_logits=logits, top_k=2, backend="flashinfer")
     b = jax.block_until_ready(nv.moe(x, ex, router_logits=logits, top_k=2, backend="auto"))  # auto: "sm_100"
-    assert len(fb._PREPARED) == 1 and fake_host.calls[-1][0] == "cute_dsl_fused_moe"
+    assert len(fb.calls._PREPARED) == 1 and fake_host.calls[-1][0] == "cute_dsl_fused_moe"
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
     f = jax.jit(lambda x, ex, l: nv.moe(x, ex, router_logits=l, top_k=2, backend="flashinfer"))
     np.testing.assert_array_equal(np.asarray(f(x, ex, logits), np.float32), np.asarray(a, np.float32))
@@ -641,7 +641,7 @@ class _NoImport:
     (("rocm", None, "MI300X"), r"platform 'rocm'"),
 ])
 def test_unavailable_off_blackwell_without_importing(monkeypatch, info, match):
-    monkeypatch.setattr(fb, "device_info", lambda: info)
+    monkeypatch.setattr(fb.gating, "device_info", lambda: info)
     finder = _NoImport()
     sys.meta_path.insert(0, finder)
     try:
@@ -667,14 +667,14 @@ def test_real_device_gating():
 
 
 def test_software_checks(monkeypatch):
-    monkeypatch.setattr(fb, "device_info", lambda: ("cuda", "10.0", "NVIDIA B200"))
+    monkeypatch.setattr(fb.gating, "device_info", lambda: ("cuda", "10.0", "NVIDIA B200"))
     have = {"flashinfer", "jax_tvm_ffi", "tvm_ffi"}
-    monkeypatch.setattr(fb, "_find_spec", lambda m: object() if m in have else None)
+    monkeypatch.setattr(fb.gating, "_find_spec", lambda m: object() if m in have else None)
     why = base.get("flashinfer").unavailable_reason()
     assert re.search(r"torch not installed: .*jax_nvfp4\[blackwell\]", why)
     have.add("torch")
     versions = {"flashinfer-python": "0.7.4", "jax-tvm-ffi": fb.JAX_TVM_FFI_VERSION}
-    monkeypatch.setattr(fb, "_dist_version", versions.get)
+    monkeypatch.setattr(fb.gating, "_dist_version", versions.get)
     assert re.search(r"flashinfer-python 0.7.4 is installed, .*==0.7.2.post1", fb.software_unavailable_reason())
     monkeypatch.setenv(fb.ENV_UNPINNED, "1")
     assert fb.software_unavailable_reason() is None
@@ -742,14 +742,14 @@ def test_routing_limits():
 def test_kernel_expert_space():
     ids = jnp.asarray([[-1, 0, 3], [4, 7, 11]], jnp.int32)
     w = jnp.ones((2, 3), jnp.float32)
-    k_ids, k_w, e_k = fb._kernel_routing(ids, w, 4, 4, None)  # shard [4, 8) of unknown E
+    k_ids, k_w, e_k = fb.calls._kernel_routing(ids, w, 4, 4, None)  # shard [4, 8) of unknown E
     assert e_k == 8 and e_k == fb.kernel_num_experts(4, 4, None)
     np.testing.assert_array_equal(np.asarray(k_ids), [[0, 0, 3], [4, 7, 0]])  # 0 is foreign here
     np.testing.assert_array_equal(np.asarray(k_w), [[0, 1, 1], [1, 1, 0]])
-    k_ids, k_w, e_k = fb._kernel_routing(ids, w, 0, 8, None)
+    k_ids, k_w, e_k = fb.calls._kernel_routing(ids, w, 0, 8, None)
     assert e_k == 12
     np.testing.assert_array_equal(np.asarray(k_ids), [[8, 0, 3], [4, 7, 8]])
-    assert fb._kernel_routing(ids, w, 0, 8, 16)[2] == 16
+    assert fb.calls._kernel_routing(ids, w, 0, 8, 16)[2] == 16
 
 
 def test_workspace_bound_grows_with_tokens():
@@ -789,11 +789,11 @@ def test_offline_cubin_check(tmp_path, monkeypatch):
     assert any(m.endswith("b.cubin") for m in missing) and any(m.endswith("Enums.h") for m in missing)
     monkeypatch.setenv("FLASHINFER_CUBIN_DIR", str(tmp_path / "bad"))
     assert fb.cubin_dir() == tmp_path / "bad"
-    msg = str(fb._offline_error(missing))
+    msg = str(fb.gating._offline_error(missing))
     assert "download-cubin" in msg and "FLASHINFER_CUBIN_DIR" in msg and "b.cubin" in msg
     monkeypatch.delenv("FLASHINFER_CUBIN_DIR")
     monkeypatch.setenv("FLASHINFER_WORKSPACE_BASE", str(tmp_path))
-    monkeypatch.setattr(fb, "_dist_version", lambda name: None)
+    monkeypatch.setattr(fb.gating, "_dist_version", lambda name: None)
     assert fb.cubin_dir() == tmp_path / ".cache" / "flashinfer" / "cubins"
 
 
