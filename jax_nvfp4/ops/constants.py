@@ -92,6 +92,10 @@ class KernelFlag(enum.IntFlag):
     # kernels do not run
     NO_ROWS96 = 17179869184  # moe without ROWS96 where choose_rows96 would take it (a tile per work item, as
     # before 2026-12-05); a moe policy, no kernel reads it
+    # 34359738368: SORTED_STATIC_X for one A/B on 2026-12-07 (session 60): w4a4 on static scales past decode with x
+    # quantized into GEMM1's sorted rows (each on its tile's expert's scale, unused rows not written; GEMM1 reading
+    # them ungathered) instead of a row per pair that GEMM1 gathers; removed: layers 1.00-1.08x slower on the H100
+    # (DeepSeek-V3 EP8 and Qwen3-30B-A3B, T = 64-4096; branch sorted-static-x)
     # 536870912 / 1073741824: BULK_PREFETCH / BULK_PREFETCH_FAR (decode tiles on blocked weights asking the L2 for
     # their next 4 / 8 chunks by bulk prefetches) for one A/B on 2026-12-04, removed: layers up to 1.28x slower
     # on the H200 (branch bulk-prefetch)
