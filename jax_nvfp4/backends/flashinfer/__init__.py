@@ -24,7 +24,8 @@ gating in :meth:`FlashInferBackend.unavailable_reason` is cheap and import-free.
 
 Modules: :mod:`.contract` (the pinned release, its signatures and enums, the custom calls' operands),
 :mod:`.gating` (device and software checks, offline cubins), :mod:`.bridge` (the runtime and the XLA
-custom calls), :mod:`.calls` (the JAX-side functions), :mod:`.backend` (the registered backend).
+custom calls), :mod:`.calls` (the JAX-side functions), :mod:`.backend` (the registered backend). Their names are re-exported here; to substitute one (a test's fake
+device or launch), set it on the module that reads it (``gating.device_info``, ``bridge._launch``).
 """
 
 from .contract import (ACTIVATION_TYPE, ARG_SPEC, CUTEDSL_ACTIVATION, ENV_ALLOW_DOWNLOAD, ENV_UNPINNED, FC2_INPUT_SCALE,
@@ -33,8 +34,8 @@ from .contract import (ACTIVATION_TYPE, ARG_SPEC, CUTEDSL_ACTIVATION, ENV_ALLOW_
                        TRTLLM_ACTIVATION, TRTLLM_BMM_ARTIFACT, TRTLLM_BMM_HEADERS, TRTLLM_LAUNCHER_TYPES,
                        TRTLLM_ROUTING, Signature, check_operands, spec_shape, trtllm_workspace_bytes)
 from .gating import cubin_dir, device_info, missing_trtllm_artifacts, software_unavailable_reason
-from .bridge import CallConfig, CuteDslCall, TorchRuntime, TrtllmCall, cutedsl_kwargs, runtime, set_runtime, \
-    signature_problems, trtllm_args
+from .bridge import (CallConfig, CuteDslCall, TorchRuntime, TrtllmCall, cutedsl_kwargs, runtime, set_runtime,
+                     signature_problems, trtllm_args)
 from .calls import (flashinfer_moe, flashinfer_moe_from_logits, kernel_num_experts, prepare_flashinfer_weights,
                     routing_unsupported_reason)
 from .backend import FlashInferBackend  # (registers the backend)
