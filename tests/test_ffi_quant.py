@@ -279,7 +279,7 @@ def test_bad_arguments_are_named():
             with pytest.raises(ValueError, match=msg):
                 ops.quant_dequant_rows(x4, input_scale=lookup, impl=impl)
     for offset in (-1, 2 ** 31 - 2):
-        with pytest.raises(ValueError, match=r"offset must be in \[0, 2\^31 - n\] \(n = 3\)"):
+        with pytest.raises(ValueError, match=r"ScaleLookup.offset must be in \[0, 2\^31 - n\] \(n = 3 table rows\)"):
             ops.quant_dequant_rows(x4, input_scale=ops.ScaleLookup(table, jnp.zeros((4,), jnp.int32), offset=offset))
     # the lookup's rule: table[clip(ids[r // group], offset, offset + n - 1) - offset, column], the kernels' too
     # (int32 extremes: no wrap-around), and for no rows

@@ -20,6 +20,13 @@ from .tiling import padded_rows
 from .align import moe_align
 
 
+def _check_scale_offset(what: str, offset: int, n: int) -> None:
+    """A lookup's offset into a table of n rows: ids clamp to [offset, offset + n - 1], which must fit int32 (the
+    twin's arithmetic; the handlers' CheckScaleOffset)."""
+    if not 0 <= offset <= 2 ** 31 - n:
+        raise ValueError(f"{what} must be in [0, 2^31 - n] (n = {n} table rows), got {offset}")
+
+
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["table", "ids"],
                    meta_fields=["group", "offset", "column"])
 @dataclasses.dataclass(frozen=True)
@@ -49,8 +56,7 @@ class ScaleLookup:
                 raise ValueError(f"ScaleLookup.{name} must be a Python int, got {getattr(self, name)!r}")
         if not 0 <= self.column < table.shape[1]:
             raise ValueError(f"ScaleLookup.column must be in [0, {table.shape[1]}), got {self.column}")
-        if not 0 <= self.offset <= 2 ** 31 - table.shape[0]:  # (offset + n - 1 fits int32: the twin's arithmetic)
-            raise ValueError(f"ScaleLookup.offset must be in [0, 2^31 - n] (n = {table.shape[0]}), got {self.offset}")
+        _check_scale_offset("ScaleLookup.offset", self.offset, table.shape[0])
         if (self.group < 1 or ids.ndim != 1 or ids.shape[0] * self.group != r
                 or not jnp.issubdtype(ids.dtype, jnp.integer)):
             raise ValueError(f"ScaleLookup.ids must be integer [R / group] = [{r} / {self.group}] with group >= 1, got "
@@ -205,9 +211,7 @@ def moe_align_quant(topk_ids, x, num_experts: int, *, tile_m: int, expert_offset
                              f"{input_scale.dtype}{list(input_scale.shape)}")
         if k < 1:
             raise ValueError("moe_align_quant: static scales (input_scale) need k >= 1 (topk_ids [T, k])")
-        if not 0 <= expert_offset <= 2 ** 31 - num_experts:
-            raise ValueError(f"moe_align_quant: with static scales, expert_offset must be in [0, 2^31 - n] "
-                             f"(n = {num_experts} table rows), got {expert_offset}")
+        _check_scale_offset("moe_align_quant: with static scales, expert_offset", expert_offset, num_experts)
         lookup, repeat = ScaleLookup(input_scale, topk_ids.reshape(t * k), offset=expert_offset).checked(t * k), k
     if impl == "jax":
         return (*moe_align(topk_ids, num_experts, tile_m=tile_m, expert_offset=expert_offset, impl="jax"),
