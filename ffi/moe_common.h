@@ -386,12 +386,13 @@ ffi::Error CheckGemm(const char* op, const A& a, const W& w, const WS& ws, const
   d->N = wd[1];
   if (d->K <= 0)  // (the GPU kernels load their first K chunk unconditionally)
     return Invalid(op, "K (a.shape[1]) must be positive, got " + std::to_string(d->K));
-  if (d->K % k_multiple != 0)
-    return Invalid(op, "K = " + std::to_string(d->K) + " (a.shape[1]) must be a multiple of " +
-                           std::to_string(k_multiple) + " on this platform");
   if (wd[2] * 2 != d->K)
     return Invalid(op, "w_data " + ShapeStr(wd) + " does not match K = " + std::to_string(d->K) +
                            " of a " + ShapeStr(ad) + " (needs w_data.shape[2] = K/2)");
+  // A mismatch of the operands is named before the platform's own limits (below).
+  if (d->K % k_multiple != 0)
+    return Invalid(op, "K = " + std::to_string(d->K) + " (a.shape[1]) must be a multiple of " +
+                           std::to_string(k_multiple) + " on this platform");
   // float8_e4m3fn as the NVFP4 arrays hold it (no bitcast copy per call), or its bits as uint8.
   if (ws.element_type() != ffi::DataType::F8E4M3FN && ws.element_type() != ffi::DataType::U8)
     return Invalid(op, "w_scales must be float8_e4m3fn (or its bits as uint8), got XLA element type " +
@@ -414,9 +415,6 @@ ffi::Error CheckGemm(const char* op, const A& a, const W& w, const WS& ws, const
     return Invalid(op, "a gated activation needs an even N (rows [gate; up]), got N = " +
                            std::to_string(d->N));
   d->n_out = gated ? d->N / 2 : d->N;
-  if (d->n_out % n_multiple != 0)
-    return Invalid(op, "output features " + std::to_string(d->n_out) + " must be a multiple of " +
-                           std::to_string(n_multiple) + " on this platform");
   if (!ValidTileM(tile_m)) return Invalid(op, "tile_m must be 8, 16, 32 or 64, got " + std::to_string(tile_m));
   if (auto err = CheckKernelFlags(op, kernel_flags); err.failure()) return err;
   if (pairing < 0 || (pairing & ~kAllPairing) != 0)
@@ -436,6 +434,10 @@ ffi::Error CheckGemm(const char* op, const A& a, const W& w, const WS& ws, const
   if ((pairing & int64_t(Pairing::kBlockedW)) && (d->K % kBlockK != 0 || d->N % kBlockRows != 0))
     return Invalid(op, "blocked weights (pairing & 4) need K % 128 == 0 and N % 16 == 0, got K = " +
                            std::to_string(d->K) + ", N = " + std::to_string(d->N));
+  // (after the layout checks, which hold on every platform)
+  if (d->n_out % n_multiple != 0)
+    return Invalid(op, "output features " + std::to_string(d->n_out) + " must be a multiple of " +
+                           std::to_string(n_multiple) + " on this platform");
   bool split_ok = false;
   for (int s : kKSplits) split_ok |= s == k_split;
   if (!split_ok)

@@ -283,8 +283,16 @@ def test_gemm_rejects_bad_shapes_with_named_arguments():
         k_split=np.int64(kw.get("k_split", 1)), pairing=np.int64(kw.get("pairing", 0)),
         kernel_flags=np.int64(kw.get("kernel_flags", 0)))
     ops.ensure_registered()
-    with pytest.raises(Exception, match="does not match K"):
+    with pytest.raises(Exception, match="does not match K"):  # (K = 32 is also short of the GPU's K chunk)
         call(a=a[:, :32])
+    if jax.default_backend() == "gpu":  # the platform's own limits, named once the operands agree
+        a32, w32, _, _, _ = _gemm_problem(ops.Activation.SWIGLU, True, ops.RowScale.NONE, h=32)
+        with pytest.raises(Exception, match=rf"K = 32 \(a.shape\[1\]\) must be a multiple of "
+                                            rf"{ops.CUDA_K_MULTIPLE} on this platform"):
+            ffi_call_now(ops.TARGET_GEMM, jax.ShapeDtypeStruct((sid.shape[0], 48), BF16), vmap_method="sequential")(
+                a32, w32.data, w32.scales, w32.global_scale, jnp.zeros((0,), jnp.float32), sid, te, rs,
+                activation=np.int64(1), row_scale_mode=np.int64(0), top_k=np.int64(3), gather=np.int64(1),
+                tile_m=np.int64(8), k_split=np.int64(1), pairing=np.int64(0), kernel_flags=np.int64(0))
     with pytest.raises(Exception, match=r"bias must be \[E, N\] = \[5, 96\] \(or \[0\]: none\)"):
         call(bias=jnp.zeros((5, 48), jnp.float32))
     with pytest.raises(ValueError, match=r"grouped_gemm: bias must be a float \[E, N\]"):
@@ -1130,6 +1138,14 @@ def test_gemm_pairing_checks():
             jnp.zeros((1,), jnp.float32),
             activation=np.int64(act), row_scale_mode=np.int64(0), top_k=np.int64(3), gather=np.int64(1),
             tile_m=np.int64(8), k_split=np.int64(1), pairing=np.int64(2), kernel_flags=np.int64(0))
+    if jax.default_backend() == "gpu":  # unpaired, 12 features are short of the GPU's MMA fragment
+        with pytest.raises(Exception, match=f"output features 12 must be a multiple of {ops.CUDA_N_MULTIPLE} on "
+                                            "this platform"):
+            ffi_call_now(ops.TARGET_GEMM, jax.ShapeDtypeStruct((sid.shape[0], 12), BF16), vmap_method="sequential")(
+                a, w12.data, w12.scales, w12.global_scale, jnp.zeros((0,), jnp.float32), sid, te,
+                jnp.zeros((1,), jnp.float32),
+                activation=np.int64(act), row_scale_mode=np.int64(0), top_k=np.int64(3), gather=np.int64(1),
+                tile_m=np.int64(8), k_split=np.int64(1), pairing=np.int64(0), kernel_flags=np.int64(0))
     for pairing, msg in [(4, "blocked weights"), (8, "chunk order"), (9, "not both")]:  # K = 64
         with pytest.raises(Exception, match=msg):
             ffi_call_now(ops.TARGET_GEMM, jax.ShapeDtypeStruct((sid.shape[0], 48), BF16), vmap_method="sequential")(
