@@ -263,12 +263,16 @@ NVFP4_HD float E4M3ToFloat(uint8_t b) {
   return (b & 0x80) ? -v : v;
 }
 
-// bfloat16 <-> float on the host (round to nearest even, NaN kept quiet).
-inline float Bf16ToFloat(uint16_t h) {
+// bfloat16 -> float (exact; both platforms), float -> bfloat16 on the host (round to nearest even, NaN kept quiet).
+NVFP4_HD float Bf16ToFloat(uint16_t h) {
   uint32_t u = uint32_t(h) << 16;
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
   float f;
   std::memcpy(&f, &u, 4);
   return f;
+#endif
 }
 inline uint16_t FloatToBf16(float f) {
   uint32_t u;
@@ -471,17 +475,31 @@ ffi::Error CheckGemm(const char* op, const A& a, const W& w, const WS& ws, const
 }
 
 // A GEMM's optional bias (gpt-oss's experts): [E, N] (GEMM1's rows [gate; up]), added to the output features after
-// alpha * row scale, before the activation; or [0], none. BiasData: its pointer, null for none.
-template <typename B>
-ffi::Error CheckBias(const char* op, const B& bias, const GemmDims& d) {
+// alpha * row scale, before the activation; or [0], none. float32, or bfloat16 as checkpoints hold it: read as it
+// is, so that a call spends no conversion pass on it (2 us of a 35 us gpt-oss decode layer on the H100).
+struct BiasRef {
+  const void* data;  // null: no bias
+  bool bf16;
+  NVFP4_HD explicit operator bool() const { return data != nullptr; }
+  // Expert e's row of an [E, n] bias (none stays none).
+  NVFP4_HD BiasRef Row(int64_t e, int64_t n) const {
+    return {data ? static_cast<const char*>(data) + e * n * (bf16 ? 2 : 4) : nullptr, bf16};
+  }
+  NVFP4_HD float operator[](int64_t i) const {
+    return bf16 ? Bf16ToFloat(static_cast<const uint16_t*>(data)[i]) : static_cast<const float*>(data)[i];
+  }
+};
+inline ffi::Error CheckBias(const char* op, const ffi::AnyBuffer& bias, const GemmDims& d) {
+  if (bias.element_type() != ffi::DataType::F32 && bias.element_type() != ffi::DataType::BF16)
+    return Invalid(op, "bias must be float32 or bfloat16, got XLA element type " +
+                           std::to_string(int(bias.element_type())));
   auto bd = bias.dimensions();
   if ((bd.size() == 1 && bd[0] == 0) || (bd.size() == 2 && bd[0] == d.E && bd[1] == d.N)) return ffi::Error::Success();
   return Invalid(op, "bias must be [E, N] = [" + std::to_string(d.E) + ", " + std::to_string(d.N) +
                          "] (or [0]: none), got " + ShapeStr(bd));
 }
-template <typename B>
-const float* BiasData(const B& bias) {
-  return bias.element_count() ? bias.typed_data() : nullptr;
+inline BiasRef BiasData(const ffi::AnyBuffer& bias) {
+  return {bias.element_count() ? bias.untyped_data() : nullptr, bias.element_type() == ffi::DataType::BF16};
 }
 
 template <typename I, typename SI, typename TE, typename PR>

@@ -59,7 +59,8 @@ struct CpuGemm {
   const GemmDims& d;
   const uint16_t* a;
   const uint8_t *w, *ws;
-  const float *alpha, *alpha_up, *rs, *bias;  // alpha_up: the up rows' (UpAlpha); bias [E, N] or null
+  const float *alpha, *alpha_up, *rs;  // alpha_up: the up rows' (UpAlpha)
+  BiasRef bias;  // [E, N] or none
   const int32_t *sid, *te;
   int64_t activation, row_scale_mode, top_k, gather, tile_m, pairing;
   uint16_t* out_bf16;
@@ -101,7 +102,7 @@ struct CpuGemm {
     const bool blocked = pairing & int64_t(Pairing::kBlockedW);
     DecodeRows(w, ws, e, d.N, K, n0, nb, blocked, wdec.data());
     if (gated) DecodeRows(w, ws, e, d.N, K, d.n_out + n0, nb, blocked, wdec.data() + nb * K);
-    const float* b = bias ? bias + e * d.N : nullptr;
+    const BiasRef b = bias.Row(e, d.N);
     for (int64_t n = 0; n < nb; ++n) {
       const float bg = b ? b[n0 + n] : 0.0f, bu = b && gated ? b[d.n_out + n0 + n] : 0.0f;
       for (int64_t i = 0; i < used; ++i) {
@@ -141,7 +142,7 @@ struct WorkQueue {
 };
 
 ffi::Error GroupedGemmCpuImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> a, ffi::Buffer<ffi::U8> w_data,
-                              ffi::AnyBuffer w_scales, ffi::Buffer<ffi::F32> alpha, ffi::Buffer<ffi::F32> bias,
+                              ffi::AnyBuffer w_scales, ffi::Buffer<ffi::F32> alpha, ffi::AnyBuffer bias,
                               ffi::Buffer<ffi::S32> sorted_ids, ffi::Buffer<ffi::S32> tile_expert,
                               ffi::Buffer<ffi::F32> row_scale, ffi::Result<ffi::AnyBuffer> out,
                               int64_t activation, int64_t row_scale_mode, int64_t top_k, int64_t gather,
@@ -178,7 +179,7 @@ ffi::Error GroupedGemmCpuImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> a, ff
 // moe_align, then grouped_gemm of the gathered tokens (the GPU runs both in one launch).
 ffi::Error MoeAlignGemmCpuImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> topk_ids, ffi::Buffer<ffi::BF16> a,
                                ffi::Buffer<ffi::U8> w_data, ffi::AnyBuffer w_scales, ffi::Buffer<ffi::F32> alpha,
-                               ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::F32> row_scale,
+                               ffi::AnyBuffer bias, ffi::Buffer<ffi::F32> row_scale,
                                ffi::Result<ffi::AnyBuffer> out,
                                ffi::Result<ffi::Buffer<ffi::S32>> sorted_ids,
                                ffi::Result<ffi::Buffer<ffi::S32>> tile_expert,

@@ -32,7 +32,7 @@ auto GroupedGemm(B b) {
       .template Arg<ffi::Buffer<ffi::U8>>()  // w_data [E, N, K/2] E2M1 pairs
       .template Arg<ffi::AnyBuffer>()  // w_scales [E, N, K/16] float8_e4m3fn (or its bits as uint8)
       .template Arg<ffi::Buffer<ffi::F32>>()  // alpha [E] global decode scale ([2, E] gated: gate rows', up rows')
-      .template Arg<ffi::Buffer<ffi::F32>>()  // bias [E, N] added after alpha * row scale (or [0]: none)
+      .template Arg<ffi::AnyBuffer>()  // bias [E, N] f32 or bf16, added after alpha * row scale (or [0]: none)
       .template Arg<ffi::Buffer<ffi::S32>>()  // sorted_ids [P]
       .template Arg<ffi::Buffer<ffi::S32>>()  // tile_expert [P / tile_m]
       .template Arg<ffi::Buffer<ffi::F32>>()  // row_scale [n]
@@ -57,7 +57,7 @@ auto MoeAlignGemm(B b) {
       .template Arg<ffi::Buffer<ffi::U8>>()  // w_data [E, N, K/2] E2M1 pairs
       .template Arg<ffi::AnyBuffer>()  // w_scales [E, N, K/16] float8_e4m3fn (or its bits as uint8)
       .template Arg<ffi::Buffer<ffi::F32>>()  // alpha [E] global decode scale ([2, E] gated: gate rows', up rows')
-      .template Arg<ffi::Buffer<ffi::F32>>()  // bias [E, N] (or [0]: none), as GroupedGemm's
+      .template Arg<ffi::AnyBuffer>()  // bias [E, N] (or [0]: none), as GroupedGemm's
       .template Arg<ffi::Buffer<ffi::F32>>()  // row_scale [n]
       .template Ret<ffi::AnyBuffer>()  // out [P, n_out] bf16 or f32
       .template Ret<ffi::Buffer<ffi::S32>>()  // sorted_ids [P]

@@ -295,6 +295,8 @@ def test_gemm_rejects_bad_shapes_with_named_arguments():
                 tile_m=np.int64(8), k_split=np.int64(1), pairing=np.int64(0), kernel_flags=np.int64(0))
     with pytest.raises(Exception, match=r"bias must be \[E, N\] = \[5, 96\] \(or \[0\]: none\)"):
         call(bias=jnp.zeros((5, 48), jnp.float32))
+    with pytest.raises(Exception, match="bias must be float32 or bfloat16"):
+        call(bias=jnp.zeros((5, 96), jnp.float16))
     with pytest.raises(ValueError, match=r"grouped_gemm: bias must be a float \[E, N\]"):
         ops.grouped_gemm(a, w, sid, te, tile_m=8, activation=ops.Activation.SWIGLU, top_k=3, gather=True,
                          bias=jnp.zeros((5, 48)))
@@ -328,6 +330,19 @@ def test_gemm_rejects_bad_shapes_with_named_arguments():
     with pytest.raises(ValueError, match="k_split must be one of"):
         ops.grouped_gemm(a, w, sid, te, tile_m=32, activation=ops.Activation.SWIGLU, top_k=3, gather=True,
                          k_split=4)
+
+
+def test_gemm_takes_bf16_biases_without_a_conversion():
+    """A bf16 bias (gpt-oss checkpoints) goes to the kernels as it is, no conversion pass per call; other floats
+    are converted to float32."""
+    a, w, sid, te, _ = _gemm_problem(ops.Activation.SWIGLU, True, ops.RowScale.NONE)
+    def lowered(dtype):
+        return jax.jit(lambda b: ops.grouped_gemm(a, w, sid, te, tile_m=8, activation=ops.Activation.SWIGLU,
+                                                  top_k=3, gather=True, bias=b)).lower(
+            jax.ShapeDtypeStruct((5, 96), dtype)).as_text()
+    assert "stablehlo.convert" not in lowered(BF16)
+    assert re.search(r"custom_call @jax_nvfp4_grouped_gemm.*tensor<5x96xbf16>", lowered(BF16))
+    assert re.search(r"custom_call @jax_nvfp4_grouped_gemm.*tensor<5x96xf32>", lowered(jnp.float16))
 
 
 def test_align_takes_kernel_flags_and_checks_them():
@@ -1651,15 +1666,17 @@ def test_moe_expert_biases_match_twin_and_xla(on_gpu, case):
         rng = np.random.default_rng(case)
         ex = make_experts(40 + case, 16, 512, 256, gated=act != "relu2")
         ex = nv.to_blocked_experts(ex) if on_gpu else ex
-        biased = dataclasses.replace(
-            ex, gate_up_bias=jnp.asarray(rng.standard_normal(ex.gate_up.shape[:2]), jnp.float32),
-            down_bias=jnp.asarray(rng.standard_normal((16, 512)), BF16))
+        gate_up_bias = jnp.asarray(rng.standard_normal(ex.gate_up.shape[:2]), BF16)  # (exact in float32 too)
+        biased = dataclasses.replace(ex, gate_up_bias=gate_up_bias.astype(jnp.float32),
+                                     down_bias=jnp.asarray(rng.standard_normal((16, 512)), BF16))
         x = make_x(case, t, 512)
         ids, w = make_routing(case, t, 4, 16)
         def run(e, **kw):
             return f32(ops.moe(x, e, ids, w, mode=mode, activation=act, kernel_flags=flags, **kw))
         got = run(biased)
         assert np.isfinite(got).all()
+        # The checkpoint's bf16 bias, read by the epilogues as it is: the same values, the same bits.
+        np.testing.assert_array_equal(run(dataclasses.replace(biased, gate_up_bias=gate_up_bias)), got)
         assert relerr(got, run(biased, impl="jax")) < (1e-2 if on_gpu else 1e-4)  # (bf16 intermediates)
         ref = f32(nv.moe(x, biased, topk_ids=ids, topk_weights=w, mode=mode, activation=act, backend="xla"))
         assert relerr(got, ref) < (1e-2 if mode == "w4a16" else 5e-2)

@@ -23,7 +23,7 @@ struct GemmParams {
   const uint8_t* ws;          // [E, N, K/16] E4M3 bits (likewise)
   const float* alpha;         // [E]
   const float* alpha_up;      // [E]: a gated GEMM's up rows' (alpha itself, or alpha's second half: UpAlpha)
-  const float* bias;          // [E, N] added after alpha * row scale (GEMM1's rows [gate; up]), or null
+  BiasRef bias;               // [E, N] added after alpha * row scale (GEMM1's rows [gate; up]), or none
   const int32_t* sorted_ids;  // [P]
   const int32_t* tile_expert; // [P / tile_m]
   const float* row_scale;     // [row_scale_n]
@@ -217,12 +217,10 @@ __device__ __forceinline__ void Store(uint16_t* out, int64_t i, float v) {
 }
 __device__ __forceinline__ void Store(float* out, int64_t i, float v) { out[i] = v; }
 
-// Expert e's row of GemmParams::bias, or null without one.
-__device__ __forceinline__ const float* ExpertBias(const GemmParams& p, int32_t e) {
-  return p.bias ? p.bias + int64_t(e) * p.N : nullptr;
-}
+// Expert e's row of GemmParams::bias (none without one).
+__device__ __forceinline__ BiasRef ExpertBias(const GemmParams& p, int32_t e) { return p.bias.Row(e, p.N); }
 // The biases of output feature n of an expert's bias row b: {gate row n, up row n_out + n (gated)}; 0 without.
-__device__ __forceinline__ float2 FeatureBias(const float* b, int64_t n_out, int64_t n, bool gated) {
+__device__ __forceinline__ float2 FeatureBias(BiasRef b, int64_t n_out, int64_t n, bool gated) {
   return b ? make_float2(b[n], gated ? b[n_out + n] : 0.0f) : make_float2(0.0f, 0.0f);
 }
 
@@ -238,7 +236,7 @@ __device__ __forceinline__ void EpilogueAct(const GemmParams& p, int32_t e, int6
   const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
   const float alpha = p.alpha[e] * kDecodeBias;  // the 2^-8 left in the decoded weights
   const float alpha_up = GATED ? p.alpha_up[e] * kDecodeBias : 0.0f;
-  const float* bias = ExpertBias(p, e);
+  const BiasRef bias = ExpertBias(p, e);
   const float2 fb[2] = {FeatureBias(bias, p.n_out, feat0 + g, GATED),
                         FeatureBias(bias, p.n_out, feat0 + g + 8, GATED)};
   // This thread's two output columns, once (a PairingPos per store was 3-4% of a GEMM's instructions).

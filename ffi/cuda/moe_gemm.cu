@@ -415,7 +415,7 @@ void LaunchFor(const GemmParams& p, bool gated, bool f32_out, bool a_paired, int
 // the mma.sync kernel aligns in every CTA, sorted_ids / tile_expert being the align's outputs.
 ffi::Error GroupedGemmCuda(cudaStream_t stream, const GemmDims& d, ffi::Buffer<ffi::BF16> a,
                            ffi::Buffer<ffi::U8> w_data, ffi::AnyBuffer w_scales, ffi::Buffer<ffi::F32> alpha,
-                           const float* bias, ffi::Buffer<ffi::S32> sorted_ids, ffi::Buffer<ffi::S32> tile_expert,
+                           BiasRef bias, ffi::Buffer<ffi::S32> sorted_ids, ffi::Buffer<ffi::S32> tile_expert,
                            ffi::Buffer<ffi::F32> row_scale, ffi::Result<ffi::AnyBuffer> out, int64_t activation,
                            int64_t row_scale_mode, int64_t top_k, int64_t gather, int64_t tile_m, int64_t k_split,
                            int64_t pairing, int64_t kernel_flags, const AlignArgs* align) {
@@ -495,7 +495,7 @@ ffi::Error GroupedGemmCuda(cudaStream_t stream, const GemmDims& d, ffi::Buffer<f
 }
 
 ffi::Error GroupedGemmCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> a, ffi::Buffer<ffi::U8> w_data,
-                               ffi::AnyBuffer w_scales, ffi::Buffer<ffi::F32> alpha, ffi::Buffer<ffi::F32> bias,
+                               ffi::AnyBuffer w_scales, ffi::Buffer<ffi::F32> alpha, ffi::AnyBuffer bias,
                                ffi::Buffer<ffi::S32> sorted_ids, ffi::Buffer<ffi::S32> tile_expert,
                                ffi::Buffer<ffi::F32> row_scale, ffi::Result<ffi::AnyBuffer> out,
                                int64_t activation, int64_t row_scale_mode, int64_t top_k, int64_t gather,
@@ -516,7 +516,7 @@ ffi::Error GroupedGemmCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> a, ff
 // the first one writes the align's outputs for GEMM2 and the finalize: one launch fewer at decode.
 ffi::Error MoeAlignGemmCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> topk_ids, ffi::Buffer<ffi::BF16> a,
                                 ffi::Buffer<ffi::U8> w_data, ffi::AnyBuffer w_scales, ffi::Buffer<ffi::F32> alpha,
-                                ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::F32> row_scale,
+                                ffi::AnyBuffer bias, ffi::Buffer<ffi::F32> row_scale,
                                 ffi::Result<ffi::AnyBuffer> out,
                                 ffi::Result<ffi::Buffer<ffi::S32>> sorted_ids,
                                 ffi::Result<ffi::Buffer<ffi::S32>> tile_expert,

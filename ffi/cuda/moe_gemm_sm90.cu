@@ -504,7 +504,7 @@ __device__ __forceinline__ uint32_t StagedHalf(int row, int half) {
   return uint32_t(row * 32 + ((half ^ ((row >> 2) & 1)) << 4));
 }
 template <int ACT, int FM>
-__device__ __forceinline__ void StoreStaged(const GemmParams& p, float alpha, const float* bias, int64_t row0,
+__device__ __forceinline__ void StoreStaged(const GemmParams& p, float alpha, BiasRef bias, int64_t row0,
                                             int64_t feat0, const float (&acc)[FM][4], uint32_t rows, uint32_t factors,
                                             uint32_t stage, int nrows = 8 * FM) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -558,7 +558,7 @@ __device__ __forceinline__ void StoreStaged(const GemmParams& p, float alpha, co
 
 // StoreStaged with moe's non-gated activation (relu2, else the identity), picked once a block.
 template <int FM>
-__device__ __forceinline__ void StoreStagedAct(const GemmParams& p, float alpha, const float* bias, int64_t row0,
+__device__ __forceinline__ void StoreStagedAct(const GemmParams& p, float alpha, BiasRef bias, int64_t row0,
                                                int64_t feat0, const float (&acc)[FM][4], uint32_t rows,
                                                uint32_t factors, uint32_t stage, int nrows = 8 * FM) {
   if (p.activation == int32_t(Activation::kRelu2))
@@ -873,7 +873,7 @@ constexpr int WsFeatures() { return (GATED ? (NB == 1 ? 32 : 64) : 64 * NB) * NC
 // (other[m - m0], handed over in shared memory), with the row info in shared memory (as StoreStaged's), to
 // EpilogueAct's values and stores; rows from nrows on (the next item's) are not stored.
 template <int ACT, bool UP, typename OutT, int FM>
-__device__ __forceinline__ void SplitGatedStores(const GemmParams& p, float2 alpha, const float* bias, int64_t row0,
+__device__ __forceinline__ void SplitGatedStores(const GemmParams& p, float2 alpha, BiasRef bias, int64_t row0,
                                                  int64_t feat0, const float (&acc)[FM][4],
                                                  const float (&other)[FM / 2][4], uint32_t rows, uint32_t factors,
                                                  int nrows) {
@@ -906,7 +906,7 @@ __device__ __forceinline__ void SplitGatedStores(const GemmParams& p, float2 alp
   }
 }
 template <bool UP, typename OutT, int FM>
-__device__ __forceinline__ void SplitGatedStoresAct(const GemmParams& p, float2 alpha, const float* bias, int64_t row0,
+__device__ __forceinline__ void SplitGatedStoresAct(const GemmParams& p, float2 alpha, BiasRef bias, int64_t row0,
                                                     int64_t feat0, const float (&acc)[FM][4],
                                                     const float (&other)[FM / 2][4], uint32_t rows, uint32_t factors,
                                                     int nrows) {

@@ -65,7 +65,8 @@ def grouped_gemm(a, w: NVFP4Array, sorted_ids, tile_expert, *, tile_m: int,
     kernel_flags : :class:`KernelFlag` bits
         CUDA kernel variant (0: the default); ignored by the CPU handler and the twin.
     bias : optional float ``[E, N]`` (rows as ``w``'s: ``[gate; up]`` when gated)
-        Added to each feature after the scales, before the activation (gpt-oss's GEMM1 bias).
+        Added to each feature after the scales, before the activation (gpt-oss's GEMM1 bias), in float32;
+        float32 and bfloat16 biases are read as they are, others converted to float32 first.
     up_alpha : optional float32 ``[E]`` (gated only)
         The up rows' global decode scale where it is not ``w.global_scale``
         (:attr:`~jax_nvfp4.NVFP4Experts.up_global_scale`).
@@ -113,14 +114,15 @@ def _gemm_alpha(op, w, up_alpha, activation):
 
 
 def _gemm_bias(op, bias, w):
-    """A GEMM's bias operand: float32 ``[E, N]``, or ``[0]`` for none (what the handlers take)."""
+    """A GEMM's bias operand: ``[E, N]`` float32 or bfloat16 (the handlers read either as it is: no conversion
+    pass per call for a checkpoint's bf16 biases; other floats are converted to float32), or ``[0]`` for none."""
     if bias is None:
         return jnp.zeros((0,), jnp.float32)
     bias = jnp.asarray(bias)
     if bias.shape != w.shape[:2] or not jnp.issubdtype(bias.dtype, jnp.floating):
         raise ValueError(f"{op}: bias must be a float [E, N] = {list(w.shape[:2])} (w's rows), got {bias.dtype} "
                          f"{list(bias.shape)}")
-    return bias.astype(jnp.float32)
+    return bias if bias.dtype in (jnp.float32, jnp.bfloat16) else bias.astype(jnp.float32)
 
 
 def _gemm_args(op, a, w, p_rows, tile_m, activation, row_scale, row_scale_mode, out_dtype, k_split, pairing,
@@ -210,7 +212,7 @@ def _grouped_gemm_jax(a, w, sorted_ids, tile_expert, tile_m, activation, top_k, 
                                                                       alphas[1][:, None])
     v = acc * scale
     if bias.size:
-        v = v + bias[jnp.clip(te, 0, e - 1)]
+        v = v + bias[jnp.clip(te, 0, e - 1)].astype(jnp.float32)
     if activation in GATED_ACTIVATIONS:
         v = apply_activation(activation, v[:, : n // 2], v[:, n // 2:])
     else:
