@@ -268,6 +268,20 @@ def test_clocked_chain_reads_the_clock_before_any_layer_work():
     assert routing_work and min(routing_work) > first_clock, entry
 
 
+def test_clocked_chain_runs_expert_only_work_in_every_layer():
+    """Work that reads only the experts (in gpt-oss's layers once a bias conversion) runs once per chained layer,
+    as in a model whose layers have their own experts, not once for the chain."""
+    jnp = _timing.jax.numpy
+
+    def layer(x, ids, bias):
+        return x + ids[:4] + jnp.sort(bias.astype(jnp.float32))[:4]
+
+    x, ids, bias = jnp.ones((4,)), jnp.arange(4.0), jnp.arange(64.0, 0, -1, dtype=jnp.bfloat16)
+    timed = _timing.clocked_chain(layer, 3, 3)
+    entry = timed.lower(x, [(ids,), (ids + 1,), (ids + 2,)], bias).compile().as_text().split("ENTRY")[1]
+    assert entry.count(" sort(") == 3, entry
+
+
 def test_chained_time_wants_a_routing_per_layer():
     """Layers sharing a routing would share their align (XLA merges equal custom calls), which
     the chain would then time once for several layers."""
