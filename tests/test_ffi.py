@@ -272,6 +272,15 @@ def test_gemm_matches_twin(act, gather, mode, out_dtype):
     assert (f32(got)[np.asarray(sid) < 0] == 0).all()  # padding rows are zero
 
 
+def _direct_gemm(a, w, sid, te, row_scale, n_out, activation, pairing=0):
+    """grouped_gemm's custom call itself, past the Python checks: the handler's own (gathered, top_k 3, 8-row
+    tiles, no bias, bf16 [P, n_out] out)."""
+    return ffi_call_now(ops.TARGET_GEMM, jax.ShapeDtypeStruct((sid.shape[0], n_out), BF16), vmap_method="sequential")(
+        a, w.data, w.scales, w.global_scale, jnp.zeros((0,), jnp.float32), sid, te, row_scale,
+        activation=np.int64(activation), row_scale_mode=np.int64(0), top_k=np.int64(3), gather=np.int64(1),
+        tile_m=np.int64(8), k_split=np.int64(1), pairing=np.int64(pairing), kernel_flags=np.int64(0))
+
+
 def test_gemm_rejects_bad_shapes_with_named_arguments():
     a, w, sid, te, rs = _gemm_problem(ops.Activation.SWIGLU, True, ops.RowScale.NONE)
     call = lambda **kw: ffi_call_now(ops.TARGET_GEMM, jax.ShapeDtypeStruct((sid.shape[0], 48), BF16),  # noqa
@@ -289,10 +298,7 @@ def test_gemm_rejects_bad_shapes_with_named_arguments():
         a32, w32, _, _, _ = _gemm_problem(ops.Activation.SWIGLU, True, ops.RowScale.NONE, h=32)
         with pytest.raises(Exception, match=rf"K = 32 \(a.shape\[1\]\) must be a multiple of "
                                             rf"{ops.CUDA_K_MULTIPLE} on this platform"):
-            ffi_call_now(ops.TARGET_GEMM, jax.ShapeDtypeStruct((sid.shape[0], 48), BF16), vmap_method="sequential")(
-                a32, w32.data, w32.scales, w32.global_scale, jnp.zeros((0,), jnp.float32), sid, te, rs,
-                activation=np.int64(1), row_scale_mode=np.int64(0), top_k=np.int64(3), gather=np.int64(1),
-                tile_m=np.int64(8), k_split=np.int64(1), pairing=np.int64(0), kernel_flags=np.int64(0))
+            _direct_gemm(a32, w32, sid, te, rs, 48, ops.Activation.SWIGLU)
     with pytest.raises(Exception, match=r"bias must be \[E, N\] = \[5, 96\] \(or \[0\]: none\)"):
         call(bias=jnp.zeros((5, 48), jnp.float32))
     with pytest.raises(Exception, match="bias must be float32 or bfloat16"):
@@ -1147,27 +1153,16 @@ def test_gemm_pairing_checks():
     with pytest.raises(ValueError, match="multiples of 8"):
         ops.grouped_gemm(a, w12, sid, te, tile_m=8, activation=act, top_k=3, gather=True, pairing=ops.Pairing.OUT)
     ops.ensure_registered()  # the handler checks it too (a direct call must not write out of bounds)
+    no_scale = jnp.zeros((1,), jnp.float32)
     with pytest.raises(Exception, match="pairing needs K and the output features to be multiples of 8"):
-        ffi_call_now(ops.TARGET_GEMM, jax.ShapeDtypeStruct((sid.shape[0], 12), BF16), vmap_method="sequential")(
-            a, w12.data, w12.scales, w12.global_scale, jnp.zeros((0,), jnp.float32), sid, te,
-            jnp.zeros((1,), jnp.float32),
-            activation=np.int64(act), row_scale_mode=np.int64(0), top_k=np.int64(3), gather=np.int64(1),
-            tile_m=np.int64(8), k_split=np.int64(1), pairing=np.int64(2), kernel_flags=np.int64(0))
+        _direct_gemm(a, w12, sid, te, no_scale, 12, act, pairing=2)
     if jax.default_backend() == "gpu":  # unpaired, 12 features are short of the GPU's MMA fragment
         with pytest.raises(Exception, match=f"output features 12 must be a multiple of {ops.CUDA_N_MULTIPLE} on "
                                             "this platform"):
-            ffi_call_now(ops.TARGET_GEMM, jax.ShapeDtypeStruct((sid.shape[0], 12), BF16), vmap_method="sequential")(
-                a, w12.data, w12.scales, w12.global_scale, jnp.zeros((0,), jnp.float32), sid, te,
-                jnp.zeros((1,), jnp.float32),
-                activation=np.int64(act), row_scale_mode=np.int64(0), top_k=np.int64(3), gather=np.int64(1),
-                tile_m=np.int64(8), k_split=np.int64(1), pairing=np.int64(0), kernel_flags=np.int64(0))
+            _direct_gemm(a, w12, sid, te, no_scale, 12, act)
     for pairing, msg in [(4, "blocked weights"), (8, "chunk order"), (9, "not both")]:  # K = 64
         with pytest.raises(Exception, match=msg):
-            ffi_call_now(ops.TARGET_GEMM, jax.ShapeDtypeStruct((sid.shape[0], 48), BF16), vmap_method="sequential")(
-                a, w.data, w.scales, w.global_scale, jnp.zeros((0,), jnp.float32), sid, te,
-                jnp.zeros((1,), jnp.float32),
-                activation=np.int64(act), row_scale_mode=np.int64(0), top_k=np.int64(3), gather=np.int64(1),
-                tile_m=np.int64(8), k_split=np.int64(1), pairing=np.int64(pairing), kernel_flags=np.int64(0))
+            _direct_gemm(a, w, sid, te, no_scale, 48, act, pairing=pairing)
 
 
 def _code_words(v):
