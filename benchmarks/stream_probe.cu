@@ -241,34 +241,43 @@ struct LayerRow {
 };
 
 // Each row's bytes (0.5625 a weight: codes + E4M3 scales) read by ReadAll at 2-8 CTAs an SM, 1-4 loads in
-// flight a thread, over two disjoint copies (each above the L2); the median of 20 launches per grid.
+// flight a thread, over disjoint copies that together exceed the L2 threefold (two for DeepSeek-V3's rows, eight for
+// gpt-oss's GEMM2); the median of 20 launches per grid.
 void RunLayerReads(int sms) {
   const LayerRow rows[] = {
       {"deepseek-v3 T=4", 21, (2 * 2048 + 2048) * 7168LL},
       {"deepseek-v3 T=16", 31, (2 * 2048 + 2048) * 7168LL},
       {"deepseek-v3 T=64", 32, (2 * 2048 + 2048) * 7168LL},
       {"qwen3 T=16", 84, (2 * 768 + 768) * 2048LL},
+      // gpt-oss-120b T=1 (H = I = 2944 zero-padded blocked, 4 experts): the layer, and each GEMM's bytes alone.
+      {"gpt-oss T=1", 4, 3 * 2944LL * 2944},
+      {"gpt-oss T=1 GEMM1", 4, 2 * 2944LL * 2944},
+      {"gpt-oss T=1 GEMM2", 4, 2944LL * 2944},
   };
-  constexpr int kSets = 2;
+  int l2 = 0;
+  CHECK(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, 0));
+  const auto n16_of = [](const LayerRow& r) { return r.experts * r.weights_per_expert * 9 / 16 / 16; };
+  const auto sets_of = [&](int64_t n16) { return int(std::max<int64_t>(2, (3LL * l2 + n16 * 16 - 1) / (n16 * 16))); };
   int64_t most = 0;
-  for (const LayerRow& r : rows) most = std::max(most, r.experts * r.weights_per_expert * 9 / 16 / 16);
+  for (const LayerRow& r : rows) most = std::max(most, n16_of(r) * sets_of(n16_of(r)));
   uint4* w = nullptr;
   uint32_t* sink = nullptr;
-  CHECK(cudaMalloc(&w, size_t(most) * 16 * kSets));
+  CHECK(cudaMalloc(&w, size_t(most) * 16));
   CHECK(cudaMalloc(&sink, 64));
-  CHECK(cudaMemset(w, 0x5A, size_t(most) * 16 * kSets));
+  CHECK(cudaMemset(w, 0x5A, size_t(most) * 16));
   struct Grid { int per_sm, u; bool hint; };
   const Grid grids[] = {{2, 1, false}, {4, 1, false}, {8, 1, false}, {2, 2, false}, {4, 2, false},
                         {8, 2, false}, {2, 4, false}, {4, 4, false}, {4, 2, true}, {8, 2, true}};
   for (const LayerRow& r : rows) {
-    const int64_t n16 = r.experts * r.weights_per_expert * 9 / 16 / 16;
-    std::printf("layer read, %s: %d experts, %.1f MB\n", r.name, r.experts, n16 * 16e-6);
+    const int64_t n16 = n16_of(r);
+    const int sets = sets_of(n16);
+    std::printf("layer read, %s: %d experts, %.1f MB, %d copies\n", r.name, r.experts, n16 * 16e-6, sets);
     float best = 1e30f;
     for (const Grid& g : grids) {
       auto kernel = g.u == 1 ? (g.hint ? ReadAll<1, true> : ReadAll<1, false>)
                   : g.u == 2 ? (g.hint ? ReadAll<2, true> : ReadAll<2, false>)
                              : (g.hint ? ReadAll<4, true> : ReadAll<4, false>);
-      const float us = MedianUs([&](int set) { kernel<<<sms * g.per_sm, 256>>>(w + set * most, n16, sink); }, kSets);
+      const float us = MedianUs([&](int set) { kernel<<<sms * g.per_sm, 256>>>(w + set * n16, n16, sink); }, sets);
       best = std::min(best, us);
       std::printf("  %d CTAs of 256 an SM, %d loads in flight%s: %7.1f us %5.2f TB/s\n", g.per_sm, g.u,
                   g.hint ? ", streaming hints" : "", us, n16 * 16 / us * 1e-6);
@@ -290,6 +299,9 @@ int main() {
       {"qwen3 T=4 GEMM2", 30, 2048, 768, false, 1, 8},
       {"deepseek-v3 T=1 GEMM1", 8, 4096, 7168, true, 4, 4},
       {"deepseek-v3 T=1 GEMM2", 8, 7168, 2048, false, 2, 8},
+      {"gpt-oss-120b T=1 GEMM1", 4, 2 * 2944, 2944, true, 2, 4},
+      {"gpt-oss-120b T=1 GEMM2", 4, 2944, 2944, false, 2, 8},
+      {"gpt-oss-120b T=1 GEMM2 ks4", 4, 2944, 2944, false, 4, 8},
   };
   int sms = 0;
   CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));

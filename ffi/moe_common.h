@@ -121,6 +121,8 @@ enum class KernelFlag : int64_t {
                            // moe's default on 32-row tiles where its items cost less than 64-row tiles (choose_rows96,
                            // H200 2026-12-05: layers x0.71-0.98 there)
   kNoRows96 = 17179869184ll,  // moe without kRows96 where it would take it: a moe policy, no kernel reads it
+  // 68719476736: kDeepDecode (8-row decode tiles on blocked weights with two 128-K chunks in flight a warp) for one
+  // H100 A/B on 2026-12-07 (session 62), removed: layers x1.03-1.35 slower (moe_gemm.cu, MainLoop).
   // 536870912 / 1073741824: kBulkPrefetch / kBulkPrefetchFar (the mma.sync decode tiles on blocked weights, lane 0
   // of each warp keeping its fragments' next 4 / 8 chunks asked of the L2 by cp.async.bulk.prefetch.L2) for one H200
   // A/B on 2026-12-04 (session 32), removed: layers 1.00-1.28x slower (a stream of the same loads without the math,

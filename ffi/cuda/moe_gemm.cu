@@ -154,7 +154,10 @@ __device__ __forceinline__ void TailChunk(const uint8_t* const (&wrow)[NF][2], c
 // by unrolling (chunk c lives in buf[c % 2]), so no register copy waits on a load: 121-128
 // registers instead of 124-162 with a copy (H200, 2026-12-01: 4% faster on 16-row tiles, where
 // it beat the cp.async ring). Two or three chunks in flight (three or four buffers) were 4-14%
-// slower in 8 of 12 rows of the same A/B and 3-5% faster in 2 (fewer CTAs fit per SM).
+// slower in 8 of 12 rows of the same A/B and 3-5% faster in 2 (fewer CTAs fit per SM). Two chunks in flight on
+// 8-row tiles only (a flag for one H100 A/B, 2026-12-07, session 62), for gpt-oss's grids of under a wave (368
+// CTAs): layers x1.03-1.35 slower with GEMM1's (its registers), x0.98-1.06 with GEMM2's alone; a stream of the same
+// weight bytes without the math is no faster with more chunks in flight (benchmarks/stream_probe.cu).
 // XR: the next chunk's activations are loaded with its weights, into registers, instead of as each piece is
 // multiplied (whose loads, L1 misses that wait on the L2, were a third of the gated decode tiles' stall samples
 // on the H200: Nsight Compute, Qwen3-30B-A3B T = 4; Launch chooses it).

@@ -92,6 +92,9 @@ class KernelFlag(enum.IntFlag):
     # kernels do not run
     NO_ROWS96 = 17179869184  # moe without ROWS96 where choose_rows96 would take it (a tile per work item, as
     # before 2026-12-05); a moe policy, no kernel reads it
+    # 68719476736: DEEP_DECODE for one A/B on 2026-12-07 (session 62): 8-row decode tiles on blocked weights keeping two
+    # 128-K chunks of weights in flight a warp, not one; removed: layers x1.03-1.35 slower on the H100 (GEMM1's
+    # registers), x0.98-1.06 with GEMM2's alone (gpt-oss, DeepSeek-V3 EP8, Qwen3-30B-A3B at T = 1-16)
     # 34359738368: SORTED_STATIC_X for one A/B on 2026-12-07 (session 60): w4a4 on static scales past decode with x
     # quantized into GEMM1's sorted rows (each on its tile's expert's scale, unused rows not written; GEMM1 reading
     # them ungathered) instead of a row per pair that GEMM1 gathers; removed: layers 1.00-1.08x slower on the H100
