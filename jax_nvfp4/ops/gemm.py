@@ -146,7 +146,7 @@ def _gemm_args(op, a, w, p_rows, tile_m, activation, row_scale, row_scale_mode, 
     if a.ndim != 2 or a.shape[1] != kk:
         raise ValueError(f"{op}: a must be [rows, K={kk}], got {a.shape}")
     if k_split is None:
-        k_split = choose_k_split(p_rows // tile_m, n_out, kk, tile_m)
+        k_split = choose_k_split(p_rows // tile_m, n_out, kk, tile_m, gated)
     if k_split not in K_SPLITS or (k_split > 1 and tile_m > MAX_SPLIT_TILE_M):
         raise ValueError(f"{op}: k_split must be one of {K_SPLITS} (1 when tile_m > "
                          f"{MAX_SPLIT_TILE_M}), got k_split={k_split} with tile_m={tile_m}")

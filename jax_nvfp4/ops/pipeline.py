@@ -104,8 +104,8 @@ def moe_forward(x, experts: NVFP4Experts, topk_ids, topk_weights, *, mode: str =
     inter = experts.intermediate_size
     ks = (None, None) if k_split is None else check_k_split(k_split)
     ks1, ks2 = ks if isinstance(ks, tuple) else (ks, ks)
-    ks1 = ks1 or choose_k_split(tiles, inter, h, tile_m)
-    ks2 = ks2 or choose_k_split(tiles, h, inter, tile_m)
+    ks1 = ks1 or choose_k_split(tiles, inter, h, tile_m, gated)
+    ks2 = ks2 or choose_k_split(tiles, h, inter, tile_m, gated=False)
     # w4a16 decode on 8-row tiles with a GEMM1 of about one wave of CTAs: the align inside GEMM1's CTAs
     # (moe_align_gemm; one launch fewer).
     gemm1_ctas = padded_rows(t * k, e, tile_m) // tile_m * feature_slabs(inter, ks1)

@@ -61,7 +61,13 @@ def choose_tile_m(n_pairs: int, num_experts: int, wgmma: bool = False) -> int:
 _CTA_WARPS, _WARP_FEATURES = 4, 16
 _TARGET_CTAS = 1024  # ~8 CTAs per SM on 132 SMs: enough weight bytes in flight to cover HBM latency
 _SPLIT_K = 2048  # K a warp keeps when its GEMM has CTAs enough for the SMs (16 chunks of 128)
-_FEW_CTAS = 264  # fewer than ~2 CTAs per SM of the H200: split down to _MIN_SPLIT_K
+_FEW_CTAS = 264  # fewer than ~2 CTAs per SM of the H200: split down to _MIN_SPLIT_K (gated tiles)
+# Non-gated decode tiles (GEMM2, relu2's GEMM1) hold one weight fragment a warp: half the registers (62 against 128:
+# 8 CTAs an SM fit, not 4), so they split down to _MIN_SPLIT_K until twice the CTAs. (H100, 2026-12-07, session 62,
+# this rule against the one before, one run: gpt-oss-120b / -20b w4a16 T = 1 (GEMM2 split 4, not 2) x0.965 / x0.970,
+# T = 2 (2, not 1) x0.918 / x0.906, w4a4 (120b) x0.976 / x0.920; Qwen3-30B-A3B T = 2 (2, not 1) x0.977, w4a4
+# x0.987; no other choice of issue 5's shapes moves. BENCHMARKS.md.)
+_FEW_CTAS_ONE_FRAGMENT = 2 * _FEW_CTAS
 _MIN_SPLIT_K = 256  # each warp keeps at least two 128-K chunks
 
 
@@ -91,10 +97,10 @@ def expected_tiles(n_pairs: int, num_experts: int, tile_m: int) -> float:
     return min(e * _tiles_an_expert(n_pairs / e, tile_m), float(padded_rows(n_pairs, e, tile_m) // tile_m))
 
 
-def choose_k_split(tiles: float, n_out: int, k: int, tile_m: int) -> int:
+def choose_k_split(tiles: float, n_out: int, k: int, tile_m: int, gated: bool = True) -> int:
     """Warps per CTA that split K: the smallest split giving about ``_TARGET_CTAS`` CTAs, while
     each warp keeps ``_SPLIT_K`` of K (``_MIN_SPLIT_K`` while the GEMM has fewer than
-    ``_FEW_CTAS`` CTAs).
+    ``_FEW_CTAS`` CTAs, or ``_FEW_CTAS_ONE_FRAGMENT`` when not ``gated``: twice as many fit an SM).
 
     ``tiles``: the row tiles in use, e.g. :func:`expected_tiles` (``moe``), or ``P // tile_m``,
     their upper bound (``grouped_gemm`` alone). Fitted on the H200 (2026-12-01, blocked weights,
@@ -106,10 +112,10 @@ def choose_k_split(tiles: float, n_out: int, k: int, tile_m: int) -> int:
     """
     if tile_m > MAX_SPLIT_TILE_M:
         return 1
-    best = 1
+    best, few = 1, _FEW_CTAS if gated else _FEW_CTAS_ONE_FRAGMENT
     for s in K_SPLITS[1:]:
         ctas = tiles * feature_slabs(n_out, best)
-        if ctas >= _TARGET_CTAS or k // s < (_SPLIT_K if ctas >= _FEW_CTAS else _MIN_SPLIT_K):
+        if ctas >= _TARGET_CTAS or k // s < (_SPLIT_K if ctas >= few else _MIN_SPLIT_K):
             break
         best = s
     return best
