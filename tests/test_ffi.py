@@ -272,25 +272,24 @@ def test_gemm_matches_twin(act, gather, mode, out_dtype):
     assert (f32(got)[np.asarray(sid) < 0] == 0).all()  # padding rows are zero
 
 
-def _direct_gemm(a, w, sid, te, row_scale, n_out, activation, pairing=0):
-    """grouped_gemm's custom call itself, past the Python checks: the handler's own (gathered, top_k 3, 8-row
-    tiles, no bias, bf16 [P, n_out] out)."""
+def _direct_gemm(a, w, sid, te, row_scale, n_out, activation, pairing=0, *, scales=None, alpha=None, bias=None,
+                 tile_m=8, k_split=1, kernel_flags=0):
+    """grouped_gemm's custom call itself, past the Python checks: the handler's own (gathered, top_k 3, bf16
+    [P, n_out] out; w's scales and global scale, no bias, 8-row tiles and no K split unless given)."""
     return ffi_call_now(ops.TARGET_GEMM, jax.ShapeDtypeStruct((sid.shape[0], n_out), BF16), vmap_method="sequential")(
-        a, w.data, w.scales, w.global_scale, jnp.zeros((0,), jnp.float32), sid, te, row_scale,
+        a, w.data, w.scales if scales is None else scales, w.global_scale if alpha is None else alpha,
+        jnp.zeros((0,), jnp.float32) if bias is None else bias, sid, te, row_scale,
         activation=np.int64(activation), row_scale_mode=np.int64(0), top_k=np.int64(3), gather=np.int64(1),
-        tile_m=np.int64(8), k_split=np.int64(1), pairing=np.int64(pairing), kernel_flags=np.int64(0))
+        tile_m=np.int64(tile_m), k_split=np.int64(k_split), pairing=np.int64(pairing),
+        kernel_flags=np.int64(kernel_flags))
 
 
 def test_gemm_rejects_bad_shapes_with_named_arguments():
     a, w, sid, te, rs = _gemm_problem(ops.Activation.SWIGLU, True, ops.RowScale.NONE)
-    call = lambda **kw: ffi_call_now(ops.TARGET_GEMM, jax.ShapeDtypeStruct((sid.shape[0], 48), BF16),  # noqa
-                                     vmap_method="sequential")(
-        kw.get("a", a), w.data, kw.get("scales", w.scales), kw.get("alpha", w.global_scale),
-        kw.get("bias", jnp.zeros((0,), jnp.float32)), kw.get("sid", sid), te, rs,
-        activation=np.int64(kw.get("act", 1)), row_scale_mode=np.int64(0),
-        top_k=np.int64(3), gather=np.int64(1), tile_m=np.int64(kw.get("tile_m", 8)),
-        k_split=np.int64(kw.get("k_split", 1)), pairing=np.int64(kw.get("pairing", 0)),
-        kernel_flags=np.int64(kw.get("kernel_flags", 0)))
+
+    def call(a=a, act=1, **kw):  # the handler on this problem, with the arguments given changed
+        return _direct_gemm(a, w, sid, te, rs, 48, act, **kw)
+
     ops.ensure_registered()
     with pytest.raises(Exception, match="does not match K"):  # (K = 32 is also short of the GPU's K chunk)
         call(a=a[:, :32])
