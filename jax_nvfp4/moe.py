@@ -145,7 +145,8 @@ def moe(x, experts, *, router_logits=None, routing: str = "softmax_topk", top_k:
         ``jax.shard_map``) runs on every backend (``flashinfer`` then routes in JAX, not in its kernel).
     backend : str (static)
         ``"auto"`` (best available, see :func:`jax_nvfp4.backends.base.select`) or a registered
-        name such as ``"xla"``.
+        name such as ``"xla"``. Backends judge what they can run by the default device
+        (``jax.default_device``'s when set, else ``jax.devices()[0]``).
     return_routing : bool (static)
         Also return ``(topk_ids int32 [T, k], topk_weights float32 [T, k])``.
     batch_invariant : bool (static)

@@ -962,7 +962,7 @@ def test_golden_through_public_api(name):
 # ------------------------------------------------------------------------------------------
 # Backend availability, support and selection
 
-def _problem(t=4, h=64, i=32, e=8, k=2, mode="w4a16", act="swiglu"):
+def _problem(t=4, h=64, i=64, e=8, k=2, mode="w4a16", act="swiglu"):
     return base.MoEProblem(t, h, i, e, k, mode, act)
 
 
@@ -983,12 +983,17 @@ def test_unsupported_falls_back_to_xla():
 
 
 def test_gpu_limits_are_trace_time_reasons(monkeypatch):
-    monkeypatch.setattr(ffi_backend, "_platform", lambda dev: "cuda")
+    monkeypatch.setattr(base, "platform", lambda dev: "cuda")
     b = ffi_backend.FFIBackend()
     assert "multiples of 64" in b.unsupported_reason(_problem(h=96))
     assert "multiples of 64" in b.unsupported_reason(_problem(i=2880 + 16))
     assert b.unsupported_reason(_problem(h=2880, i=2880)) is None  # gpt-oss shapes: K tail of 64
     assert "at most 512" in b.unsupported_reason(_problem(h=128, i=128, e=1024))
+
+
+class FakeGpu:
+    platform, device_kind, compute_capability = "gpu", "NVIDIA A100", "8.0"
+    client = type("C", (), {"platform_version": "cuda 13000"})()
 
 
 def test_unavailable_reasons(monkeypatch):
@@ -997,17 +1002,34 @@ def test_unavailable_reasons(monkeypatch):
     assert "not built" in b.unavailable_reason()
     monkeypatch.undo()
 
-    class FakeGpu:
-        platform, device_kind, compute_capability = "gpu", "NVIDIA A100", "8.0"
-        client = type("C", (), {"platform_version": "cuda 13000"})()
-    monkeypatch.setattr(ffi_backend, "_default_device", lambda: FakeGpu())
+    monkeypatch.setattr(base, "default_device", lambda: FakeGpu())
+    monkeypatch.setattr(FakeGpu, "compute_capability", "8.0")
     monkeypatch.setattr(ops, "build_info", lambda: {"cuda": True, "cuda_archs": ["sm_90a", "sm_100a"]})
     assert "needs sm_80a" in b.unavailable_reason() and "sm_90a" in b.unavailable_reason()
     monkeypatch.setattr(ops, "build_info", lambda: {"cuda": False, "cuda_archs": []})
     assert "built without CUDA" in b.unavailable_reason()
-    FakeGpu.compute_capability = "9.0"
+    monkeypatch.setattr(FakeGpu, "compute_capability", "9.0")
     monkeypatch.setattr(ops, "build_info", lambda: {"cuda": True, "cuda_archs": ["sm_90a"]})
     assert b.unavailable_reason() is None
+
+
+def test_backends_judge_the_device_that_jax_default_device_names(monkeypatch):
+    """On a GPU machine, ``with jax.default_device(cpu)`` runs the layer on the CPU: the backends' choices
+    (availability, GPU shape limits, weight order, grouped matmul) follow it, not ``jax.devices()[0]``."""
+    from jax_nvfp4.backends import xla
+    cpu, real_devices = jax.devices("cpu")[0], jax.devices
+    monkeypatch.setattr(jax, "devices", lambda backend=None: [FakeGpu()] if backend is None else real_devices(backend))
+    monkeypatch.setattr(FakeGpu, "compute_capability", "9.0")
+    monkeypatch.setattr(ops, "build_info", lambda: {"cuda": True, "cuda_archs": ["sm_90a"]})
+    b, odd = ffi_backend.FFIBackend(), _problem(h=96)
+    assert base.platform(base.default_device()) == "cuda"
+    assert b.weight_order(128, 128) == "blocked" and "multiples of 64" in b.unsupported_reason(odd)
+    assert xla.choose_gmm(8, 8, 1 << 22) == "ragged"
+    for pin in (cpu, "cpu"):
+        with jax.default_device(pin):
+            assert base.default_device() == cpu and b.unavailable_reason() is None
+            assert b.weight_order(128, 128) == "rows" and b.unsupported_reason(odd) is None
+            assert xla.choose_gmm(8, 8, 1 << 22) == "tiled"
 
 
 # ------------------------------------------------------------------------------------------

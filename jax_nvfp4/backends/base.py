@@ -11,10 +11,35 @@ from __future__ import annotations
 import dataclasses
 from typing import Protocol
 
+import jax
+
 MODES = ("bf16", "w4a16", "w4a4")
 ACTIVATIONS = ("swiglu", "geglu", "relu2", "swiglu_oai")
 GATED_ACTIVATIONS = ("swiglu", "geglu", "swiglu_oai")
 
+
+
+def default_device():
+    """The device that runs uncommitted work: ``jax.default_device``'s when it is set (a device or a
+    platform name), else ``jax.devices()[0]``; None where jax has no backend. Backends judge what
+    they can run by it, so ``with jax.default_device(cpu)`` on a GPU machine gets the CPU's rules."""
+    try:
+        dev = jax.config.jax_default_device
+        if isinstance(dev, str):
+            return jax.devices(dev)[0]
+        return dev if dev is not None else jax.devices()[0]
+    except RuntimeError:
+        return None
+
+
+def platform(dev) -> str:
+    """'cpu', 'cuda', 'rocm', another platform name (e.g. 'tpu'), or 'none' for no device."""
+    if dev is None:
+        return "none"
+    if dev.platform == "gpu":  # jax names both CUDA and ROCm devices 'gpu'
+        version = str(getattr(dev.client, "platform_version", "")).lower()
+        return "rocm" if ("rocm" in version or "hip" in version) else "cuda"
+    return dev.platform
 
 @dataclasses.dataclass(frozen=True)
 class MoEProblem:

@@ -8,8 +8,6 @@ Mode ``bf16`` has no kernel here: ``backend="auto"`` falls back to ``xla`` for i
 
 from __future__ import annotations
 
-import jax
-
 from .. import ops
 from ..formats import padded_sizes
 from . import base
@@ -17,23 +15,6 @@ from . import base
 # The most zero padding (a fraction of the weight bytes) the blocked order may add for its whole 128-K chunks
 # (H100, 2026-12-06: gpt-oss, H = I = 2880 -> 2944, 4.5% more bytes, BENCHMARKS.md); rows beyond it.
 MAX_PADDING = 0.125
-
-
-def _default_device():
-    try:
-        return jax.devices()[0]
-    except RuntimeError:
-        return None
-
-
-def _platform(dev) -> str:
-    """'cpu', 'cuda', or another platform name (e.g. 'rocm', 'tpu')."""
-    if dev is None:
-        return "none"
-    if dev.platform == "gpu":  # jax names both CUDA and ROCm devices 'gpu'
-        version = str(getattr(dev.client, "platform_version", "")).lower()
-        return "rocm" if ("rocm" in version or "hip" in version) else "cuda"
-    return dev.platform
 
 
 def _gpu_arch(dev) -> str | None:
@@ -77,8 +58,8 @@ class FFIBackend:
         if ops.extension_error() is not None:
             return (f"the jax_nvfp4._ffi extension is not built ({ops.extension_error()}); "
                     "build it with `pip install --no-build-isolation -e .`")
-        dev = _default_device()
-        platform = _platform(dev)
+        dev = base.default_device()
+        platform = base.platform(dev)
         if platform == "cpu":
             return None
         if platform != "cuda":
@@ -99,7 +80,7 @@ class FFIBackend:
         """The blocked order on CUDA (H200, 2026-12-01: decode layers 7-13% faster, prefill layers
         4-6% faster than on rows), where its zero padding of H and I to multiples of 128 (to_blocked_experts)
         adds at most MAX_PADDING of the weight bytes; the CPU handler reads both orders at one speed."""
-        if _platform(_default_device()) != "cuda":
+        if base.platform(base.default_device()) != "cuda":
             return "rows"
         hp, ip = padded_sizes(hidden, intermediate)
         return "blocked" if hp * ip <= (1 + MAX_PADDING) * hidden * intermediate else "rows"
@@ -115,7 +96,7 @@ class FFIBackend:
             return f"H and I must be multiples of 16 (NVFP4 blocks), got H={h}, I={i}"
         if problem.tokens * problem.top_k >= 2**31:
             return f"T * k = {problem.tokens * problem.top_k} must be < 2^31"
-        if _platform(_default_device()) == "cuda":
+        if base.platform(base.default_device()) == "cuda":
             m = ops.CUDA_K_MULTIPLE
             if h % m or i % m:
                 return (f"the CUDA kernels need H and I to be multiples of {m} (their K chunk), "

@@ -9,27 +9,20 @@ import importlib.util
 import os
 import pathlib
 
-import jax
-
+from ..base import default_device, platform
 from .contract import (ENV_UNPINNED, FLASHINFER_VERSION, JAX_TVM_FFI_VERSION, TRTLLM_BMM_ARTIFACT,
                        TRTLLM_BMM_HEADERS)
 
 
-
 def device_info() -> tuple[str, str | None, str]:
-    """(platform, compute capability or None, device kind) of the default JAX device."""
-    try:
-        dev = jax.devices()[0]
-    except RuntimeError:
+    """(platform, compute capability or None, device kind) of the default JAX device
+    (:func:`jax_nvfp4.backends.base.default_device`)."""
+    dev = default_device()
+    if dev is None:
         return "none", None, "no device"
     kind = getattr(dev, "device_kind", dev.platform)
-    if dev.platform != "gpu":
-        return dev.platform, None, kind
-    version = str(getattr(dev.client, "platform_version", "")).lower()
-    if "rocm" in version or "hip" in version:
-        return "rocm", None, kind
-    cc = getattr(dev, "compute_capability", None)
-    return "cuda", (str(cc) if cc else None), kind
+    cc = getattr(dev, "compute_capability", None) if platform(dev) == "cuda" else None
+    return platform(dev), (str(cc) if cc else None), kind
 
 
 def _dist_version(name: str) -> str | None:
