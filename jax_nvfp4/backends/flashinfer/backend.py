@@ -51,8 +51,9 @@ class FlashInferBackend:
             return (f"FlashInfer's NVFP4 MoE kernels run on NVIDIA Blackwell GPUs (sm_100a/sm_103a); the "
                     f"default JAX device is {kind!r} (platform {platform!r})")
         if cc not in SUPPORTED_CAPABILITIES:
-            return (f"FlashInfer's NVFP4 MoE kernels run on compute capability 10.0 (sm_100a: B200, GB200) "
-                    f"or 10.3 (sm_103a: B300, GB300); the default GPU {kind!r} has compute capability {cc}")
+            return (f"FlashInfer's NVFP4 MoE kernels run on NVIDIA Blackwell GPUs of compute capability 10.0 "
+                    f"(sm_100a: B200, GB200) or 10.3 (sm_103a: B300, GB300); the default GPU {kind!r} has "
+                    f"compute capability {cc}")
         return gating.software_unavailable_reason()
 
     def kernel_for(self, problem: base.MoEProblem) -> str:
