@@ -18,7 +18,7 @@
 #   AB_TREE_ARGS (its moe_bench arguments),
 #   TEST_NODES (pytest targets of the test and sanitize stages, in order; default
 #   "tests/test_ffi_quant.py tests/test_ffi_align_gemm.py tests/test_ffi.py"), TEST_MARK (the test stage's pytest -m
-#   expression, default gpu; empty: every test), TEST_S, TEST_WORKERS
+#   expression, default gpu; empty: every test), TEST_S, TEST_WORKERS, TEST_MAXFAIL (default 10)
 #   (pytest-xdist processes),
 #   SAN_K (pytest -k expression of the sanitize stage; default the stage argument), SAN_S,
 #   SAN_EACH=1 (one sanitizer process per test), SAN_EACH=function (one per test function) or
@@ -107,7 +107,7 @@ if stage test; then
   [[ -n ${TEST_WORKERS:-} ]] && kargs+=(-n "$TEST_WORKERS")
   # shellcheck disable=SC2086
   # TEST_MARK: the pytest -m expression (default gpu; "" runs every test of TEST_NODES, on the GPU where they use one).
-  timeout $(left ${TEST_S:-300}) python3 -m pytest -q -p no:cacheprovider -m "${TEST_MARK-gpu}" $TEST_NODES --maxfail=10 -rf \
+  timeout $(left ${TEST_S:-300}) python3 -m pytest -q -p no:cacheprovider -m "${TEST_MARK-gpu}" $TEST_NODES --maxfail=${TEST_MAXFAIL:-10} -rf \
     --durations=10 "${kargs[@]}" >"$OUT/ffi_pytest.log" 2>&1
   log "pytest rc=$?"
   grep -E "passed|failed|^FAILED|^ERROR|s call" "$OUT/ffi_pytest.log" | tail -50 | tee -a "$OUT/ffi_summary.txt"

@@ -53,6 +53,14 @@ def run_on_cpu_devices(code: str, n: int = 2) -> None:
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), (r.stdout[-1000:], r.stderr[-3000:])
 
 
+@pytest.fixture
+def on_cpu():
+    """Run the test under ``jax.default_device(cpu)``: for tests of the C++ handlers' own behaviour (shapes the
+    CUDA kernels reject, rows they leave unwritten), which a GPU machine would otherwise send to the GPU."""
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
+
+
 def pytest_collection_modifyitems(config, items):
     if has_gpu():
         return

@@ -262,6 +262,7 @@ def _run_gemm(impl, a, w, sorted_ids, tile_expert, row_scale, act, gather, mode,
                             impl=impl)
 
 
+@pytest.mark.usefixtures("on_cpu")
 @pytest.mark.parametrize("act,gather,mode,out_dtype", GEMM_CASES)
 def test_gemm_matches_twin(act, gather, mode, out_dtype):
     a, w, sid, te, rs = _gemm_problem(act, gather, mode)
@@ -398,6 +399,7 @@ def test_paired_intermediate_is_bitwise_the_natural_order_on_the_cpu(mode):
             np.testing.assert_array_equal(f32(f(x, ids, w, flags, tm)), want)
 
 
+@pytest.mark.usefixtures("on_cpu")
 def test_kernel_flags_reach_the_custom_call_and_keep_the_function():
     """Kernel variants are a GPU choice: the attribute is in the lowered call, the CPU result is the same."""
     ex = make_experts(5, 4, 64, 32)
@@ -613,7 +615,8 @@ def test_gpu_device_clock_brackets_the_work_between_two_readings():
 
 @pytest.fixture(scope="module")
 def experts_cpu():
-    """Small H/I to keep the CPU handlers fast; E from 8 to 256."""
+    """Small H/I to keep the CPU handlers fast (I = 32: the CUDA kernels take multiples of 64, so the tests that
+    use them run on_cpu); E from 8 to 256."""
     return {(e, g): make_experts(e + g, e, 64, 32, gated=g) for e in (8, 64, 256) for g in (True, False)}
 
 
@@ -628,6 +631,7 @@ MOE_CASES = [  # (tokens, experts, top_k, activation): every activation, T from 
 ]
 
 
+@pytest.mark.usefixtures("on_cpu")
 @pytest.mark.parametrize("t,e,k,act", MOE_CASES)
 def test_moe_matches_twin_and_xla(experts_cpu, t, e, k, act):
     ex = experts_cpu[(e, act != "relu2")]
@@ -641,6 +645,7 @@ def test_moe_matches_twin_and_xla(experts_cpu, t, e, k, act):
     assert relerr(got, ref) < 1e-2
 
 
+@pytest.mark.usefixtures("on_cpu")
 def test_moe_w4a4_matches_xla_and_grad(experts_cpu):
     """w4a4 (per-token NVFP4 activations) against backend "xla", forward and gradients (one shape:
     the quantizer dominates compile time on the CPU)."""
@@ -660,6 +665,7 @@ def test_moe_w4a4_matches_xla_and_grad(experts_cpu):
     assert not f32(gx).any() and not f32(rx).any()  # x is rounded onto the NVFP4 grid, as in "xla"
 
 
+@pytest.mark.usefixtures("on_cpu")
 def test_empty_batch(experts_cpu):
     ex = experts_cpu[(8, True)]
     out = nv.moe(jnp.zeros((0, 64), BF16), ex, topk_ids=jnp.zeros((0, 2), jnp.int32),
@@ -667,6 +673,7 @@ def test_empty_batch(experts_cpu):
     assert out.shape == (0, 64) and out.dtype == BF16
 
 
+@pytest.mark.usefixtures("on_cpu")
 def test_experts_without_tokens_and_foreign_ids(experts_cpu):
     ex = experts_cpu[(64, True)]
     x = make_x(5, 16, 64)
@@ -679,6 +686,7 @@ def test_experts_without_tokens_and_foreign_ids(experts_cpu):
     assert not f32(z).any()
 
 
+@pytest.mark.usefixtures("on_cpu")
 def test_expert_parallel_shards_sum_to_full(experts_cpu):
     full = experts_cpu[(8, True)]
     x = make_x(8, 33, 64)
@@ -897,6 +905,7 @@ def test_gpu_moe_in_shard_map_over_two_gpus(mode):
     np.testing.assert_array_equal(f32(plain(*args)), f32(jnp.asarray(want, BF16)))
 
 
+@pytest.mark.usefixtures("on_cpu")
 def test_deterministic_and_jit_equals_eager(experts_cpu):
     ex = experts_cpu[(8, True)]
     x = make_x(2, 50, 64)
@@ -910,6 +919,7 @@ def test_deterministic_and_jit_equals_eager(experts_cpu):
 # ------------------------------------------------------------------------------------------
 # Transformations: vmap rule, grad (custom_vjp through the pure-JAX twin)
 
+@pytest.mark.usefixtures("on_cpu")
 def test_vmap_folds_batch_into_tokens(experts_cpu):
     ex = experts_cpu[(8, True)]
     xb = jnp.stack([make_x(s, 9, 64) for s in range(3)])
@@ -933,6 +943,7 @@ def test_vmap_folds_batch_into_tokens(experts_cpu):
     np.testing.assert_array_equal(f32(out[1]), f32(scaled(scale[1], xb[1])))
 
 
+@pytest.mark.usefixtures("on_cpu")
 def test_grad_matches_xla_backend(experts_cpu):
     ex = experts_cpu[(8, True)]
     x = make_x(6, 11, 64)

@@ -680,7 +680,10 @@ def test_expert_bias_gradients():
 
     g1, g2 = jax.jit(jax.grad(loss, (0, 1)))(ex.gate_up_bias, ex.down_bias)
     e1, e2 = jax.grad(loss, (0, 1))(ex.gate_up_bias, ex.down_bias)
-    np.testing.assert_array_equal(f32(g1), f32(e1))
+    if jax.default_backend() == "cpu":
+        np.testing.assert_array_equal(f32(g1), f32(e1))
+    else:  # XLA:GPU fuses the jitted gradient's fp32 sums otherwise than eager ops (H100: 3e-6 apart)
+        np.testing.assert_allclose(f32(g1), f32(e1), rtol=2e-5, atol=1e-6)
     assert g2.dtype == BF16 and g1.dtype == jnp.float32
     want2 = np.zeros((E, H))
     np.add.at(want2, np.asarray(ids), np.asarray(w, np.float64)[..., None] * np.asarray(cot)[:, None, :])
@@ -851,6 +854,7 @@ def test_blocked_experts_are_the_same_layer_on_every_reader():
         nv.to_blocked_experts(make_experts(21, bf16=True))
 
 
+@pytest.mark.usefixtures("on_cpu")  # H, I = 80, 48: the CPU handlers' shapes (the CUDA kernels take multiples of 64)
 @pytest.mark.parametrize("gated", [True, False])
 def test_blocked_experts_zero_pad_h_and_i_to_whole_chunks(gated):
     """Where H or I is not a multiple of 128 (gpt-oss: 2880), to_blocked_experts pads both with zeros: gate and up
