@@ -18,8 +18,8 @@
 #   AB_TREE_ARGS (its moe_bench arguments),
 #   TEST_NODES (pytest targets of the test and sanitize stages, in order; default
 #   "tests/test_ffi_quant.py tests/test_ffi_align_gemm.py tests/test_ffi.py"), TEST_MARK (the test stage's pytest -m
-#   expression, default gpu; empty: every test), TEST_S, TEST_WORKERS, TEST_MAXFAIL (default 10)
-#   (pytest-xdist processes),
+#   expression, default gpu; empty: every test), TEST_S, TEST_WORKERS
+#   (pytest-xdist processes), TEST_MAXFAIL (pytest --maxfail, default 10),
 #   SAN_K (pytest -k expression of the sanitize stage; default the stage argument), SAN_S,
 #   SAN_EACH=1 (one sanitizer process per test), SAN_EACH=function (one per test function) or
 #   SAN_EACH=all (one for all; after a crash the unfinished cases run again; a case that crashes

@@ -18,7 +18,6 @@ ACTIVATIONS = ("swiglu", "geglu", "relu2", "swiglu_oai")
 GATED_ACTIVATIONS = ("swiglu", "geglu", "swiglu_oai")
 
 
-
 def default_device():
     """The device that runs uncommitted work: ``jax.default_device``'s when it is set (a device or a
     platform name), else ``jax.devices()[0]``; None where jax has no backend. Backends judge what
@@ -40,6 +39,7 @@ def platform(dev) -> str:
         version = str(getattr(dev.client, "platform_version", "")).lower()
         return "rocm" if ("rocm" in version or "hip" in version) else "cuda"
     return dev.platform
+
 
 @dataclasses.dataclass(frozen=True)
 class MoEProblem:
