@@ -41,6 +41,11 @@ def platform(dev) -> str:
     return dev.platform
 
 
+def default_platform() -> str:
+    """:func:`platform` of :func:`default_device`."""
+    return platform(default_device())
+
+
 @dataclasses.dataclass(frozen=True)
 class MoEProblem:
     """Static description of one MoE call (all trace-time facts a backend may check).

@@ -80,7 +80,7 @@ class FFIBackend:
         """The blocked order on CUDA (H200, 2026-12-01: decode layers 7-13% faster, prefill layers
         4-6% faster than on rows), where its zero padding of H and I to multiples of 128 (to_blocked_experts)
         adds at most MAX_PADDING of the weight bytes; the CPU handler reads both orders at one speed."""
-        if base.platform(base.default_device()) != "cuda":
+        if base.default_platform() != "cuda":
             return "rows"
         hp, ip = padded_sizes(hidden, intermediate)
         return "blocked" if hp * ip <= (1 + MAX_PADDING) * hidden * intermediate else "rows"
@@ -96,7 +96,7 @@ class FFIBackend:
             return f"H and I must be multiples of 16 (NVFP4 blocks), got H={h}, I={i}"
         if problem.tokens * problem.top_k >= 2**31:
             return f"T * k = {problem.tokens * problem.top_k} must be < 2^31"
-        if base.platform(base.default_device()) == "cuda":
+        if base.default_platform() == "cuda":
             m = ops.CUDA_K_MULTIPLE
             if h % m or i % m:
                 return (f"the CUDA kernels need H and I to be multiples of {m} (their K chunk), "

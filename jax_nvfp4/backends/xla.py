@@ -45,7 +45,7 @@ from .. import activations
 from ..expert_sharding import over_experts, with_batching, with_expert_grads
 from ..formats import BF16Experts, NVFP4Experts, dequantize
 from ..quantize import quant_dequant_static, quantize
-from .base import MoEProblem, default_device, platform as device_platform, register
+from .base import MoEProblem, default_platform, register
 
 DISPATCH = ("auto", "gather", "all")
 GMM = ("auto", "ragged", "tiled")
@@ -87,7 +87,7 @@ def choose_gmm(rows: int, groups: int, weights: int = 1 << 22, platform: str | N
     ``num_tiles`` scan steps, each reading one group's weights and paying a fixed step cost
     (an estimate, to be calibrated with ``benchmarks/moe_bench.py --xla-variants``).
     """
-    platform = device_platform(default_device()) if platform is None else platform
+    platform = default_platform() if platform is None else platform
     if platform == "cpu":
         return "tiled"
     tile = tile_rows(rows, groups)

@@ -20,9 +20,9 @@ def device_info() -> tuple[str, str | None, str]:
     dev = default_device()
     if dev is None:
         return "none", None, "no device"
-    kind = getattr(dev, "device_kind", dev.platform)
-    cc = getattr(dev, "compute_capability", None) if platform(dev) == "cuda" else None
-    return platform(dev), (str(cc) if cc else None), kind
+    kind, name = getattr(dev, "device_kind", dev.platform), platform(dev)
+    cc = getattr(dev, "compute_capability", None) if name == "cuda" else None
+    return name, (str(cc) if cc else None), kind
 
 
 def _dist_version(name: str) -> str | None:
