@@ -4,6 +4,8 @@ mode switches, routing replay, gradients, loading NVFP4 experts from a converted
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import textwrap
 
 import jax
@@ -22,6 +24,14 @@ from conftest import run_on_cpu_devices  # noqa: E402
 H, I, E, K, T = 64, 32, 8, 2, 10
 # jitted: one compilation instead of many eager ones (exact either way)
 quantize_experts = jax.jit(nv.quantize_experts, static_argnames=("recipe", "gated"))
+
+
+def test_nn_without_flax_names_the_extra():
+    """Without flax, the core package imports and ``jax_nvfp4.nn`` says which extra installs it."""
+    code = "import sys; sys.modules['flax'] = None; import jax_nvfp4; import jax_nvfp4.nn"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert "jax_nvfp4.nn needs flax (>= 0.12): pip install 'jax_nvfp4[flax]'" in r.stderr.splitlines()[-1]
 
 
 class Block(nnx.Module):

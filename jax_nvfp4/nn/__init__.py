@@ -16,6 +16,13 @@ Modules: :mod:`.moe` (the MoE module), :mod:`.quantization` (quantize_moe, load_
 :mod:`.loader` (Hugging Face checkpoints), :mod:`.generation` (sampling and scoring).
 """
 
+import importlib
+
+try:  # an optional dependency: say which extra installs it
+    importlib.import_module("flax")
+except ModuleNotFoundError as e:
+    raise ModuleNotFoundError("jax_nvfp4.nn needs flax (>= 0.12): pip install 'jax_nvfp4[flax]'", name="flax") from e
+
 from .moe import BF16ExpertWeights, MoE, NVFP4ExpertWeights, QuantizedWeight, replay_weights
 from .quantization import expert_parallel, load_experts, moe_modules, quantize_moe, set_moe_options
 from .decoder import CausalLM, CausalLMOutput, DecoderOutput, KVCache, RMSNorm, rotary
