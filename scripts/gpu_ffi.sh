@@ -107,7 +107,8 @@ if stage test; then
   [[ -n ${TEST_WORKERS:-} ]] && kargs+=(-n "$TEST_WORKERS")
   # shellcheck disable=SC2086
   # TEST_MARK: the pytest -m expression (default gpu; "" runs every test of TEST_NODES, on the GPU where they use one).
-  timeout $(left ${TEST_S:-300}) python3 -m pytest -q -p no:cacheprovider -m "${TEST_MARK-gpu}" $TEST_NODES --maxfail=${TEST_MAXFAIL:-10} -rf \
+  # At TEST_S pytest gets SIGINT, so that it still prints the counts and failures of the tests it finished.
+  timeout -s INT -k 15 $(left ${TEST_S:-300}) python3 -m pytest -q -p no:cacheprovider -m "${TEST_MARK-gpu}" $TEST_NODES --maxfail=${TEST_MAXFAIL:-10} -rf \
     --durations=10 "${kargs[@]}" >"$OUT/ffi_pytest.log" 2>&1
   log "pytest rc=$?"
   grep -E "passed|failed|^FAILED|^ERROR|s call" "$OUT/ffi_pytest.log" | tail -50 | tee -a "$OUT/ffi_summary.txt"
