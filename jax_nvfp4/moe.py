@@ -53,7 +53,7 @@ def _check_experts(experts, mode, activation):
     return mode
 
 
-def weight_order(backend: str = "auto", *, hidden_size: int, intermediate_size: int) -> str:
+def weight_order(backend: str | _base.Backend = "auto", *, hidden_size: int, intermediate_size: int) -> str:
     """The byte order (:attr:`NVFP4Array.order <jax_nvfp4.NVFP4Array>`) that ``backend`` reads
     NVFP4 experts of hidden size H and intermediate size I fastest on the default device.
 
@@ -68,11 +68,8 @@ def weight_order(backend: str = "auto", *, hidden_size: int, intermediate_size: 
     problem down (e.g. ffi with more than ``MAX_ALIGN_EXPERTS`` local experts), :func:`moe` falls
     back to one that restores rows per call.
     """
-    valid = ("auto",) + _base.names()
-    if backend not in valid:
-        raise ValueError(f"backend must be one of {valid}, got {backend!r}")
-    for name in (_base.names() if backend == "auto" else (backend,)):
-        b = _base.get(name)
+    auto = _base.check(backend) == "auto"
+    for b in ([_base.get(n) for n in _base.names()] if auto else [_base.instance(backend)]):
         if b.unavailable_reason() is None:
             order = getattr(b, "weight_order", None)
             return order(hidden_size, intermediate_size) if order else "rows"
@@ -97,7 +94,7 @@ def _check_offset(offset, e_local, e_global):
 def moe(x, experts, *, router_logits=None, routing: str = "softmax_topk", top_k: int | None = None,
         topk_ids=None, topk_weights=None, bias=None, n_group: int | None = None,
         topk_group: int | None = None, routed_scaling_factor=1.0, activation: str = "swiglu",
-        mode: str | None = None, local_expert_offset=0, backend: str = "auto",
+        mode: str | None = None, local_expert_offset=0, backend: str | _base.Backend = "auto",
         return_routing: bool = False, batch_invariant: bool = False):
     """Mixture-of-Experts layer (routed experts only).
 
@@ -143,10 +140,11 @@ def moe(x, experts, *, router_logits=None, routing: str = "softmax_topk", top_k:
         ``[local_expert_offset, local_expert_offset + E)`` contribute; summing the outputs of
         all shards gives the full layer. A traced offset (``lax.axis_index(axis) * E`` inside
         ``jax.shard_map``) runs on every backend (``flashinfer`` then routes in JAX, not in its kernel).
-    backend : str (static)
-        ``"auto"`` (best available, see :func:`jax_nvfp4.backends.base.select`) or a registered
-        name such as ``"xla"``. Backends judge what they can run by the default device
-        (``jax.default_device``'s when set, else ``jax.devices()[0]``).
+    backend : str or backend instance (static)
+        ``"auto"`` (best available, see :func:`jax_nvfp4.backends.base.select`), a registered
+        name such as ``"xla"``, or a backend instance with options of its own for this call, e.g.
+        ``FFIBackend(k_split=1)`` or ``FlashInferBackend(deterministic=True)``. Backends judge what they
+        can run by the default device (``jax.default_device``'s when set, else ``jax.devices()[0]``).
     return_routing : bool (static)
         Also return ``(topk_ids int32 [T, k], topk_weights float32 [T, k])``.
     batch_invariant : bool (static)
@@ -189,11 +187,12 @@ def moe(x, experts, *, router_logits=None, routing: str = "softmax_topk", top_k:
     """
     activations.check(activation)
     mode = _check_experts(experts, mode, activation)
+    backend_name = _base.check(backend)
     if isinstance(experts, PreparedWeights):
-        if backend not in ("auto", "flashinfer"):
+        if backend_name not in ("auto", "flashinfer"):
             raise ValueError(f"experts prepared for FlashInfer's kernels (PreparedWeights) run only on backend "
-                             f"'flashinfer', not {backend!r}; pass the NVFP4Experts to other backends")
-        backend = "flashinfer"
+                             f"'flashinfer', not {backend_name!r}; pass the NVFP4Experts to other backends")
+        backend = "flashinfer" if backend_name == "auto" else backend
     if routing not in ROUTING_METHODS:
         raise ValueError(f"routing must be one of {ROUTING_METHODS}, got {routing!r}")
     if experts.gated != activations.is_gated(activation):
@@ -272,10 +271,10 @@ def moe(x, experts, *, router_logits=None, routing: str = "softmax_topk", top_k:
                          up_global_scale=getattr(experts, "up_global_scale", None) is not None,
                          static_input_scales=mode == "w4a4" and getattr(experts, "input_scales", None) is not None)
     if batch_invariant:
-        if mode == "bf16" or backend not in ("auto", "ffi"):
+        if mode == "bf16" or backend_name not in ("auto", "ffi"):
             raise ValueError(f"batch_invariant=True runs on backend 'ffi' in mode 'w4a16' or 'w4a4' (its K split "
-                             f"fixed to 1), got backend={backend!r}, mode={mode!r}")
-        backend = "ffi"
+                             f"fixed to 1), got backend={backend_name!r}, mode={mode!r}")
+        backend = "ffi" if backend_name == "auto" else backend
     impl = _base.select(backend, problem)  # (a backend declines a traced offset it cannot run: problem.traced_offset)
     if batch_invariant:
         impl = impl.batch_invariant()

@@ -451,8 +451,8 @@ def test_backend_k_split_reaches_decode_tiles_only():
 
 def test_moe_batch_invariant_fixes_the_k_split():
     """moe(batch_invariant=True) runs the ffi backend with every GEMM's K split 1 (in the lowered calls, where the
-    default splits GEMM1's K 1024), the same function as the default layer on the CPU; other backends, bf16
-    experts are errors that say so; a traced offset (shard_map's) runs it too."""
+    default splits GEMM1's K 1024; also over an FFIBackend instance's split), the same function as the default layer
+    on the CPU; other backends, bf16 experts are errors that say so; a traced offset (shard_map's) runs it too."""
     ex = make_experts(5, 4, 1024, 256)
     x = make_x(1, 2, 1024)
     ids, w = make_routing(2, 2, 2, 4, drop=0)
@@ -464,6 +464,9 @@ def test_moe_batch_invariant_fixes_the_k_split():
     (split, want), (split_inv, got) = layer(backend="ffi"), layer(batch_invariant=True)
     assert split != {"1"} and split_inv == {"1"}, (split, split_inv)
     np.testing.assert_array_equal(got, want)
+    # a backend instance's options (k_split 4 here) for this call, and batch_invariant's K split 1 over them
+    four = ffi_backend.FFIBackend(k_split=4)
+    assert layer(backend=four)[0] == {"4"} and layer(backend=four, batch_invariant=True)[0] == {"1"}
     with pytest.raises(ValueError, match="batch_invariant=True runs on backend 'ffi'"):
         nv.moe(x, ex, topk_ids=ids, topk_weights=w, backend="xla", batch_invariant=True)
     bf16 = nv.BF16Experts(jnp.zeros((4, 512, 1024), BF16), jnp.zeros((4, 1024, 256), BF16))

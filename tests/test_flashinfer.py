@@ -609,10 +609,11 @@ def test_jax_tvm_ffi_registration(monkeypatch):
         np.testing.assert_allclose(np.asarray(w), np.asarray(ref_w), rtol=1e-2)
         assert relerr(out, nv.moe(x, ex, router_logits=logits, routing="renormalize", top_k=2, mode="w4a4",
                                   backend="xla")) < W4A4_TOL
-        graph = fb.FlashInferBackend("trtllm", cuda_graph=True)
-        monkeypatch.setitem(base._REGISTRY, "flashinfer", graph)
-        jax.block_until_ready(nv.moe(x, p, topk_ids=ids, topk_weights=w))
+        graph = fb.FlashInferBackend("trtllm", cuda_graph=True)  # (its options for this call only)
+        jax.block_until_ready(nv.moe(x, p, topk_ids=ids, topk_weights=w, backend=graph))
         assert rt.registered[-1][1:] == (True, True)
+        jax.block_until_ready(nv.moe(x, p, topk_ids=ids, topk_weights=w, mode="w4a4"))
+        assert rt.registered[-1][1:] == (False, True)  # the registered backend's default again
     finally:
         fb.set_runtime(prev)
 

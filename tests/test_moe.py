@@ -765,6 +765,31 @@ def test_backend_selection():
     assert base.select("auto", p).unsupported_reason(p) is None
     with pytest.raises(ValueError, match=r"backend must be one of .*'xla'"):
         nv.moe(x, ex, router_logits=logits, top_k=K, backend="nope")
+    with pytest.raises(TypeError, match="backend must be a name or a backend instance"):
+        nv.moe(x, ex, router_logits=logits, top_k=K, backend=object())
+
+
+def test_moe_runs_the_backend_instance_it_is_given():
+    """backend=<instance> runs that instance, with its own options, for this call only (jitted, weight_order
+    too); the registered backend of the same name is left as it is; batch_invariant judges the instance's name."""
+    calls = []
+
+    class Ragged(XLABackend):
+        def __call__(self, *args, **kw):
+            calls.append(self.gmm)
+            return super().__call__(*args, **kw)
+
+    ex = make_experts(16)
+    x, logits = make_inputs(16)
+    mine = Ragged(gmm="ragged")
+    got = jax.jit(lambda x, l: nv.moe(x, ex, router_logits=l, top_k=K, backend=mine))(x, logits)
+    want = moe_experts(x, ex, *nv.route(logits, "softmax_topk", top_k=K), mode="w4a16", activation="swiglu",
+                       gmm="ragged")
+    assert calls == ["ragged"] and base.get("xla") is not mine and base.get("xla").gmm == "auto"
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert nv.weight_order(mine, hidden_size=H, intermediate_size=I) == "rows"
+    with pytest.raises(ValueError, match="batch_invariant=True runs on backend 'ffi'.*got backend='xla'"):
+        nv.moe(x, ex, router_logits=logits, top_k=K, backend=mine, batch_invariant=True)
 
 
 @pytest.fixture(scope="module")

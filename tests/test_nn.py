@@ -19,6 +19,7 @@ from flax import nnx  # noqa: E402
 
 import jax_nvfp4 as nv  # noqa: E402
 from jax_nvfp4 import nn as nvnn  # noqa: E402
+from jax_nvfp4.backends.xla import XLABackend  # noqa: E402
 from conftest import run_on_cpu_devices  # noqa: E402
 
 H, I, E, K, T = 64, 32, 8, 2, 10
@@ -186,6 +187,12 @@ def test_ignore_inplace_modes_and_recipe(model, x):
     np.testing.assert_array_equal(blk(x), functional(blk, x, "w4a16", backend="xla"))
     with pytest.raises(ValueError, match="'model.layers.1.mlp' holds NVFP4 experts"):
         nvnn.set_moe_options(q4, mode="bf16")
+    # a backend instance (its options) for every block, under nnx.jit too
+    ragged = XLABackend(gmm="ragged")
+    r = nvnn.set_moe_options(s, backend=ragged)
+    assert all(b.backend is ragged for b in nvnn.moe_modules(r).values())
+    blk = r.model.layers[1].mlp
+    np.testing.assert_array_equal(nnx.jit(lambda b, x: b(x))(blk, x), functional(blk, x, "w4a16", backend=ragged))
     c = nnx.clone(model)
     assert nvnn.quantize_moe(c, inplace=True) is c and c.model.layers[0].mlp.quantized
     assert c.model.layers[0].mlp.experts.experts().gate_up.data.shape == (E, 2 * I, H // 2)
@@ -215,6 +222,8 @@ def test_errors(model, x):
         nvnn.MoE(H, I, E, K, backend="cuda", rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="backend must be one of"):
         nvnn.set_moe_options(model, backend="cuda")
+    with pytest.raises(TypeError, match="backend must be a name or a backend instance .* got the class XLABackend"):
+        nvnn.MoE(H, I, E, K, backend=XLABackend, rngs=nnx.Rngs(0))
     blk = nnx.clone(model.model.layers[0].mlp)
     blk.mode = "w4a4"
     with pytest.raises(ValueError, match="quantize_moe"):

@@ -125,17 +125,37 @@ def names() -> tuple[str, ...]:
     return tuple(n for n in PRIORITY if n in _REGISTRY)
 
 
-def select(name: str, problem: MoEProblem) -> Backend:
-    """Resolve ``backend=name`` (``"auto"`` or a registered name) for ``problem``.
+def check(backend) -> str:
+    """The name of ``backend``: ``"auto"``, a registered name, or a backend instance's (e.g.
+    ``FFIBackend(k_split=1)``, ``FlashInferBackend(deterministic=True)``: its options for the calls it is
+    passed to, where a name takes the registered instance); anything else is an error naming the argument."""
+    if isinstance(backend, str):
+        valid = ("auto",) + names()
+        if backend not in valid:
+            raise ValueError(f"backend must be one of {valid} or a backend instance, got {backend!r}")
+        return backend
+    if isinstance(backend, type) or not (callable(backend) and isinstance(getattr(backend, "name", None), str)
+            and all(callable(getattr(backend, a, None)) for a in ("unavailable_reason", "unsupported_reason"))):
+        got = f"the class {backend.__name__}" if isinstance(backend, type) else type(backend).__name__
+        raise TypeError(f"backend must be a name or a backend instance (name, unavailable_reason, "
+                        f"unsupported_reason, __call__: jax_nvfp4.backends.base.Backend), got {got}")
+    return backend.name
+
+
+def instance(backend) -> Backend:
+    """The backend that ``backend`` (a registered name or an instance, not ``"auto"``) names."""
+    return _REGISTRY[check(backend)] if isinstance(backend, str) else backend
+
+
+def select(backend, problem: MoEProblem) -> Backend:
+    """Resolve ``backend`` (``"auto"``, a registered name or a backend instance) for ``problem``.
 
     An explicit backend that cannot run or does not support the problem is a ValueError
     saying why; ``"auto"`` falls back along ``PRIORITY``.
     """
-    valid = ("auto",) + names()
-    if name not in valid:
-        raise ValueError(f"backend must be one of {valid}, got {name!r}")
+    name = check(backend)
     if name != "auto":
-        b = _REGISTRY[name]
+        b = instance(backend)
         why = b.unavailable_reason() or b.unsupported_reason(problem)
         if why:
             raise ValueError(f"backend={name!r} cannot run this MoE: {why}")

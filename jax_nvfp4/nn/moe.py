@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ..backends.base import MODES, names as backend_names
+from ..backends.base import MODES, check as check_backend  # (backend names or instances)
 from ..expert_sharding import axis_names
 from ..formats import BIAS_FIELDS, BF16Experts, NVFP4Array, NVFP4Experts
 from ..moe import moe
@@ -173,10 +173,6 @@ def check_choice(value, choices, name):
         raise ValueError(f"{name} must be one of {tuple(choices)}, got {value!r}")
 
 
-def check_backend(backend):
-    check_choice(backend, ("auto",) + backend_names(), "backend")
-
-
 def check_expert_axis(num_experts: int, expert_axis, mesh, token_axis=None):
     if not isinstance(mesh, jax.sharding.Mesh):
         raise ValueError(f"expert_axis={expert_axis!r} needs mesh, a jax.sharding.Mesh, got {mesh!r}")
@@ -206,8 +202,9 @@ class MoE(nnx.Module):
     mode : str, optional
         ``"bf16"``, ``"w4a16"`` or ``"w4a4"``; None runs bf16 experts in ``bf16`` and NVFP4 experts in
         ``w4a16``. :func:`quantize_moe` sets it.
-    backend : str
-        :func:`jax_nvfp4.moe` backend, ``"auto"`` by default.
+    backend : str or backend instance
+        :func:`jax_nvfp4.moe` backend, ``"auto"`` by default (an instance carries its own options, e.g.
+        ``FFIBackend(k_split=1)``).
     batch_invariant : bool
         :func:`jax_nvfp4.moe`'s ``batch_invariant``: the experts' output independent of the batch (ffi
         backend, NVFP4 experts).
@@ -249,7 +246,7 @@ class MoE(nnx.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, *,
                  routing: str = "softmax_topk", activation: str = "swiglu", mode: str | None = None,
-                 backend: str = "auto", batch_invariant: bool = False, router_bias: bool = False,
+                 backend="auto", batch_invariant: bool = False, router_bias: bool = False,
                  expert_bias: bool = False,
                  n_group: int | None = None, topk_group: int | None = None, routed_scaling_factor: float = 1.0,
                  expert_axis: str | None = None, mesh: jax.sharding.Mesh | None = None,

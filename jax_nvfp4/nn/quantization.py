@@ -157,7 +157,7 @@ def quantize_moe(model, *, ignore: str | Sequence[str] = (), recipe: str = "nvfp
     return target
 
 
-def set_moe_options(model, *, mode: str | None = None, backend: str | None = None, inplace: bool = False):
+def set_moe_options(model, *, mode: str | None = None, backend=None, inplace: bool = False):
     """Set the ``mode`` and/or ``backend`` of the :class:`MoE` blocks (a copy unless ``inplace``).
 
     ``mode="w4a16"`` or ``"w4a4"`` applies to the blocks holding NVFP4 experts; bf16 blocks (e.g. kept
