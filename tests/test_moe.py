@@ -786,7 +786,10 @@ def test_moe_runs_the_backend_instance_it_is_given():
     want = moe_experts(x, ex, *nv.route(logits, "softmax_topk", top_k=K), mode="w4a16", activation="swiglu",
                        gmm="ragged")
     assert calls == ["ragged"] and base.get("xla") is not mine and base.get("xla").gmm == "auto"
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    if jax.default_backend() == "cpu":
+        np.testing.assert_array_equal(f32(got), f32(want))
+    else:  # (XLA:GPU may fuse the jitted layer's ops otherwise than moe_experts' own jit)
+        np.testing.assert_allclose(f32(got), f32(want), rtol=1e-2, atol=1e-3)
     assert nv.weight_order(mine, hidden_size=H, intermediate_size=I) == "rows"
     with pytest.raises(ValueError, match="batch_invariant=True runs on backend 'ffi'.*got backend='xla'"):
         nv.moe(x, ex, router_logits=logits, top_k=K, backend=mine, batch_invariant=True)

@@ -192,7 +192,10 @@ def test_ignore_inplace_modes_and_recipe(model, x):
     r = nvnn.set_moe_options(s, backend=ragged)
     assert all(b.backend is ragged for b in nvnn.moe_modules(r).values())
     blk = r.model.layers[1].mlp
-    np.testing.assert_array_equal(nnx.jit(lambda b, x: b(x))(blk, x), functional(blk, x, "w4a16", backend=ragged))
+    eager = blk(x)
+    np.testing.assert_array_equal(eager, functional(blk, x, "w4a16", backend=ragged))
+    jitted = nnx.jit(lambda b, x: b(x))(blk, x)
+    np.testing.assert_allclose(np.asarray(jitted, np.float32), np.asarray(eager, np.float32), rtol=1e-2, atol=1e-3)
     c = nnx.clone(model)
     assert nvnn.quantize_moe(c, inplace=True) is c and c.model.layers[0].mlp.quantized
     assert c.model.layers[0].mlp.experts.experts().gate_up.data.shape == (E, 2 * I, H // 2)
