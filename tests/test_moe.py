@@ -795,6 +795,31 @@ def test_moe_runs_the_backend_instance_it_is_given():
         nv.moe(x, ex, router_logits=logits, top_k=K, backend=mine, batch_invariant=True)
 
 
+def test_backend_instances_with_equal_options_are_equal():
+    """A backend's options make its value: equal instances hash alike, so a jit with the backend as a static
+    argument traces once for them and again for other options; the repr names the options set."""
+    from jax_nvfp4.backends.ffi import FFIBackend
+    from jax_nvfp4.backends.flashinfer import FlashInferBackend
+
+    assert XLABackend(gmm="ragged") == XLABackend(gmm="ragged") != XLABackend()
+    assert hash(FFIBackend(k_split=1)) == hash(FFIBackend(k_split=1)) and FFIBackend(k_split=1) != FFIBackend()
+    assert FFIBackend(k_split=1) != XLABackend() and FlashInferBackend(tactic=[1, 2]) == FlashInferBackend(tactic=(1, 2))
+    assert repr(XLABackend()) == "XLABackend()" and repr(FFIBackend(k_split=(1, 2))) == "FFIBackend(k_split=(1, 2))"
+    assert repr(FlashInferBackend(deterministic=True)) == "FlashInferBackend(deterministic=True)"
+    ex = make_experts(16)
+    x, logits = make_inputs(16)
+    traces = []
+
+    @functools.partial(jax.jit, static_argnums=2)
+    def layer(x, l, backend):
+        traces.append(backend)
+        return nv.moe(x, ex, router_logits=l, top_k=K, backend=backend)
+
+    for b in (XLABackend(gmm="ragged"), XLABackend(gmm="ragged"), XLABackend(gmm="tiled")):
+        layer(x, logits, b)
+    assert traces == [XLABackend(gmm="ragged"), XLABackend(gmm="tiled")]
+
+
 @pytest.fixture(scope="module")
 def bad_setup():
     ex = make_experts(17)

@@ -9,6 +9,7 @@ JAX) supports everything and is the reference the others are tested against.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Protocol
 
 import jax
@@ -106,6 +107,27 @@ class Backend(Protocol):
     def __call__(self, x, experts, topk_ids, topk_weights, *, problem: MoEProblem,
                  local_expert_offset):
         ...
+
+
+class Options:
+    """Value semantics for a backend class whose constructor keywords are its options, each kept as an attribute
+    of the same name (``options()``): equal options make equal, equally hashed instances (so ``jax.jit`` with
+    the backend as a static argument, or an ``nnx`` module holding one, compiles once for them), and the repr
+    shows the options that differ from the defaults, e.g. ``FFIBackend(k_split=1)``."""
+
+    def options(self) -> dict:
+        return {k: getattr(self, k) for k in inspect.signature(type(self).__init__).parameters if k != "self"}
+
+    def __repr__(self):
+        defaults = inspect.signature(type(self).__init__).parameters
+        shown = (f"{k}={v!r}" for k, v in self.options().items() if v != defaults[k].default)
+        return f"{type(self).__name__}({', '.join(shown)})"
+
+    def __eq__(self, other):
+        return type(self) is type(other) and self.options() == other.options()
+
+    def __hash__(self):
+        return hash((type(self), tuple(self.options().items())))
 
 
 _REGISTRY: dict[str, Backend] = {}

@@ -26,7 +26,7 @@ def _gpu_arch(dev) -> str | None:
     return f"sm_{major}{minor or '0'}a"
 
 
-class FFIBackend:
+class FFIBackend(base.Options):
     """MoE expert backend on the jax_nvfp4 XLA FFI kernels (see :mod:`jax_nvfp4.ops`).
 
     ``kernel_flags`` (:class:`jax_nvfp4.ops.KernelFlag` bits) picks CUDA kernel variants,

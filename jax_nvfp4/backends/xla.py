@@ -45,7 +45,7 @@ from .. import activations
 from ..expert_sharding import over_experts, with_batching, with_expert_grads
 from ..formats import BF16Experts, NVFP4Experts, dequantize
 from ..quantize import quant_dequant_static, quantize
-from .base import MoEProblem, default_platform, register
+from .base import MoEProblem, Options, default_platform, register
 
 DISPATCH = ("auto", "gather", "all")
 GMM = ("auto", "ragged", "tiled")
@@ -327,7 +327,7 @@ def _one_device(mode: str, activation: str, offset: int, dispatch: str, gmm: str
     return f
 
 
-class XLABackend:
+class XLABackend(Options):
     """The ``xla`` backend (see the module docstring); supports every mode and activation.
 
     Parameters

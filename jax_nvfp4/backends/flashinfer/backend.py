@@ -18,7 +18,7 @@ from .calls import (_prepared_for, flashinfer_moe, flashinfer_moe_from_logits, k
 
 
 
-class FlashInferBackend:
+class FlashInferBackend(base.Options):
     """MoE expert backend on FlashInfer's Blackwell NVFP4 kernels (see the module docstring).
 
     Parameters
@@ -41,8 +41,13 @@ class FlashInferBackend:
         if kernel not in ("auto",) + KERNELS:
             raise ValueError(f"kernel must be one of {('auto',) + KERNELS}, got {kernel!r}")
         self.kernel, self.route_in_kernel = kernel, route_in_kernel
-        self.options = dict(deterministic=deterministic, enable_pdl=enable_pdl, cuda_graph=cuda_graph,
-                            tactic=tactic, workspace_bytes=workspace_bytes)
+        self.deterministic, self.enable_pdl, self.cuda_graph = deterministic, enable_pdl, cuda_graph
+        self.tactic = None if tactic is None else tuple(tactic)
+        self.workspace_bytes = workspace_bytes
+
+    def call_options(self) -> dict:
+        """The options :func:`flashinfer_moe` takes."""
+        return {k: v for k, v in self.options().items() if k not in ("kernel", "route_in_kernel")}
 
     # -- gating
     def unavailable_reason(self) -> str | None:
@@ -122,12 +127,12 @@ class FlashInferBackend:
             topk_ids, local_expert_offset, num_experts = shard_ids(topk_ids, local_expert_offset), 0, None
         if traced or jax.device_count() == 1:
             return flashinfer_moe(x, w, topk_ids, topk_weights, mode=problem.mode, activation=problem.activation,
-                                  local_expert_offset=local_expert_offset, num_experts=num_experts, **self.options)
+                                  local_expert_offset=local_expert_offset, num_experts=num_experts, **self.call_options())
         # Under plain jit over several devices, with the weights sharded along E and/or x along T: each device runs
         # the kernels on its own experts and tokens (expert_sharding's rule) instead of XLA gathering every expert.
         leaves, treedef = jax.tree_util.tree_flatten(w)
         f = _over_devices(treedef, problem.mode, problem.activation, int(local_expert_offset),
-                          tuple(sorted(self.options.items())))
+                          tuple(sorted(self.call_options().items())))
         return f(x, topk_ids, topk_weights, tuple(leaves))
 
     def moe_from_logits(self, x, experts, router_logits, *, routing, top_k, bias, n_group, topk_group,
@@ -147,7 +152,7 @@ class FlashInferBackend:
                                       routed_scaling_factor=routed_scaling_factor):
             return None
         w = self._weights(experts, problem)
-        opts = {k: v for k, v in self.options.items() if k != "deterministic"}
+        opts = {k: v for k, v in self.call_options().items() if k != "deterministic"}
         return flashinfer_moe_from_logits(x, w, router_logits, routing=routing, top_k=top_k, bias=bias,
                                           n_group=n_group, topk_group=topk_group,
                                           routed_scaling_factor=routed_scaling_factor,
