@@ -1,7 +1,7 @@
-"""The README's "Use" example runs as written, on two CPU devices (its expert-parallel part splits the experts over
-them): its Python block, given small random inputs under the names it uses and, in its working folder, tiny
-checkpoints under the names it loads (gpt-oss's MXFP4 release, a ModelOpt NVFP4 export of Qwen3-MoE). An API
-change that breaks the example fails here."""
+"""The README's examples run as written, on two CPU devices (their expert-parallel parts split the experts over
+them). "Use": its Python block, given small random inputs under the names it uses and, in its working folder, tiny
+checkpoints under the names it loads (gpt-oss's MXFP4 release, a ModelOpt NVFP4 export of Qwen3-MoE). The Flax
+block: on the tiny Qwen3-MoE model. An API change that breaks an example fails here."""
 
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 
 
 def python_block(section: str) -> str:
-    """The first ```python block of the README's ``## section``."""
-    text = README.read_text().split(f"\n## {section}\n", 1)[1].split("\n## ", 1)[0]
+    """The first ```python block of the README's ``## section`` (or ``### section``)."""
+    text = re.split(rf"\n##+ {re.escape(section)}\n", README.read_text(), maxsplit=1)[1]
     return re.search(r"```python\n(.*?)```", text, re.S).group(1)
 
 
@@ -62,3 +62,30 @@ def test_readme_use_example_runs(tmp_path):
     code = (f"import os\nos.chdir({str(tmp_path)!r})\n{INPUTS}\n"
             f"exec(compile({example!r}, 'README.md', 'exec'))\n{CHECKS}")
     conftest.run_on_cpu_devices(code, n=2)
+
+
+NN_INPUTS = """
+import types
+import jax, numpy as np, jax.numpy as jnp
+from flax import nnx
+from jax_nvfp4 import nn as nvnn
+self, rngs = types.SimpleNamespace(), nnx.Rngs(0)  # (the block's first line is a module's __init__'s)
+hidden, inter, num_experts, top_k = 64, 32, 8, 2
+model = nvnn.Qwen3MoeForCausalLM(nvnn.CONFIGS["tiny"], rngs=nnx.Rngs(1))
+prompts, key = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 5)), jnp.int32), jax.random.key(0)
+mesh = jax.make_mesh((jax.device_count(),), ("ep",))
+"""
+
+NN_CHECKS = """
+assert jax.device_count() == 2 and self.mlp.num_experts == num_experts
+assert out.tokens.shape == ep_out.tokens.shape == (2, 256) and logp.shape == (2, 256 + 4)
+assert out.routing.shape[0] == 2 and bool(jnp.all(jnp.isfinite(logp)))
+ex = ep_model.model.layers[1].mlp.experts.experts()
+assert len(ex.gate_up.data.sharding.device_set) == 2 and ex.gate_up.data.addressable_shards[0].data.shape[0] == 4
+print("ok")
+"""
+
+
+def test_readme_flax_example_runs():
+    example = python_block("In a Flax NNX model, and RL rollouts (`jax_nvfp4.nn`, needs `flax`)")
+    conftest.run_on_cpu_devices(f"{NN_INPUTS}\nexec(compile({example!r}, 'README.md', 'exec'))\n{NN_CHECKS}", n=2)
