@@ -32,8 +32,21 @@ def _is_array(x) -> bool:
     return hasattr(x, "shape") and hasattr(x, "dtype")
 
 
+def _fields_repr(obj, **first) -> str:
+    """``Name(k=v, ...)`` of a dataclass with its arrays as ``dtype[shape]`` (a notebook's printout of a large
+    model's experts is then a line, not their bytes) and its optional fields left out where None."""
+    def short(v):
+        if dataclasses.is_dataclass(v) or not (_is_array(v) or isinstance(v, np.dtype)):
+            return repr(v)
+        return v.name if isinstance(v, np.dtype) else f"{np.dtype(v.dtype).name}{list(v.shape)}"
+    parts = [f"{k}={v}" for k, v in first.items()]
+    parts += [f"{f.name}={short(getattr(obj, f.name))}" for f in dataclasses.fields(obj)
+              if not (getattr(obj, f.name) is None and f.default is None)]
+    return f"{type(obj).__name__}({', '.join(parts)})"
+
+
 @jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)
 class NVFP4Array:
     """An NVFP4-quantized tensor (a pytree: ``data``, ``scales``, ``global_scale`` are leaves).
 
@@ -84,6 +97,9 @@ class NVFP4Array:
         if self.order == "blocked" and not blockable(self.shape):
             raise ValueError(f"a blocked NVFP4Array needs [..., N, K] with N % {BLOCK_ROWS} == 0 and "
                              f"K % {BLOCK_K} == 0, got {self.shape}")
+
+    def __repr__(self):
+        return _fields_repr(self, shape=self.shape) if _is_array(self.data) else _fields_repr(self)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -330,6 +346,9 @@ class _ExpertShapes:
         """The leading axes before ``[E, N, K]``: ``()`` for one set of experts, ``(L,)`` for L layers' stacked."""
         return tuple(self.gate_up.shape[:-3])
 
+    def __repr__(self):
+        return _fields_repr(self)
+
     def __getitem__(self, idx):
         """Index the stack axes (``experts[l]``: layer l's experts), not E, N or K."""
         idx = idx if isinstance(idx, tuple) else (idx,)
@@ -368,7 +387,7 @@ def require_unstacked(experts, where: str) -> None:
 
 
 @jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)
 class NVFP4Experts(_ExpertShapes):
     """NVFP4 weights of a stack of MoE experts (a pytree).
 
@@ -507,7 +526,7 @@ class NVFP4Experts(_ExpertShapes):
 
 
 @jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)
 class BF16Experts(_ExpertShapes):
     """Unquantized expert weights (mode ``"bf16"``), same layout as :class:`NVFP4Experts`.
 

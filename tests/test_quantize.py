@@ -226,6 +226,21 @@ def test_pytree_and_indexing():
     assert jax.tree.map(jnp.shape, w).gate_up.data == (3, 32, 16)  # maps that leave non-arrays in the leaves
 
 
+def test_reprs_show_shapes_not_bytes():
+    """A notebook's printout of experts is their shapes and options (a line), not their bytes, eager or traced."""
+    w = nv.quantize_experts(jnp.ones((2, 32, 32), jnp.bfloat16), jnp.ones((2, 32, 16), jnp.bfloat16),
+                            down_bias=jnp.zeros((2, 32)))
+    down = ("NVFP4Array(shape=(2, 32, 16), data=uint8[2, 32, 8], scales=float8_e4m3fn[2, 32, 1], "
+            "global_scale=float32[2], dtype=bfloat16, order='rows')")
+    assert repr(w.down) == down and repr(w).endswith(f"down={down}, gated=True, down_bias=float32[2, 32])")
+    assert repr(w).startswith("NVFP4Experts(gate_up=NVFP4Array(shape=(2, 32, 32), data=uint8[2, 32, 16]")
+    traced = []
+    jax.jit(lambda w: traced.append(repr(w)))(w)
+    assert traced == [repr(w)]
+    bf = nv.BF16Experts(jnp.ones((2, 32, 32), jnp.bfloat16), jnp.ones((2, 32, 16), jnp.bfloat16))
+    assert repr(bf) == "BF16Experts(gate_up=bfloat16[2, 32, 32], down=bfloat16[2, 32, 16], gated=True)"
+
+
 @pytest.mark.parametrize("recipe", nv.RECIPES)
 def test_stacked_experts_quantize_as_each_layer(recipe):
     """Layers' experts stacked [L, E, N, K] (for lax.scan / vmap over layers): quantize_experts of the stack, its
