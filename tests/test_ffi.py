@@ -11,6 +11,7 @@ import functools
 import re
 import textwrap
 import types
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -1013,18 +1014,48 @@ class FakeGpu:
 def test_unavailable_reasons(monkeypatch):
     b = ffi_backend.FFIBackend()
     monkeypatch.setattr(ops, "extension_error", lambda: "ImportError: no module")
-    assert "not built" in b.unavailable_reason()
+    assert "not built" in b.unavailable_reason() and isinstance(b.unavailable_reason(), base.InstallProblem)
     monkeypatch.undo()
 
+    # What a rebuild fixes is an InstallProblem (backend="auto" warns where it passes over one); a GPU older than
+    # Hopper is not.
     monkeypatch.setattr(base, "default_device", lambda: FakeGpu())
     monkeypatch.setattr(FakeGpu, "compute_capability", "8.0")
     monkeypatch.setattr(ops, "build_info", lambda: {"cuda": True, "cuda_archs": ["sm_90a", "sm_100a"]})
-    assert "needs sm_80a" in b.unavailable_reason() and "sm_90a" in b.unavailable_reason()
+    why = b.unavailable_reason()
+    assert "needs sm_80a" in why and "sm_90a" in why and not isinstance(why, base.InstallProblem)
     monkeypatch.setattr(ops, "build_info", lambda: {"cuda": False, "cuda_archs": []})
-    assert "built without CUDA" in b.unavailable_reason()
+    assert "needs sm_80a" in b.unavailable_reason()  # (no rebuild would run it)
+    monkeypatch.setattr(FakeGpu, "compute_capability", "9.0")
+    why = b.unavailable_reason()
+    assert "built without CUDA" in why and isinstance(why, base.InstallProblem)
+    monkeypatch.setattr(ops, "build_info", lambda: {"cuda": True, "cuda_archs": ["sm_100a"]})
+    why = b.unavailable_reason()
+    assert 'needs sm_90a, but the ffi kernels are built for sm_100a: reinstall with ' \
+        '--config-settings=cmake.define.JAX_NVFP4_CUDA_ARCHS="90a"' in why and isinstance(why, base.InstallProblem)
+    monkeypatch.setattr(FakeGpu, "compute_capability", "12.0")
+    assert not isinstance(b.unavailable_reason(), base.InstallProblem)  # (sm_120a: not a CMake default)
     monkeypatch.setattr(FakeGpu, "compute_capability", "9.0")
     monkeypatch.setattr(ops, "build_info", lambda: {"cuda": True, "cuda_archs": ["sm_90a"]})
     assert b.unavailable_reason() is None
+
+
+def test_auto_warns_once_where_it_passes_over_an_unbuilt_extension(monkeypatch):
+    """backend="auto" on the pure-JAX fallback because of an installation problem says so (once per reason), but
+    not where the passed-over backend would not have run the problem anyway (mode bf16 has no ffi kernel)."""
+    e, h, i = 4, 64, 32
+    ex = nv.quantize_experts(jnp.ones((e, 2 * i, h), BF16), jnp.ones((e, h, i), BF16))
+    x, logits = jnp.ones((3, h), BF16), jnp.ones((3, e), jnp.float32)
+    monkeypatch.setattr(ops, "extension_error", lambda: "ImportError: no module named jax_nvfp4._ffi")
+    monkeypatch.setattr(base, "_WARNED", set())
+    with pytest.warns(RuntimeWarning, match="passes over backend 'ffi': the jax_nvfp4._ffi extension is not built"):
+        nv.moe(x, ex, router_logits=logits, top_k=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        nv.moe(x, ex, router_logits=logits, top_k=2)  # once
+        monkeypatch.setattr(base, "_WARNED", set())
+        bf16 = nv.BF16Experts(jnp.ones((e, 2 * i, h), BF16), jnp.ones((e, h, i), BF16))
+        nv.moe(x, bf16, router_logits=logits, top_k=2, mode="bf16")
 
 
 def test_backends_judge_the_device_that_jax_default_device_names(monkeypatch):

@@ -672,7 +672,10 @@ def test_software_checks(monkeypatch):
     have = {"flashinfer", "jax_tvm_ffi", "tvm_ffi"}
     monkeypatch.setattr(fb.gating, "_find_spec", lambda m: object() if m in have else None)
     why = base.get("flashinfer").unavailable_reason()
-    assert re.search(r"torch not installed: .*jax_nvfp4\[blackwell\]", why)
+    assert re.search(r"torch not installed: .*jax_nvfp4\[blackwell\]", why) and isinstance(why, base.InstallProblem)
+    monkeypatch.setattr(base, "_WARNED", set())
+    with pytest.warns(RuntimeWarning, match="passes over backend 'flashinfer': torch not installed"):
+        assert base.select("auto", _problem()).name != "flashinfer"  # (a B200 without the optional packages)
     have.add("torch")
     versions = {"flashinfer-python": "0.7.4", "jax-tvm-ffi": fb.JAX_TVM_FFI_VERSION}
     monkeypatch.setattr(fb.gating, "_dist_version", versions.get)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import warnings
 from typing import Protocol
 
 import jax
@@ -109,6 +110,22 @@ class Backend(Protocol):
         ...
 
 
+class InstallProblem(str):
+    """An ``unavailable_reason`` that the installation can fix (the extension not built, built without CUDA or for
+    other GPUs, an optional package missing). ``backend="auto"`` then runs the layer on a slower backend without
+    an error, so it warns, once per reason and process, where it passes over one that would have run the problem."""
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_passed_over(name: str, why: str) -> None:
+    if why not in _WARNED:
+        _WARNED.add(why)
+        warnings.warn(f"jax_nvfp4.moe(backend='auto') passes over backend {name!r}: {why}", RuntimeWarning,
+                      stacklevel=4)
+
+
 class Options:
     """Value semantics for a backend class whose constructor keywords are its options, each kept as an attribute
     of the same name (``options()``): equal options make equal, equally hashed instances (so ``jax.jit`` with
@@ -173,7 +190,8 @@ def select(backend, problem: MoEProblem) -> Backend:
     """Resolve ``backend`` (``"auto"``, a registered name or a backend instance) for ``problem``.
 
     An explicit backend that cannot run or does not support the problem is a ValueError
-    saying why; ``"auto"`` falls back along ``PRIORITY``.
+    saying why; ``"auto"`` falls back along ``PRIORITY`` (with a warning where it passes over a backend for an
+    :class:`InstallProblem`).
     """
     name = check(backend)
     if name != "auto":
@@ -184,6 +202,9 @@ def select(backend, problem: MoEProblem) -> Backend:
         return b
     for n in names():
         b = _REGISTRY[n]
-        if b.unavailable_reason() is None and b.unsupported_reason(problem) is None:
+        why = b.unavailable_reason()
+        if why is None and b.unsupported_reason(problem) is None:
             return b
+        if isinstance(why, InstallProblem) and b.unsupported_reason(problem) is None:
+            _warn_passed_over(n, why)
     raise ValueError(f"no MoE backend supports {problem}")

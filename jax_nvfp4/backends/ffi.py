@@ -55,25 +55,32 @@ class FFIBackend(base.Options):
         return FFIBackend(self.kernel_flags, k_split=1, tile_m=self.tile_m)
 
     def unavailable_reason(self) -> str | None:
-        if ops.extension_error() is not None:
-            return (f"the jax_nvfp4._ffi extension is not built ({ops.extension_error()}); "
-                    "build it with `pip install --no-build-isolation -e .`")
         dev = base.default_device()
         platform = base.platform(dev)
+        if platform not in ("cpu", "cuda"):
+            return f"no ffi kernels for the default device's platform {platform!r} (CPU and CUDA only)"
+        arch, cc = (_gpu_arch(dev), getattr(dev, "compute_capability", "?")) if platform == "cuda" else (None, None)
+        if arch is not None and int(str(cc).partition(".")[0]) < 9:
+            return (f"the default GPU ({dev.device_kind}, compute capability {cc}) needs {arch}, but the ffi "
+                    "kernels run on sm_90a (Hopper) and newer")
+        # What follows a rebuild fixes: InstallProblem, so that backend="auto" warns where it passes over them.
+        if ops.extension_error() is not None:
+            return base.InstallProblem(f"the jax_nvfp4._ffi extension is not built ({ops.extension_error()}); "
+                                       "build it with `pip install --no-build-isolation -e .`")
         if platform == "cpu":
             return None
-        if platform != "cuda":
-            return f"no ffi kernels for the default device's platform {platform!r} (CPU and CUDA only)"
         info = ops.build_info()
         if not info.get("cuda"):
-            return ("jax_nvfp4 was built without CUDA (nvcc was not found at build time): reinstall "
-                    "with nvcc on PATH to run the ffi backend on the GPU")
-        arch = _gpu_arch(dev)
+            return base.InstallProblem("jax_nvfp4 was built without CUDA (nvcc was not found at build time): "
+                                       "reinstall with nvcc on PATH to run the ffi backend on the GPU")
         archs = tuple(info.get("cuda_archs", ()))
         if arch not in archs:
-            return (f"the default GPU ({dev.device_kind}, compute capability "
-                    f"{getattr(dev, 'compute_capability', '?')}) needs {arch}, but the ffi kernels are "
-                    f"built for {', '.join(archs) or 'no architecture'}")
+            why = (f"the default GPU ({dev.device_kind}, compute capability {cc}) needs {arch}, but the ffi kernels "
+                   f"are built for {', '.join(archs) or 'no architecture'}")
+            if arch not in ("sm_90a", "sm_100a"):  # (CMake's default archs, which CI compiles)
+                return why
+            return base.InstallProblem(
+                f"{why}: reinstall with --config-settings=cmake.define.JAX_NVFP4_CUDA_ARCHS=\"{arch[3:]}\"")
         return None
 
     def weight_order(self, hidden: int, intermediate: int) -> str:

@@ -9,7 +9,7 @@ import importlib.util
 import os
 import pathlib
 
-from ..base import default_device, platform
+from ..base import InstallProblem, default_device, platform
 from .contract import (ENV_UNPINNED, FLASHINFER_VERSION, JAX_TVM_FFI_VERSION, TRTLLM_BMM_ARTIFACT,
                        TRTLLM_BMM_HEADERS)
 
@@ -39,16 +39,16 @@ def software_unavailable_reason() -> str | None:
     """Whether the optional packages are installed at the pinned versions (no imports)."""
     missing = [mod for mod in ("flashinfer", "jax_tvm_ffi", "tvm_ffi", "torch") if _find_spec(mod) is None]
     if missing:
-        return (f"{', '.join(missing)} not installed: install the optional dependencies with "
-                f"`pip install 'jax_nvfp4[blackwell]'` (flashinfer-python=={FLASHINFER_VERSION}, "
-                f"jax-tvm-ffi=={JAX_TVM_FFI_VERSION}, and a CUDA build of torch)")
+        return InstallProblem(f"{', '.join(missing)} not installed: install the optional dependencies with "
+                              f"`pip install 'jax_nvfp4[blackwell]'` (flashinfer-python=={FLASHINFER_VERSION}, "
+                              f"jax-tvm-ffi=={JAX_TVM_FFI_VERSION}, and a CUDA build of torch)")
     if os.environ.get(ENV_UNPINNED) != "1":
         for dist, want in (("flashinfer-python", FLASHINFER_VERSION), ("jax-tvm-ffi", JAX_TVM_FFI_VERSION)):
             have = _dist_version(dist)
             if have is not None and have != want:
-                return (f"{dist} {have} is installed, but the flashinfer backend targets {dist}=={want} "
-                        f"(its call signatures were read from that release); install it, or set "
-                        f"{ENV_UNPINNED}=1 to try another version")
+                return InstallProblem(f"{dist} {have} is installed, but the flashinfer backend targets "
+                                      f"{dist}=={want} (its call signatures were read from that release); install "
+                                      f"it, or set {ENV_UNPINNED}=1 to try another version")
     return None
 
 
