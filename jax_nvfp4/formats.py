@@ -36,8 +36,8 @@ def _fields_repr(obj, **first) -> str:
     """``Name(k=v, ...)`` of a dataclass with its arrays as ``dtype[shape]`` (a notebook's printout of a large
     model's experts is then a line, not their bytes) and its optional fields left out where None."""
     def short(v):
-        if dataclasses.is_dataclass(v) or not (_is_array(v) or isinstance(v, np.dtype)):
-            return repr(v)
+        if isinstance(v, type) or dataclasses.is_dataclass(v) or not (_is_array(v) or isinstance(v, np.dtype)):
+            return repr(v)  # (numpy's scalar types have class-level shape and dtype)
         return v.name if isinstance(v, np.dtype) else f"{np.dtype(v.dtype).name}{list(v.shape)}"
     parts = [f"{k}={v}" for k, v in first.items()]
     parts += [f"{f.name}={short(getattr(obj, f.name))}" for f in dataclasses.fields(obj)
@@ -99,7 +99,7 @@ class NVFP4Array:
                              f"K % {BLOCK_K} == 0, got {self.shape}")
 
     def __repr__(self):
-        return _fields_repr(self, shape=self.shape) if _is_array(self.data) else _fields_repr(self)
+        return _fields_repr(self, shape=self.shape) if _is_array(self.data) and self.ndim else _fields_repr(self)
 
     @property
     def shape(self) -> tuple[int, ...]:

@@ -1013,6 +1013,7 @@ class FakeGpu:
 
 def test_unavailable_reasons(monkeypatch):
     b = ffi_backend.FFIBackend()
+    monkeypatch.setattr(base, "platform", lambda dev: "cpu")  # (the real device's checks come first)
     monkeypatch.setattr(ops, "extension_error", lambda: "ImportError: no module")
     assert "not built" in b.unavailable_reason() and isinstance(b.unavailable_reason(), base.InstallProblem)
     monkeypatch.undo()
@@ -1040,7 +1041,7 @@ def test_unavailable_reasons(monkeypatch):
     assert b.unavailable_reason() is None
 
 
-def test_auto_warns_once_where_it_passes_over_an_unbuilt_extension(monkeypatch):
+def test_auto_warns_once_where_it_passes_over_an_unbuilt_extension(monkeypatch, on_cpu):
     """backend="auto" on the pure-JAX fallback because of an installation problem says so (once per reason), but
     not where the passed-over backend would not have run the problem anyway (mode bf16 has no ffi kernel)."""
     e, h, i = 4, 64, 32

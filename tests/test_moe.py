@@ -806,6 +806,20 @@ def test_backend_instances_with_equal_options_are_equal():
     assert FFIBackend(k_split=1) != XLABackend() and FlashInferBackend(tactic=[1, 2]) == FlashInferBackend(tactic=(1, 2))
     assert repr(XLABackend()) == "XLABackend()" and repr(FFIBackend(k_split=(1, 2))) == "FFIBackend(k_split=(1, 2))"
     assert repr(FlashInferBackend(deterministic=True)) == "FlashInferBackend(deterministic=True)"
+
+    class Logged(XLABackend):  # a subclass with a constructor of its own keeps XLABackend's options
+        def __init__(self, log, **kw):
+            super().__init__(**kw)
+            self.log = log
+
+    assert Logged([], gmm="ragged") == Logged([1], gmm="ragged") != Logged([], gmm="tiled")
+    assert repr(Logged([], gmm="ragged")) == "Logged(gmm='ragged')" and hash(Logged([], dispatch="all"))
+
+    class Listed(base.Options):
+        def __init__(self, sizes=None):
+            self.sizes = sizes
+
+    assert len({Listed([1, 2]), Listed([1, 2]), Listed()}) == 2 and repr(Listed([1])) == "Listed(sizes=[1])"
     ex = make_experts(16)
     x, logits = make_inputs(16)
     traces = []

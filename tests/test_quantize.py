@@ -237,6 +237,8 @@ def test_reprs_show_shapes_not_bytes():
     traced = []
     jax.jit(lambda w: traced.append(repr(w)))(w)
     assert traced == [repr(w)]
+    hand = nv.NVFP4Array(w.down.data, w.down.scales, w.down.global_scale, dtype=np.float32)
+    assert repr(hand).endswith("dtype=<class 'numpy.float32'>, order='rows')")  # (a scalar type, not a dtype)
     bf = nv.BF16Experts(jnp.ones((2, 32, 32), jnp.bfloat16), jnp.ones((2, 32, 16), jnp.bfloat16))
     assert repr(bf) == "BF16Experts(gate_up=bfloat16[2, 32, 32], down=bfloat16[2, 32, 16], gated=True)"
 

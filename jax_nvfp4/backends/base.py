@@ -130,21 +130,35 @@ class Options:
     """Value semantics for a backend class whose constructor keywords are its options, each kept as an attribute
     of the same name (``options()``): equal options make equal, equally hashed instances (so ``jax.jit`` with
     the backend as a static argument, or an ``nnx`` module holding one, compiles once for them), and the repr
-    shows the options that differ from the defaults, e.g. ``FFIBackend(k_split=1)``."""
+    shows the options that differ from the defaults, e.g. ``FFIBackend(k_split=1)``. The options are those of
+    the class that subclasses ``Options`` (a subclass of it with its own ``__init__`` keeps them); treat them as
+    read-only, since changing one changes the hash."""
+
+    _option_defaults: dict = {}
+
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw)
+        if Options in cls.__bases__:
+            params = inspect.signature(cls.__init__).parameters.values()
+            cls._option_defaults = {p.name: p.default for p in params if p.name != "self"
+                                    and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
 
     def options(self) -> dict:
-        return {k: getattr(self, k) for k in inspect.signature(type(self).__init__).parameters if k != "self"}
+        return {k: getattr(self, k) for k in self._option_defaults if hasattr(self, k)}
 
     def __repr__(self):
-        defaults = inspect.signature(type(self).__init__).parameters
-        shown = (f"{k}={v!r}" for k, v in self.options().items() if v != defaults[k].default)
+        shown = (f"{k}={v!r}" for k, v in self.options().items() if v != self._option_defaults[k])
         return f"{type(self).__name__}({', '.join(shown)})"
 
     def __eq__(self, other):
         return type(self) is type(other) and self.options() == other.options()
 
     def __hash__(self):
-        return hash((type(self), tuple(self.options().items())))
+        items = tuple(self.options().items())
+        try:
+            return hash((type(self), items))
+        except TypeError:  # (an unhashable option value, e.g. a list: equal values have equal reprs)
+            return hash((type(self), repr(items)))
 
 
 _REGISTRY: dict[str, Backend] = {}
