@@ -144,7 +144,8 @@ def moe(x, experts, *, router_logits=None, routing: str = "softmax_topk", top_k:
         ``"auto"`` (best available, see :func:`jax_nvfp4.backends.base.select`), a registered
         name such as ``"xla"``, or a backend instance with options of its own for this call, e.g.
         ``FFIBackend(k_split=1)`` or ``FlashInferBackend(deterministic=True)`` (instances with equal
-        options are equal and hash alike: a static jit argument). Backends judge what they can run by the default device (``jax.default_device``'s when set, else ``jax.devices()[0]``).
+        options are equal and hash alike: a static jit argument). Backends judge what they can run by
+        the default device (``jax.default_device``'s when set, else ``jax.devices()[0]``).
     return_routing : bool (static)
         Also return ``(topk_ids int32 [T, k], topk_weights float32 [T, k])``.
     batch_invariant : bool (static)

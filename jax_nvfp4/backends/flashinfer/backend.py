@@ -127,7 +127,8 @@ class FlashInferBackend(base.Options):
             topk_ids, local_expert_offset, num_experts = shard_ids(topk_ids, local_expert_offset), 0, None
         if traced or jax.device_count() == 1:
             return flashinfer_moe(x, w, topk_ids, topk_weights, mode=problem.mode, activation=problem.activation,
-                                  local_expert_offset=local_expert_offset, num_experts=num_experts, **self.call_options())
+                                  local_expert_offset=local_expert_offset, num_experts=num_experts,
+                                  **self.call_options())
         # Under plain jit over several devices, with the weights sharded along E and/or x along T: each device runs
         # the kernels on its own experts and tokens (expert_sharding's rule) instead of XLA gathering every expert.
         leaves, treedef = jax.tree_util.tree_flatten(w)
