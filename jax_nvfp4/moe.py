@@ -10,6 +10,7 @@ computation is delegated to a backend (:mod:`jax_nvfp4.backends`); ``xla`` (pure
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -19,7 +20,7 @@ from .backends import xla as _xla  # noqa: F401  (registers the "xla" backend)
 from .backends.base import MODES, MoEProblem
 from .backends.flashinfer_prepare import PreparedWeights, check_prepared
 from .formats import BF16Experts, NVFP4Experts, require_unstacked
-from .routing import ROUTING_METHODS, check_route_args, route
+from .routing import ROUTING_METHODS, check_route_args, route, static_int
 
 _FLOATS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
@@ -79,6 +80,9 @@ def weight_order(backend: str | _base.Backend = "auto", *, hidden_size: int, int
 def _check_offset(offset, e_local, e_global):
     if isinstance(offset, (bool, np.bool_)):
         raise TypeError("local_expert_offset must be an int or an int32 scalar, got bool")
+    if _is_array(offset) and not isinstance(offset, jax.core.Tracer) and offset.shape == () \
+            and jnp.issubdtype(offset.dtype, jnp.integer):
+        offset = int(offset)  # a concrete scalar array: its value is checked as an int's (a traced one cannot be)
     if isinstance(offset, (int, np.integer)):
         if offset < 0:
             raise ValueError(f"local_expert_offset must be >= 0, got {offset}")
@@ -218,6 +222,8 @@ def moe(x, experts, *, router_logits=None, routing: str = "softmax_topk", top_k:
                   return_routing=return_routing, batch_invariant=batch_invariant)
         return (res[0][:, :h], res[1]) if return_routing else res[:, :h]
 
+    if top_k is not None:
+        top_k = static_int(top_k, "top_k")
     if router_logits is not None:
         if topk_ids is not None or topk_weights is not None:
             raise ValueError("give either router_logits or topk_ids/topk_weights, not both")
@@ -240,7 +246,8 @@ def moe(x, experts, *, router_logits=None, routing: str = "softmax_topk", top_k:
             raise ValueError("give router_logits, or both topk_ids and topk_weights")
         extra = [n for n, v in (("bias", bias), ("n_group", n_group), ("topk_group", topk_group))
                  if v is not None]
-        if not (isinstance(routed_scaling_factor, (int, float)) and routed_scaling_factor == 1):
+        if not (isinstance(routed_scaling_factor, (int, float, np.integer, np.floating))
+                and routed_scaling_factor == 1):
             extra.append("routed_scaling_factor")
         if extra:
             raise ValueError(f"{', '.join(extra)}: used only when moe routes router_logits itself; "

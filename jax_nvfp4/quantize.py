@@ -217,8 +217,9 @@ def quantize(x, *, per_token: bool = False, recipe: str = "nvfp4", global_amax=N
         if tuple(amax.shape) != tuple(x.shape[: amax.ndim]) or amax.ndim > x.ndim - 1:
             raise ValueError(
                 f"global_amax shape {amax.shape} must be a prefix of x.shape[:-1] = {x.shape[:-1]}")
-        if not isinstance(amax, jax.core.Tracer) and bool(jnp.any(amax < 0)):
-            raise ValueError(f"global_amax must be >= 0 (a max of |x|), got {np.asarray(amax).min()}")
+        if not isinstance(amax, jax.core.Tracer) and not bool(jnp.all(amax >= 0)):  # (NaN too)
+            bad = np.asarray(amax).ravel()[~(np.asarray(amax).ravel() >= 0)][0]
+            raise ValueError(f"global_amax must be >= 0 (a max of |x|), got {bad}")
     elif per_token:
         amax = ex.abs_max(x.astype(jnp.float32), axis=-1)
     else:

@@ -26,6 +26,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 ROUTING_METHODS = ("softmax_topk", "renormalize", "renormalize_naive", "topk_uniform", "llama4",
@@ -34,10 +35,12 @@ _EPS = 1e-20
 _FLOATS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
 
-def _static_int(v, name):
-    if isinstance(v, bool) or not isinstance(v, int):
+def static_int(v, name):
+    """``v`` as a Python int: a Python or numpy integer (sizes read from a numpy or JSON config), not a bool or an
+    array (a static argument must be known at trace time)."""
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
         raise TypeError(f"{name} must be a Python int (a static argument), got {type(v).__name__}")
-    return v
+    return int(v)
 
 
 def check_route_args(logits_shape, logits_dtype, method, *, top_k, bias=None, n_group=None,
@@ -55,7 +58,7 @@ def check_route_args(logits_shape, logits_dtype, method, *, top_k, bias=None, n_
     if jnp.dtype(logits_dtype) not in _FLOATS:
         raise TypeError(f"router_logits must be bfloat16, float16 or float32, got {logits_dtype}")
     e = logits_shape[1]
-    _static_int(top_k, "top_k")
+    top_k = static_int(top_k, "top_k")
     if not 1 <= top_k <= e:
         raise ValueError(f"top_k must be in [1, E={e}] (E = router_logits.shape[1]), got {top_k}")
     if method == "llama4" and top_k != 1:
@@ -71,10 +74,10 @@ def check_route_args(logits_shape, logits_dtype, method, *, top_k, bias=None, n_
         return None, None
     if bias is None:
         raise ValueError("routing 'deepseek_v3' needs bias [E] (the expert score correction bias)")
-    n_group = 1 if n_group is None else _static_int(n_group, "n_group")
+    n_group = 1 if n_group is None else static_int(n_group, "n_group")
     if n_group < 1 or e % n_group:
         raise ValueError(f"n_group must be a positive divisor of E={e}, got {n_group}")
-    topk_group = n_group if topk_group is None else _static_int(topk_group, "topk_group")
+    topk_group = n_group if topk_group is None else static_int(topk_group, "topk_group")
     if not 1 <= topk_group <= n_group:
         raise ValueError(f"topk_group must be in [1, n_group={n_group}], got {topk_group}")
     size = e // n_group
@@ -162,6 +165,7 @@ def route(router_logits, method: str = "softmax_topk", *, top_k: int, bias=None,
     """
     if not hasattr(router_logits, "shape") or not hasattr(router_logits, "dtype"):
         raise TypeError(f"router_logits must be an array, got {type(router_logits).__name__}")
+    top_k = static_int(top_k, "top_k")
     n_group, topk_group = check_route_args(router_logits.shape, router_logits.dtype, method,
                                            top_k=top_k, bias=bias, n_group=n_group,
                                            topk_group=topk_group)
@@ -201,4 +205,4 @@ def shard_ids(topk_ids, local_expert_offset):
     padding and for the experts of earlier shards; later shards' ids stay past the shard's experts."""
     ids = jnp.asarray(topk_ids).astype(jnp.int32)
     offset = jnp.asarray(local_expert_offset, jnp.int32)
-    return jnp.where(ids < offset, -1, ids - offset)
+    return jnp.where((ids < 0) | (ids < offset), -1, ids - offset)  # padding stays padding at any offset

@@ -864,6 +864,9 @@ _IDS, _W = jnp.zeros((T, K), jnp.int32), jnp.ones((T, K), jnp.float32)
     (dict(local_expert_offset=-1), ValueError, "local_expert_offset"),
     (dict(local_expert_offset=np.int32(-1)), ValueError, "local_expert_offset must be >= 0"),
     (dict(local_expert_offset=np.int64(2), router_logits=jnp.zeros((T, E))), ValueError, "exceed"),
+    (dict(local_expert_offset=jnp.int32(-2)), ValueError, "local_expert_offset must be >= 0"),  # concrete arrays:
+    (dict(local_expert_offset=jnp.int32(2), router_logits=jnp.zeros((T, E))), ValueError, "exceed"),  # as ints
+    (dict(top_k=np.float32(2)), TypeError, "top_k must be a Python int"),
     (dict(local_expert_offset=1.5), TypeError, "local_expert_offset"),
     (dict(topk_ids=_IDS, topk_weights=_W), ValueError, "not both"),
     (dict(router_logits=None), ValueError, "give router_logits"),
@@ -883,6 +886,25 @@ def test_bad_input(bad_setup, kwargs, err, match):
     x = kw.pop("x")
     with pytest.raises(err, match=match):
         jax.jit(lambda x: moe(x, ex, **kw))(x)  # errors at trace time
+
+
+@pytest.mark.usefixtures("on_cpu")
+def test_numpy_scalars_and_padding_at_any_offset(bad_setup):
+    """Sizes read from numpy configs are ints; padding ids (-1) contribute nothing on either backend at a traced
+    offset, negative too (before, ffi shifted them onto a local expert)."""
+    ex, x, logits = bad_setup
+    np.testing.assert_array_equal(f32(moe(x, ex, router_logits=logits, top_k=np.int64(K))),
+                                  f32(moe(x, ex, router_logits=logits, top_k=K)))
+    ids, w = nv.route(logits, top_k=K)
+    out = moe(x, ex, topk_ids=ids, topk_weights=w, routed_scaling_factor=np.float32(1.0))
+    np.testing.assert_array_equal(f32(out), f32(moe(x, ex, topk_ids=ids, topk_weights=w)))
+    pad = jnp.full((T, K), -1, jnp.int32).at[:, 0].set(ids[:, 0] - 2)
+    for offset in (-2, 0):
+        for backend in ("xla", "ffi"):
+            got = jax.jit(lambda x, o: moe(x, ex, topk_ids=pad, topk_weights=w, local_expert_offset=o,
+                                           backend=backend))(x, jnp.int32(offset))
+            want = moe(x, ex, topk_ids=jnp.where(pad >= 0, pad - offset, -1), topk_weights=w, backend="xla")
+            np.testing.assert_array_equal(f32(got), f32(want), err_msg=f"{backend} at offset {offset}")
 
 
 def test_bad_experts(bad_setup):

@@ -150,6 +150,8 @@ def test_bad_inputs():
         nv.NVFP4Array(jnp.zeros((4, 8), jnp.uint8), jnp.zeros((4, 1), jnp.float8_e4m3fn), jnp.ones((), jnp.int32))
     with pytest.raises(ValueError, match="global_amax must be >= 0"):
         nv.quantize(jnp.ones((4, 32)), global_amax=jnp.float32(-1))
+    with pytest.raises(ValueError, match="global_amax must be >= 0.*nan"):
+        nv.quantize(jnp.ones((4, 32)), global_amax=np.float32(np.nan))
 
 
 @pytest.mark.parametrize("per_token", [False, True])

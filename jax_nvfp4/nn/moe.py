@@ -20,7 +20,7 @@ from ..backends.base import MODES, check as check_backend  # (backend names or i
 from ..expert_sharding import axis_names
 from ..formats import BIAS_FIELDS, BF16Experts, NVFP4Array, NVFP4Experts
 from ..moe import moe
-from ..routing import ROUTING_METHODS, check_route_args
+from ..routing import ROUTING_METHODS, check_route_args, static_int
 from .. import activations
 
 _EPS = 1e-20  # as in jax_nvfp4.routing
@@ -257,8 +257,7 @@ class MoE(nnx.Module):
         if mode is not None:
             check_choice(mode, MODES, "mode")
         check_backend(backend)
-        if isinstance(top_k, bool) or not isinstance(top_k, int):
-            raise TypeError(f"top_k must be a Python int, got {type(top_k).__name__}")
+        top_k = static_int(top_k, "top_k")
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
         if routing == "deepseek_v3" and not router_bias:
