@@ -315,8 +315,8 @@ def expert_vjp(forward, offset: int):
 
     @functools.lru_cache(maxsize=None)
     def for_grads(grads):
-        split = jax.custom_batching.custom_vmap(
-            over_experts_vjp(functools.partial(backward, grads=grads), offset, grads))
+        plain = functools.partial(backward, grads=grads)
+        split = jax.custom_batching.custom_vmap(over_experts_vjp(plain, offset, grads))
 
         @split.def_vmap
         def _vmap(axis_size, in_batched, *args):
@@ -324,7 +324,7 @@ def expert_vjp(forward, offset: int):
             # elements' expert cotangents).
             out = map_batch(split, axis_size, in_batched, args)
             return out, jax.tree_util.tree_map(lambda _: True, out)
-        return split
+        return with_reference_jvp(split, lambda *a: plain(*a, offset))
 
     def bwd(residuals, ct):
         x, topk_ids, topk_weights, leaves = residuals
@@ -341,7 +341,17 @@ def expert_vjp(forward, offset: int):
 def with_expert_grads(primal, reference, offset: int):
     """``primal(x, topk_ids, topk_weights, leaves)`` as a ``custom_vjp`` function whose gradients are those of
     ``reference(x, topk_ids, topk_weights, leaves, offset)`` at ``offset`` (:func:`expert_vjp`: split over devices
-    as the forward is; reverse mode only)."""
+    as the forward is). Reverse mode, also of a higher order or under ``jax.jacfwd`` (``jax.hessian``): those
+    differentiate the rule's forward pass, whose primal call takes its JVP from ``reference`` (a kernel has none)."""
+    differentiable = with_reference_jvp(primal, lambda *a: reference(*a, offset))
     f = jax.custom_vjp(primal)
-    f.defvjp(lambda *args: (primal(*args), args), expert_vjp(reference, offset))
+    f.defvjp(lambda *args: (differentiable(*args), args), expert_vjp(reference, offset))
     return f
+
+
+def with_reference_jvp(f, reference):
+    """``f`` (kernels, ``custom_vmap`` or ``custom_partitioning``: none differentiable) with ``reference``'s JVP, the
+    same function in pure JAX; a derivative of a derivative differentiates the first one's rules through it."""
+    g = jax.custom_jvp(f)
+    g.defjvp(lambda primals, tangents: (f(*primals), jax.jvp(reference, primals, tangents)[1]))
+    return g

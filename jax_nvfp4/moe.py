@@ -173,7 +173,11 @@ def moe(x, experts, *, router_logits=None, routing: str = "softmax_topk", top_k:
     differentiable with respect to ``x`` and ``router_logits`` in modes ``bf16`` and ``w4a16``
     (and to ``BF16Experts``' weights in ``bf16``; NVFP4 weights are constants, gradients pass straight through
     their exact decode). ``w4a4`` rounds
-    ``x`` onto the NVFP4 grid, so its gradient with respect to ``x`` is zero. On backends ``ffi`` and ``xla``,
+    ``x`` onto the NVFP4 grid, so its gradient with respect to ``x`` is zero. Backend ``ffi`` differentiates in
+    reverse mode to any order, also under forward mode (``jax.jvp`` of ``jax.grad``: Hessian-vector products), not
+    in forward mode alone nor a batched second derivative (``jax.hessian``, ``jax.jacrev`` of ``jax.jacrev``: its
+    pure-JAX twin's ``lax.ragged_dot`` has a ``jax.vmap`` rule for axis 0 only); ``XLABackend(gmm="tiled")``
+    differentiates either way. On backends ``ffi`` and ``xla``,
     ``jax.vmap`` runs a batch of token sets as one set and a batch of expert sets (experts stacked over layers,
     ``[L, E, N, K]``) one after the other.
 

@@ -962,6 +962,30 @@ def test_grad_matches_xla_backend(experts_cpu):
     assert relerr(gx, rx) < 2e-2 and relerr(gw, rw) < 2e-2
 
 
+@pytest.mark.usefixtures("on_cpu")
+def test_second_order_derivatives_match_xla_backend(experts_cpu):
+    # A derivative of the gradient differentiates the custom_vjp's rules: through the kernels' call in its forward
+    # pass and the backward pass's batching and partitioning wrappers, by the pure-JAX twin's JVP.
+    ex = experts_cpu[(8, True)]
+    x = make_x(6, 11, 64)
+    logits = jax.random.normal(jax.random.key(3), (11, 8))
+
+    def derivatives(backend):
+        def f(x, logits):
+            return jnp.sum(nv.moe(x, ex, router_logits=logits, top_k=2, backend=backend).astype(jnp.float32) ** 2)
+
+        def grad_norm(x, logits):  # e.g. a gradient penalty
+            gx, gl = jax.grad(f, argnums=(0, 1))(x, logits)
+            return jnp.sum(gx.astype(jnp.float32) ** 2) + jnp.sum(gl ** 2)
+
+        hvp = jax.jvp(lambda l: jax.grad(f, argnums=1)(x, l), (logits,), (jnp.ones_like(logits),))[1]
+        return jax.jit(jax.grad(grad_norm, argnums=(0, 1)))(x, logits) + (hvp,)
+    got, want = derivatives("ffi"), derivatives("xla")
+    for g, r in zip(got, want):
+        assert bool(jnp.all(jnp.isfinite(g.astype(jnp.float32)))) and float(jnp.abs(r.astype(jnp.float32)).max()) > 0
+        assert relerr(g, r) < 3e-2
+
+
 # ------------------------------------------------------------------------------------------
 # Golden files (FlashInfer's reference W4A16 MoE) through the public API
 
