@@ -215,8 +215,9 @@ def test_errors(model, x):
     with pytest.raises(ValueError, match="router_bias=True"):
         nvnn.MoE(H, I, E, K, routing="deepseek_v3", rngs=nnx.Rngs(0))
     # refused when built, not at the first call
-    with pytest.raises(TypeError, match="top_k must be a Python int, got float"):
+    with pytest.raises(TypeError, match=r"top_k must be a Python int \(a static argument\), got float"):
         nvnn.MoE(H, I, E, 2.0, rngs=nnx.Rngs(0))
+    assert nvnn.MoE(H, I, E, np.int64(2), rngs=nnx.Rngs(0)).top_k == 2  # (a size read from a numpy config)
     with pytest.raises(ValueError, match="routing 'llama4' selects one expert"):
         nvnn.MoE(H, I, E, 2, routing="llama4", rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="n_group must be a positive divisor"):
@@ -463,9 +464,26 @@ prompts = jax.random.randint(jax.random.key(0), (2, 8), 0, 200)
 gen = lambda m: nvnn.generate(m, prompts, key=jax.random.key(1), max_new_tokens=8, temperature=0.0,
                               return_routing=True)
 a = gen(lm)
+lm_ep = nvnn.expert_parallel(lm, mesh, "ep")
 with jax.set_mesh(mesh):
-    b = gen(nvnn.expert_parallel(lm, mesh, "ep"))
+    b = gen(lm_ep)
 assert b.tokens.shape == a.tokens.shape and (np.asarray(b.routing) == np.asarray(a.routing)).mean() > 0.9
+# Without the mesh set, generate and sequence_logprobs set it and place a one-device prompt_mask there; inside
+# jax.jit, where they cannot, they say so
+mask = jnp.ones(prompts.shape, bool)
+d = nvnn.generate(lm_ep, prompts, prompt_mask=mask, key=jax.random.key(1), max_new_tokens=8, temperature=0.0,
+                  return_routing=True)
+np.testing.assert_array_equal(np.asarray(d.tokens), np.asarray(b.tokens))
+seq = jnp.concatenate([prompts, b.tokens], axis=1)
+with jax.set_mesh(mesh):
+    lp = nvnn.sequence_logprobs(lm_ep, seq)
+np.testing.assert_array_equal(np.asarray(nvnn.sequence_logprobs(lm_ep, seq, attention_mask=jnp.ones(seq.shape, bool))),
+                              np.asarray(lp))
+try:
+    jax.jit(lambda p: gen(lm_ep).tokens)(prompts)
+    raise SystemExit("generate set no mesh inside jit, yet ran")
+except ValueError as err:
+    assert "inside jax.jit, run it under `with jax.set_mesh(mesh):`" in str(err), err
 # Or the experts only placed along "ep" (no expert_parallel): plain jit splits the ffi kernels by their
 # partitioning rule (jax_nvfp4.expert_sharding), the same sums as shard_map's
 placed = nnx.clone(lm)

@@ -228,6 +228,25 @@ def test_greedy_generation_matches_teacher_forcing(bf16_model, greedy):
     np.testing.assert_array_equal(np.asarray(g.routing)[:, live], np.asarray(full.routing)[:, live])
 
 
+def test_prompts_are_checked(bf16_model, prompts):
+    """Concrete prompts: ids outside the vocabulary (masked padding may hold any) and right-padded masks are
+    refused, not turned into NaN log-probabilities or continuations of a pad."""
+    toks, mask = prompts
+    v = HF_CONFIG["vocab_size"]
+    run = lambda t, m: nvnn.generate(bf16_model, t, prompt_mask=m, key=jax.random.key(0), max_new_tokens=1)
+    with pytest.raises(ValueError, match=rf"prompt_tokens must be ids in \[0, vocab_size={v}\).*got {v}"):
+        run(toks.at[0, 3].set(v), mask)
+    with pytest.raises(ValueError, match="got -1"):
+        run(toks.at[2, 5].set(-1), mask)
+    with pytest.raises(ValueError, match="prompt_mask must be left-padded"):
+        run(toks, mask[:, ::-1])
+    with pytest.raises(ValueError, match=r"tokens must be ids in \[0, vocab_size"):
+        nvnn.sequence_logprobs(bf16_model, toks.at[1, 4].set(v), attention_mask=mask)
+    assert run(jnp.where(mask, toks, v + 7), mask).tokens.shape == (3, 1)  # padding is never read
+    right = nvnn.sequence_logprobs(bf16_model, toks[:, ::-1], attention_mask=mask[:, ::-1])  # scoring: any mask
+    assert bool(jnp.all(jnp.isfinite(right)))
+
+
 def test_sequence_logprobs_in_passes(bf16_model, greedy):
     """batch_chunk scores the batch in passes of that many sequences (padding rows dropped): the log-probabilities
     of one pass, also with routing replay, and a pass's memory that of its sequences only."""

@@ -13,13 +13,17 @@ the padding, and every sequence's last prompt token sits in the last column.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from flax import nnx
+
+from .quantization import moe_modules
 
 
 class GenerationOutput(NamedTuple):
@@ -40,14 +44,33 @@ class GenerationOutput(NamedTuple):
     routing: Any = None
 
 
-def _check_prompts(tokens, mask, names=("prompt_tokens", "prompt_mask")):
-    """tokens int [B, P] and an optional mask of its shape; ``names``: the caller's argument names."""
+def _check_prompts(tokens, mask, vocab_size: int, names=("prompt_tokens", "prompt_mask"), left_padded=False):
+    """tokens int [B, P] and an optional mask of its shape; ``names``: the caller's argument names. Concrete values
+    are checked too (one host sync; under an outer jit they cannot be): ids in the vocabulary (an embedding lookup
+    would clamp or give NaN, silently) and, with ``left_padded``, masks False only on a leading prefix."""
     if tokens.ndim != 2:
         raise ValueError(f"{names[0]} must be [B, P], got shape {tuple(tokens.shape)}")
     if not jnp.issubdtype(tokens.dtype, jnp.integer):
         raise TypeError(f"{names[0]} must be integer token ids, got {tokens.dtype}")
     if mask is not None and tuple(mask.shape) != tuple(tokens.shape):
         raise ValueError(f"{names[1]} must have {names[0]}' shape {tuple(tokens.shape)}, got {tuple(mask.shape)}")
+    valid = mask if mask is not None else jnp.ones(tokens.shape, bool)
+    out_of_vocab, not_left = _prompt_faults(tokens, valid, vocab_size)
+    if isinstance(out_of_vocab, jax.core.Tracer):  # traced, or inside an outer jax.jit
+        return
+    if out_of_vocab:
+        ids = np.asarray(tokens)[np.asarray(valid)]
+        raise ValueError(f"{names[0]} must be ids in [0, vocab_size={vocab_size}) where {names[1]} is True, "
+                         f"got {ids[(ids < 0) | (ids >= vocab_size)][0]}")
+    if left_padded and not_left:
+        raise ValueError(f"{names[1]} must be left-padded (False only before a row's first True): generation "
+                         f"continues from the last position")
+
+
+@jax.jit
+def _prompt_faults(tokens, valid, vocab_size):
+    out_of_vocab = jnp.any(valid & ((tokens < 0) | (tokens >= vocab_size)))
+    return out_of_vocab, jnp.any(valid[:, :-1] & ~valid[:, 1:])
 
 
 def sample_logits(key, logits, *, temperature: float = 1.0, top_p: float = 1.0):
@@ -83,6 +106,38 @@ def sample_logits(key, logits, *, temperature: float = 1.0, top_p: float = 1.0):
     return tok, jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
 
 
+def _on_expert_mesh(fn):
+    """``fn(model, ...)`` under the mesh of the model's expert-parallel blocks (:func:`~jax_nvfp4.nn.expert_parallel`)
+    where its axes are Explicit, with input arrays not on it yet (e.g. a ``prompt_mask`` made on one device) placed
+    there replicated: those blocks' outputs are typed on the mesh, so must the rest be (else the KV cache's update
+    fails with a ``ShardingTypeError``). A mesh already set, or arrays on this one, are left as they are."""
+    @functools.wraps(fn)
+    def run(model, *args, **kwargs):
+        mesh = next((b.mesh for b in moe_modules(model).values() if b.expert_axis is not None
+                     and jax.sharding.AxisType.Explicit in b.mesh.axis_types), None)
+        current = jax.sharding.get_abstract_mesh()
+        if mesh is None or not (current.empty or current == mesh.abstract_mesh):
+            return fn(model, *args, **kwargs)
+        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+        def place(v):
+            if not isinstance(v, jax.Array) or isinstance(v, jax.core.Tracer) or (
+                    isinstance(v.sharding, jax.sharding.NamedSharding) and v.sharding.mesh == mesh):
+                return v
+            return jax.device_put(v, replicated)
+        try:
+            on_mesh = jax.set_mesh(mesh) if current.empty else contextlib.nullcontext()
+        except ValueError as err:  # inside jax.jit, where no mesh can be set
+            raise ValueError(f"{fn.__name__}: the model's experts are split over a mesh of Explicit axes "
+                             f"{dict(mesh.shape)} (expert_parallel); inside jax.jit, run it under "
+                             f"`with jax.set_mesh(mesh):` around the jitted call") from err
+        args, kwargs = jax.tree.map(place, (args, kwargs))
+        with on_mesh:
+            return fn(model, *args, **kwargs)
+    return run
+
+
+@_on_expert_mesh
 def generate(model, prompt_tokens, *, key, max_new_tokens: int, prompt_mask=None, temperature: float = 1.0,
              top_p: float = 1.0, eos_id: int | None = None, pad_id: int = 0,
              return_routing: bool = False) -> GenerationOutput:
@@ -109,7 +164,7 @@ def generate(model, prompt_tokens, *, key, max_new_tokens: int, prompt_mask=None
     Compiled once per model structure (graph, MoE modes) and static argument set; callable inside
     an outer ``jax.jit`` too (e.g. after :func:`~jax_nvfp4.nn.quantize_moe` of a merged policy).
     """
-    _check_prompts(prompt_tokens, prompt_mask)
+    _check_prompts(prompt_tokens, prompt_mask, model.config.vocab_size, left_padded=True)
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if temperature < 0:
@@ -176,6 +231,7 @@ _LOGITS_CHUNK_BYTES = 1 << 28  # float32 logits materialized at a time by sequen
 _SCORE_TOKENS = 8192
 
 
+@_on_expert_mesh
 def sequence_logprobs(model, tokens, *, attention_mask=None, temperature: float = 1.0, topk_ids=None,
                       chunk: int | None = None, batch_chunk: int | None = None):
     """Teacher-forced log-probabilities of each next token (one ``jax.jit``; forward passes of ``batch_chunk``
@@ -200,7 +256,7 @@ def sequence_logprobs(model, tokens, *, attention_mask=None, temperature: float 
     float32 ``[B, L - 1]``: entry ``t`` is ``log p(tokens[:, t + 1] | tokens[:, : t + 1])``; 0 where
     ``attention_mask[:, t + 1]`` is False.
     """
-    _check_prompts(tokens, attention_mask, ("tokens", "attention_mask"))
+    _check_prompts(tokens, attention_mask, model.config.vocab_size, ("tokens", "attention_mask"))
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 for log-probabilities, got {temperature}")
     if tokens.shape[1] < 2:

@@ -198,6 +198,8 @@ def expert_parallel(model, mesh: jax.sharding.Mesh, axis: str = "ep", *, token_a
     under ``jax.set_mesh(mesh)``: the blocks' outputs are typed on the mesh, and a jitted call's other arrays
     must be too (a KV cache made inside the call is; put inputs such as a ``prompt_mask`` there with
     ``jax.device_put(v, NamedSharding(mesh, P()))``, as ``examples/rl_rollout.py --expert-parallel`` does).
+    :func:`~jax_nvfp4.nn.generate` and :func:`~jax_nvfp4.nn.sequence_logprobs` do both themselves where no mesh is
+    set, except inside ``jax.jit``, where they ask for it.
     Tested on two CPU devices (``tests/test_nn.py``): blocks bitwise the sum of their shards, a Qwen3-MoE
     model's jitted generation. (Blocks whose experts, NVFP4 or bf16, are only placed along the axis split the
     same way under plain ``jit``, gradients too (reverse mode), by :mod:`jax_nvfp4.expert_sharding`'s
