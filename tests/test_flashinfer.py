@@ -146,6 +146,8 @@ def test_prepare_is_exact_and_invertible_under_jit(kernel, gated):
     assert (p.hidden_size, p.intermediate_size) == (256, 128)
     leaves, tree = jax.tree_util.tree_flatten(p)  # a pytree with static kernel/gated
     assert len(leaves) == 6 and jax.tree_util.tree_unflatten(tree, leaves).kernel == kernel
+    assert repr(p).startswith(f"PreparedWeights(w1=uint8[3, {256 if gated else 128}, 128], w1_scales=float8_e4m3fn")
+    assert repr(p).endswith(f"w2_alpha=float32[3], kernel={kernel!r}, gated={gated}, weight_only=False)")
 
 
 def test_prepare_errors():

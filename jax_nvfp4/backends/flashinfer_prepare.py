@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import layouts
-from ..formats import BLOCK, NVFP4Array, NVFP4Experts, from_blocked_experts, require_unstacked
+from ..formats import BLOCK, NVFP4Array, NVFP4Experts, _fields_repr, from_blocked_experts, require_unstacked
 
 KERNELS = ("cutedsl", "trtllm")
 #: Modes and activations each kernel family runs (``jax_nvfp4`` names).
@@ -82,7 +82,7 @@ def gemm2_row_order(kernel: str, rows: int) -> np.ndarray:
 
 
 @jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)
 class PreparedWeights:
     """NVFP4 expert weights in one FlashInfer kernel family's layout (a pytree).
 
@@ -114,6 +114,9 @@ class PreparedWeights:
     kernel: str = dataclasses.field(default="cutedsl", metadata=dict(static=True))
     gated: bool = dataclasses.field(default=True, metadata=dict(static=True))
     weight_only: bool = dataclasses.field(default=False, metadata=dict(static=True))
+
+    def __repr__(self):  # shapes, not bytes, as NVFP4Experts'
+        return _fields_repr(self)
 
     def __post_init__(self):
         if self.kernel not in KERNELS:
