@@ -341,8 +341,8 @@ def expert_vjp(forward, offset: int):
 def with_expert_grads(primal, reference, offset: int):
     """``primal(x, topk_ids, topk_weights, leaves)`` as a ``custom_vjp`` function whose gradients are those of
     ``reference(x, topk_ids, topk_weights, leaves, offset)`` at ``offset`` (:func:`expert_vjp`: split over devices
-    as the forward is). Reverse mode, also of a higher order or under ``jax.jacfwd`` (``jax.hessian``): those
-    differentiate the rule's forward pass, whose primal call takes its JVP from ``reference`` (a kernel has none)."""
+    as the forward is). Reverse mode, also of a higher order or under ``jax.jvp`` (Hessian-vector products): those
+    differentiate the rules, whose calls take their JVPs from ``reference`` (a kernel has none)."""
     differentiable = with_reference_jvp(primal, lambda *a: reference(*a, offset))
     f = jax.custom_vjp(primal)
     f.defvjp(lambda *args: (differentiable(*args), args), expert_vjp(reference, offset))

@@ -470,10 +470,10 @@ with jax.set_mesh(mesh):
 assert b.tokens.shape == a.tokens.shape and (np.asarray(b.routing) == np.asarray(a.routing)).mean() > 0.9
 # Without the mesh set, generate and sequence_logprobs set it and place a one-device prompt_mask there; inside
 # jax.jit, where they cannot, they say so
-mask = jnp.ones(prompts.shape, bool)
-d = nvnn.generate(lm_ep, prompts, prompt_mask=mask, key=jax.random.key(1), max_new_tokens=8, temperature=0.0,
-                  return_routing=True)
-np.testing.assert_array_equal(np.asarray(d.tokens), np.asarray(b.tokens))
+for mask in (jnp.ones(prompts.shape, bool), np.ones(prompts.shape, bool)):
+    d = nvnn.generate(lm_ep, prompts, prompt_mask=mask, key=jax.random.key(1), max_new_tokens=8, temperature=0.0,
+                      return_routing=True)
+    np.testing.assert_array_equal(np.asarray(d.tokens), np.asarray(b.tokens))
 seq = jnp.concatenate([prompts, b.tokens], axis=1)
 with jax.set_mesh(mesh):
     lp = nvnn.sequence_logprobs(lm_ep, seq)
@@ -483,7 +483,7 @@ try:
     jax.jit(lambda p: gen(lm_ep).tokens)(prompts)
     raise SystemExit("generate set no mesh inside jit, yet ran")
 except ValueError as err:
-    assert "inside jax.jit, run it under `with jax.set_mesh(mesh):`" in str(err), err
+    assert "inside jax.jit or another transformation, run it under `with jax.set_mesh(mesh):`" in str(err), err
 # Or the experts only placed along "ep" (no expert_parallel): plain jit splits the ffi kernels by their
 # partitioning rule (jax_nvfp4.expert_sharding), the same sums as shard_map's
 placed = nnx.clone(lm)

@@ -243,6 +243,13 @@ def test_prompts_are_checked(bf16_model, prompts):
     with pytest.raises(ValueError, match=r"tokens must be ids in \[0, vocab_size"):
         nvnn.sequence_logprobs(bf16_model, toks.at[1, 4].set(v), attention_mask=mask)
     assert run(jnp.where(mask, toks, v + 7), mask).tokens.shape == (3, 1)  # padding is never read
+    with pytest.raises(ValueError, match=f"got {v}"):  # numpy inputs are checked on the host; 0/1 masks
+        run(np.asarray(toks.at[2, 3].set(v)), np.asarray(mask, np.int32))
+    with pytest.raises(ValueError, match=f"got {v}"):
+        run(toks.at[2, 3].set(v), mask.astype(jnp.float32))
+    want = run(toks, mask).tokens  # narrow id types compare in int32 (uint8's 255 < vocab 256, not a wrap)
+    np.testing.assert_array_equal(run(toks.astype(jnp.uint8), mask.astype(jnp.int32)).tokens, want)
+    np.testing.assert_array_equal(run(np.asarray(toks, np.uint8), np.asarray(mask)).tokens, want)
     right = nvnn.sequence_logprobs(bf16_model, toks[:, ::-1], attention_mask=mask[:, ::-1])  # scoring: any mask
     assert bool(jnp.all(jnp.isfinite(right)))
 

@@ -23,7 +23,6 @@ import numpy as np
 from jax import lax
 from flax import nnx
 
-from .quantization import moe_modules
 
 
 class GenerationOutput(NamedTuple):
@@ -54,12 +53,18 @@ def _check_prompts(tokens, mask, vocab_size: int, names=("prompt_tokens", "promp
         raise TypeError(f"{names[0]} must be integer token ids, got {tokens.dtype}")
     if mask is not None and tuple(mask.shape) != tuple(tokens.shape):
         raise ValueError(f"{names[1]} must have {names[0]}' shape {tuple(tokens.shape)}, got {tuple(mask.shape)}")
-    valid = mask if mask is not None else jnp.ones(tokens.shape, bool)
-    out_of_vocab, not_left = _prompt_faults(tokens, valid, vocab_size)
-    if isinstance(out_of_vocab, jax.core.Tracer):  # traced, or inside an outer jax.jit
-        return
+    if isinstance(tokens, np.ndarray) and (mask is None or isinstance(mask, np.ndarray)):
+        valid = np.ones(tokens.shape, bool) if mask is None else mask.astype(bool)  # on the host: no device work
+        ids = tokens.astype(np.int64)
+        out_of_vocab = np.any(valid & ((ids < 0) | (ids >= vocab_size)))
+        not_left = np.any(valid[:, :-1] & ~valid[:, 1:])
+    else:  # one host sync (an array still being computed is waited for); inside jax.jit none can be
+        valid = jnp.ones(tokens.shape, bool) if mask is None else jnp.asarray(mask).astype(bool)
+        out_of_vocab, not_left = _prompt_faults(jnp.asarray(tokens), valid, vocab_size)
+        if isinstance(out_of_vocab, jax.core.Tracer):
+            return
     if out_of_vocab:
-        ids = np.asarray(tokens)[np.asarray(valid)]
+        ids = np.asarray(tokens).astype(np.int64)[np.asarray(valid)]
         raise ValueError(f"{names[0]} must be ids in [0, vocab_size={vocab_size}) where {names[1]} is True, "
                          f"got {ids[(ids < 0) | (ids >= vocab_size)][0]}")
     if left_padded and not_left:
@@ -69,7 +74,8 @@ def _check_prompts(tokens, mask, vocab_size: int, names=("prompt_tokens", "promp
 
 @jax.jit
 def _prompt_faults(tokens, valid, vocab_size):
-    out_of_vocab = jnp.any(valid & ((tokens < 0) | (tokens >= vocab_size)))
+    ids = tokens.astype(jnp.int32)  # (compared in the tokens' dtype, a vocabulary past it would wrap)
+    out_of_vocab = jnp.any(valid & ((ids < 0) | (ids >= vocab_size)))
     return out_of_vocab, jnp.any(valid[:, :-1] & ~valid[:, 1:])
 
 
@@ -106,38 +112,45 @@ def sample_logits(key, logits, *, temperature: float = 1.0, top_p: float = 1.0):
     return tok, jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
 
 
-def _on_expert_mesh(fn):
-    """``fn(model, ...)`` under the mesh of the model's expert-parallel blocks (:func:`~jax_nvfp4.nn.expert_parallel`)
-    where its axes are Explicit, with input arrays not on it yet (e.g. a ``prompt_mask`` made on one device) placed
-    there replicated: those blocks' outputs are typed on the mesh, so must the rest be (else the KV cache's update
-    fails with a ``ShardingTypeError``). A mesh already set, or arrays on this one, are left as they are."""
-    @functools.wraps(fn)
-    def run(model, *args, **kwargs):
-        mesh = next((b.mesh for b in moe_modules(model).values() if b.expert_axis is not None
-                     and jax.sharding.AxisType.Explicit in b.mesh.axis_types), None)
-        current = jax.sharding.get_abstract_mesh()
-        if mesh is None or not (current.empty or current == mesh.abstract_mesh):
-            return fn(model, *args, **kwargs)
-        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+def _call_on_mesh(jitted, graphdef, state, *args, **kwargs):
+    """``jitted(graphdef, state, *args, **kwargs)``, under the mesh of the model's weights where its axes are Explicit
+    and no mesh is set (e.g. :func:`~jax_nvfp4.nn.expert_parallel`'s experts: their blocks' outputs are typed on the
+    mesh, so must the rest be, else the KV cache's update fails with a ``ShardingTypeError``), its array inputs not
+    on the mesh yet (e.g. a ``prompt_mask`` made on one device) placed there replicated. Inside ``jax.jit`` no mesh
+    can be set: a clear error instead."""
+    current = jax.sharding.get_abstract_mesh()
+    mesh = None
+    for v in jax.tree.leaves(state):
+        sh = jax.typeof(v).sharding if isinstance(v, jax.core.Tracer) else getattr(v, "sharding", None)
+        if isinstance(sh, jax.sharding.NamedSharding) and jax.sharding.AxisType.Explicit in sh.mesh.axis_types:
+            mesh = sh.mesh
+            break
+    if mesh is None or not current.empty and current != getattr(mesh, "abstract_mesh", mesh):
+        return jitted(graphdef, state, *args, **kwargs)
+    unset = ValueError(f"the model's weights are split over a mesh of Explicit axes {dict(mesh.shape)} (e.g. by "
+                       f"expert_parallel); inside jax.jit or another transformation, run it under "
+                       f"`with jax.set_mesh(mesh):` around the call")
+    if not isinstance(mesh, jax.sharding.Mesh):  # (a traced model's: abstract)
+        if current.empty:
+            raise unset
+        return jitted(graphdef, state, *args, **kwargs)
+    try:
+        on_mesh = jax.set_mesh(mesh) if current.empty else contextlib.nullcontext()
+    except ValueError as err:  # inside jax.jit
+        raise unset from err
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
-        def place(v):
-            if not isinstance(v, jax.Array) or isinstance(v, jax.core.Tracer) or (
-                    isinstance(v.sharding, jax.sharding.NamedSharding) and v.sharding.mesh == mesh):
-                return v
-            return jax.device_put(v, replicated)
-        try:
-            on_mesh = jax.set_mesh(mesh) if current.empty else contextlib.nullcontext()
-        except ValueError as err:  # inside jax.jit, where no mesh can be set
-            raise ValueError(f"{fn.__name__}: the model's experts are split over a mesh of Explicit axes "
-                             f"{dict(mesh.shape)} (expert_parallel); inside jax.jit, run it under "
-                             f"`with jax.set_mesh(mesh):` around the jitted call") from err
-        args, kwargs = jax.tree.map(place, (args, kwargs))
-        with on_mesh:
-            return fn(model, *args, **kwargs)
-    return run
+    def place(v):
+        if isinstance(v, jax.core.Tracer) or not isinstance(v, (jax.Array, np.ndarray)) or (
+                isinstance(v, jax.Array) and isinstance(v.sharding, jax.sharding.NamedSharding)
+                and v.sharding.mesh == mesh):
+            return v
+        return jax.device_put(v, replicated)
+    args, kwargs = jax.tree.map(place, (args, kwargs))
+    with on_mesh:
+        return jitted(graphdef, state, *args, **kwargs)
 
 
-@_on_expert_mesh
 def generate(model, prompt_tokens, *, key, max_new_tokens: int, prompt_mask=None, temperature: float = 1.0,
              top_p: float = 1.0, eos_id: int | None = None, pad_id: int = 0,
              return_routing: bool = False) -> GenerationOutput:
@@ -176,9 +189,9 @@ def generate(model, prompt_tokens, *, key, max_new_tokens: int, prompt_mask=None
     graphdef, state = nnx.split(model)
     # eos_id and pad_id are traced (no recompilation per value); -1 never matches a sampled token.
     eos = jnp.asarray(-1 if eos_id is None else eos_id, jnp.int32)
-    return _generate(graphdef, state, prompt_tokens.astype(jnp.int32), prompt_mask.astype(bool), key, eos,
-                     jnp.asarray(pad_id, jnp.int32), max_new_tokens=int(max_new_tokens),
-                     temperature=float(temperature), top_p=float(top_p), return_routing=bool(return_routing))
+    return _call_on_mesh(_generate, graphdef, state, prompt_tokens.astype(jnp.int32), prompt_mask.astype(bool),
+                         key, eos, jnp.asarray(pad_id, jnp.int32), max_new_tokens=int(max_new_tokens),
+                         temperature=float(temperature), top_p=float(top_p), return_routing=bool(return_routing))
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "temperature", "top_p", "return_routing"))
@@ -231,7 +244,6 @@ _LOGITS_CHUNK_BYTES = 1 << 28  # float32 logits materialized at a time by sequen
 _SCORE_TOKENS = 8192
 
 
-@_on_expert_mesh
 def sequence_logprobs(model, tokens, *, attention_mask=None, temperature: float = 1.0, topk_ids=None,
                       chunk: int | None = None, batch_chunk: int | None = None):
     """Teacher-forced log-probabilities of each next token (one ``jax.jit``; forward passes of ``batch_chunk``
@@ -274,8 +286,8 @@ def sequence_logprobs(model, tokens, *, attention_mask=None, temperature: float 
     if isinstance(batch_chunk, bool) or not isinstance(batch_chunk, int) or batch_chunk < 1:
         raise ValueError(f"batch_chunk must be an int >= 1, got {batch_chunk!r}")
     graphdef, state = nnx.split(model)
-    return _sequence_logprobs(graphdef, state, tokens.astype(jnp.int32), attention_mask.astype(bool), topk_ids,
-                              temperature=float(temperature), chunk=int(chunk), batch_chunk=min(batch_chunk, b))
+    return _call_on_mesh(_sequence_logprobs, graphdef, state, tokens.astype(jnp.int32), attention_mask.astype(bool),
+                         topk_ids, temperature=float(temperature), chunk=int(chunk), batch_chunk=min(batch_chunk, b))
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "temperature", "chunk", "batch_chunk"))
