@@ -24,7 +24,6 @@ from jax import lax
 from flax import nnx
 
 
-
 class GenerationOutput(NamedTuple):
     """Result of :func:`generate` (``N = max_new_tokens``, ``P`` prompt columns).
 
